@@ -1,0 +1,40 @@
+"""Atomic metadata files: a reader sees the old content or the new, never a mix.
+
+Write to a temporary file in the same folder, fsync it, rename it over the
+target, fsync the folder. Blocking: async callers run it off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from commitlog.log import fsync_dir
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(folder)
+
+
+def write_json_atomic(path: str, value) -> None:
+    write_atomic(path, json.dumps(value, sort_keys=True).encode())
+
+
+def read_json(path: str, default=None):
+    """The JSON in `path`, or `default` if the file does not exist."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return default

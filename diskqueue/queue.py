@@ -1,0 +1,450 @@
+"""DiskQueue: one partition's durable log, written by group commit.
+
+Write path: every `append` joins the open batch and waits on its own future.
+One writer task takes a whole batch, encodes it into one buffer (records plus
+one commitlog entry per request), and hands it to a worker thread that does
+one data write, one commitlog write and, as the sync policy says, one sync of
+each. Then every future of the batch resolves together, with its ids and
+offsets, or with the same error.
+
+Invariants:
+- `committed_end <= written_end`; readers never see past `committed_end`;
+- a future resolves only after its data is written, synced when the policy
+  says so, and (with `auto_commit`) committed;
+- a failed batch leaves data and commitlog exactly as before it;
+- message ids are `partition << 50 | sequence`, the sequence being the
+  message's 0-based place in the partition's history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import aiofiles.os
+import structlog
+
+from commitlog.entry import Entry, encode_fields
+from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, CommitLog
+
+from .atomic import read_json, write_json_atomic
+from .record import HEAD_SIZE, encode_records
+from .recovery import recover
+from .segments import MissingSegmentError, Segments
+
+log = structlog.get_logger("diskqueue")
+
+PARTITION_SHIFT = 50
+_new = tuple.__new__
+META_FILE = "meta.json"
+
+
+class AppendError(Exception):
+    """A batch could not be written; nothing of it was acknowledged and the queue is as before."""
+
+
+class DiskFullError(AppendError):
+    """The disk is full (ENOSPC)."""
+
+
+class QueueClosedError(Exception):
+    """The queue is closed or closing."""
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """When the writer syncs. The default syncs every batch before acknowledging it (durable)."""
+
+    every_messages: int = 1  # sync once this many messages are unsynced; 1 = every batch
+    every_ms: int = 0  # also sync when the oldest unsynced write is this old; 0 = never by time
+
+    @property
+    def durable(self) -> bool:
+        return self.every_messages <= 1
+
+
+@dataclass(frozen=True)
+class QueueOptions:
+    partition: int = 0
+    segment_bytes: int = 100 * 1024 * 1024
+    sync: SyncPolicy = SyncPolicy()
+    max_batch_bytes: int = 4 * 1024 * 1024
+    max_batch_count: int = 20_000
+    clog_entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT
+    auto_commit: bool = True  # commit as soon as written; replication turns this off
+
+
+class Appended(NamedTuple):
+    """What one `append` call wrote: ids first_id .. first_id + count - 1."""
+
+    first_id: int
+    count: int
+    offset: int  # virtual offset of the first record
+    end_offset: int  # just past the last record
+    log_id: int  # its commitlog entry
+    timestamp: int
+    offsets: list[int]  # virtual offset of each record
+
+
+class _Batch:
+    __slots__ = ("requests", "bytes", "count")
+
+    def __init__(self):
+        self.requests: list = []  # (future, bodies, trace_id, ext, attempts)
+        self.bytes = 0
+        self.count = 0
+
+
+# Every blocking file call of the queue runs through this: aiofiles' thread-pool wrapper.
+_write_off_loop = aiofiles.os.wrap(lambda fn, *args: fn(*args))
+
+
+class DiskQueue:
+    """The data and commitlog of one partition, in folder `path`."""
+
+    def __init__(self, path: str, options: QueueOptions = QueueOptions()):
+        self.path = path
+        self.options = options
+        self.partition = options.partition
+        self.epoch = 0
+        self._segments = Segments(os.path.join(path, "data"), options.segment_bytes)
+        self.commitlog = CommitLog(os.path.join(path, "commitlog"), options.clog_entries_per_segment)
+        self._batches: deque[_Batch] = deque()
+        self._open: _Batch | None = None
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task | None = None
+        self._io_lock = asyncio.Lock()
+        self._closing = False
+        self._committed_waiters: list[asyncio.Future] = []
+        self._unsynced_messages = 0
+        self._unsynced_since = 0.0
+        self._last_ts = 0
+        self.written_end = self.committed_end = 0
+        self.written_count = self.committed_count = 0
+        self.start_count = 0
+        self.corrupt: list[tuple[int, str]] = []
+        self.stats = {"batches": 0, "syncs": 0, "batch_messages_total": 0, "sync_seconds_total": 0.0}
+
+    # ---- lifecycle -------------------------------------------------------
+
+    @classmethod
+    async def open(cls, path: str, options: QueueOptions = QueueOptions()) -> "DiskQueue":
+        q = cls(path, options)
+        await _write_off_loop(q._open_sync)
+        q._writer = asyncio.get_running_loop().create_task(q._run_writer())
+        return q
+
+    def _open_sync(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        meta_path = os.path.join(self.path, META_FILE)
+        meta = read_json(meta_path)
+        if meta is None:
+            meta = {"partition": self.partition, "start_offset": 0, "start_count": 0,
+                    "start_log_id": 0}
+            write_json_atomic(meta_path, meta)
+        self._meta = meta
+        self._segments.open(meta["start_offset"])
+        if self._segments.start > meta["start_offset"]:
+            raise MissingSegmentError(
+                f"{self._segments.path}: history should start at offset {meta['start_offset']} "
+                f"but the first segment starts at {self._segments.start}")
+        self.commitlog.open(meta["start_log_id"])
+        found = recover(self._segments, self.commitlog, self.options.max_batch_bytes,
+                        meta["start_count"], self.epoch)
+        self.corrupt = found.corrupt
+        self.start_count = meta["start_count"]
+        self.written_end = self.committed_end = found.end
+        self.written_count = self.committed_count = found.count
+        last = self.commitlog.last()
+        self._last_ts = last.timestamp if last is not None else 0
+        if found.cut_bytes or found.cut_entries or found.rebuilt_entries or found.corrupt:
+            log.warning("recovered", path=self.path, partition=self.partition,
+                        cut_bytes=found.cut_bytes, cut_entries=found.cut_entries,
+                        rebuilt_entries=found.rebuilt_entries, corrupt=found.corrupt)
+
+    async def close(self) -> None:
+        """Write what is pending, sync, close the files. Later appends raise QueueClosedError."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake.set()
+        if self._writer is not None:
+            await self._writer
+        async with self._io_lock:
+            await _write_off_loop(self._close_sync)
+        self._wake_readers()
+
+    def _close_sync(self) -> None:
+        self._segments.sync()
+        self.commitlog.sync()
+        self._segments.close()
+        self.commitlog.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    # ---- appending -------------------------------------------------------
+
+    def append(self, bodies: Sequence[bytes], trace_id: int = 0, ext: bytes = b"",
+               attempts: int = 0) -> asyncio.Future:
+        """Queue one write request (one commitlog entry); await the result for an `Appended`.
+
+        All bodies of one call are contiguous and share trace id, ext header and attempts.
+        """
+        if self._closing:
+            raise QueueClosedError(self.path)
+        size = (HEAD_SIZE + len(ext)) * len(bodies) + sum(map(len, bodies))
+        batch = self._open
+        if batch is None or (batch.count and (
+                batch.bytes + size > self.options.max_batch_bytes
+                or batch.count + len(bodies) > self.options.max_batch_count)):
+            batch = self._open = _Batch()
+            self._batches.append(batch)
+        fut = asyncio.get_running_loop().create_future()
+        batch.requests.append((fut, bodies, trace_id, ext, attempts))
+        batch.bytes += size
+        batch.count += len(bodies)
+        self._wake.set()
+        return fut
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(b.bytes for b in self._batches)
+
+    async def _run_writer(self) -> None:
+        while True:
+            if not self._batches:
+                if self._closing:
+                    return
+                self._wake.clear()
+                timeout = self._sync_due_in()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    await self._sync_now()
+                continue
+            batch = self._batches.popleft()
+            if batch is self._open:
+                self._open = None
+            await self._write_batch(batch)
+
+    def _sync_due_in(self) -> float | None:
+        every_ms = self.options.sync.every_ms
+        if not self._unsynced_messages or not every_ms:
+            return None
+        return max(0.0, self._unsynced_since + every_ms / 1000 - time.monotonic())
+
+    async def _sync_now(self) -> None:
+        async with self._io_lock:
+            await _write_off_loop(self._sync_sync)
+        self._unsynced_messages = 0
+        if not self.options.auto_commit:
+            return
+        self._commit(self.written_end, self.written_count)
+
+    def _sync_sync(self) -> None:
+        self._segments.sync()
+        self.commitlog.sync()
+
+    async def _write_batch(self, batch: _Batch) -> None:
+        ts = max(time.time_ns(), self._last_ts)
+        data, clog, results, seq = self._encode(batch.requests, ts)
+        sync_now = self._should_sync(batch.count)
+        t0 = time.perf_counter()
+        try:
+            async with self._io_lock:
+                await _write_off_loop(self._write_sync, data, clog, len(results), sync_now)
+        except OSError as e:
+            err = self._append_error(e)
+            log.error("append_failed", path=self.path, partition=self.partition, error=str(err))
+            for fut, *_ in batch.requests:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        self.stats["batches"] += 1
+        self.stats["batch_messages_total"] += batch.count
+        if sync_now:
+            self.stats["syncs"] += 1
+            self.stats["sync_seconds_total"] += time.perf_counter() - t0
+        self._last_ts = ts
+        self.written_end += len(data)
+        self.written_count = seq
+        if sync_now:
+            self._unsynced_messages = 0
+        else:
+            if not self._unsynced_messages:
+                self._unsynced_since = time.monotonic()
+            self._unsynced_messages += batch.count
+        if self.options.auto_commit:
+            self._commit(self.written_end, self.written_count)
+        for (fut, *_), result in zip(batch.requests, results):
+            if not fut.done():
+                fut.set_result(result)
+
+    def _encode(self, requests, ts: int):
+        """Encode a batch: (data bytes, commitlog bytes, one Appended per request, next sequence).
+
+        The hot loop of the write path: no per-record object but the pieces joined once.
+        """
+        parts = []
+        add = parts.append
+        clog = []
+        results = []
+        offset = self.written_end
+        seq = self.written_count
+        log_id = self.commitlog.next_log_id
+        prefix = self.partition << PARTITION_SHIFT
+        epoch = self.epoch
+        for _fut, bodies, trace_id, ext, attempts in requests:
+            start = offset
+            first_id = prefix | seq
+            offsets = []
+            offset = encode_records(add, offsets, offset, first_id, trace_id, ts, attempts, ext,
+                                    bodies)
+            n = len(bodies)
+            clog.append(encode_fields(log_id, epoch, first_id, start, seq, ts, offset - start, n))
+            results.append(_new(Appended, (first_id, n, start, offset, log_id, ts, offsets)))
+            seq += n
+            log_id += 1
+        return b"".join(parts), b"".join(clog), results, seq
+
+    def _should_sync(self, count: int) -> bool:
+        return self._unsynced_messages + count >= self.options.sync.every_messages
+
+    def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
+        """Write one batch (worker thread). On any error, cut both files back and re-raise."""
+        data_before = self._segments.end
+        log_before = self.commitlog.next_log_id
+        try:
+            self._segments.write(data)
+            self.commitlog.append_encoded(clog, entries)
+            if sync:
+                self._segments.sync()
+                self.commitlog.sync()
+        except BaseException:
+            self.commitlog.truncate_after(log_before - 1)
+            self._segments.truncate_to(max(data_before, self._segments.active_base))
+            raise
+
+    def _append_error(self, e: OSError) -> AppendError:
+        if e.errno == errno.ENOSPC:
+            return DiskFullError(f"no space left on device writing {self.path}: "
+                                 "nothing of this batch was acknowledged")
+        return AppendError(f"writing {self.path} failed: {e}")
+
+    # ---- committing and waiting ------------------------------------------
+
+    def commit(self, end_offset: int, count: int) -> None:
+        """Make data up to `end_offset` visible to readers (the replication layer calls this)."""
+        if end_offset > self.written_end:
+            raise ValueError(f"cannot commit {end_offset}: written only to {self.written_end}")
+        self._commit(end_offset, count)
+
+    def _commit(self, end_offset: int, count: int) -> None:
+        if end_offset <= self.committed_end:
+            return
+        self.committed_end = end_offset
+        self.committed_count = count
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        waiters, self._committed_waiters = self._committed_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_committed(self, offset: int, timeout: float | None = None) -> bool:
+        """Wait until data past `offset` is committed; False on timeout or close."""
+        if self.committed_end > offset:
+            return True
+        if self._closing:
+            return False
+        fut = asyncio.get_running_loop().create_future()
+        self._committed_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return False
+        return self.committed_end > offset
+
+    # ---- reading, searching ----------------------------------------------
+
+    @property
+    def start_offset(self) -> int:
+        return self._segments.start
+
+    def segment_of(self, offset: int) -> tuple[str, int, int]:
+        """(file path, segment base, segment end) of the segment holding `offset`."""
+        base, end = self._segments.locate(offset)
+        if base == self._segments.active_base:
+            end = self.written_end
+        return self._segments.file(base), base, end
+
+    def reader(self, offset: int | None = None, read_ahead: int = 1 << 20):
+        from .reader import Reader
+
+        return Reader(self, self.start_offset if offset is None else offset, read_ahead)
+
+    async def find(self, method: str, value: int) -> Entry | None:
+        """Commitlog search off the loop: method is offset, msg_id, count or timestamp."""
+        fn = getattr(self.commitlog, f"find_by_{method}")
+        return await _write_off_loop(fn, value)
+
+    # ---- retention and emptying ------------------------------------------
+
+    async def retain(self, before_offset: int = 0, max_age_s: float | None = None,
+                     max_bytes: int | None = None) -> int:
+        """Drop whole old segments: those ending at or before `before_offset`, older than
+        `max_age_s`, or beyond `max_bytes` in total (oldest first). Never the active one.
+        Returns the new start offset."""
+        async with self._io_lock:
+            return await _write_off_loop(self._retain_sync, before_offset, max_age_s, max_bytes)
+
+    def _retain_sync(self, before_offset, max_age_s, max_bytes) -> int:
+        segs = self._segments.sizes()
+        total = sum(size for _, size, _ in segs)
+        now = time.time()
+        new_start = self._segments.start
+        for base, size, mtime in segs[:-1]:
+            end = base + size
+            old = max_age_s is not None and now - mtime > max_age_s
+            big = max_bytes is not None and total > max_bytes
+            if end <= before_offset or old or big:
+                new_start = end
+                total -= size
+            else:
+                break
+        if new_start == self._segments.start:
+            return new_start
+        entry = self.commitlog.find_by_offset(new_start)
+        start_count = self.start_count
+        if entry is not None:
+            start_count = entry.count_before if entry.offset >= new_start else entry.count_after
+        self._write_meta(new_start, start_count, self.commitlog.first_log_id)
+        self._segments.drop_before(new_start)
+        self.commitlog.drop_before_offset(new_start)
+        log.info("retained", path=self.path, partition=self.partition, start_offset=new_start)
+        return new_start
+
+    async def empty(self) -> None:
+        """Drop every message; offsets, counts and ids continue where they were."""
+        async with self._io_lock:
+            await _write_off_loop(self._empty_sync)
+
+    def _empty_sync(self) -> None:
+        end, count, next_log_id = self.written_end, self.written_count, self.commitlog.next_log_id
+        self._write_meta(end, count, next_log_id)
+        self._segments.reset(end)
+        self.commitlog.reset(next_log_id)
+
+    def _write_meta(self, start_offset: int, start_count: int, start_log_id: int) -> None:
+        self._meta = {"partition": self.partition, "start_offset": start_offset,
+                      "start_count": start_count, "start_log_id": start_log_id}
+        self.start_count = start_count
+        write_json_atomic(os.path.join(self.path, META_FILE), self._meta)

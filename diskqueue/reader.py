@@ -1,0 +1,95 @@
+"""Reader: reads a partition's records forward from an offset, with read-ahead.
+
+Invariants:
+- it never returns a record past the queue's `committed_end`;
+- it never skips a record: a corrupt one raises CorruptRecordError with its
+  offset, each time it is reached, after the good records before it are returned;
+- one blocking `pread` of up to `read_ahead` bytes, off the event loop,
+  serves many records.
+"""
+
+from __future__ import annotations
+
+import os
+
+import aiofiles.os
+
+from .record import CorruptRecordError, Record, decode_all
+
+
+def _pread(fd: int, path: str, size: int, pos: int) -> tuple[int, bytes]:
+    if fd < 0:
+        fd = os.open(path, os.O_RDONLY)
+    return fd, os.pread(fd, size, pos)
+
+
+_pread_off_loop = aiofiles.os.wrap(_pread)
+
+
+class Reader:
+    def __init__(self, queue, offset: int, read_ahead: int = 1 << 20):
+        self.queue = queue
+        self.read_ahead = read_ahead
+        self._fd = -1
+        self._fd_base = -1
+        self.seek(offset)
+
+    def seek(self, offset: int) -> None:
+        """Read from `offset` next (it must be a record boundary)."""
+        self.offset = offset
+        self._buf = b""
+        self._buf_start = offset
+        self._pos = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    async def read(self, max_count: int = 1024) -> list[Record]:
+        """Up to `max_count` committed records from `offset` on; [] when none is committed yet."""
+        committed = self.queue.committed_end
+        if self.offset >= committed:
+            return []
+        records = self._decode(committed, max_count)
+        if records:
+            return records
+        await self._refill(committed)
+        return self._decode(committed, max_count)
+
+    async def read_wait(self, max_count: int = 1024, timeout: float | None = None) -> list[Record]:
+        """Like `read`, but wait up to `timeout` seconds for something to be committed."""
+        if self.offset >= self.queue.committed_end:
+            await self.queue.wait_committed(self.offset, timeout)
+        return await self.read(max_count)
+
+    def _decode(self, committed: int, max_count: int) -> list[Record]:
+        end = min(len(self._buf), committed - self._buf_start)
+        records, pos, error = decode_all(self._buf, self._pos, end, self._buf_start, max_count)
+        self._pos = pos
+        self.offset = self._buf_start + pos
+        if error is not None and not records:
+            path, _, _ = self.queue.segment_of(error.offset)
+            raise CorruptRecordError(error.offset, error.reason, path)
+        return records
+
+    async def _refill(self, committed: int) -> None:
+        path, base, seg_end = self.queue.segment_of(self.offset)
+        if base != self._fd_base:
+            self.close()
+            self._fd_base = base
+        read_end = min(committed, seg_end)
+        have = self._buf[self._pos:]
+        want = max(self.read_ahead, 2 * len(have) + 4096)
+        want = min(want, read_end - self.offset - len(have))
+        if want <= 0:
+            if have:  # a record that should be whole is not: the segment was cut
+                raise CorruptRecordError(self.offset, "record cut short", path)
+            return
+        file_pos = self.offset + len(have) - base
+        self._fd, data = await _pread_off_loop(self._fd, path, want, file_pos)
+        if not data:
+            raise CorruptRecordError(self.offset, "segment ends before its committed data", path)
+        self._buf = have + data if have else data
+        self._buf_start = self.offset
+        self._pos = 0

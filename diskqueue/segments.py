@@ -1,0 +1,153 @@
+"""Segments: the data files of one partition, named by the virtual offset of their first byte.
+
+Invariants:
+- segment i covers [bases[i], bases[i+1]) and the last one [bases[-1], end);
+  records never span two segments;
+- only the last (active) segment is ever written, and only at `end`;
+- a new segment is created only after the previous one is synced, and the
+  folder is synced after the file is created, so a rotation is durable.
+
+Synchronous and blocking: the queue calls it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+
+from commitlog.log import fsync_dir
+
+SUFFIX = ".dat"
+
+
+class MissingSegmentError(Exception):
+    """A segment the history needs is not on disk."""
+
+
+def segment_name(base: int) -> str:
+    return f"{base:020d}{SUFFIX}"
+
+
+def pwrite_all(fd: int, data, pos: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view = view[n:]
+        pos += n
+
+
+class Segments:
+    def __init__(self, path: str, segment_bytes: int):
+        self.path = path
+        self.segment_bytes = segment_bytes
+        self.bases: list[int] = []
+        self.end = 0  # virtual offset just past the last written byte
+        self._fd = -1  # the active segment, opened for writing
+        self._unsynced = False
+
+    def open(self, start_offset: int) -> None:
+        """Load the segment list; an empty folder starts at `start_offset`.
+
+        Raises MissingSegmentError if a non-last segment does not reach the next one.
+        """
+        os.makedirs(self.path, exist_ok=True)
+        names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
+        self.bases = [int(n[:-len(SUFFIX)]) for n in names]
+        if not self.bases:
+            self.bases = [start_offset]
+            os.close(os.open(self.file(start_offset), os.O_RDWR | os.O_CREAT, 0o644))
+            fsync_dir(self.path)
+        for i in range(len(self.bases) - 1):
+            size = os.path.getsize(self.file(self.bases[i]))
+            if self.bases[i] + size != self.bases[i + 1]:
+                raise MissingSegmentError(
+                    f"{self.path}: segment {segment_name(self.bases[i])} ends at "
+                    f"{self.bases[i] + size} but the next segment starts at {self.bases[i + 1]}: "
+                    f"offsets [{self.bases[i] + size}, {self.bases[i + 1]}) are missing")
+        self._open_active()
+        self.end = self.active_base + os.fstat(self._fd).st_size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    @property
+    def start(self) -> int:
+        return self.bases[0]
+
+    @property
+    def active_base(self) -> int:
+        return self.bases[-1]
+
+    def file(self, base: int) -> str:
+        return os.path.join(self.path, segment_name(base))
+
+    def locate(self, offset: int) -> tuple[int, int]:
+        """(segment base, end of that segment) for the segment holding `offset`."""
+        i = bisect.bisect_right(self.bases, offset) - 1
+        if i < 0:
+            raise MissingSegmentError(f"offset {offset} is before the first retained segment "
+                                      f"({self.bases[0]})")
+        seg_end = self.bases[i + 1] if i + 1 < len(self.bases) else self.end
+        return self.bases[i], seg_end
+
+    def write(self, data) -> None:
+        """Append `data` at `end`, rotating first when the active segment is full."""
+        active_size = self.end - self.active_base
+        if active_size > 0 and active_size + len(data) > self.segment_bytes:
+            self.rotate()
+        pwrite_all(self._fd, data, self.end - self.active_base)
+        self.end += len(data)
+        self._unsynced = True
+
+    def sync(self) -> None:
+        if self._unsynced:
+            os.fdatasync(self._fd)
+            self._unsynced = False
+
+    def rotate(self) -> None:
+        self.sync()
+        os.close(self._fd)
+        self.bases.append(self.end)
+        self._open_active()
+        fsync_dir(self.path)
+
+    def truncate_to(self, offset: int) -> None:
+        """Cut the active segment back to `offset` (a failed write, or a torn tail)."""
+        if offset < self.active_base:
+            raise ValueError(f"cannot cut to {offset}: before the active segment {self.active_base}")
+        os.ftruncate(self._fd, offset - self.active_base)
+        os.fdatasync(self._fd)
+        self.end = offset
+
+    def drop_before(self, offset: int) -> int:
+        """Delete whole segments that end at or before `offset` (never the active one)."""
+        dropped = 0
+        while len(self.bases) > 1 and self.bases[1] <= offset:
+            os.unlink(self.file(self.bases.pop(0)))
+            dropped += 1
+        if dropped:
+            fsync_dir(self.path)
+        return dropped
+
+    def reset(self, offset: int) -> None:
+        """Delete every segment; the history continues empty at `offset`."""
+        self.close()
+        for base in self.bases:
+            os.unlink(self.file(base))
+        self.bases = [offset]
+        self._open_active()
+        fsync_dir(self.path)
+        self.end = offset
+
+    def sizes(self) -> list[tuple[int, int, float]]:
+        """(base, bytes, last modification time) of each segment, oldest first."""
+        out = []
+        for i, base in enumerate(self.bases):
+            seg_end = self.bases[i + 1] if i + 1 < len(self.bases) else self.end
+            out.append((base, seg_end - base, os.path.getmtime(self.file(base))))
+        return out
+
+    def _open_active(self) -> None:
+        self._fd = os.open(self.file(self.active_base), os.O_RDWR | os.O_CREAT, 0o644)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up everything the project needs on a fresh Debian machine: system packages,
+# a virtualenv in .venv with the project and its test tools, and the npm clients.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
