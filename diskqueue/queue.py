@@ -33,7 +33,7 @@ from commitlog.entry import Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, CommitLog
 
 from .atomic import read_json, write_json_atomic
-from .record import HEAD_SIZE, encode_records
+from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
 from .recovery import recover
 from .segments import MissingSegmentError, Segments
 
@@ -121,6 +121,7 @@ class DiskQueue:
         self._io_lock = asyncio.Lock()
         self._closing = False
         self._committed_waiters: list[asyncio.Future] = []
+        self.commit_listeners: list = []  # plain callables, called when committed_end moves
         self._unsynced_messages = 0
         self._unsynced_since = 0.0
         self._last_ts = 0
@@ -199,6 +200,10 @@ class DiskQueue:
         """
         if self._closing:
             raise QueueClosedError(self.path)
+        if len(ext) > MAX_EXT or not 0 <= attempts <= 0xFFFF or not 0 <= trace_id < 1 << 64:
+            raise ValueError("ext longer than 65535 bytes, or attempts or trace_id out of range")
+        if bodies and FIXED_LENGTH + len(ext) + max(map(len, bodies)) > MAX_RECORD:
+            raise ValueError(f"a body may hold at most {MAX_RECORD - FIXED_LENGTH - len(ext)} bytes")
         size = (HEAD_SIZE + len(ext)) * len(bodies) + sum(map(len, bodies))
         batch = self._open
         if batch is None or (batch.count and (
@@ -241,8 +246,11 @@ class DiskQueue:
         return max(0.0, self._unsynced_since + every_ms / 1000 - time.monotonic())
 
     async def _sync_now(self) -> None:
+        t0 = time.perf_counter()
         async with self._io_lock:
             await _write_off_loop(self._sync_sync)
+        self.stats["syncs"] += 1
+        self.stats["sync_seconds_total"] += time.perf_counter() - t0
         self._unsynced_messages = 0
         if not self.options.auto_commit:
             return
@@ -315,7 +323,11 @@ class DiskQueue:
         return b"".join(parts), b"".join(clog), results, seq
 
     def _should_sync(self, count: int) -> bool:
-        return self._unsynced_messages + count >= self.options.sync.every_messages
+        policy = self.options.sync
+        if self._unsynced_messages + count >= policy.every_messages:
+            return True
+        return bool(policy.every_ms and self._unsynced_messages
+                    and time.monotonic() - self._unsynced_since >= policy.every_ms / 1000)
 
     def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
         """Write one batch (worker thread). On any error, cut both files back and re-raise."""
@@ -352,6 +364,8 @@ class DiskQueue:
         self.committed_end = end_offset
         self.committed_count = count
         self._wake_readers()
+        for listener in self.commit_listeners:
+            listener()
 
     def _wake_readers(self) -> None:
         waiters, self._committed_waiters = self._committed_waiters, []

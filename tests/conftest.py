@@ -13,3 +13,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def nsqd(tmp_path):
+    """A running nsqd subprocess with a temporary data path; stopped after the test."""
+    from servers import NsqdProcess
+
+    proc = NsqdProcess(str(tmp_path / "nsqd")).start()
+    yield proc
+    proc.kill()

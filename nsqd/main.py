@@ -1,0 +1,42 @@
+"""The `nsqd` console script: parse flags, run until SIGTERM/SIGINT, then drain and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+from .logs import configure
+from .nsqd import NSQD
+from .options import from_args
+
+
+async def serve(options) -> None:
+    nsqd = NSQD(options)
+    await nsqd.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await nsqd.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        options = from_args(argv)
+    except ValueError as e:
+        print(f"nsqd: {e}", file=sys.stderr)
+        return 2
+    configure(options.log_level, options.log_format)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(options))
+    else:
+        uvloop.run(serve(options))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""NSQD: the data node. Owns the topics of this node, their metadata, and the
+background loops (timeouts, checkpoints, retention); starts and stops the TCP
+and HTTP servers.
+
+Lifecycle: `await start()` opens every stored topic and channel and listens;
+`await stop()` stops accepting, closes client connections (their in-flight
+messages go back to their channels), writes what is pending, persists every
+cursor, and closes the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import structlog
+
+from diskqueue.queue import QueueOptions, SyncPolicy
+
+from .channel import Channel
+from .metastore import MetaStore, channel_key, topic_key
+from .options import Options
+from .protocol import valid_channel_name, valid_topic_name
+from .topic import Topic
+
+log = structlog.get_logger("nsqd")
+
+VERSION = "1.3.0"
+SCAN_INTERVAL = 0.1
+CHECKPOINT_INTERVAL = 1.0
+RETENTION_INTERVAL = 10.0
+
+
+class NameError_(ValueError):
+    """A topic or channel name that NSQ refuses."""
+
+
+class NSQD:
+    def __init__(self, options: Options):
+        self.options = options
+        self.topics: dict[str, Topic] = {}
+        self.start_time = time.time()
+        self.health = "OK"
+        self.meta: MetaStore | None = None
+        self._create_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        self.tcp_server = None
+        self.http_runner = None
+        self.tcp_port = 0
+        self.http_port = 0
+        self.connections: set = set()
+        self._next_client_id = 0
+        self._stopping = False
+        self.version = VERSION
+        from .tcp import identify_limits, tls_context
+
+        self.tls_context = tls_context(options)
+        self.identify_limits = identify_limits(self)
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def queue_options(self) -> QueueOptions:
+        o = self.options
+        policy = SyncPolicy(every_messages=max(1, o.sync_every),
+                            every_ms=o.sync_timeout_ms if o.sync_every > 1 else 0)
+        return QueueOptions(segment_bytes=o.segment_bytes, sync=policy)
+
+    async def start(self) -> None:
+        os.makedirs(self.options.data_path, exist_ok=True)
+        self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
+        for name, state in (await asyncio.to_thread(self.meta.topics)).items():
+            await self._open_topic(name, state)
+        from .http import start_http
+        from .tcp import start_tcp
+
+        self.tcp_server, self.tcp_port = await start_tcp(self)
+        self.http_runner, self.http_port = await start_http(self)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._scan_loop()),
+                       loop.create_task(self._checkpoint_loop()),
+                       loop.create_task(self._retention_loop())]
+        log.info("started", tcp_port=self.tcp_port, http_port=self.http_port,
+                 data_path=self.options.data_path, topics=len(self.topics))
+
+    async def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self.tcp_server.close()
+        for conn in list(self.connections):
+            conn.close()
+        await self.http_runner.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.checkpoint()
+        for topic in list(self.topics.values()):
+            await topic.close()
+        await self.checkpoint()
+        self.meta.close()
+        log.info("stopped")
+
+    def next_client_id(self) -> int:
+        self._next_client_id += 1
+        return self._next_client_id
+
+    # ---- topics and channels ---------------------------------------------
+
+    async def _open_topic(self, name: str, state: dict) -> Topic:
+        topic = Topic(name, os.path.join(self.options.data_path, name), self.queue_options())
+        topic.paused = state.get("paused", False)
+        await topic.open(state.get("partitions", [0]), state.get("floors", {}))
+        channels = await asyncio.to_thread(self.meta.channels, name)
+        for (partition, channel_name), cstate in channels.items():
+            p = topic.partitions.get(partition)
+            if p is not None:
+                p.add_channel(channel_name, cstate, self.options.max_channel_window)
+        self.topics[name] = topic
+        return topic
+
+    async def get_topic(self, name: str, create: bool = True) -> Topic | None:
+        topic = self.topics.get(name)
+        if topic is not None or not create:
+            return topic
+        if not valid_topic_name(name):
+            raise NameError_(name)
+        async with self._create_lock:
+            topic = self.topics.get(name)
+            if topic is None:
+                topic = await self._open_topic(name, {"partitions": [0]})
+                self._store_topic(topic)
+                log.info("topic_created", topic=name)
+        return topic
+
+    async def get_channel(self, topic_name: str, channel_name: str,
+                          partition: int | None = None, create: bool = True) -> Channel | None:
+        topic = await self.get_topic(topic_name, create)
+        if topic is None:
+            return None
+        p = topic.partition(partition)
+        if p is None:
+            return None
+        channel = p.channels.get(channel_name)
+        if channel is None and create:
+            if not valid_channel_name(channel_name):
+                raise NameError_(channel_name)
+            channel = p.add_channel(channel_name, None, self.options.max_channel_window)
+            self._store_channel(channel)
+            log.info("channel_created", topic=topic_name, partition=p.number,
+                     channel=channel_name)
+        return channel
+
+    async def delete_topic(self, name: str) -> bool:
+        topic = self.topics.pop(name, None)
+        if topic is None:
+            return False
+        for c in topic.channels():
+            self._disconnect_clients(c)
+        await topic.delete_files()
+        self.meta.delete(topic_key(name))
+        self.meta.delete_prefix(f"channel/{name}/")
+        await self.meta.flush()
+        log.info("topic_deleted", topic=name)
+        return True
+
+    async def delete_channel(self, topic_name: str, channel_name: str,
+                             partition: int | None = None) -> bool:
+        topic = self.topics.get(topic_name)
+        p = topic.partition(partition) if topic else None
+        if p is None or channel_name not in p.channels:
+            return False
+        self._disconnect_clients(p.channels[channel_name])
+        await p.remove_channel(channel_name)
+        self.meta.delete(channel_key(topic_name, p.number, channel_name))
+        self._store_topic(topic)
+        await self.meta.flush()
+        log.info("channel_deleted", topic=topic_name, partition=p.number, channel=channel_name)
+        if topic.ephemeral and not any(True for _ in topic.channels()):
+            await self.delete_topic(topic_name)
+        return True
+
+    def client_left(self, channel: Channel) -> None:
+        """An ephemeral channel goes when its last client does."""
+        if channel.ephemeral and not channel.clients:
+            asyncio.get_running_loop().create_task(
+                self.delete_channel(channel.topic_name, channel.name, channel.partition))
+
+    def _disconnect_clients(self, channel: Channel) -> None:
+        for conn in list(self.connections):
+            if conn.client.channel is channel:
+                conn.close()
+
+    def _store_topic(self, topic: Topic) -> None:
+        if not topic.ephemeral:
+            self.meta.put(topic_key(topic.name), topic.state())
+
+    def _store_channel(self, channel: Channel) -> None:
+        if not channel.ephemeral and not channel.topic.ephemeral:
+            self.meta.put(channel_key(channel.topic_name, channel.partition, channel.name),
+                          channel.checkpoint())
+
+    async def checkpoint(self) -> None:
+        """Persist every changed cursor and topic state in one transaction."""
+        for topic in self.topics.values():
+            self._store_topic(topic)
+            for channel in topic.channels():
+                if channel.dirty:
+                    self._store_channel(channel)
+        await self.meta.flush()
+
+    # ---- background loops ------------------------------------------------
+
+    async def _scan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SCAN_INTERVAL)
+            now = time.monotonic()
+            for topic in list(self.topics.values()):
+                for channel in topic.channels():
+                    channel.process_timeouts(now)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_INTERVAL)
+            try:
+                await self.checkpoint()
+            except Exception:  # a failed checkpoint is retried; the cursor only lags
+                log.exception("checkpoint_failed")
+
+    async def _retention_loop(self) -> None:
+        o = self.options
+        while True:
+            await asyncio.sleep(RETENTION_INTERVAL)
+            for topic in list(self.topics.values()):
+                for p in topic.partitions.values():
+                    try:
+                        await p.queue.retain(
+                            before_offset=p.retention_floor(),
+                            max_age_s=o.retention_max_age_ms / 1000 if o.retention_max_age_ms
+                            else None,
+                            max_bytes=o.retention_max_bytes or None)
+                    except Exception:
+                        log.exception("retention_failed", topic=topic.name, partition=p.number)

@@ -1,0 +1,1078 @@
+"""NSQ TCP protocol V2, sans-I/O: bytes in, commands out; frames out as bytes.
+
+No sockets, no event loop, no timers. The connection handler feeds what it
+reads into a CommandParser, acts on each command, and writes the bytes the
+encoders return. The client half (cmd_* encoders, FrameParser) lives here too
+so that tests, benchmarks and the partition-aware client share one codec.
+
+Compatibility: every error the server sends is built here, with the code,
+text and fatal/non-fatal split of classic nsqd v1.3.0
+(tests/data/nsqd-v1.3.0.json). Where we differ, the difference is noted
+beside the code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+MAGIC_V2 = b"  V2"
+
+FRAME_RESPONSE = 0
+FRAME_ERROR = 1
+FRAME_MESSAGE = 2
+
+# Message ids (ours): partition << 50 | per-partition sequence, sent as 16
+# lowercase hex characters so that every client echoes them safely.
+PARTITION_SHIFT = 50
+MAX_PARTITION = (1 << (64 - PARTITION_SHIFT)) - 1
+MAX_SEQUENCE = (1 << PARTITION_SHIFT) - 1
+MSG_ID_LENGTH = 16
+
+MAX_NAME_LENGTH = 64
+NOT_IN_FLIGHT = "ID not in flight"
+
+_I32 = struct.Struct(">i")
+_U32 = struct.Struct(">I")
+_U16 = struct.Struct(">H")
+_FRAME_HEADER = struct.Struct(">ii")  # size (type + data), type
+_MESSAGE_HEADER = struct.Struct(">iiqH16s")  # size, type, timestamp ns, attempts, id
+_MESSAGE_FIELDS = struct.Struct(">qH16s")
+_MESSAGE_OVERHEAD = _MESSAGE_HEADER.size - 4  # what the size field counts besides the body
+_TRACE_REPLY = struct.Struct(">2sQQqI")
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ProtocolError(Exception):
+    """An error frame for the peer.
+
+    `text` is exactly what goes on the wire and starts with `code`; `fatal`
+    means the server closes the connection after sending it. Raw client bytes
+    quoted in `text` are kept with surrogateescape, so encode_error sends them
+    back byte for byte.
+    """
+
+    def __init__(self, code: str, detail: str = "", *, fatal: bool = True) -> None:
+        self.code = code
+        self.text = f"{code} {detail}" if detail else code
+        self.fatal = fatal
+        super().__init__(self.text)
+
+    @property
+    def frame(self) -> bytes:
+        return encode_error(self.text)
+
+
+_GO_ESCAPES = {7: r"\a", 8: r"\b", 9: r"\t", 10: r"\n", 11: r"\v", 12: r"\f", 13: r"\r", 34: r"\"", 92: "\\\\"}
+
+
+def _go_quote(s: str) -> str:
+    """Go's %q: what nsqd prints for a bad topic or channel name."""
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if o in _GO_ESCAPES:
+            out.append(_GO_ESCAPES[o])
+        elif 0xDC80 <= o <= 0xDCFF:  # an undecodable byte (surrogateescape)
+            out.append(f"\\x{o - 0xDC00:02x}")
+        elif ch.isprintable():
+            out.append(ch)
+        elif o < 0x80:
+            out.append(f"\\x{o:02x}")
+        elif o < 0x10000:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(f"\\U{o:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _raw(b: bytes) -> str:
+    """Client bytes as text that encodes back to the same bytes."""
+    return b.decode("utf-8", "surrogateescape")
+
+
+# Syntax errors (raised by CommandParser; all fatal, as in nsqd).
+
+def bad_protocol() -> ProtocolError:
+    return ProtocolError("E_BAD_PROTOCOL")
+
+
+def line_too_long(max_line_length: int) -> ProtocolError:
+    # nsqd drops the connection silently once a line outgrows its 16 KiB read
+    # buffer; we say why.
+    return ProtocolError("E_INVALID", f"command line longer than {max_line_length} bytes")
+
+
+def invalid_command(name: str) -> ProtocolError:
+    return ProtocolError("E_INVALID", f"invalid command {name}")
+
+
+def insufficient_parameters(command: str) -> ProtocolError:
+    # nsqd spells it "params" for the commands that take a message id.
+    word = "params" if command in ("FIN", "REQ", "TOUCH") else "parameters"
+    return ProtocolError("E_INVALID", f"{command} insufficient number of {word}")
+
+
+def invalid_parameter_count(command: str) -> ProtocolError:
+    return ProtocolError("E_INVALID", f"{command} invalid number of parameters")
+
+
+def bad_topic(command: str, name: str) -> ProtocolError:
+    # nsqd v1.3.0 repeats the code in MPUB's text ("E_BAD_TOPIC E_BAD_TOPIC
+    # MPUB ..."); we send it once, like every other command.
+    return ProtocolError("E_BAD_TOPIC", f"{command} topic name {_go_quote(name)} is not valid")
+
+
+def bad_channel(command: str, name: str) -> ProtocolError:
+    return ProtocolError("E_BAD_CHANNEL", f"{command} channel name {_go_quote(name)} is not valid")
+
+
+def bad_partition(command: str, partition: str) -> ProtocolError:
+    return ProtocolError("E_BAD_PARTITION", f"{command} topic partition {partition} is not valid")
+
+
+def invalid_msg_id() -> ProtocolError:
+    return ProtocolError("E_INVALID", "invalid message ID")
+
+
+def unparsable_number(command: str, what: str, raw: str) -> ProtocolError:
+    """e.g. "RDY could not parse count abc", "DPUB could not parse timeout -5"."""
+    return ProtocolError("E_INVALID", f"{command} could not parse {what} {raw}")
+
+
+def dpub_timeout_out_of_range(timeout_ms: int, max_ms: int) -> ProtocolError:
+    return ProtocolError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
+
+
+def invalid_start(command: str, raw: str) -> ProtocolError:
+    return ProtocolError("E_INVALID", f"{command} invalid consume start {raw}")
+
+
+def invalid_body_size(command: str, size: int) -> ProtocolError:
+    return ProtocolError("E_BAD_BODY", f"{command} invalid body size {size}")
+
+
+def body_too_big(command: str, size: int, max_size: int) -> ProtocolError:
+    return ProtocolError("E_BAD_BODY", f"{command} body too big {size} > {max_size}")
+
+
+def invalid_message_size(command: str, size: int) -> ProtocolError:
+    return ProtocolError("E_BAD_MESSAGE", f"{command} invalid message body size {size}")
+
+
+def message_too_big(command: str, size: int, max_size: int) -> ProtocolError:
+    return ProtocolError("E_BAD_MESSAGE", f"{command} message too big {size} > {max_size}")
+
+
+def invalid_message_count(command: str, count: int) -> ProtocolError:
+    return ProtocolError("E_BAD_BODY", f"{command} invalid message count {count}")
+
+
+def invalid_mpub_message_size(command: str, index: int, size: int) -> ProtocolError:
+    return ProtocolError("E_BAD_MESSAGE", f"{command} invalid message({index}) body size {size}")
+
+
+def invalid_ext_body(command: str, size: int, why: str) -> ProtocolError:
+    return ProtocolError("E_BAD_BODY", f"{command} invalid body size {size} {why}")
+
+
+def invalid_json_header(command: str, why: str) -> ProtocolError:
+    # Non-fatal, as in the partitioned fork: the body was read in full.
+    return ProtocolError("E_INVALID_JSON_HEADER", f"{command} json header {why}", fatal=False)
+
+
+# State errors (raised by the server).
+
+def invalid_state(command: str) -> ProtocolError:
+    return ProtocolError("E_INVALID", f"cannot {command} in current state")
+
+
+def tls_required(command: str) -> ProtocolError:
+    return ProtocolError("E_INVALID", f"cannot {command} in current state (TLS required)")
+
+
+def heartbeats_disabled() -> ProtocolError:
+    return ProtocolError("E_INVALID", "cannot SUB with heartbeats disabled")
+
+
+def rdy_out_of_range(count: int, max_rdy_count: int) -> ProtocolError:
+    # Fatal: otherwise client and server would disagree about the count.
+    return ProtocolError("E_INVALID", f"RDY count {count} out of range 0-{max_rdy_count}")
+
+
+def fin_failed(msg_id: bytes, reason: str = NOT_IN_FLIGHT) -> ProtocolError:
+    return ProtocolError("E_FIN_FAILED", f"FIN {_raw(msg_id)} failed {reason}", fatal=False)
+
+
+def req_failed(msg_id: bytes, reason: str = NOT_IN_FLIGHT) -> ProtocolError:
+    return ProtocolError("E_REQ_FAILED", f"REQ {_raw(msg_id)} failed {reason}", fatal=False)
+
+
+def touch_failed(msg_id: bytes, reason: str = NOT_IN_FLIGHT) -> ProtocolError:
+    return ProtocolError("E_TOUCH_FAILED", f"TOUCH {_raw(msg_id)} failed {reason}", fatal=False)
+
+
+def publish_failed(command: str, reason: str) -> ProtocolError:
+    """E_PUB_FAILED, E_MPUB_FAILED or E_DPUB_FAILED (fatal, as in nsqd)."""
+    code = {"MPUB": "E_MPUB_FAILED", "MPUB_EXT": "E_MPUB_FAILED", "DPUB": "E_DPUB_FAILED"}.get(command, "E_PUB_FAILED")
+    return ProtocolError(code, f"{command} failed {reason}")
+
+
+def sub_failed(reason: str) -> ProtocolError:
+    return ProtocolError("E_SUB_FAILED", f"SUB failed {reason}")
+
+
+def auth_disabled() -> ProtocolError:
+    return ProtocolError("E_AUTH_DISABLED", "AUTH disabled")
+
+
+def auth_already_set() -> ProtocolError:
+    return ProtocolError("E_INVALID", "AUTH already set")
+
+
+def auth_failed() -> ProtocolError:
+    """The auth server refused or failed; the reason is for our log, not the client."""
+    return ProtocolError("E_AUTH_FAILED", "AUTH failed")
+
+
+def auth_no_authorizations() -> ProtocolError:
+    return ProtocolError("E_UNAUTHORIZED", "AUTH no authorizations found")
+
+
+def auth_first(command: str) -> ProtocolError:
+    return ProtocolError("E_AUTH_FIRST", f"AUTH required before {command}")
+
+
+def unauthorized(command: str, topic: str, channel: str = "") -> ProtocolError:
+    return ProtocolError("E_UNAUTHORIZED", f"AUTH failed for {command} on {_go_quote(topic)} {_go_quote(channel)}")
+
+
+def identify_bad_json() -> ProtocolError:
+    return ProtocolError("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
+
+
+def identify_rejected(reason: str) -> ProtocolError:
+    """A setting out of range, e.g. "heartbeat interval (999999999) is invalid"."""
+    return ProtocolError("E_BAD_BODY", f"IDENTIFY {reason}")
+
+
+def compression_conflict() -> ProtocolError:
+    return ProtocolError("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
+
+
+def identify_failed(reason: str) -> ProtocolError:
+    """An upgrade (TLS, snappy, deflate) failed after the negotiation."""
+    return ProtocolError("E_IDENTIFY_FAILED", f"IDENTIFY failed {reason}")
+
+
+# Partition extension errors. Publishing commands get the non-fatal form
+# (the producer looks the leader up again and retries), the others the fatal one.
+
+_PUBLISHING = frozenset({"PUB", "MPUB", "DPUB", "PUB_EXT", "MPUB_EXT", "PUB_TRACE"})
+
+
+def topic_not_exist(topic: str) -> ProtocolError:
+    return ProtocolError("E_TOPIC_NOT_EXIST", f"topic {_go_quote(topic)} does not exist")
+
+
+def not_leader(command: str) -> ProtocolError:
+    return ProtocolError("E_FAILED_ON_NOT_LEADER", f"{command} failed: not the partition leader",
+                         fatal=command not in _PUBLISHING)
+
+
+def not_writable(command: str) -> ProtocolError:
+    return ProtocolError("E_FAILED_ON_NOT_WRITABLE", f"{command} failed: partition not writable",
+                         fatal=command not in _PUBLISHING)
+
+
+def pub_too_much_waiting(waiting_bytes: int) -> ProtocolError:
+    return ProtocolError("E_PUB_TOO_MUCH_WAITING", f"pub too much waiting in the queue: {waiting_bytes}")
+
+
+def sub_order_is_must() -> ProtocolError:
+    return ProtocolError("E_SUB_ORDER_IS_MUST", "this topic is configured only allow ordered sub")
+
+
+def ext_not_supported(topic: str) -> ProtocolError:
+    return ProtocolError("E_EXT_NOT_SUPPORT", f"ext content not supported in topic {topic}", fatal=False)
+
+
+# ---------------------------------------------------------------- names, ids, JSON
+
+_NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
+_HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
+_START = re.compile(r"(timestamp|offset|count):([0-9]{1,19})")
+
+
+def valid_topic_name(name: str) -> bool:
+    """1..64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral."""
+    return 0 < len(name) <= MAX_NAME_LENGTH and _NAME.fullmatch(name) is not None
+
+
+def valid_channel_name(name: str) -> bool:
+    """Same rule as topic names."""
+    return valid_topic_name(name)
+
+
+def parse_consume_start(text: str) -> tuple[str, int | None]:
+    """`end`, `timestamp:<unix s>`, `offset:<virtual offset>` or `count:<n>` -> (kind, value)."""
+    if text == "end":
+        return "end", None
+    m = _START.fullmatch(text)
+    if m is None:
+        raise ValueError(f"invalid consume start {text!r}")
+    return m[1], int(m[2])
+
+
+def make_msg_id(partition: int, sequence: int) -> int:
+    if not 0 <= partition <= MAX_PARTITION or not 0 <= sequence <= MAX_SEQUENCE:
+        raise ValueError(f"partition {partition} or sequence {sequence} out of range")
+    return partition << PARTITION_SHIFT | sequence
+
+
+def msg_id_partition(n: int) -> int:
+    return n >> PARTITION_SHIFT
+
+
+def msg_id_sequence(n: int) -> int:
+    return n & MAX_SEQUENCE
+
+
+def encode_msg_id(n: int) -> bytes:
+    """64-bit id -> 16 lowercase hex characters."""
+    return b"%016x" % n
+
+
+def decode_msg_id(b: bytes) -> int:
+    """16 lowercase hex characters -> id; ValueError for anything else."""
+    # strip() leaves something behind exactly when a byte is not a hex digit.
+    if len(b) != MSG_ID_LENGTH or b.strip(_HEX_DIGITS):
+        raise ValueError(f"invalid message id {b!r}")
+    return int(b, 16)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_json(data: bytes) -> object:
+    """JSON as Go's encoding/json reads it: UTF-8 (bad bytes replaced), no
+    NaN/Infinity. Raises ValueError for anything it refuses, including nesting
+    too deep to decode."""
+    try:
+        return json.loads(data.decode("utf-8", "replace"), parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _base10(raw: bytes) -> int | None:
+    """nsqd's ByteToBase10: ASCII digits only, empty reads as 0; None if not a
+    number. Above 19 digits we refuse where Go would silently wrap."""
+    if not raw:
+        return 0
+    if raw.isdigit() and len(raw) <= 19:
+        return int(raw)
+    return None
+
+
+# ---------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class Identify:
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    secret: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Sub:
+    topic: str
+    channel: str
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SubOrdered:
+    """One message in flight per partition whatever RDY says."""
+    topic: str
+    channel: str
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SubAdvanced:
+    """`start` has been checked with parse_consume_start."""
+    topic: str
+    channel: str
+    partition: int | None = None
+    start: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pub:
+    topic: str
+    body: bytes
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Mpub:
+    topic: str
+    bodies: list[bytes]
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dpub:
+    topic: str
+    defer_ms: int
+    body: bytes
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PubExt:
+    topic: str
+    header: dict
+    body: bytes
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MpubExt:
+    topic: str
+    messages: list[tuple[dict, bytes]]
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PubTrace:
+    """Answered with pub_trace_reply() instead of OK."""
+    topic: str
+    trace_id: int
+    body: bytes
+    partition: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rdy:
+    """`count` is not range-checked: the limit is the server's (rdy_out_of_range)."""
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fin:
+    """`msg_id` is any 16 bytes, as in nsqd: decode_msg_id may still refuse it
+    (answer fin_failed, not a fatal error)."""
+    msg_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    """`timeout_ms` is unclamped; nsqd clamps it to 0..max_req_timeout."""
+    msg_id: bytes
+    timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    msg_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Cls:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Nop:
+    pass
+
+
+Command = (Identify | Auth | Sub | SubOrdered | SubAdvanced | Pub | Mpub | Dpub | PubExt | MpubExt
+           | PubTrace | Rdy | Fin | Req | Touch | Cls | Nop)
+
+_CLS = Cls()
+_NOP = Nop()
+
+
+# ---------------------------------------------------------------- server-side parser
+
+_MAGIC, _LINE, _SIZE, _BODY, _MPUB = range(5)
+
+
+def _topic(command: str, params: list[bytes], needed: int) -> str:
+    if len(params) < needed:
+        raise insufficient_parameters(command)
+    topic = _raw(params[1])
+    if not valid_topic_name(topic):
+        raise bad_topic(command, topic)
+    return topic
+
+
+def _channel(command: str, params: list[bytes]) -> str:
+    channel = _raw(params[2])
+    if not valid_channel_name(channel):
+        raise bad_channel(command, channel)
+    return channel
+
+
+def _partition(command: str, params: list[bytes], index: int) -> int | None:
+    """Optional partition argument; absent, empty or -1 means "any"."""
+    if len(params) <= index or params[index] in (b"", b"-1"):
+        return None
+    raw = params[index]
+    if raw.isdigit() and len(raw) <= 5 and int(raw) <= MAX_PARTITION:
+        return int(raw)
+    raise bad_partition(command, _raw(raw))
+
+
+def _msg_id(command: str, params: list[bytes], needed: int) -> bytes:
+    if len(params) < needed:
+        raise insufficient_parameters(command)
+    if len(params[1]) != MSG_ID_LENGTH:
+        raise invalid_msg_id()
+    return params[1]
+
+
+def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
+    """[2-byte header length][JSON header][message] -> (header, message)."""
+    if len(raw) <= 2:
+        raise invalid_ext_body(command, len(raw), "with ext json header enabled")
+    end = 2 + _U16.unpack_from(raw)[0]
+    if len(raw) <= end:
+        raise invalid_ext_body(command, len(raw), "in ext json header content length")
+    try:
+        header = decode_json(raw[2:end])
+    except ValueError:
+        raise invalid_json_header(command, "is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise invalid_json_header(command, "is not an object")
+    for key in header:
+        if _HEADER_KEY.fullmatch(key) is None:
+            raise invalid_json_header(command, f"key {_go_quote(key)} is not valid")
+    return header, raw[end:]
+
+
+class CommandParser:
+    """Server side of protocol V2: feed() the bytes read, then iterate commands().
+
+    Invariants:
+    - Bounded memory: once commands() stops, at most
+      max(max_line_length, max_msg_size, max_body_size) + 4 unparsed bytes stay
+      buffered, because every declared size is checked before its bytes are awaited.
+    - Linear time: the newline search resumes where it stopped.
+    - Lazy: one command is parsed per iteration step, so state the server
+      changes while handling a command applies to the next one.
+    - `state_check(name)`, if given, runs for every command line before its
+      arguments are examined, so the server's state errors win exactly as in
+      nsqd ("cannot RDY in current state" before "RDY could not parse count").
+      It rejects by raising ProtocolError.
+    - A fatal ProtocolError is sticky. After a non-fatal one the command's
+      bytes have been consumed: call commands() again to go on.
+    """
+
+    def __init__(self, *, max_msg_size: int = 1048576, max_body_size: int = 5242880,
+                 max_line_length: int = 1024, max_defer_ms: int = 3_600_000,
+                 state_check: Callable[[str], None] | None = None) -> None:
+        self.max_msg_size = max_msg_size
+        self.max_body_size = max_body_size
+        self.max_line_length = max_line_length
+        self.max_defer_ms = max_defer_ms  # nsqd's limit is max_req_timeout; ours is the delay queue's
+        self._state_check = state_check
+        self._buf = bytearray()
+        self._pos = 0  # start of the unparsed bytes
+        self._scan = 0  # the newline search resumes here
+        self._state = _MAGIC
+        self._error: ProtocolError | None = None
+        # The command whose body is being read (set by _expect_body).
+        self._name = ""
+        self._check_size: Callable[[int], None] = self._check_message_size
+        self._build: Callable = Pub
+        self._need = 0
+        # MPUB progress.
+        self._count = 0
+        self._bodies: list[bytes] = []
+        self._consumed = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet parsed."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        if self._pos:
+            del self._buf[:self._pos]
+            self._scan = max(0, self._scan - self._pos)
+            self._pos = 0
+        self._buf += data
+
+    def commands(self) -> Iterator[Command]:
+        """Yield each whole command buffered; stop when the rest is incomplete."""
+        if self._error is not None:
+            raise self._error
+        try:
+            while (command := self._next()) is not None:
+                yield command
+        except ProtocolError as exc:
+            if exc.fatal:
+                self._error = exc
+            raise
+
+    def _next(self) -> Command | None:
+        buf = self._buf
+        while True:
+            state = self._state
+            if state == _LINE:
+                line = self._line()
+                if line is None:
+                    return None
+                command = self._dispatch(line)
+                if command is not None:
+                    return command
+            elif state == _BODY:
+                start = self._pos
+                end = start + self._need
+                if len(buf) < end:
+                    return None
+                self._pos = end
+                self._state = _LINE
+                return self._build(bytes(buf[start:end]))
+            elif state == _SIZE:
+                if len(buf) - self._pos < 4:
+                    return None
+                size = _I32.unpack_from(buf, self._pos)[0]
+                self._pos += 4
+                self._check_size(size)
+            elif state == _MPUB:
+                return self._mpub_messages()
+            else:
+                if len(buf) - self._pos < 4:
+                    return None
+                if buf[self._pos:self._pos + 4] != MAGIC_V2:
+                    raise bad_protocol()
+                self._pos += 4
+                self._state = _LINE
+
+    def _line(self) -> bytes | None:
+        buf, pos = self._buf, self._pos
+        nl = buf.find(b"\n", max(pos, self._scan))
+        if nl < 0:
+            if len(buf) - pos > self.max_line_length:
+                raise line_too_long(self.max_line_length)
+            self._scan = len(buf)
+            return None
+        if nl - pos > self.max_line_length:
+            raise line_too_long(self.max_line_length)
+        self._pos = nl + 1
+        if nl > pos and buf[nl - 1] == 13:  # optional \r
+            nl -= 1
+        return bytes(buf[pos:nl])
+
+    def _dispatch(self, line: bytes) -> Command | None:
+        params = line.split(b" ")
+        name = _raw(params[0])
+        if self._state_check is not None:
+            self._state_check(name)
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            raise invalid_command(name)
+        return handler(self, params)
+
+    def _expect_body(self, name: str, check_size: Callable[[int], None], build: Callable) -> None:
+        """A 4-byte size follows the line; check_size vets it, build makes the command."""
+        self._name = name
+        self._check_size = check_size
+        self._build = build
+        self._state = _SIZE
+
+    # Size checks, in nsqd's order. Each raises or moves to the next state.
+
+    def _check_message_size(self, size: int) -> None:
+        if size <= 0:
+            raise invalid_message_size(self._name, size)
+        if size > self.max_msg_size:
+            raise message_too_big(self._name, size, self.max_msg_size)
+        self._need = size
+        self._state = _BODY
+
+    def _check_body_size(self, size: int) -> None:
+        if size > self.max_body_size:
+            raise body_too_big(self._name, size, self.max_body_size)
+        if size <= 0:
+            raise invalid_body_size(self._name, size)
+        self._need = size
+        self._state = _BODY
+
+    def _check_mpub_size(self, size: int) -> None:
+        if size <= 0:
+            raise invalid_body_size(self._name, size)
+        if size > self.max_body_size:
+            raise body_too_big(self._name, size, self.max_body_size)
+        self._count = 0
+        self._bodies = []
+        self._consumed = 0
+        self._state = _MPUB
+
+    def _mpub_messages(self) -> Command | None:
+        """Read the MPUB count, then as many (size, bytes) messages as are buffered.
+
+        Like nsqd, messages are framed by the count and their own sizes, not by
+        the declared body length (only range-checked): a count larger than the
+        body holds waits for more bytes (reference case mpub_count_mismatch).
+        Unlike nsqd, the total is capped at max_body_size, so memory stays bounded.
+        """
+        buf, pos, end, name = self._buf, self._pos, len(self._buf), self._name
+        if not self._count:
+            if end - pos < 4:
+                return None
+            count = _I32.unpack_from(buf, pos)[0]
+            self._pos = pos = pos + 4
+            if count <= 0 or count > (self.max_body_size - 4) // 5:  # 5: a size and one byte
+                raise invalid_message_count(name, count)
+            self._count = count
+            self._consumed = 4
+        bodies = self._bodies
+        while len(bodies) < self._count and end - pos >= 4:
+            size = _I32.unpack_from(buf, pos)[0]
+            if size <= 0:
+                raise invalid_mpub_message_size(name, len(bodies), size)
+            if size > self.max_msg_size:
+                raise message_too_big(name, size, self.max_msg_size)
+            total = self._consumed + 4 + size
+            if total > self.max_body_size:
+                raise body_too_big(name, total, self.max_body_size)
+            if end - pos - 4 < size:
+                break
+            bodies.append(bytes(buf[pos + 4:pos + 4 + size]))
+            pos += 4 + size
+            self._consumed = total
+        self._pos = pos
+        if len(bodies) < self._count:
+            return None
+        self._state = _LINE
+        return self._build(bodies)
+
+    # One handler per command, each checking its arguments in nsqd's order.
+
+    def _identify(self, params: list[bytes]) -> None:
+        self._expect_body("IDENTIFY", self._check_body_size, Identify)
+
+    def _auth(self, params: list[bytes]) -> None:
+        if len(params) != 1:
+            raise invalid_parameter_count("AUTH")
+        self._expect_body("AUTH", self._check_body_size, Auth)
+
+    def _sub(self, params: list[bytes]) -> Sub:
+        topic = _topic("SUB", params, 3)
+        return Sub(topic, _channel("SUB", params), _partition("SUB", params, 3))
+
+    def _sub_ordered(self, params: list[bytes]) -> SubOrdered:
+        topic = _topic("SUB_ORDERED", params, 3)
+        return SubOrdered(topic, _channel("SUB_ORDERED", params), _partition("SUB_ORDERED", params, 3))
+
+    def _sub_advanced(self, params: list[bytes]) -> SubAdvanced:
+        topic = _topic("SUB_ADVANCED", params, 3)
+        channel = _channel("SUB_ADVANCED", params)
+        partition = _partition("SUB_ADVANCED", params, 3)
+        start = _raw(params[4]) if len(params) > 4 and params[4] else None
+        if start is not None:
+            try:
+                parse_consume_start(start)
+            except ValueError:
+                raise invalid_start("SUB_ADVANCED", start) from None
+        return SubAdvanced(topic, channel, partition, start)
+
+    def _pub(self, params: list[bytes]) -> None:
+        topic = _topic("PUB", params, 2)
+        partition = _partition("PUB", params, 2)
+        self._expect_body("PUB", self._check_message_size, lambda body: Pub(topic, body, partition))
+
+    def _pub_ext(self, params: list[bytes]) -> None:
+        topic = _topic("PUB_EXT", params, 2)
+        partition = _partition("PUB_EXT", params, 2)
+
+        def build(body: bytes) -> PubExt:
+            header, message = _split_ext("PUB_EXT", body)
+            return PubExt(topic, header, message, partition)
+
+        self._expect_body("PUB_EXT", self._check_message_size, build)
+
+    def _pub_trace(self, params: list[bytes]) -> None:
+        topic = _topic("PUB_TRACE", params, 2)
+        partition = _partition("PUB_TRACE", params, 2)
+
+        def build(body: bytes) -> PubTrace:
+            if len(body) <= 8:
+                raise invalid_ext_body("PUB_TRACE", len(body), "with trace id enabled")
+            return PubTrace(topic, int.from_bytes(body[:8], "big"), body[8:], partition)
+
+        self._expect_body("PUB_TRACE", self._check_message_size, build)
+
+    def _mpub(self, params: list[bytes]) -> None:
+        topic = _topic("MPUB", params, 2)
+        partition = _partition("MPUB", params, 2)
+        self._expect_body("MPUB", self._check_mpub_size, lambda bodies: Mpub(topic, bodies, partition))
+
+    def _mpub_ext(self, params: list[bytes]) -> None:
+        topic = _topic("MPUB_EXT", params, 2)
+        partition = _partition("MPUB_EXT", params, 2)
+
+        def build(bodies: list[bytes]) -> MpubExt:
+            return MpubExt(topic, [_split_ext("MPUB_EXT", body) for body in bodies], partition)
+
+        self._expect_body("MPUB_EXT", self._check_mpub_size, build)
+
+    def _dpub(self, params: list[bytes]) -> None:
+        topic = _topic("DPUB", params, 3)
+        defer_ms = _base10(params[2])
+        if defer_ms is None:
+            raise unparsable_number("DPUB", "timeout", _raw(params[2]))
+        if defer_ms > self.max_defer_ms:
+            raise dpub_timeout_out_of_range(defer_ms, self.max_defer_ms)
+        partition = _partition("DPUB", params, 3)
+        self._expect_body("DPUB", self._check_message_size, lambda body: Dpub(topic, defer_ms, body, partition))
+
+    def _rdy(self, params: list[bytes]) -> Rdy:
+        if len(params) < 2:
+            return Rdy(1)
+        count = _base10(params[1])
+        if count is None:
+            raise unparsable_number("RDY", "count", _raw(params[1]))
+        return Rdy(count)
+
+    def _fin(self, params: list[bytes]) -> Fin:
+        return Fin(_msg_id("FIN", params, 2))
+
+    def _req(self, params: list[bytes]) -> Req:
+        msg_id = _msg_id("REQ", params, 3)
+        timeout_ms = _base10(params[2])
+        if timeout_ms is None:
+            raise unparsable_number("REQ", "timeout", _raw(params[2]))
+        return Req(msg_id, timeout_ms)
+
+    def _touch(self, params: list[bytes]) -> Touch:
+        return Touch(_msg_id("TOUCH", params, 2))
+
+    def _cls(self, params: list[bytes]) -> Cls:
+        return _CLS
+
+    def _nop(self, params: list[bytes]) -> Nop:
+        return _NOP
+
+
+_HANDLERS: dict[str, Callable[[CommandParser, list[bytes]], Command | None]] = {
+    "IDENTIFY": CommandParser._identify,
+    "AUTH": CommandParser._auth,
+    "SUB": CommandParser._sub,
+    "SUB_ORDERED": CommandParser._sub_ordered,
+    "SUB_ADVANCED": CommandParser._sub_advanced,
+    "PUB": CommandParser._pub,
+    "PUB_EXT": CommandParser._pub_ext,
+    "PUB_TRACE": CommandParser._pub_trace,
+    "MPUB": CommandParser._mpub,
+    "MPUB_EXT": CommandParser._mpub_ext,
+    "DPUB": CommandParser._dpub,
+    "RDY": CommandParser._rdy,
+    "FIN": CommandParser._fin,
+    "REQ": CommandParser._req,
+    "TOUCH": CommandParser._touch,
+    "CLS": CommandParser._cls,
+    "NOP": CommandParser._nop,
+}
+
+
+# ---------------------------------------------------------------- server-side encoders
+
+
+def encode_response(data: bytes) -> bytes:
+    return _FRAME_HEADER.pack(len(data) + 4, FRAME_RESPONSE) + data
+
+
+def encode_error(text: bytes | str) -> bytes:
+    if isinstance(text, str):
+        text = text.encode("utf-8", "surrogateescape")
+    return _FRAME_HEADER.pack(len(text) + 4, FRAME_ERROR) + text
+
+
+def encode_message(timestamp_ns: int, attempts: int, msg_id: bytes, body: bytes) -> bytes:
+    """One message frame; msg_id is the 16-byte encode_msg_id() form."""
+    return _MESSAGE_HEADER.pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, timestamp_ns, attempts, msg_id) + body
+
+
+def encode_messages(messages: Iterable[tuple[int, int, bytes, bytes]]) -> bytes:
+    """Many message frames, one join: (timestamp_ns, attempts, msg_id, body) each."""
+    pack = _MESSAGE_HEADER.pack
+    parts = []
+    for timestamp_ns, attempts, msg_id, body in messages:
+        parts.append(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, timestamp_ns, attempts, msg_id))
+        parts.append(body)
+    return b"".join(parts)
+
+
+def pub_trace_reply(msg_id: int, trace_id: int, offset: int, size: int) -> bytes:
+    """Response data for PUB_TRACE: OK + 8-byte id + 8-byte trace id + 8-byte offset + 4-byte size."""
+    return _TRACE_REPLY.pack(b"OK", msg_id, trace_id, offset, size)
+
+
+OK = encode_response(b"OK")
+HEARTBEAT = encode_response(b"_heartbeat_")
+CLOSE_WAIT = encode_response(b"CLOSE_WAIT")
+
+
+# ---------------------------------------------------------------- client side
+
+
+def _arg(a: bytes | str | int) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, str):
+        return a.encode()
+    return b"%d" % a
+
+
+def encode_command(name: bytes, *args: bytes | str | int, body: bytes | None = None) -> bytes:
+    """`NAME arg ...\\n`, then `[4-byte size][body]` when a body is given."""
+    line = b" ".join([name, *map(_arg, args)]) + b"\n"
+    if body is None:
+        return line
+    return line + _U32.pack(len(body)) + body
+
+
+def _opt(partition: int | None) -> tuple[int, ...]:
+    return () if partition is None else (partition,)
+
+
+def _mpub_body(bodies: list[bytes]) -> bytes:
+    parts = [_U32.pack(len(bodies))]
+    for body in bodies:
+        parts.append(_U32.pack(len(body)))
+        parts.append(body)
+    return b"".join(parts)
+
+
+def _ext_body(header: dict, body: bytes) -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return _U16.pack(len(raw)) + raw + body
+
+
+def cmd_identify(data: dict) -> bytes:
+    return encode_command(b"IDENTIFY", body=json.dumps(data).encode())
+
+
+def cmd_auth(secret: bytes) -> bytes:
+    return encode_command(b"AUTH", body=secret)
+
+
+def cmd_sub(topic: str, channel: str, partition: int | None = None) -> bytes:
+    return encode_command(b"SUB", topic, channel, *_opt(partition))
+
+
+def cmd_sub_ordered(topic: str, channel: str, partition: int) -> bytes:
+    return encode_command(b"SUB_ORDERED", topic, channel, partition)
+
+
+def cmd_sub_advanced(topic: str, channel: str, partition: int, start: str | None = None) -> bytes:
+    return encode_command(b"SUB_ADVANCED", topic, channel, partition, *(() if start is None else (start,)))
+
+
+def cmd_pub(topic: str, body: bytes, partition: int | None = None) -> bytes:
+    return encode_command(b"PUB", topic, *_opt(partition), body=body)
+
+
+def cmd_mpub(topic: str, bodies: list[bytes], partition: int | None = None) -> bytes:
+    return encode_command(b"MPUB", topic, *_opt(partition), body=_mpub_body(bodies))
+
+
+def cmd_dpub(topic: str, defer_ms: int, body: bytes, partition: int | None = None) -> bytes:
+    return encode_command(b"DPUB", topic, defer_ms, *_opt(partition), body=body)
+
+
+def cmd_pub_ext(topic: str, header: dict, body: bytes, partition: int | None = None) -> bytes:
+    return encode_command(b"PUB_EXT", topic, *_opt(partition), body=_ext_body(header, body))
+
+
+def cmd_mpub_ext(topic: str, messages: list[tuple[dict, bytes]], partition: int | None = None) -> bytes:
+    bodies = [_ext_body(header, body) for header, body in messages]
+    return encode_command(b"MPUB_EXT", topic, *_opt(partition), body=_mpub_body(bodies))
+
+
+def cmd_pub_trace(topic: str, trace_id: int, body: bytes, partition: int | None = None) -> bytes:
+    return encode_command(b"PUB_TRACE", topic, *_opt(partition), body=trace_id.to_bytes(8, "big") + body)
+
+
+def cmd_rdy(count: int) -> bytes:
+    return b"RDY %d\n" % count
+
+
+def cmd_fin(msg_id: bytes) -> bytes:
+    return b"FIN " + msg_id + b"\n"
+
+
+def cmd_req(msg_id: bytes, timeout_ms: int) -> bytes:
+    return b"REQ %s %d\n" % (msg_id, timeout_ms)
+
+
+def cmd_touch(msg_id: bytes) -> bytes:
+    return b"TOUCH " + msg_id + b"\n"
+
+
+def cmd_cls() -> bytes:
+    return b"CLS\n"
+
+
+def cmd_nop() -> bytes:
+    return b"NOP\n"
+
+
+class FrameParser:
+    """Client side: feed() the bytes read, then iterate frames() for (frame_type, data).
+
+    A frame larger than max_frame_size raises ValueError before it is buffered.
+    """
+
+    def __init__(self, max_frame_size: int = 16 * 1024 * 1024) -> None:
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+        self._pos = 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        if self._pos:
+            del self._buf[:self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def frames(self) -> Iterator[tuple[int, bytes]]:
+        buf = self._buf
+        while len(buf) - self._pos >= 8:
+            pos = self._pos
+            size, frame_type = _FRAME_HEADER.unpack_from(buf, pos)
+            if not 4 <= size <= self.max_frame_size:
+                raise ValueError(f"invalid frame size {size}")
+            end = pos + 4 + size
+            if len(buf) < end:
+                return
+            self._pos = end
+            yield frame_type, bytes(buf[pos + 8:end])
+
+
+def parse_message(data: bytes) -> tuple[int, int, bytes, bytes]:
+    """Message frame data -> (timestamp_ns, attempts, msg_id, body)."""
+    if len(data) < _MESSAGE_FIELDS.size:
+        raise ValueError(f"message frame data of {len(data)} bytes")
+    timestamp_ns, attempts, msg_id = _MESSAGE_FIELDS.unpack_from(data)
+    return timestamp_ns, attempts, msg_id, data[_MESSAGE_FIELDS.size:]

@@ -1,0 +1,401 @@
+"""The TCP server: protocol V2 over asyncio, one ClientConnection per socket.
+
+Bytes in go to the sans-I/O CommandParser; commands run in arrival order, one
+at a time per connection, so responses keep the order of their commands.
+Commands that need no waiting (RDY, FIN, REQ, TOUCH, NOP) run inline from
+`data_received`; the others (IDENTIFY upgrades, AUTH, SUB, PUB, MPUB, DPUB)
+run in a task while later commands wait in `pending`. Errors are sent as
+E_* frames; fatal ones close the connection after the frame is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+import zlib
+from collections import deque
+
+import structlog
+
+from . import protocol as p
+from .client import Client
+from .identify import IdentifyLimits, initial_settings, negotiate
+
+log = structlog.get_logger("nsqd.tcp")
+
+MAX_PENDING = 256  # commands queued behind a slow one before reading pauses
+
+
+def identify_limits(nsqd) -> IdentifyLimits:
+    o = nsqd.options
+    return IdentifyLimits(
+        max_rdy_count=o.max_rdy_count, version=nsqd.version,
+        max_heartbeat_interval_ms=o.max_heartbeat_interval_ms,
+        max_output_buffer_size=o.max_output_buffer_size,
+        min_output_buffer_timeout_ms=o.min_output_buffer_timeout_ms,
+        max_output_buffer_timeout_ms=o.max_output_buffer_timeout_ms,
+        msg_timeout_ms=o.msg_timeout_ms, max_msg_timeout_ms=o.max_msg_timeout_ms,
+        max_deflate_level=o.max_deflate_level, tls_available=nsqd.tls_context is not None,
+        snappy_available=o.snappy and _snappy_installed(), deflate_available=o.deflate,
+        auth_required=bool(o.auth_http_address))
+
+
+def _snappy_installed() -> bool:
+    try:
+        import snappy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ClientConnection(asyncio.Protocol):
+    INIT, SUBSCRIBED, CLOSING = range(3)
+
+    def __init__(self, nsqd):
+        self.nsqd = nsqd
+        o = nsqd.options
+        self.parser = p.CommandParser(max_msg_size=o.max_msg_size, max_body_size=o.max_body_size)
+        self.pending: deque = deque()
+        self.busy = False
+        self.state = self.INIT
+        self.transport = None
+        self.client: Client | None = None
+        self.limits = nsqd.identify_limits
+        self._decompress = None
+        self._last_read = time.monotonic()
+        self._heartbeat = None
+        self._parser_dead = False
+        self._paused = False
+
+    # ---- transport events ------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername") or ("", 0)
+        host = str(peer[0])
+        self.client = Client(self.nsqd.next_client_id(), f"{host}:{peer[1]}",
+                             initial_settings(self.limits, host, host))
+        self.client.attach(transport)
+        self.nsqd.connections.add(self)
+        self._schedule_heartbeat()
+
+    def connection_lost(self, exc) -> None:
+        self.nsqd.connections.discard(self)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        channel = self.client.channel
+        if channel is not None:
+            channel.remove_client(self.client)
+            self.nsqd.client_left(channel)
+        self.pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = time.monotonic()
+        if self._parser_dead:
+            return
+        if self._decompress is not None:
+            try:
+                data = self._decompress(data)
+            except Exception:
+                self._fail(p.ProtocolError("E_BAD_BODY", "failed to decompress"))
+                return
+        self.parser.feed(data)
+        self._parse()
+        self._drain()
+
+    def _parse(self) -> None:
+        while True:
+            try:
+                for cmd in self.parser.commands():
+                    self.pending.append(cmd)
+                return
+            except p.ProtocolError as e:
+                self.pending.append(e)
+                if e.fatal:
+                    self._parser_dead = True
+                    return
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, err: p.ProtocolError) -> None:
+        self.client.write(err.frame)
+        if err.fatal:
+            self._parser_dead = True
+            self.pending.clear()
+            self.transport.close()
+
+    # ---- running commands ------------------------------------------------
+
+    def _drain(self) -> None:
+        while self.pending and not self.busy:
+            if self.transport.is_closing():
+                self.pending.clear()
+                return
+            cmd = self.pending.popleft()
+            if isinstance(cmd, p.ProtocolError):
+                self._fail(cmd)
+                continue
+            handler = self._sync_handlers.get(type(cmd))
+            if handler is not None:
+                try:
+                    handler(self, cmd)
+                except p.ProtocolError as e:
+                    self._fail(e)
+                continue
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._run_async(cmd))
+        if len(self.pending) > MAX_PENDING and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        elif self._paused and len(self.pending) < MAX_PENDING // 2:
+            self._paused = False
+            self.transport.resume_reading()
+
+    async def _run_async(self, cmd) -> None:
+        try:
+            await self._async_handlers[type(cmd)](self, cmd)
+        except p.ProtocolError as e:
+            self._fail(e)
+        except Exception as e:  # a bug must cost one connection, never the server
+            log.exception("command_failed", command=type(cmd).__name__)
+            self._fail(p.ProtocolError("E_INVALID", f"internal error: {e}"))
+        finally:
+            self.busy = False
+        self._drain()
+
+    # ---- heartbeats ------------------------------------------------------
+
+    def _schedule_heartbeat(self) -> None:
+        interval = self.client.settings.heartbeat_interval_ms
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        if interval > 0:
+            self._heartbeat = asyncio.get_running_loop().call_later(
+                interval / 1000, self._on_heartbeat)
+
+    def _on_heartbeat(self) -> None:
+        interval = self.client.settings.heartbeat_interval_ms / 1000
+        if time.monotonic() - self._last_read > 2 * interval:
+            log.info("heartbeat_missed", client=self.client.remote_address)
+            self.transport.close()
+            return
+        self.client.write(p.HEARTBEAT)
+        self._schedule_heartbeat()
+
+    # ---- commands: state and consumption (inline) ------------------------
+
+    def _rdy(self, cmd: p.Rdy) -> None:
+        if self.state == self.CLOSING:
+            return  # classic nsqd ignores RDY while closing
+        if self.state != self.SUBSCRIBED:
+            raise p.invalid_state("RDY")
+        if not 0 <= cmd.count <= self.nsqd.options.max_rdy_count:
+            raise p.rdy_out_of_range(cmd.count, self.nsqd.options.max_rdy_count)
+        self.client.ready_count = cmd.count
+        self.client.channel.wake()
+
+    def _in_flight(self, name: str, raw_id: bytes, failed):
+        if self.state not in (self.SUBSCRIBED, self.CLOSING):
+            raise p.invalid_state(name)
+        try:
+            msg_id = p.decode_msg_id(raw_id)
+        except ValueError:
+            raise failed(raw_id) from None
+        msg = self.client.in_flight.get(msg_id)
+        if msg is None:
+            raise failed(raw_id)
+        return msg
+
+    def _fin(self, cmd: p.Fin) -> None:
+        msg = self._in_flight("FIN", cmd.msg_id, p.fin_failed)
+        del self.client.in_flight[msg.msg_id]
+        self.client.finish_count += 1
+        self.client.channel.finish(msg)
+
+    def _req(self, cmd: p.Req) -> None:
+        msg = self._in_flight("REQ", cmd.msg_id, p.req_failed)
+        del self.client.in_flight[msg.msg_id]
+        self.client.requeue_count += 1
+        delay = min(max(cmd.timeout_ms, 0), self.nsqd.options.max_req_timeout_ms)
+        self.client.channel.requeue(msg, delay)
+
+    def _touch(self, cmd: p.Touch) -> None:
+        msg = self._in_flight("TOUCH", cmd.msg_id, p.touch_failed)
+        self.client.touch(msg, time.monotonic(), self.nsqd.options.max_msg_timeout_ms / 1000)
+
+    def _cls(self, cmd: p.Cls) -> None:
+        if self.state != self.SUBSCRIBED:
+            raise p.invalid_state("CLS")
+        self.state = self.CLOSING
+        self.client.ready_count = 0
+        self.client.write(p.CLOSE_WAIT)
+
+    def _nop(self, cmd: p.Nop) -> None:
+        pass
+
+    _sync_handlers = {p.Rdy: _rdy, p.Fin: _fin, p.Req: _req, p.Touch: _touch, p.Cls: _cls,
+                      p.Nop: _nop}
+
+    # ---- commands: identify, auth, subscribe, publish (awaited) -----------
+
+    async def _identify(self, cmd: p.Identify) -> None:
+        if self.state != self.INIT:
+            raise p.invalid_state("IDENTIFY")
+        settings, reply = negotiate(cmd.body, self.limits, self.client.settings)
+        self.client.settings = settings
+        self.client.write(p.encode_response(reply))
+        self._schedule_heartbeat()
+        if settings.tls_v1:
+            await self._upgrade_tls()
+            self.client.write(p.OK)
+        if settings.snappy:
+            import snappy
+
+            stream = snappy.StreamDecompressor()
+            self._decompress = stream.decompress
+            self.client.use_snappy()
+            self.client.write(p.OK)
+        elif settings.deflate:
+            obj = zlib.decompressobj(-15)
+            self._decompress = obj.decompress
+            self.client.use_deflate(settings.deflate_level)
+            self.client.write(p.OK)
+
+    async def _upgrade_tls(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport.pause_reading()
+        transport = await loop.start_tls(self.transport, self, self.nsqd.tls_context,
+                                         server_side=True)
+        self.transport = transport
+        self.client.attach(transport)
+        self.client.tls = True
+
+    async def _auth(self, cmd: p.Auth) -> None:
+        from .auth import authenticate
+
+        if not self.nsqd.options.auth_http_address:
+            raise p.auth_disabled()
+        if self.client.authorizations is not None:
+            raise p.auth_already_set()
+        result = await authenticate(self.nsqd.options.auth_http_address,
+                                    self.client.remote_address.rsplit(":", 1)[0],
+                                    self.client.tls, cmd.secret)
+        if result is None:
+            raise p.auth_failed()
+        if not result.authorizations:
+            raise p.auth_no_authorizations()
+        self.client.authorizations = result.authorizations
+        self.client.auth_identity = result.identity
+        self.client.write(p.encode_response(json.dumps({
+            "identity": result.identity, "identity_url": result.identity_url,
+            "permission_count": len(result.authorizations)}).encode()))
+
+    def _check_auth(self, command: str, topic: str, channel: str = "") -> None:
+        if not self.nsqd.options.auth_http_address:
+            return
+        if self.client.authorizations is None:
+            raise p.auth_first(command)
+        from .auth import allowed
+
+        permission = "subscribe" if channel else "publish"
+        if not allowed(self.client.authorizations, topic, channel, permission):
+            raise p.unauthorized(command, topic, channel)
+
+    def _check_tls(self, command: str) -> None:
+        if self.nsqd.options.tls_required and not self.client.tls:
+            raise p.tls_required(command)
+
+    async def _sub(self, cmd: p.Sub) -> None:
+        if self.state != self.INIT:
+            raise p.invalid_state("SUB")
+        self._check_tls("SUB")
+        self._check_auth("SUB", cmd.topic, cmd.channel)
+        channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
+        if channel is None:
+            raise p.bad_partition("SUB", str(cmd.partition))
+        self.client.channel = channel
+        self.client.topic_name = cmd.topic
+        channel.add_client(self.client)
+        self.state = self.SUBSCRIBED
+        self.client.write(p.OK)
+
+    async def _publish(self, command: str, topic_name: str, bodies: list[bytes],
+                       partition: int | None, ext: bytes = b"", reply: bool = True) -> None:
+        self._check_tls(command)
+        self._check_auth(command, topic_name)
+        topic = await self.nsqd.get_topic(topic_name)
+        part = topic.partition(partition)
+        if part is None:
+            raise p.bad_partition(command, str(partition))
+        try:
+            await part.queue.append(bodies, ext=ext)
+        except Exception as e:
+            raise p.publish_failed(command, str(e)) from None
+        topic.message_count += len(bodies)
+        self.client.pub_counts[topic_name] = self.client.pub_counts.get(topic_name, 0) + len(bodies)
+        if reply:
+            self.client.write(p.OK)
+
+    async def _pub(self, cmd: p.Pub) -> None:
+        await self._publish("PUB", cmd.topic, [cmd.body], cmd.partition)
+
+    async def _mpub(self, cmd: p.Mpub) -> None:
+        await self._publish("MPUB", cmd.topic, cmd.bodies, cmd.partition)
+
+    async def _pub_ext(self, cmd: p.PubExt) -> None:
+        await self._publish("PUB_EXT", cmd.topic, [cmd.body], cmd.partition,
+                            json.dumps(cmd.header).encode() if cmd.header else b"")
+
+    async def _mpub_ext(self, cmd: p.MpubExt) -> None:
+        for header, body in cmd.messages[:-1]:
+            await self._publish("MPUB_EXT", cmd.topic, [body], cmd.partition,
+                                json.dumps(header).encode() if header else b"", reply=False)
+        header, body = cmd.messages[-1]
+        await self._publish("MPUB_EXT", cmd.topic, [body], cmd.partition,
+                            json.dumps(header).encode() if header else b"")
+
+    async def _not_yet(self, cmd) -> None:
+        name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED",
+                p.PubTrace: "PUB_TRACE"}[type(cmd)]
+        raise p.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
+
+    async def _dpub(self, cmd: p.Dpub) -> None:
+        max_ms = self.nsqd.options.max_req_timeout_ms
+        if not 0 <= cmd.defer_ms <= max_ms:
+            raise p.dpub_timeout_out_of_range(cmd.defer_ms, max_ms)
+        ext = b""
+        if cmd.defer_ms:
+            due = int(time.time() * 1000) + cmd.defer_ms
+            ext = json.dumps({"##defer_until_ms": due}).encode()
+        await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, ext)
+
+    _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub, p.Pub: _pub,
+                       p.Mpub: _mpub, p.Dpub: _dpub, p.PubExt: _pub_ext, p.MpubExt: _mpub_ext,
+                       p.SubOrdered: _not_yet, p.SubAdvanced: _not_yet, p.PubTrace: _not_yet}
+
+
+async def start_tcp(nsqd):
+    host, port = nsqd.options.tcp_host_port
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: ClientConnection(nsqd), host, port,
+                                      reuse_address=True)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def tls_context(options) -> ssl.SSLContext | None:
+    if not options.tls_cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(options.tls_cert, options.tls_key)
+    if options.tls_root_ca_file:
+        ctx.load_verify_locations(options.tls_root_ca_file)
+    if options.tls_client_auth_policy == "require":
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+    elif options.tls_client_auth_policy == "require-verify":
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

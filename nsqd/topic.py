@@ -1,0 +1,119 @@
+"""Topic: a named stream of messages, stored as partitions, each with its channels.
+
+A Partition owns one DiskQueue (the partition's log) and the channels that
+read it. Publishing appends to the log through group commit and returns only
+when the storage engine acknowledged it. A topic is one partition for now,
+but partition numbers are in every name, path and stat.
+
+Invariants:
+- the first channel of a partition starts at `floor`: what was published
+  while the partition had no channel (the oldest retained message at first);
+  later channels start at the partition's end;
+- retention never drops a segment some channel has not confirmed past.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import structlog
+
+from diskqueue.queue import DiskQueue, QueueOptions
+
+from .channel import Channel
+
+log = structlog.get_logger("nsqd.topic")
+
+
+class Partition:
+    def __init__(self, topic: "Topic", number: int, queue: DiskQueue, floor: tuple[int, int]):
+        self.topic = topic
+        self.number = number
+        self.queue = queue
+        self._floor = floor  # (offset, count) where a first channel would start
+        self.channels: dict[str, Channel] = {}
+
+    @property
+    def floor(self) -> tuple[int, int]:
+        q = self.queue
+        if self._floor[0] < q.start_offset:
+            self._floor = (q.start_offset, q.start_count)
+        return self._floor
+
+    def add_channel(self, name: str, state: dict | None, max_window: int) -> Channel:
+        """Open a channel: from its stored state, or as a new one (see the module invariants)."""
+        if state is None:
+            q = self.queue
+            offset, count = self.floor if not self.channels else (q.committed_end,
+                                                                  q.committed_count)
+            state = {"confirmed": offset, "confirmed_count": count, "paused": False}
+        channel = Channel(self.topic, name, self.queue, state["confirmed"],
+                          state["confirmed_count"], paused=state.get("paused", False),
+                          max_window=max_window)
+        self.channels[name] = channel
+        channel.start()
+        return channel
+
+    async def remove_channel(self, name: str) -> None:
+        channel = self.channels.pop(name)
+        await channel.close()
+        if not self.channels:
+            self._floor = (self.queue.committed_end, self.queue.committed_count)
+
+    def retention_floor(self) -> int:
+        if not self.channels:
+            return self.floor[0]
+        return min(c.cursor.confirmed for c in self.channels.values())
+
+    def depth(self) -> int:
+        """Messages the emptiest channel has not read (classic nsqd reports the topic's own
+        buffer; with cursors that is what the slowest channel still lacks)."""
+        q = self.queue
+        if not self.channels:
+            return q.committed_count - self.floor[1]
+        return q.committed_count - min(c.cursor.next_count for c in self.channels.values())
+
+
+class Topic:
+    def __init__(self, name: str, path: str, queue_options: QueueOptions):
+        self.name = name
+        self.path = path
+        self.ephemeral = name.endswith("#ephemeral")
+        self.queue_options = queue_options
+        self.paused = False
+        self.partitions: dict[int, Partition] = {}
+        self.message_count = 0  # messages published through this node since start
+        self.message_bytes = 0
+
+    async def open(self, partitions: list[int], floors: dict[str, list[int]]) -> None:
+        for number in partitions:
+            opts = dataclasses.replace(self.queue_options, partition=number)
+            queue = await DiskQueue.open(os.path.join(self.path, str(number)), opts)
+            floor = floors.get(str(number)) or (queue.start_offset, queue.start_count)
+            self.partitions[number] = Partition(self, number, queue, tuple(floor))
+
+    def state(self) -> dict:
+        return {"partitions": sorted(self.partitions), "paused": self.paused,
+                "floors": {str(n): list(p._floor) for n, p in self.partitions.items()}}
+
+    async def close(self) -> None:
+        for p in self.partitions.values():
+            for c in p.channels.values():
+                await c.close()
+            await p.queue.close()
+
+    async def delete_files(self) -> None:
+        await self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def partition(self, number: int | None) -> Partition | None:
+        return self.partitions.get(0 if number is None else number)
+
+    def channels(self):
+        for p in self.partitions.values():
+            yield from p.channels.values()
+
+    def depth(self) -> int:
+        return sum(p.depth() for p in self.partitions.values())
