@@ -194,3 +194,34 @@ class CpuWatch:
             self.other_cpus = float("nan")
         else:
             self.other_cpus = max(0.0, (sys1 - self._sys0 - own) / wall)
+
+
+# ---- garbage collector ------------------------------------------------------------
+
+class GcWatch:
+    """Time the cyclic garbage collector spends over a span, and its collections per
+    generation: `with GcWatch() as g: ...` then `g.seconds`, `g.collections` ({0: n, 1: n, 2: n}),
+    `g.longest` (the longest single collection, seconds)."""
+
+    def __enter__(self) -> "GcWatch":
+        import gc
+
+        self._gc = gc
+        self.seconds = 0.0
+        self.longest = 0.0
+        self.collections = {0: 0, 1: 0, 2: 0}
+        self._t = 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            spent = time.perf_counter() - self._t
+            self.seconds += spent
+            self.longest = max(self.longest, spent)
+            self.collections[info["generation"]] += 1
+
+    def __exit__(self, *exc) -> None:
+        self._gc.callbacks.remove(self._callback)

@@ -37,7 +37,8 @@ import aiofiles  # noqa: E402
 import aiofiles.os  # noqa: E402
 import uvloop  # noqa: E402
 
-from common import MB, CpuWatch, Report, RssSampler, machine_info, percentile, rss_mb  # noqa: E402
+from common import (MB, CpuWatch, GcWatch, Report, RssSampler, machine_info, percentile,  # noqa: E402
+                    rss_mb)  # noqa: E402
 from diskqueue.queue import DiskQueue, QueueOptions  # noqa: E402
 from diskqueue.record import record_size  # noqa: E402
 
@@ -111,7 +112,7 @@ async def group_commit(path: str, total: int, concurrency: int) -> dict:
             await append([body])
             record(clock() - t)
 
-    with CpuWatch() as cpu:
+    with CpuWatch() as cpu, GcWatch() as gcw:
         t0 = time.perf_counter()
         await asyncio.gather(*(one_producer() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
@@ -120,7 +121,7 @@ async def group_commit(path: str, total: int, concurrency: int) -> dict:
     await q.close()
     lat.sort()
     return dict(msgs=per * concurrency, elapsed=elapsed, p50=percentile(lat, 50) * 1e3,
-                p99=percentile(lat, 99) * 1e3, max=lat[-1] * 1e3, stats=stats, cpu=cpu)
+                p99=percentile(lat, 99) * 1e3, max=lat[-1] * 1e3, stats=stats, cpu=cpu, gc=gcw)
 
 
 # ---- 3. batch appends, 4. read ----------------------------------------------------
@@ -146,7 +147,7 @@ async def read_all(q: DiskQueue, max_count: int = 4096) -> dict:
     r = q.reader()
     start = r.offset
     n = 0
-    with CpuWatch() as cpu:
+    with CpuWatch() as cpu, GcWatch() as gcw:
         t0 = time.perf_counter()
         while True:
             records = await r.read(max_count)
@@ -156,7 +157,7 @@ async def read_all(q: DiskQueue, max_count: int = 4096) -> dict:
         elapsed = time.perf_counter() - t0
     nbytes = r.offset - start
     r.close()
-    return dict(msgs=n, bytes=nbytes, elapsed=elapsed, cpu=cpu)
+    return dict(msgs=n, bytes=nbytes, elapsed=elapsed, cpu=cpu, gc=gcw)
 
 
 def drop_page_cache(qdir: str) -> bool:
@@ -310,6 +311,11 @@ async def run_all(cfg: dict, base: str, quick: bool) -> None:
             "mean write+2 syncs per batch (ms)", fmt=".2f")
     rep.add("group_commit_elapsed_s", g["elapsed"], "elapsed (s)", fmt=".2f")
     rep.add("group_commit_cpus_used", g["cpu"].own_cpus, "CPUs used by this process", fmt=".2f")
+    rep.add("group_commit_gc_share", g["gc"].seconds / g["elapsed"],
+            "share of wall time in the cyclic GC", fmt=".3f")
+    rep.add("group_commit_gc_gen2_collections", g["gc"].collections[2], "full (gen 2) GC runs",
+            fmt=",d")
+    rep.add("group_commit_gc_longest_ms", g["gc"].longest * 1e3, "longest GC pause (ms)", fmt=".2f")
     rep.note(f"other CPUs busy: {g['cpu'].other_cpus:.2f}")
     rep.figures["group_commit_other_cpus"] = round(g["cpu"].other_cpus, 2)
 
@@ -345,6 +351,8 @@ async def run_all(cfg: dict, base: str, quick: bool) -> None:
             target=(f">= {TARGET_READ_MSGS:,}", rate >= TARGET_READ_MSGS))
     rep.add("read_mb_per_s", mbps(rd["bytes"], rd["elapsed"]), "MB per second (warm)")
     rep.add("read_cpus_used", rd["cpu"].own_cpus, "CPUs used by this process", fmt=".2f")
+    rep.add("read_gc_share", rd["gc"].seconds / rd["elapsed"], "share of wall time in the cyclic GC",
+            fmt=".3f")
     rep.note(f"other CPUs busy: {rd['cpu'].other_cpus:.2f}")
     rep.figures["read_other_cpus"] = round(rd["cpu"].other_cpus, 2)
     if drop_page_cache(qdir):

@@ -105,9 +105,10 @@ class CommitLog:
         """Append entries; their log ids must continue the log exactly."""
         if not entries:
             return
-        if entries[0].log_id != self.next_log_id:
-            raise ValueError(
-                f"log id {entries[0].log_id} does not follow {self.next_log_id - 1}")
+        for i, entry in enumerate(entries):
+            if entry.log_id != self.next_log_id + i:
+                raise ValueError(
+                    f"log id {entry.log_id} does not follow {self.next_log_id + i - 1}")
         data = b"".join(map(encode, entries))
         self.append_encoded(data, len(entries))
 

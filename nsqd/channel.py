@@ -27,6 +27,7 @@ import structlog
 
 from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
+from diskqueue.segments import MissingSegmentError
 
 from .cursor import Cursor, Slot
 
@@ -138,6 +139,12 @@ class Channel:
                 return
             try:
                 await self._deliver_ready()
+            except MissingSegmentError:
+                q = self.queue
+                log.warning("retention_passed_cursor", topic=self.topic_name,
+                            partition=self.partition, channel=self.name,
+                            confirmed=self.cursor.confirmed, start_offset=q.start_offset)
+                self.seek(q.start_offset, q.start_count)
             except CorruptRecordError as e:
                 self.error = str(e)
                 log.error("corrupt_record", topic=self.topic_name, partition=self.partition,

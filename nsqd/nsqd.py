@@ -29,7 +29,6 @@ log = structlog.get_logger("nsqd")
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
 CHECKPOINT_INTERVAL = 1.0
-RETENTION_INTERVAL = 10.0
 
 
 class NameError_(ValueError):
@@ -230,7 +229,7 @@ class NSQD:
     async def _retention_loop(self) -> None:
         o = self.options
         while True:
-            await asyncio.sleep(RETENTION_INTERVAL)
+            await asyncio.sleep(o.retention_check_interval_ms / 1000)
             for topic in list(self.topics.values()):
                 for p in topic.partitions.values():
                     try:

@@ -53,6 +53,7 @@ class Options:
     mem_queue_size: int = 10000  # accepted for compatibility; every message goes to disk
     retention_max_age_ms: int = 0  # 0: keep what a channel still needs, forever
     retention_max_bytes: int = 0  # 0: no size bound per partition
+    retention_check_interval_ms: int = 10_000
     # messages
     max_msg_size: int = 1024 * 1024
     max_body_size: int = 5 * 1024 * 1024
@@ -101,6 +102,7 @@ _DURATIONS = {
     "max_output_buffer_timeout": "max_output_buffer_timeout_ms",
     "min_output_buffer_timeout": "min_output_buffer_timeout_ms",
     "retention_max_age": "retention_max_age_ms",
+    "retention_check_interval": "retention_check_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate"}

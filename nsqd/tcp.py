@@ -11,6 +11,7 @@ E_* frames; fatal ones close the connection after the frame is written.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import ssl
 import time
@@ -24,6 +25,8 @@ from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
 
 log = structlog.get_logger("nsqd.tcp")
+
+_PUB_COMMANDS = {p.Pub: "PUB", p.Mpub: "MPUB"}
 
 MAX_PENDING = 256  # commands queued behind a slow one before reading pauses
 
@@ -146,6 +149,8 @@ class ClientConnection(asyncio.Protocol):
                 except p.ProtocolError as e:
                     self._fail(e)
                 continue
+            if type(cmd) in _PUB_COMMANDS and self._publish_now(cmd):
+                continue
             self.busy = True
             asyncio.get_running_loop().create_task(self._run_async(cmd))
         if len(self.pending) > MAX_PENDING and not self._paused:
@@ -154,6 +159,38 @@ class ClientConnection(asyncio.Protocol):
         elif self._paused and len(self.pending) < MAX_PENDING // 2:
             self._paused = False
             self.transport.resume_reading()
+
+    def _publish_now(self, cmd) -> bool:
+        """PUB/MPUB to an existing topic, answered from the append's callback: no task.
+
+        Returns False to leave the command to the general (awaited) path."""
+        topic = self.nsqd.topics.get(cmd.topic)
+        o = self.nsqd.options
+        if topic is None or o.tls_required or o.auth_http_address:
+            return False
+        part = topic.partition(cmd.partition)
+        if part is None or part.queue.closed:
+            return False
+        bodies = [cmd.body] if type(cmd) is p.Pub else cmd.bodies
+        self.busy = True
+        part.queue.append(bodies).add_done_callback(
+            functools.partial(self._published, topic, _PUB_COMMANDS[type(cmd)], len(bodies)))
+        return True
+
+    def _published(self, topic, command: str, count: int, fut: asyncio.Future) -> None:
+        self.busy = False
+        exc = fut.exception()
+        if exc is not None:
+            self._fail(p.publish_failed(command, str(exc)))
+        else:
+            self._count_published(topic, count)
+            self.client.write(p.OK)
+        self._drain()
+
+    def _count_published(self, topic, count: int) -> None:
+        topic.message_count += count
+        counts = self.client.pub_counts
+        counts[topic.name] = counts.get(topic.name, 0) + count
 
     async def _run_async(self, cmd) -> None:
         try:
@@ -336,8 +373,7 @@ class ClientConnection(asyncio.Protocol):
             await part.queue.append(bodies, ext=ext)
         except Exception as e:
             raise p.publish_failed(command, str(e)) from None
-        topic.message_count += len(bodies)
-        self.client.pub_counts[topic_name] = self.client.pub_counts.get(topic_name, 0) + len(bodies)
+        self._count_published(topic, len(bodies))
         if reply:
             self.client.write(p.OK)
 

@@ -204,7 +204,8 @@ def test_dpub_limit_is_the_servers():
 
 def test_arguments_nsqd_reads_leniently():
     assert parse(b"RDY\nRDY \nPUB t \n\x00\x00\x00\x01x") == [p.Rdy(1), p.Rdy(0), p.Pub("t", b"x")]
-    assert parse(b"SUB t c -1 extra\r\n") == [p.Sub("t", "c", None)]
+    assert parse(b"SUB t c -1 extra\r\nRDY 5\r\n") == [p.Sub("t", "c", None), p.Rdy(5)]
+    assert error_of(b"RDY 5\r\r\n").text == "E_INVALID RDY could not parse count 5\r"
     assert parse(b"REQ \xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8\xf7\xf6\xf5\xf4\xf3\xf2\xf1\xf0 \n") == \
         [p.Req(bytes(range(0xff, 0xef, -1)), 0)]  # any 16 bytes; an empty timeout reads as 0
     assert parse(b"NOP x\nCLS y\n") == [p.Nop(), p.Cls()]
@@ -270,9 +271,9 @@ def test_state_check_runs_before_the_arguments():
 
 def test_fatal_errors_are_sticky():
     parser = p.CommandParser()
-    parser.feed(b"  V1")
+    parser.feed(p.MAGIC_V2 + b"FOO\nNOP\n")
     for _ in range(2):
-        with pytest.raises(p.ProtocolError, match="^E_BAD_PROTOCOL$"):
+        with pytest.raises(p.ProtocolError, match="^E_INVALID invalid command FOO$"):
             list(parser.commands())
 
 
