@@ -1,0 +1,177 @@
+"""Channel behaviour through a real in-process nsqd over real sockets."""
+
+import asyncio
+import os
+
+import pytest
+
+from nsqclient.conn import Connection
+from nsqd.nsqd import NSQD
+from nsqd.options import Options
+
+
+@pytest.fixture
+async def node(tmp_path):
+    def make(**kw):
+        opts = Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                       data_path=str(tmp_path / "data"), log_level="warning", **kw)
+        return NSQD(opts)
+
+    started = []
+
+    async def start(**kw):
+        n = make(**kw)
+        await n.start()
+        started.append(n)
+        return n
+
+    yield start
+    for n in started:
+        await n.stop()
+
+
+async def connect(n, **identify):
+    return await Connection("127.0.0.1", n.tcp_port).connect(identify or None)
+
+
+async def take(conn, count, timeout=5.0):
+    return [await asyncio.wait_for(conn.messages.get(), timeout) for _ in range(count)]
+
+
+async def nothing_arrives(conn, wait=0.5):
+    try:
+        m = await asyncio.wait_for(conn.messages.get(), wait)
+    except asyncio.TimeoutError:
+        return True
+    raise AssertionError(f"unexpected delivery {m.body!r}")
+
+
+async def test_first_channel_gets_backlog_later_channel_starts_at_end(node):
+    n = await node()
+    pub = await connect(n)
+    await pub.mpub("t", [b"early1", b"early2"])
+    first = await connect(n)
+    await first.sub("t", "first", rdy=10)
+    assert [m.body for m in await take(first, 2)] == [b"early1", b"early2"]
+    second = await connect(n)
+    await second.sub("t", "second", rdy=10)
+    await pub.pub("t", b"late")
+    assert [m.body for m in await take(second, 1)] == [b"late"]
+    assert [m.body for m in await take(first, 1)] == [b"late"]
+    await nothing_arrives(second)
+
+
+async def test_consumers_of_one_channel_share_the_messages(node):
+    n = await node()
+    a, b = await connect(n), await connect(n)
+    await a.sub("t", "c", rdy=5)
+    await b.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    bodies = [b"m%d" % i for i in range(200)]
+    await pub.mpub("t", bodies)
+    seen_a, seen_b = [], []
+    while len(seen_a) + len(seen_b) < 200:
+        for conn, seen in ((a, seen_a), (b, seen_b)):
+            while not conn.messages.empty():
+                m = conn.messages.get_nowait()
+                seen.append(m.body)
+                m.fin()
+        await asyncio.sleep(0.01)
+    assert sorted(seen_a + seen_b) == sorted(bodies)
+    assert seen_a and seen_b, "both consumers must receive some messages"
+    await nothing_arrives(a, 0.3)
+
+
+async def test_req_with_delay_redelivers_with_attempts(node):
+    n = await node()
+    c = await connect(n)
+    await c.sub("t", "c", rdy=1)
+    pub = await connect(n)
+    await pub.pub("t", b"x")
+    (m,) = await take(c, 1)
+    assert m.attempts == 1
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    m.req(300)
+    (again,) = await take(c, 1)
+    assert again.body == b"x" and again.attempts == 2 and again.id == m.id
+    assert loop.time() - t0 >= 0.29
+
+
+async def test_timeout_requeues_and_touch_extends(node):
+    n = await node()
+    c = await connect(n, msg_timeout=1000)
+    await c.sub("t", "c", rdy=2)
+    pub = await connect(n)
+    await pub.mpub("t", [b"touched", b"forgotten"])
+    msgs = {m.body: m for m in await take(c, 2)}
+    for _ in range(4):
+        await asyncio.sleep(0.4)
+        msgs[b"touched"].touch()
+    (back,) = await take(c, 1, timeout=3)
+    assert back.body == b"forgotten" and back.attempts == 2
+    assert n.topics["t"].partitions[0].channels["c"].timeout_count == 1
+
+
+async def test_confirm_window_bounds_fresh_reads(node):
+    n = await node(max_channel_window=10)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=100)
+    pub = await connect(n)
+    await pub.mpub("t", [b"%d" % i for i in range(50)])
+    first = await take(c, 10)
+    await nothing_arrives(c, 0.4)
+    for m in first[1:]:
+        m.fin()  # the first stays unfinished: the window cannot move past it
+    await nothing_arrives(c, 0.4)
+    first[0].fin()
+    more = await take(c, 10)
+    assert [m.body for m in more] == [b"%d" % i for i in range(10, 20)]
+
+
+async def test_retention_keeps_what_a_channel_needs(node, tmp_path):
+    n = await node(segment_bytes=4096, retention_check_interval_ms=100)
+    fast, slow = await connect(n), await connect(n)
+    await fast.sub("t", "fast", rdy=500)
+    await slow.sub("t", "slow", rdy=0)
+    pub = await connect(n)
+    for _ in range(20):  # a batch is never split, so 20 writes of ~2.4 KB: ~12 segments
+        await pub.mpub("t", [b"y" * 200 for _ in range(10)])
+    for m in await take(fast, 200):
+        m.fin()
+    seg_dir = os.path.join(str(tmp_path / "data"), "t", "0", "data")
+    await asyncio.sleep(0.5)
+    assert len(os.listdir(seg_dir)) > 10, "segments the slow channel needs were dropped"
+    slow.rdy(500)
+    for m in await take(slow, 200):
+        m.fin()
+    await asyncio.sleep(0.8)
+    assert len(os.listdir(seg_dir)) == 1, "confirmed segments were not dropped"
+
+
+async def test_ephemeral_channel_goes_with_its_last_client(node):
+    n = await node()
+    c = await connect(n)
+    await c.sub("t", "tmp#ephemeral", rdy=1)
+    assert "tmp#ephemeral" in n.topics["t"].partitions[0].channels
+    await c.close()
+    for _ in range(50):
+        if "tmp#ephemeral" not in n.topics["t"].partitions[0].channels:
+            break
+        await asyncio.sleep(0.02)
+    assert "tmp#ephemeral" not in n.topics["t"].partitions[0].channels
+
+
+async def test_dpub_is_delivered_after_its_delay(node):
+    n = await node()
+    c = await connect(n)
+    await c.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await pub.dpub("t", 400, b"later")
+    await pub.pub("t", b"now")
+    (first,) = await take(c, 1)
+    assert first.body == b"now"
+    (second,) = await take(c, 1)
+    assert second.body == b"later" and loop.time() - t0 >= 0.39
