@@ -59,7 +59,11 @@ class ClientConnection(asyncio.Protocol):
     def __init__(self, nsqd):
         self.nsqd = nsqd
         o = nsqd.options
-        self.parser = p.CommandParser(max_msg_size=o.max_msg_size, max_body_size=o.max_body_size)
+        # DPUB's limit (ours) is --max-req-timeout, checked by the parser and again in _dpub.
+        self.parser = p.CommandParser(max_msg_size=o.max_msg_size, max_body_size=o.max_body_size,
+                                      max_defer_ms=o.max_req_timeout_ms,
+                                      state_check=self._state_check)
+        self._parse_state = self.INIT  # the state the next parsed command will run in
         self.pending: deque = deque()
         self.busy = False
         self.state = self.INIT
@@ -113,12 +117,33 @@ class ClientConnection(asyncio.Protocol):
             try:
                 for cmd in self.parser.commands():
                     self.pending.append(cmd)
+                    if isinstance(cmd, (p.Sub, p.SubOrdered, p.SubAdvanced)):
+                        self._parse_state = self.SUBSCRIBED
+                    elif isinstance(cmd, p.Cls):
+                        self._parse_state = self.CLOSING
                 return
             except p.ProtocolError as e:
                 self.pending.append(e)
                 if e.fatal:
                     self._parser_dead = True
                     return
+
+    def _state_check(self, name: str) -> None:
+        """nsqd checks the state before the arguments: "RDY abc" before SUB is "cannot RDY
+        in current state". Runs at parse time against the state the command will run in:
+        SUB and CLS either succeed or fail fatally, so predicting their effect is exact.
+        The handlers check the state again when the command runs."""
+        state = self._parse_state
+        if name in ("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"):
+            ok = state == self.INIT
+        elif name in ("RDY", "FIN", "REQ", "TOUCH"):
+            ok = state != self.INIT
+        elif name == "CLS":
+            ok = state == self.SUBSCRIBED
+        else:
+            return
+        if not ok:
+            raise p.invalid_state(name)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -217,7 +242,10 @@ class ClientConnection(asyncio.Protocol):
 
     def _on_heartbeat(self) -> None:
         interval = self.client.settings.heartbeat_interval_ms / 1000
-        if time.monotonic() - self._last_read > 2 * interval:
+        # Like nsqd, a silent client still gets its second heartbeat (reference
+        # case "heartbeat"); it is dropped at the next tick. The half interval
+        # of slack keeps timer jitter from eating the second heartbeat.
+        if time.monotonic() - self._last_read > 2.5 * interval:
             log.info("heartbeat_missed", client=self.client.remote_address)
             self.transport.close()
             return
@@ -350,6 +378,8 @@ class ClientConnection(asyncio.Protocol):
     async def _sub(self, cmd: p.Sub) -> None:
         if self.state != self.INIT:
             raise p.invalid_state("SUB")
+        if self.client.settings.heartbeat_interval_ms <= 0:  # as nsqd: no SUB without heartbeats
+            raise p.heartbeats_disabled()
         self._check_tls("SUB")
         self._check_auth("SUB", cmd.topic, cmd.channel)
         channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
