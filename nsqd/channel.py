@@ -29,7 +29,7 @@ from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
 
-from .cursor import Cursor, Slot
+from .cursor import Cursor
 
 log = structlog.get_logger("nsqd.channel")
 
@@ -38,19 +38,22 @@ DEFER_KEY = "##defer_until_ms"
 
 
 class Message:
-    """A message taken from the log, with its delivery state."""
+    """A message taken from the log, with its delivery state; also its own cursor Slot
+    (offset, end, count, done), so taking a message costs one object."""
 
-    __slots__ = ("msg_id", "timestamp", "attempts", "body", "ext", "slot", "deadline", "client",
-                 "first_delivered")
+    __slots__ = ("offset", "end", "count", "done", "msg_id", "timestamp", "attempts", "body",
+                 "ext", "deadline", "client", "first_delivered")
 
-    def __init__(self, msg_id: int, timestamp: int, attempts: int, body: bytes, ext: bytes,
-                 slot: Slot):
-        self.msg_id = msg_id
-        self.timestamp = timestamp
-        self.attempts = attempts
-        self.body = body
-        self.ext = ext
-        self.slot = slot
+    def __init__(self, rec):
+        self.offset = rec.offset
+        self.end = rec.offset + rec.size
+        self.count = rec.msg_id & SEQUENCE_MASK
+        self.done = False
+        self.msg_id = rec.msg_id
+        self.timestamp = rec.timestamp
+        self.attempts = rec.attempts
+        self.body = rec.body
+        self.ext = rec.ext
         self.deadline = 0.0
         self.client = None
         self.first_delivered = 0.0
@@ -169,10 +172,10 @@ class Channel:
                        self.read_batch)
             if room > 0:
                 self.error = None
+                take = self.cursor.take
                 for rec in await self._reader.read(room):
-                    slot = self.cursor.take(rec.offset, rec.offset + rec.size,
-                                            rec.msg_id & SEQUENCE_MASK)
-                    msg = Message(rec.msg_id, rec.timestamp, rec.attempts, rec.body, rec.ext, slot)
+                    msg = Message(rec)
+                    take(msg)
                     if rec.ext and self._defer_if_due_later(msg):
                         continue
                     msgs.append(msg)
@@ -218,7 +221,7 @@ class Channel:
 
     def finish(self, msg: Message) -> None:
         """A message is done (FIN, or skipped by sampling)."""
-        self.cursor.finish(msg.slot)
+        self.cursor.finish(msg)
         self.finish_count += 1
         self.dirty = True
         self._wake.set()

@@ -17,7 +17,7 @@ from collections import deque
 
 
 class Slot:
-    """One taken message's place in the window."""
+    """One taken message's place in the window (the channel's Message is one too)."""
 
     __slots__ = ("offset", "end", "count", "done")
 
@@ -38,15 +38,14 @@ class Cursor:
         self.confirmed_count = self.next_count = count
         self._window: deque[Slot] = deque()
 
-    def take(self, offset: int, end: int, count: int) -> Slot:
-        """Register the fresh message at `offset` (which must be `next_read`)."""
-        if offset != self.next_read:
-            raise ValueError(f"take at {offset} but next_read is {self.next_read}")
-        slot = Slot(offset, end, count)
+    def take(self, slot) -> None:
+        """Register a fresh message (`offset`, `end`, `count`, `done` attributes, like Slot):
+        its offset must be `next_read`."""
+        if slot.offset != self.next_read:
+            raise ValueError(f"take at {slot.offset} but next_read is {self.next_read}")
         self._window.append(slot)
-        self.next_read = end
-        self.next_count = count + 1
-        return slot
+        self.next_read = slot.end
+        self.next_count = slot.count + 1
 
     def finish(self, slot: Slot) -> None:
         """Mark a taken message finished and move `confirmed` over every finished prefix."""

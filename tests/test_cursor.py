@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from nsqd.cursor import Cursor
+from nsqd.cursor import Cursor, Slot
 
 
 def model_confirmed(sizes, finished, start):
@@ -22,7 +22,8 @@ def test_confirmed_is_first_unfinished_in_any_order(sizes, data):
     cursor = Cursor(start, start_count)
     slots, offset = [], start
     for i, size in enumerate(sizes):
-        slots.append(cursor.take(offset, offset + size, start_count + i))
+        slots.append(Slot(offset, offset + size, start_count + i))
+        cursor.take(slots[-1])
         offset += size
     assert cursor.next_read == offset and cursor.next_count == start_count + len(sizes)
     order = data.draw(st.permutations(range(len(sizes))))
@@ -41,9 +42,9 @@ def test_confirmed_is_first_unfinished_in_any_order(sizes, data):
 
 def test_take_must_continue_next_read():
     cursor = Cursor(0, 0)
-    cursor.take(0, 10, 0)
+    cursor.take(Slot(0, 10, 0))
     try:
-        cursor.take(20, 30, 1)
+        cursor.take(Slot(20, 30, 1))
     except ValueError:
         pass
     else:
@@ -52,7 +53,8 @@ def test_take_must_continue_next_read():
 
 def test_finish_after_reset_does_not_move_the_new_cursor():
     cursor = Cursor(0, 0)
-    old = cursor.take(0, 10, 0)
+    old = Slot(0, 10, 0)
+    cursor.take(old)
     cursor.reset(500, 50)
     cursor.finish(old)
     assert (cursor.confirmed, cursor.confirmed_count, cursor.next_read) == (500, 50, 500)
