@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import errno
 import os
 import time
@@ -42,6 +43,11 @@ log = structlog.get_logger("diskqueue")
 PARTITION_SHIFT = 50
 _new = tuple.__new__
 META_FILE = "meta.json"
+# Upper bounds of the group-commit histograms in `DiskQueue.histograms` (one slot per
+# bound, plus one for larger values; counts per slot, not cumulative): messages per
+# written batch, and seconds per sync.
+BATCH_MESSAGES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+SYNC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class AppendError(Exception):
@@ -130,6 +136,8 @@ class DiskQueue:
         self.start_count = 0
         self.corrupt: list[tuple[int, str]] = []
         self.stats = {"batches": 0, "syncs": 0, "batch_messages_total": 0, "sync_seconds_total": 0.0}
+        self.histograms = {"batch_messages": [0] * (len(BATCH_MESSAGES_BUCKETS) + 1),
+                           "sync_seconds": [0] * (len(SYNC_SECONDS_BUCKETS) + 1)}
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -249,8 +257,10 @@ class DiskQueue:
         t0 = time.perf_counter()
         async with self._io_lock:
             await _write_off_loop(self._sync_sync)
+        elapsed = time.perf_counter() - t0
         self.stats["syncs"] += 1
-        self.stats["sync_seconds_total"] += time.perf_counter() - t0
+        self.stats["sync_seconds_total"] += elapsed
+        self.histograms["sync_seconds"][bisect.bisect_left(SYNC_SECONDS_BUCKETS, elapsed)] += 1
         self._unsynced_messages = 0
         if not self.options.auto_commit:
             return
@@ -277,9 +287,13 @@ class DiskQueue:
             return
         self.stats["batches"] += 1
         self.stats["batch_messages_total"] += batch.count
+        self.histograms["batch_messages"][
+            bisect.bisect_left(BATCH_MESSAGES_BUCKETS, batch.count)] += 1
         if sync_now:
+            elapsed = time.perf_counter() - t0
             self.stats["syncs"] += 1
-            self.stats["sync_seconds_total"] += time.perf_counter() - t0
+            self.stats["sync_seconds_total"] += elapsed
+            self.histograms["sync_seconds"][bisect.bisect_left(SYNC_SECONDS_BUCKETS, elapsed)] += 1
         self._last_ts = ts
         self.written_end += len(data)
         self.written_count = seq

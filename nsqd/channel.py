@@ -59,6 +59,13 @@ class Message:
         self.first_delivered = 0.0
 
 
+def defer_ext(defer_ms: int) -> bytes:
+    """The ext header of a deferred publish (DPUB, HTTP /pub?defer=): due now + defer_ms."""
+    if not defer_ms:
+        return b""
+    return json.dumps({DEFER_KEY: int(time.time() * 1000) + defer_ms}).encode()
+
+
 def defer_until_ms(ext: bytes) -> int:
     """The due time (unix ms) a DPUB stored in the record's ext header, or 0."""
     try:
@@ -91,6 +98,7 @@ class Channel:
         self._task: asyncio.Task | None = None
         self.error: str | None = None
         self.message_count = 0  # deliveries of fresh messages
+        self.opened_count = confirmed_count  # history count at open: /stats message_count base
         self.requeue_count = 0
         self.timeout_count = 0
         self.finish_count = 0

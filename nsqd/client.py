@@ -40,6 +40,7 @@ class Client:
         self.tls = False
         self._transport = None
         self._compress = None
+        self.bytes_out = 0  # handed to the transport; minus its buffer: what the kernel took
 
     @property
     def msg_timeout(self) -> float:
@@ -63,6 +64,7 @@ class Client:
             return
         if self._compress is not None:
             data = self._compress(data)
+        self.bytes_out += len(data)
         self._transport.write(data)
 
     def deliver(self, channel, msgs: list, now: float) -> None:

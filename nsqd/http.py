@@ -1,11 +1,604 @@
-"""HTTP API (placeholder until the full API lands): /ping only."""
+"""The HTTP API (port 4151): classic nsqd v1.3.0 endpoints, byte for byte where
+tests/data/nsqd-v1.3.0.json records them, plus /metrics and the partition argument.
 
-from aiohttp import web
+One catch-all aiohttp route dispatches through ROUTES, so unknown paths answer
+404 `{"message":"NOT_FOUND"}` and known paths with another method 405
+`{"message":"METHOD_NOT_ALLOWED"}` (with `Allow`), as httprouter does for nsqd.
+
+Responses follow nsqd's V1 decorator: a string body is sent as
+`text/plain; charset=utf-8`, nothing as an empty body without Content-Type, a
+dict or list as compact JSON (`application/json; charset=utf-8`, `<>&` escaped
+as Go does); errors are `{"message":"CODE"}` with the classic status; every V1
+answer carries `X-NSQ-Content-Type: nsq; version=1.0`. v1.3.0 answers this way
+whether or not `Accept: application/vnd.nsq; version=1.0` is sent (the reference
+records both), so the legacy `{"status_code","status_txt","data"}` wrapper of
+older nsqd is not implemented.
+
+Bodies are read with a bound: never more than the limit + 1 bytes are buffered
+(max_msg_size for /pub and PUT /config, max_body_size for /mpub), and a
+Content-Length above the limit is refused before reading.
+
+/pub and /mpub take the same durable path as TCP PUB/MPUB/DPUB (Topic.publish:
+the partition's DiskQueue.append is awaited before `OK`); `defer=` uses the same
+ext header as DPUB (channel.defer_ext), with DPUB's limit (--max-req-timeout).
+
+Ours, beyond classic:
+- `partition=` on /pub, /mpub and the /channel/* actions (default: partition 0
+  for publishing, every partition for channel actions); an unparsable or unknown
+  partition is 400 `BAD_PARTITION` (TCP: E_BAD_PARTITION).
+- Storage failures: 503 `EXITING` when the log is closing (as classic), 503
+  `PUB_FAILED`/`MPUB_FAILED` for other write errors (disk full), 413 `MSG_TOO_BIG`
+  when a body exceeds what one record can hold.
+- A body that cannot be read (truncated chunked body) is 400 `BAD_BODY` (classic:
+  500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
+- /mpub parses the body before it creates the topic (classic creates it first), so
+  a refused /mpub leaves no new topic behind; the errors and their order are classic.
+- /topic/empty empties what the topic holds for channels that do not exist yet
+  (Partition.empty); a channel keeps its messages, as in classic nsqd.
+- GET /config/<option> answers any option by its flag name (durations in ns as Go
+  prints time.Duration); PUT accepts nsqlookupd_tcp_addresses (stored in
+  options.lookupd_tcp_address). PUT log_level is refused with INVALID_OPTION:
+  structlog loggers are cached on first use (logs.py), so a level change would
+  not reach them.
+- GET /metrics: Prometheus text (metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import socket
+from urllib.parse import unquote_to_bytes
+
+import structlog
+from aiohttp import ClientError, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from diskqueue.queue import QueueClosedError
+
+from . import metrics, stats
+from .channel import defer_ext
+from .nsqd import NameError_
+from .options import _DURATIONS
+from .protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
+from .topic import PartitionNotFound
+
+log = structlog.get_logger("nsqd.http")
+
+NSQD_KEY = web.AppKey("nsqd", object)
+_V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+_BAD_ESCAPE = re.compile(r"%(?![0-9a-fA-F]{2})")
+_INT = re.compile(r"[+-]?[0-9]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.IncompleteReadError,
+                OSError)
+
+
+class HTTPError(Exception):
+    """An answer `{"message": code}` with an HTTP status."""
+
+    def __init__(self, status: int, code: str):
+        super().__init__(code)
+        self.status = status
+        self.code = code
+
+
+# ---- encoding ----------------------------------------------------------------
+
+
+def go_json(data) -> bytes:
+    """JSON as Go's encoding/json writes it: compact, UTF-8, with <, >, & escaped and
+    what is not valid UTF-8 (lone surrogates, e.g. from a client's IDENTIFY) as U+FFFD."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    text = (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+    return utf8(text)
+
+
+def utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text).encode("utf-8")
+
+
+def respond_v1(status: int, data) -> web.Response:
+    """nsqd's RespondV1: str as text, None as an empty body, anything else as JSON."""
+    if status != 200:
+        return web.Response(status=status, body=go_json({"message": str(data)}),
+                            content_type="application/json", charset="utf-8",
+                            headers=_V1_HEADER)
+    if data is None:
+        return web.Response(status=200, headers=_V1_HEADER)
+    if isinstance(data, str):
+        return web.Response(status=200, body=utf8(data), content_type="text/plain",
+                            charset="utf-8", headers=_V1_HEADER)
+    return web.Response(status=200, body=go_json(data), content_type="application/json",
+                        charset="utf-8", headers=_V1_HEADER)
+
+
+# ---- request arguments --------------------------------------------------------
+
+
+def parse_query(raw: str) -> dict[str, list[str]]:
+    """Go's url.ParseQuery: `+` is a space, a bad %-escape or a `;` is an error (ValueError)."""
+    out: dict[str, list[str]] = {}
+    for part in raw.split("&"):
+        if not part:
+            continue
+        if ";" in part:
+            raise ValueError("invalid semicolon separator in query")
+        key, _, value = part.partition("=")
+        out.setdefault(_unescape(key), []).append(_unescape(value))
+    return out
+
+
+def _unescape(text: str) -> str:
+    if _BAD_ESCAPE.search(text):
+        raise ValueError(f"invalid URL escape in {text!r}")
+    return unquote_to_bytes(text.replace("+", " ")).decode("utf-8", "surrogateescape")
+
+
+def query(request: web.Request) -> dict[str, list[str]]:
+    try:
+        return parse_query(request.rel_url.raw_query_string)
+    except ValueError:
+        raise HTTPError(400, "INVALID_REQUEST") from None
+
+
+def arg(params: dict[str, list[str]], name: str) -> str | None:
+    values = params.get(name)
+    return values[0] if values else None
+
+
+def topic_arg(params) -> str:
+    """getTopicFromQuery: the topic name, present and valid."""
+    name = arg(params, "topic")
+    if name is None:
+        raise HTTPError(400, "MISSING_ARG_TOPIC")
+    if not valid_topic_name(name):
+        raise HTTPError(400, "INVALID_TOPIC")
+    return name
+
+
+def topic_channel_args(params) -> tuple[str, str]:
+    """http_api.GetTopicChannelArgs."""
+    topic = arg(params, "topic")
+    if topic is None:
+        raise HTTPError(400, "MISSING_ARG_TOPIC")
+    if not valid_topic_name(topic):
+        raise HTTPError(400, "INVALID_ARG_TOPIC")
+    channel = arg(params, "channel")
+    if channel is None:
+        raise HTTPError(400, "MISSING_ARG_CHANNEL")
+    if not valid_channel_name(channel):
+        raise HTTPError(400, "INVALID_ARG_CHANNEL")
+    return topic, channel
+
+
+def partition_arg(params) -> int | None:
+    raw = arg(params, "partition")
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) > MAX_PARTITION:
+        raise HTTPError(400, "BAD_PARTITION")
+    return int(raw)
+
+
+def defer_arg(params, max_ms: int) -> int:
+    raw = arg(params, "defer")
+    if raw is None:
+        return 0
+    if not _INT.fullmatch(raw):
+        raise HTTPError(400, "INVALID_DEFER")
+    value = int(raw)
+    if not 0 <= value <= max_ms:
+        raise HTTPError(400, "INVALID_DEFER")
+    return value
+
+
+def bool_arg(params, name: str, default: bool, unknown: bool) -> bool:
+    raw = arg(params, name)
+    if raw is None:
+        return default
+    return _BOOLS.get(raw, unknown)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes | None:
+    """The body, or None when it is longer than `limit` (at most limit + 1 bytes are read)."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    buf = bytearray()
+    try:
+        while len(buf) <= limit:
+            chunk = await request.content.read(limit + 1 - len(buf))
+            if not chunk:
+                break
+            buf += chunk
+    except _BODY_ERRORS as e:  # truncated or malformed body, or the peer went away
+        raise HTTPError(400, "BAD_BODY") from e
+    return None if len(buf) > limit else bytes(buf)
+
+
+def parse_mpub_binary(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
+    """nsqd's readMPUB: [4-byte count] then [4-byte size][bytes] each; errors are 413."""
+    if len(body) < 4:
+        raise HTTPError(413, "BAD_BODY")
+    count = int.from_bytes(body[:4], "big", signed=True)
+    if count <= 0 or count > (max_body_size - 4) // 5:
+        raise HTTPError(413, "BAD_BODY")
+    out = []
+    pos = 4
+    for _ in range(count):
+        if pos + 4 > len(body):
+            raise HTTPError(413, "BAD_MESSAGE")
+        size = int.from_bytes(body[pos:pos + 4], "big", signed=True)
+        if size <= 0 or size > max_msg_size:
+            raise HTTPError(413, "BAD_MESSAGE")
+        pos += 4
+        if pos + size > len(body):
+            raise HTTPError(413, "BAD_MESSAGE")
+        out.append(body[pos:pos + size])
+        pos += size
+    return out
+
+
+def parse_mpub_text(body: bytes, max_msg_size: int) -> list[bytes]:
+    """Newline-separated messages; empty lines are skipped (as nsqd since 0.2.22)."""
+    out = []
+    for line in body.split(b"\n"):
+        if not line:
+            continue
+        if len(line) > max_msg_size:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        out.append(line)
+    return out
+
+
+# ---- the node's operations ------------------------------------------------------
+
+
+async def _get_topic(nsqd, name: str):
+    try:
+        return await nsqd.get_topic(name)
+    except NameError_:
+        raise HTTPError(400, "INVALID_TOPIC") from None
+
+
+async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
+                  ext: bytes = b"") -> None:
+    existing = nsqd.topics.get(name)
+    if partition is not None and (partition != 0 if existing is None
+                                  else existing.partition(partition) is None):
+        raise HTTPError(400, "BAD_PARTITION")  # checked before a new topic is made
+    topic = await _get_topic(nsqd, name)
+    if not bodies:
+        return
+    try:
+        await topic.publish(bodies, partition, ext)
+    except PartitionNotFound:
+        raise HTTPError(400, "BAD_PARTITION") from None
+    except QueueClosedError:
+        raise HTTPError(503, "EXITING") from None
+    except ValueError:
+        raise HTTPError(413, "MSG_TOO_BIG") from None
+    except Exception as e:
+        log.error("publish_failed", topic=name, partition=partition, error=str(e))
+        raise HTTPError(503, f"{command}_FAILED") from None
+
+
+def _existing_topic(nsqd, name: str):
+    topic = nsqd.topics.get(name)
+    if topic is None:
+        raise HTTPError(404, "TOPIC_NOT_FOUND")
+    return topic
+
+
+def _partitions(topic, params) -> list:
+    number = partition_arg(params)
+    if number is None:
+        return [topic.partitions[n] for n in sorted(topic.partitions)]
+    p = topic.partitions.get(number)
+    if p is None:
+        raise HTTPError(400, "BAD_PARTITION")
+    return [p]
+
+
+def _existing_channels(topic, params, channel_name: str) -> list:
+    channels = [p.channels[channel_name] for p in _partitions(topic, params)
+                if channel_name in p.channels]
+    if not channels:
+        raise HTTPError(404, "CHANNEL_NOT_FOUND")
+    return channels
+
+
+async def _persist_topic(nsqd, topic) -> None:
+    nsqd._store_topic(topic)
+    await nsqd.meta.flush()
+
+
+async def _persist_channels(nsqd, channels) -> None:
+    for c in channels:
+        nsqd._store_channel(c)
+    await nsqd.meta.flush()
+
+
+# ---- handlers: (nsqd, request) -> str | None | JSON data; errors raise HTTPError ----
+
+
+async def do_info(nsqd, request):
+    o = nsqd.options
+    return {
+        "version": nsqd.version,
+        "broadcast_address": o.broadcast_address,
+        "hostname": socket.gethostname(),
+        "http_port": nsqd.http_port,
+        "tcp_port": nsqd.tcp_port,
+        "start_time": int(nsqd.start_time),
+        "max_heartbeat_interval": o.max_heartbeat_interval_ms * 1_000_000,
+        "max_output_buffer_size": o.max_output_buffer_size,
+        "max_output_buffer_timeout": o.max_output_buffer_timeout_ms * 1_000_000,
+        "max_deflate_level": o.max_deflate_level,
+    }
+
+
+async def do_stats(nsqd, request):
+    params = query(request)
+    doc = stats.node_stats(
+        nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
+        include_clients=bool_arg(params, "include_clients", True, True),
+        include_mem=bool_arg(params, "include_mem", True, True))
+    if arg(params, "format") == "json":
+        return doc
+    return stats.render_text(doc)
+
+
+async def do_pub(nsqd, request):
+    o = nsqd.options
+    body = await read_body(request, o.max_msg_size)
+    if body is None:
+        raise HTTPError(413, "MSG_TOO_BIG")
+    if not body:
+        raise HTTPError(400, "MSG_EMPTY")
+    params = query(request)
+    name = topic_arg(params)
+    defer_ms = defer_arg(params, o.max_req_timeout_ms)
+    partition = partition_arg(params)
+    await publish(nsqd, "PUB", name, [body], partition, defer_ext(defer_ms))
+    return "OK"
+
+
+async def do_mpub(nsqd, request):
+    o = nsqd.options
+    if request.content_length is not None and request.content_length > o.max_body_size:
+        raise HTTPError(413, "BODY_TOO_BIG")
+    params = query(request)
+    name = topic_arg(params)
+    partition = partition_arg(params)
+    binary = bool_arg(params, "binary", False, True)  # unrecognized values mean binary
+    body = await read_body(request, o.max_body_size)
+    if body is None:
+        raise HTTPError(413, "BODY_TOO_BIG")
+    if binary:
+        bodies = parse_mpub_binary(body, o.max_msg_size, o.max_body_size)
+    else:
+        bodies = parse_mpub_text(body, o.max_msg_size)
+    await publish(nsqd, "MPUB", name, bodies, partition)
+    return "OK"
+
+
+async def do_topic_create(nsqd, request):
+    await _get_topic(nsqd, topic_arg(query(request)))
+    return None
+
+
+async def do_topic_delete(nsqd, request):
+    name = arg(query(request), "topic")
+    if name is None:
+        raise HTTPError(400, "MISSING_ARG_TOPIC")
+    if not await nsqd.delete_topic(name):
+        raise HTTPError(404, "TOPIC_NOT_FOUND")
+    return None
+
+
+async def do_topic_empty(nsqd, request):
+    topic = _existing_topic(nsqd, topic_arg(query(request)))
+    await topic.empty()
+    await _persist_topic(nsqd, topic)
+    return None
+
+
+async def _topic_pause(nsqd, request, pause: bool):
+    name = arg(query(request), "topic")
+    if name is None:
+        raise HTTPError(400, "MISSING_ARG_TOPIC")
+    topic = _existing_topic(nsqd, name)
+    if pause:
+        topic.pause()
+    else:
+        topic.unpause()
+    await _persist_topic(nsqd, topic)
+    return None
+
+
+async def do_topic_pause(nsqd, request):
+    return await _topic_pause(nsqd, request, True)
+
+
+async def do_topic_unpause(nsqd, request):
+    return await _topic_pause(nsqd, request, False)
+
+
+def _topic_channel(nsqd, request):
+    params = query(request)
+    topic_name, channel_name = topic_channel_args(params)
+    return params, _existing_topic(nsqd, topic_name), channel_name
+
+
+async def do_channel_create(nsqd, request):
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    for p in _partitions(topic, params):
+        try:
+            await nsqd.get_channel(topic.name, channel_name, p.number)
+        except NameError_:
+            raise HTTPError(400, "INVALID_ARG_CHANNEL") from None
+    return None
+
+
+async def do_channel_delete(nsqd, request):
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    channels = _existing_channels(topic, params, channel_name)
+    for c in channels:
+        await nsqd.delete_channel(topic.name, channel_name, c.partition)
+    return None
+
+
+async def do_channel_empty(nsqd, request):
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    channels = _existing_channels(topic, params, channel_name)
+    for c in channels:
+        c.empty()
+    await _persist_channels(nsqd, channels)
+    return None
+
+
+async def _channel_pause(nsqd, request, pause: bool):
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    channels = _existing_channels(topic, params, channel_name)
+    for c in channels:
+        if pause:
+            c.pause()
+        else:
+            c.unpause()
+    await _persist_channels(nsqd, channels)
+    return None
+
+
+async def do_channel_pause(nsqd, request):
+    return await _channel_pause(nsqd, request, True)
+
+
+async def do_channel_unpause(nsqd, request):
+    return await _channel_pause(nsqd, request, False)
+
+
+# Classic config names that differ from our option names.
+_CONFIG_NAMES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address"}
+_DURATION_FIELDS = {v: k for k, v in _DURATIONS.items()}  # field_ms -> flag name
+
+
+def config_value(options, name: str):
+    """An option by its classic config name (durations in ns), or raise INVALID_OPTION."""
+    field = _CONFIG_NAMES.get(name, name)
+    if field in _DURATIONS:
+        return getattr(options, _DURATIONS[field]) * 1_000_000
+    if field in _DURATION_FIELDS or field not in {f.name for f in dataclasses.fields(options)}:
+        raise HTTPError(400, "INVALID_OPTION")
+    return getattr(options, field)
+
+
+async def do_config(nsqd, request, name: str):
+    o = nsqd.options
+    if request.method == "PUT":
+        body = await read_body(request, o.max_msg_size)
+        if not body:  # too long (None) or empty
+            raise HTTPError(413, "INVALID_VALUE")
+        if name != "nsqlookupd_tcp_addresses":
+            raise HTTPError(400, "INVALID_OPTION")
+        try:
+            value = json.loads(body)
+        except ValueError:
+            raise HTTPError(400, "INVALID_VALUE") from None
+        if value is None:
+            value = []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise HTTPError(400, "INVALID_VALUE")
+        o.lookupd_tcp_address = value
+        log.info("config_changed", option=name, value=value)
+    return config_value(o, name)
+
+
+async def do_metrics(nsqd, request):
+    doc = stats.node_stats(nsqd, include_clients=True, include_mem=False)
+    return web.Response(text=metrics.render(doc), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+
+# ---- routing ---------------------------------------------------------------------
+
+ROUTES = {
+    "/info": {"GET": do_info},
+    "/stats": {"GET": do_stats},
+    "/pub": {"POST": do_pub},
+    "/mpub": {"POST": do_mpub},
+    "/topic/create": {"POST": do_topic_create},
+    "/topic/delete": {"POST": do_topic_delete},
+    "/topic/empty": {"POST": do_topic_empty},
+    "/topic/pause": {"POST": do_topic_pause},
+    "/topic/unpause": {"POST": do_topic_unpause},
+    "/channel/create": {"POST": do_channel_create},
+    "/channel/delete": {"POST": do_channel_delete},
+    "/channel/empty": {"POST": do_channel_empty},
+    "/channel/pause": {"POST": do_channel_pause},
+    "/channel/unpause": {"POST": do_channel_unpause},
+    "/metrics": {"GET": do_metrics},
+}
+_CONFIG_METHODS = ("GET", "PUT")
+
+
+async def _ping(nsqd, request) -> web.Response:
+    """nsqd's PlainText decorator: `OK`, or 500 with the health text."""
+    if nsqd.health != "OK":
+        return web.Response(status=500, text=nsqd.health)
+    return web.Response(text="OK")
+
+
+def _allowed(path: str) -> tuple[str, ...] | None:
+    if path == "/ping":
+        return ("GET",)
+    if path.startswith("/config/") and len(path) > len("/config/") and "/" not in path[8:]:
+        return _CONFIG_METHODS
+    methods = ROUTES.get(path)
+    return tuple(methods) if methods else None
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    nsqd = request.app[NSQD_KEY]
+    path = request.path
+    allowed = _allowed(path)
+    if allowed is None:
+        return respond_v1(404, "NOT_FOUND")
+    allow = ", ".join(sorted(allowed + ("OPTIONS",)))
+    if request.method == "OPTIONS":
+        return web.Response(status=200, headers={"Allow": allow})
+    if request.method not in allowed:
+        resp = respond_v1(405, "METHOD_NOT_ALLOWED")
+        resp.headers["Allow"] = allow
+        return resp
+    try:
+        if path == "/ping":
+            return await _ping(nsqd, request)
+        if path.startswith("/config/"):
+            data = await do_config(nsqd, request, path[len("/config/"):])
+        else:
+            data = await ROUTES[path][request.method](nsqd, request)
+    except HTTPError as e:
+        return respond_v1(e.status, e.code)
+    except Exception:  # a bug costs one request, never the server
+        log.exception("http_handler_failed", path=path, method=request.method)
+        return respond_v1(500, "INTERNAL_ERROR")
+    if isinstance(data, web.StreamResponse):
+        return data
+    return respond_v1(200, data)
 
 
 async def start_http(nsqd):
+    stats.install_gc_timer()
     app = web.Application()
-    app.router.add_get("/ping", lambda request: web.Response(text="OK"))
+    app[NSQD_KEY] = nsqd
+    app.router.add_route("*", "/{tail:.*}", dispatch)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = nsqd.options.http_host_port

@@ -21,8 +21,10 @@ from collections import deque
 import structlog
 
 from . import protocol as p
+from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
+from .topic import PartitionNotFound
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -73,8 +75,11 @@ class ClientConnection(asyncio.Protocol):
         self._decompress = None
         self._last_read = time.monotonic()
         self._heartbeat = None
+        self._read_deadline = None  # nsqd's read deadline: 2 heartbeat intervals of silence
         self._parser_dead = False
         self._paused = False
+        self._eof = False  # the client half-closed: close once its commands are answered
+        self._write_watch = None  # while writing is paused: the progress check
 
     # ---- transport events ------------------------------------------------
 
@@ -92,11 +97,45 @@ class ClientConnection(asyncio.Protocol):
         self.nsqd.connections.discard(self)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+        if self._write_watch is not None:
+            self._write_watch.cancel()
         channel = self.client.channel
         if channel is not None:
             channel.remove_client(self.client)
             self.nsqd.client_left(channel)
         self.pending.clear()
+
+    def pause_writing(self) -> None:
+        # The client reads slower than we write. nsqd drops a client whose write makes
+        # no progress for one heartbeat interval (its write deadline); so do we, or a
+        # consumer that never reads would hold its messages and our memory forever.
+        self._check_write_progress(-1)
+
+    def resume_writing(self) -> None:
+        if self._write_watch is not None:
+            self._write_watch.cancel()
+            self._write_watch = None
+
+    def _check_write_progress(self, sent_before: int) -> None:
+        self._write_watch = None
+        sent = self.client.bytes_out - self.transport.get_write_buffer_size()
+        if sent == sent_before:
+            log.info("write_stalled", client=self.client.remote_address)
+            self.transport.abort()
+            return
+        interval = self.client.settings.heartbeat_interval_ms
+        if interval > 0:  # no heartbeats: no deadline, as in nsqd
+            self._write_watch = asyncio.get_running_loop().call_later(
+                interval / 1000, self._check_write_progress, sent)
+
+    def eof_received(self) -> bool:
+        # Like nsqd, a client that half-closes still gets the answer to every command
+        # it sent; _drain closes the connection once the last one has run.
+        self._eof = True
+        self._drain()
+        return not self.client.tls  # an SSL transport cannot stay half-open
 
     def data_received(self, data: bytes) -> None:
         self._last_read = time.monotonic()
@@ -184,6 +223,8 @@ class ClientConnection(asyncio.Protocol):
         elif self._paused and len(self.pending) < MAX_PENDING // 2:
             self._paused = False
             self.transport.resume_reading()
+        if self._eof and not self.busy and not self.pending:
+            self.transport.close()
 
     def _publish_now(self, cmd) -> bool:
         """PUB/MPUB to an existing topic, answered from the append's callback: no task.
@@ -199,21 +240,21 @@ class ClientConnection(asyncio.Protocol):
         bodies = [cmd.body] if type(cmd) is p.Pub else cmd.bodies
         self.busy = True
         part.queue.append(bodies).add_done_callback(
-            functools.partial(self._published, topic, _PUB_COMMANDS[type(cmd)], len(bodies)))
+            functools.partial(self._published, topic, _PUB_COMMANDS[type(cmd)], bodies))
         return True
 
-    def _published(self, topic, command: str, count: int, fut: asyncio.Future) -> None:
+    def _published(self, topic, command: str, bodies: list[bytes], fut: asyncio.Future) -> None:
         self.busy = False
         exc = fut.exception()
         if exc is not None:
             self._fail(p.publish_failed(command, str(exc)))
         else:
-            self._count_published(topic, count)
+            topic.count_published(bodies)
+            self._count_published(topic, len(bodies))
             self.client.write(p.OK)
         self._drain()
 
     def _count_published(self, topic, count: int) -> None:
-        topic.message_count += count
         counts = self.client.pub_counts
         counts[topic.name] = counts.get(topic.name, 0) + count
 
@@ -239,18 +280,41 @@ class ClientConnection(asyncio.Protocol):
         if interval > 0:
             self._heartbeat = asyncio.get_running_loop().call_later(
                 interval / 1000, self._on_heartbeat)
+        self._check_read_deadline()
 
     def _on_heartbeat(self) -> None:
-        interval = self.client.settings.heartbeat_interval_ms / 1000
-        # Like nsqd, a silent client still gets its second heartbeat (reference
-        # case "heartbeat"); it is dropped at the next tick. The half interval
-        # of slack keeps timer jitter from eating the second heartbeat.
-        if time.monotonic() - self._last_read > 2.5 * interval:
-            log.info("heartbeat_missed", client=self.client.remote_address)
-            self.transport.close()
-            return
         self.client.write(p.HEARTBEAT)
         self._schedule_heartbeat()
+
+    def _check_read_deadline(self) -> None:
+        """Drop a client two heartbeat intervals after the last byte it sent, as nsqd's
+        read deadline does (checking only at heartbeat ticks let a silent client live
+        up to three intervals)."""
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+        interval = self.client.settings.heartbeat_interval_ms / 1000
+        if interval <= 0 or self.transport is None or self.transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        remaining = self._last_read + 2 * interval - time.monotonic()
+        if remaining <= 0 and (self.busy or self._paused):
+            # We are the slow side (a command still runs, or reading is paused behind
+            # queued ones): nsqd only arms its deadline when it reads again.
+            self._last_read = time.monotonic()
+            remaining = 2 * interval
+        if remaining > 0:
+            self._read_deadline = loop.call_later(remaining, self._check_read_deadline)
+            return
+        # Like nsqd, a silent client still gets the heartbeat due at its deadline
+        # (reference case "heartbeat": two heartbeats, then the close).
+        tick = self._heartbeat
+        if tick is not None and tick.when() - loop.time() < 0.1 * interval:
+            tick.cancel()
+            self._heartbeat = None
+            self.client.write(p.HEARTBEAT)
+        log.info("heartbeat_missed", client=self.client.remote_address)
+        self.transport.abort()  # as nsqd: unsent data is dropped, not waited for
 
     # ---- commands: state and consumption (inline) ------------------------
 
@@ -396,11 +460,10 @@ class ClientConnection(asyncio.Protocol):
         self._check_tls(command)
         self._check_auth(command, topic_name)
         topic = await self.nsqd.get_topic(topic_name)
-        part = topic.partition(partition)
-        if part is None:
-            raise p.bad_partition(command, str(partition))
         try:
-            await part.queue.append(bodies, ext=ext)
+            await topic.publish(bodies, partition, ext)
+        except PartitionNotFound:
+            raise p.bad_partition(command, str(partition)) from None
         except Exception as e:
             raise p.publish_failed(command, str(e)) from None
         self._count_published(topic, len(bodies))
@@ -434,11 +497,7 @@ class ClientConnection(asyncio.Protocol):
         max_ms = self.nsqd.options.max_req_timeout_ms
         if not 0 <= cmd.defer_ms <= max_ms:
             raise p.dpub_timeout_out_of_range(cmd.defer_ms, max_ms)
-        ext = b""
-        if cmd.defer_ms:
-            due = int(time.time() * 1000) + cmd.defer_ms
-            ext = json.dumps({"##defer_until_ms": due}).encode()
-        await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, ext)
+        await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, defer_ext(cmd.defer_ms))
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub, p.Pub: _pub,
                        p.Mpub: _mpub, p.Dpub: _dpub, p.PubExt: _pub_ext, p.MpubExt: _mpub_ext,

@@ -27,6 +27,10 @@ from .channel import Channel
 log = structlog.get_logger("nsqd.topic")
 
 
+class PartitionNotFound(LookupError):
+    """A partition number this node does not hold for the topic."""
+
+
 class Partition:
     def __init__(self, topic: "Topic", number: int, queue: DiskQueue, floor: tuple[int, int]):
         self.topic = topic
@@ -61,6 +65,15 @@ class Partition:
         await channel.close()
         if not self.channels:
             self._floor = (self.queue.committed_end, self.queue.committed_count)
+
+    async def empty(self) -> None:
+        """Classic topic empty: drop what the partition holds for channels that do not exist
+        yet (the backlog a first channel would start at, and its segments). Messages that
+        channels already have are theirs: emptying a channel is a channel operation."""
+        if self.channels:
+            return
+        await self.queue.empty()
+        self._floor = (self.queue.start_offset, self.queue.start_count)
 
     def retention_floor(self) -> int:
         if not self.channels:
@@ -107,6 +120,33 @@ class Topic:
     async def delete_files(self) -> None:
         await self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    async def publish(self, bodies: list[bytes], partition: int | None = None,
+                      ext: bytes = b"") -> None:
+        """One write request (PUB, MPUB, DPUB, HTTP /pub, /mpub): return once the partition's
+        log acknowledged it. Raises PartitionNotFound, or what DiskQueue.append raises."""
+        part = self.partition(partition)
+        if part is None:
+            raise PartitionNotFound(partition)
+        await part.queue.append(bodies, ext=ext)
+        self.count_published(bodies)
+
+    def count_published(self, bodies: list[bytes]) -> None:
+        self.message_count += len(bodies)
+        self.message_bytes += sum(map(len, bodies))
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        for c in self.channels():
+            c.wake()
+
+    async def empty(self) -> None:
+        """See Partition.empty."""
+        for p in self.partitions.values():
+            await p.empty()
 
     def partition(self, number: int | None) -> Partition | None:
         return self.partitions.get(0 if number is None else number)

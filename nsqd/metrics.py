@@ -1,0 +1,171 @@
+"""Metrics: the /stats numbers in the Prometheus text exposition format (version 0.0.4).
+
+A pure function of a `stats.node_stats` dict, written by hand (no client library):
+every family has its HELP and TYPE lines and all its samples together; label
+values are escaped; histograms have cumulative `_bucket{le=...}` samples ending
+at `+Inf`, then `_sum` and `_count`.
+
+Families (labels: topic, partition, channel):
+- node: nsqd_info{version}, nsqd_up (1 when health is OK), nsqd_start_time_seconds,
+  nsqd_clients (TCP connections), nsqd_producers, nsqd_topics;
+- topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
+  nsqd_topic_message_bytes_total;
+- partition: nsqd_partition_depth, nsqd_partition_start_offset,
+  nsqd_partition_committed_offset, nsqd_partition_committed_count,
+  nsqd_partition_written_offset, group commit histograms
+  nsqd_group_commit_batch_messages (messages per written batch) and
+  nsqd_group_commit_sync_seconds (time per sync);
+- channel (per partition): nsqd_channel_depth, nsqd_channel_backend_depth,
+  nsqd_channel_in_flight, nsqd_channel_deferred, nsqd_channel_requeued (waiting for
+  redelivery now), nsqd_channel_clients, nsqd_channel_paused, nsqd_channel_window,
+  nsqd_channel_confirmed_offset, and the counters nsqd_channel_messages_total,
+  nsqd_channel_requeues_total, nsqd_channel_timeouts_total, nsqd_channel_finishes_total.
+"""
+
+from __future__ import annotations
+
+import math
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        if math.isnan(value):
+            return "NaN"
+        return repr(value)
+    return str(int(value))
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items()) + "}"
+
+
+class _Exposition:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str, samples) -> None:
+        """samples: iterable of (labels, value)."""
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
+
+    def histogram(self, name: str, help_text: str, samples) -> None:
+        """samples: iterable of (labels, bounds, per-bucket counts (+ overflow), sum)."""
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} histogram")
+        for labels, bounds, counts, total in samples:
+            cumulative = 0
+            for bound, count in zip(list(bounds) + [math.inf], counts):
+                cumulative += count
+                le = "+Inf" if math.isinf(bound) else _number(bound)
+                self.lines.append(f"{name}_bucket{_labels({**labels, 'le': le})} {cumulative}")
+            self.lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
+            self.lines.append(f"{name}_count{_labels(labels)} {cumulative}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def render(stats: dict) -> str:
+    """Prometheus text for a node_stats() dict (clients and memory may be left out of it)."""
+    out = _Exposition()
+    topics = stats["topics"]
+    partitions = [(t, p) for t in topics for p in t.get("partitions", [])]
+    channels = [(t, c, cp) for t in topics for c in t["channels"] for cp in c.get("partitions", [])]
+
+    def tl(t):
+        return {"topic": t["topic_name"]}
+
+    def pl(t, p):
+        return {"topic": t["topic_name"], "partition": p["partition"]}
+
+    def cl(t, c, cp):
+        return {"topic": t["topic_name"], "partition": cp["partition"],
+                "channel": c["channel_name"]}
+
+    out.family("nsqd_info", "gauge", "Version of this nsqd.", [({"version": stats["version"]}, 1)])
+    out.family("nsqd_up", "gauge", "1 when the node reports health OK.",
+               [({}, stats["health"] == "OK")])
+    out.family("nsqd_start_time_seconds", "gauge", "Start time of the process (unix seconds).",
+               [({}, stats["start_time"])])
+    out.family("nsqd_clients", "gauge", "TCP client connections.",
+               [({}, stats.get("client_count", 0))])
+    out.family("nsqd_producers", "gauge", "TCP connections that have published.",
+               [({}, len(stats.get("producers") or []))])
+    out.family("nsqd_topics", "gauge", "Topics on this node.", [({}, len(topics))])
+
+    out.family("nsqd_topic_depth", "gauge",
+               "Messages held for channels that do not exist yet.",
+               [(tl(t), t["depth"]) for t in topics])
+    out.family("nsqd_topic_paused", "gauge", "1 when the topic is paused.",
+               [(tl(t), t["paused"]) for t in topics])
+    out.family("nsqd_topic_messages_total", "counter",
+               "Messages published to the topic on this node since start.",
+               [(tl(t), t["message_count"]) for t in topics])
+    out.family("nsqd_topic_message_bytes_total", "counter",
+               "Body bytes published to the topic on this node since start.",
+               [(tl(t), t["message_bytes"]) for t in topics])
+
+    out.family("nsqd_partition_depth", "gauge",
+               "Messages of the partition held for channels that do not exist yet.",
+               [(pl(t, p), p["depth"]) for t, p in partitions])
+    out.family("nsqd_partition_start_offset", "gauge",
+               "Virtual offset of the oldest retained byte of the partition.",
+               [(pl(t, p), p["start_offset"]) for t, p in partitions])
+    out.family("nsqd_partition_committed_offset", "gauge",
+               "Virtual offset up to which the partition's log is committed (readable).",
+               [(pl(t, p), p["committed_offset"]) for t, p in partitions])
+    out.family("nsqd_partition_committed_count", "gauge",
+               "Messages in the partition's history up to the committed offset.",
+               [(pl(t, p), p["committed_count"]) for t, p in partitions])
+    out.family("nsqd_partition_written_offset", "gauge",
+               "Virtual offset up to which the partition's log is written.",
+               [(pl(t, p), p["written_offset"]) for t, p in partitions])
+    gc_of = [(t, p, p["group_commit"]) for t, p in partitions if "group_commit" in p]
+    out.histogram("nsqd_group_commit_batch_messages",
+                  "Messages per batch written by the partition's group commit.",
+                  [(pl(t, p), g["batch_messages_histogram"]["le"],
+                    g["batch_messages_histogram"]["counts"], g["batch_messages_total"])
+                   for t, p, g in gc_of])
+    out.histogram("nsqd_group_commit_sync_seconds", "Seconds per sync of the partition's log.",
+                  [(pl(t, p), g["sync_seconds_histogram"]["le"],
+                    g["sync_seconds_histogram"]["counts"], float(g["sync_seconds_total"]))
+                   for t, p, g in gc_of])
+
+    gauges = [
+        ("nsqd_channel_depth", "depth", "Messages not yet delivered (unread plus requeued)."),
+        ("nsqd_channel_backend_depth", "backend_depth", "Messages not yet read from the log."),
+        ("nsqd_channel_in_flight", "in_flight_count", "Messages delivered and not finished."),
+        ("nsqd_channel_deferred", "deferred_count", "Messages waiting for a due time."),
+        ("nsqd_channel_requeued", "requeued_count", "Messages waiting for redelivery now."),
+        ("nsqd_channel_clients", "client_count", "Clients subscribed."),
+        ("nsqd_channel_paused", "paused", "1 when the channel is paused."),
+        ("nsqd_channel_window", "window", "Messages taken and not yet confirmed past."),
+        ("nsqd_channel_confirmed_offset", "confirmed",
+         "Offset before which every message is finished."),
+    ]
+    for name, key, help_text in gauges:
+        out.family(name, "gauge", help_text, [(cl(*x), x[2][key]) for x in channels])
+    counters = [
+        ("nsqd_channel_messages_total", "message_count",
+         "Messages that reached the channel since it was opened."),
+        ("nsqd_channel_requeues_total", "requeue_count", "Requeues (REQ, timeouts, disconnects)."),
+        ("nsqd_channel_timeouts_total", "timeout_count", "In-flight messages that timed out."),
+        ("nsqd_channel_finishes_total", "finish_count", "Messages finished."),
+    ]
+    for name, key, help_text in counters:
+        out.family(name, "counter", help_text, [(cl(*x), x[2][key]) for x in channels])
+    return out.text()

@@ -1,0 +1,416 @@
+"""Stats: the node's numbers in the shape of classic nsqd's /stats, built by pure functions.
+
+`node_stats(nsqd, ...)` reads the node's objects (topics, partitions, channels,
+clients, the diskqueue counters) without I/O and without awaiting, so one call is
+one consistent snapshot; `render_text` prints it like nsqd v1.3.0's text format.
+/stats serves both, /metrics (metrics.py) renders the same dict for Prometheus.
+
+Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
+them; ours are additive:
+- top level: `client_count` (TCP connections);
+- topic: `partitions` [{partition, depth, start_offset, start_count, committed_offset,
+  committed_count, written_offset, written_count, group_commit{batches, syncs,
+  batch_messages_total, sync_seconds_total, batch_messages_histogram,
+  sync_seconds_histogram}}];
+- channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
+  deferred_count, requeued_count, message_count, requeue_count, timeout_count,
+  finish_count, client_count, paused, confirmed, confirmed_count, next_read,
+  next_count, window, error}].
+
+What the classic numbers mean here (channels are cursors over the partition's log):
+- topic `depth`: messages held for channels that do not exist yet (classic: the
+  topic's own queue, which its pump empties into the channels). A topic with
+  channels has none: every message is in its channels at once. `backend_depth`
+  equals `depth`: everything is on disk.
+- channel `depth`: messages not yet delivered (unread in the log plus requeued);
+  `backend_depth`: the unread part, still on disk only.
+- channel `message_count`: messages that reached the channel since this process
+  opened it (committed count minus the count it was opened at); `requeue_count`,
+  `timeout_count`: since start, as classic.
+- `e2e_processing_latency` is always `{"count": 0, "percentiles": null}` (the
+  classic e2e percentile option is not implemented).
+- Lists are `[]`, never `null`, where Go's nil slices would print `null` (an
+  unknown `topic=` filter, `include_clients=false`, no producers).
+- `memory`: same keys as Go's runtime stats, from Python's: `heap_objects` are
+  objects tracked by the gc, `heap_in_use_bytes` the resident set size,
+  `gc_pause_usec_*` percentiles of the last 256 collections (timed by a gc callback
+  installed with `install_gc_timer`), `gc_total_runs` collections of every
+  generation; `heap_idle_bytes`, `heap_released_bytes`, `next_gc_bytes` are 0.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import time
+from collections import deque
+from datetime import datetime, timezone
+
+from diskqueue.queue import BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS
+
+E2E_NONE = {"count": 0, "percentiles": None}
+# Classic client states (clientV2): init 0, disconnected 1, connected 2, subscribed 3, closing 4.
+_STATE_INIT, _STATE_SUBSCRIBED, _STATE_CLOSING = 0, 3, 4
+
+
+# ---- node ------------------------------------------------------------------
+
+
+def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool = True,
+               include_mem: bool = True) -> dict:
+    """The /stats JSON document; `topic`/`channel` filter as classic nsqd does ("" = all)."""
+    conns = _connections(nsqd)
+    if topic:
+        topics = [nsqd.topics[topic]] if topic in nsqd.topics else []
+    else:
+        topics = [nsqd.topics[name] for name in sorted(nsqd.topics)]
+    topic_list = []
+    for t in topics:
+        entry = topic_stats(t, channel, include_clients, conns)
+        if entry is not None:
+            topic_list.append(entry)
+    out = {"version": nsqd.version, "health": nsqd.health, "start_time": int(nsqd.start_time),
+           "topics": topic_list}
+    if include_mem:
+        out["memory"] = memory_stats()
+    out["producers"] = (producer_stats(conns, topic) if include_clients else [])
+    out["client_count"] = len(conns)
+    return out
+
+
+def _connections(nsqd) -> dict:
+    """Client -> its connection (for the protocol state and TLS details)."""
+    out = {}
+    for conn in list(nsqd.connections):
+        client = getattr(conn, "client", None)
+        if client is not None:
+            out[client] = conn
+    return out
+
+
+# ---- topics and partitions ---------------------------------------------------
+
+
+def topic_stats(topic, channel_filter: str, include_clients: bool, conns: dict) -> dict | None:
+    """One topic entry, or None when `channel_filter` names a channel the topic lacks."""
+    by_name: dict[str, list] = {}
+    for p in topic.partitions.values():
+        for name, c in p.channels.items():
+            by_name.setdefault(name, []).append(c)
+    if channel_filter:
+        if channel_filter not in by_name:
+            return None
+        by_name = {channel_filter: by_name[channel_filter]}
+    partitions = [partition_stats(topic.partitions[n]) for n in sorted(topic.partitions)]
+    depth = sum(p["depth"] for p in partitions)
+    return {
+        "topic_name": topic.name,
+        "channels": [channel_stats(name, by_name[name], include_clients, conns)
+                     for name in sorted(by_name)],
+        "depth": depth,
+        "backend_depth": depth,
+        "message_count": topic.message_count,
+        "message_bytes": topic.message_bytes,
+        "paused": topic.paused,
+        "e2e_processing_latency": dict(E2E_NONE),
+        "partitions": partitions,
+    }
+
+
+def partition_depth(partition) -> int:
+    """Classic topic depth of one partition: what waits for a first channel."""
+    return 0 if partition.channels else max(0, partition.depth())
+
+
+def partition_stats(partition) -> dict:
+    q = partition.queue
+    s = q.stats
+    h = getattr(q, "histograms", None) or {}
+    return {
+        "partition": partition.number,
+        "depth": partition_depth(partition),
+        "start_offset": q.start_offset,
+        "start_count": q.start_count,
+        "committed_offset": q.committed_end,
+        "committed_count": q.committed_count,
+        "written_offset": q.written_end,
+        "written_count": q.written_count,
+        "group_commit": {
+            "batches": s["batches"],
+            "syncs": s["syncs"],
+            "batch_messages_total": s["batch_messages_total"],
+            "sync_seconds_total": s["sync_seconds_total"],
+            "batch_messages_histogram": _histogram(BATCH_MESSAGES_BUCKETS,
+                                                   h.get("batch_messages")),
+            "sync_seconds_histogram": _histogram(SYNC_SECONDS_BUCKETS, h.get("sync_seconds")),
+        },
+    }
+
+
+def _histogram(bounds, counts) -> dict:
+    """{"le": upper bounds, "counts": per bucket, the last one above the last bound}."""
+    return {"le": list(bounds), "counts": list(counts) if counts else [0] * (len(bounds) + 1)}
+
+
+# ---- channels ----------------------------------------------------------------
+
+
+def channel_stats(name: str, channels: list, include_clients: bool, conns: dict) -> dict:
+    """One classic channel entry for a channel name, summed over its partitions."""
+    parts = [channel_partition_stats(c) for c in sorted(channels, key=lambda c: c.partition)]
+    clients = []
+    if include_clients:
+        for c in channels:
+            for client in c.clients:
+                clients.append(client_stats(client, conns.get(client), ""))
+
+    def total(key):
+        return sum(p[key] for p in parts)
+
+    return {
+        "channel_name": name,
+        "depth": total("depth"),
+        "backend_depth": total("backend_depth"),
+        "in_flight_count": total("in_flight_count"),
+        "deferred_count": total("deferred_count"),
+        "message_count": total("message_count"),
+        "requeue_count": total("requeue_count"),
+        "timeout_count": total("timeout_count"),
+        "client_count": total("client_count"),
+        "clients": clients,
+        "paused": any(p["paused"] for p in parts),
+        "e2e_processing_latency": dict(E2E_NONE),
+        "partitions": parts,
+    }
+
+
+def channel_partition_stats(c) -> dict:
+    q = c.queue
+    cursor = c.cursor
+    return {
+        "partition": c.partition,
+        "depth": max(0, c.depth),
+        "backend_depth": max(0, q.committed_count - cursor.next_count),
+        "in_flight_count": c.in_flight_count,
+        "deferred_count": len(c.deferred),
+        "requeued_count": len(c.requeued),
+        "message_count": max(0, q.committed_count - getattr(c, "opened_count", 0)),
+        "requeue_count": c.requeue_count,
+        "timeout_count": c.timeout_count,
+        "finish_count": c.finish_count,
+        "client_count": len(c.clients),
+        "paused": c.paused,
+        "confirmed": cursor.confirmed,
+        "confirmed_count": cursor.confirmed_count,
+        "next_read": cursor.next_read,
+        "next_count": cursor.next_count,
+        "window": cursor.window_size,
+        "error": c.error,
+    }
+
+
+# ---- clients -----------------------------------------------------------------
+
+
+def client_stats(client, conn, topic_filter: str) -> dict:
+    """A classic ClientV2Stats entry (pub_counts only when there are some, as Go's omitempty)."""
+    settings = client.settings
+    state = _STATE_INIT
+    if conn is not None:
+        if conn.state == conn.SUBSCRIBED:
+            state = _STATE_SUBSCRIBED
+        elif conn.state == conn.CLOSING:
+            state = _STATE_CLOSING
+    out = {
+        "client_id": settings.client_id,
+        "hostname": settings.hostname,
+        "version": "V2",
+        "remote_address": client.remote_address,
+        "state": state,
+        "ready_count": client.ready_count,
+        "in_flight_count": len(client.in_flight),
+        "message_count": client.message_count,
+        "finish_count": client.finish_count,
+        "requeue_count": client.requeue_count,
+        "connect_ts": int(client.connect_ts),
+        "sample_rate": settings.sample_rate,
+        "deflate": settings.deflate,
+        "snappy": settings.snappy,
+        "user_agent": settings.user_agent,
+    }
+    if client.authorizations is not None:
+        out["authed"] = True
+        if client.auth_identity:
+            out["auth_identity"] = client.auth_identity
+    pub_counts = [{"topic": t, "count": n} for t, n in sorted(client.pub_counts.items())
+                  if not topic_filter or t == topic_filter]
+    if pub_counts:
+        out["pub_counts"] = pub_counts
+    out.update(_tls_stats(client, conn))
+    return out
+
+
+def _tls_stats(client, conn) -> dict:
+    cipher = version = protocol = ""
+    if client.tls and conn is not None and conn.transport is not None:
+        ssl_object = conn.transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            c = ssl_object.cipher()
+            cipher = c[0] if c else ""
+            version = (ssl_object.version() or "").replace("TLSv", "TLS")
+            protocol = ssl_object.selected_alpn_protocol() or ""
+    return {"tls": bool(client.tls), "tls_cipher_suite": cipher, "tls_version": version,
+            "tls_negotiated_protocol": protocol,
+            "tls_negotiated_protocol_is_mutual": bool(client.tls)}
+
+
+def producer_stats(conns: dict, topic_filter: str) -> list[dict]:
+    """Connections that published anything (classic: a client is a producer once it has)."""
+    return [client_stats(client, conn, topic_filter)
+            for client, conn in sorted(conns.items(), key=lambda kv: kv[0].id)
+            if client.pub_counts]
+
+
+# ---- memory ------------------------------------------------------------------
+
+_gc_pauses: deque[float] = deque(maxlen=256)  # seconds, most recent collections
+_gc_started = [0.0]
+
+
+def _gc_callback(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    elif _gc_started[0]:
+        _gc_pauses.append(time.perf_counter() - _gc_started[0])
+
+
+def install_gc_timer() -> None:
+    """Time garbage collections for the gc_pause_usec_* percentiles (idempotent)."""
+    if _gc_callback not in gc.callbacks:
+        gc.callbacks.append(_gc_callback)
+
+
+def _percentile_usec(values: list[float], q: float) -> int:
+    if not values:
+        return 0
+    values = sorted(values)
+    return int(values[min(len(values) - 1, int(q * len(values)))] * 1e6)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_stats() -> dict:
+    pauses = list(_gc_pauses)
+    return {
+        "heap_objects": len(gc.get_objects()),
+        "heap_idle_bytes": 0,
+        "heap_in_use_bytes": _rss_bytes(),
+        "heap_released_bytes": 0,
+        "gc_pause_usec_100": _percentile_usec(pauses, 1.0),
+        "gc_pause_usec_99": _percentile_usec(pauses, 0.99),
+        "gc_pause_usec_95": _percentile_usec(pauses, 0.95),
+        "next_gc_bytes": 0,
+        "gc_total_runs": sum(s.get("collections", 0) for s in gc.get_stats()),
+    }
+
+
+# ---- text format -------------------------------------------------------------
+
+
+def go_duration(ns: int) -> str:
+    """A duration as Go's time.Duration.String() prints it ("23.114703482s", "1m5s", "2ms")."""
+    if ns == 0:
+        return "0s"
+    sign, u = ("-", -ns) if ns < 0 else ("", ns)
+    if u < 1000:
+        return f"{sign}{u}ns"
+    if u < 1_000_000:
+        return f"{sign}{_fraction(u, 1000)}µs"
+    if u < 1_000_000_000:
+        return f"{sign}{_fraction(u, 1_000_000)}ms"
+    hours, rem = divmod(u, 3600 * 10**9)
+    minutes, rem = divmod(rem, 60 * 10**9)
+    text = _fraction(rem, 10**9) + "s"
+    if hours:
+        text = f"{hours}h{minutes}m{text}"
+    elif minutes:
+        text = f"{minutes}m{text}"
+    return sign + text
+
+
+def _fraction(value: int, unit: int) -> str:
+    whole, frac = divmod(value, unit)
+    if not frac:
+        return str(whole)
+    digits = str(frac).rjust(len(str(unit)) - 1, "0").rstrip("0")
+    return f"{whole}.{digits}"
+
+
+def _rfc3339(ts: float) -> str:
+    dt = datetime.fromtimestamp(int(ts), timezone.utc).astimezone()
+    text = dt.isoformat(timespec="seconds")
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def _client_line(c: dict, now: float) -> str:
+    connected = go_duration(max(0, int(now) - c["connect_ts"]) * 10**9)
+    port = c["remote_address"].rpartition(":")[2]
+    ident = f"{c['hostname']}:{port} {c['user_agent']}"
+    if c.get("pub_counts"):
+        total = sum(p["count"] for p in c["pub_counts"])
+        topics = ",".join(f"{p['topic']}={p['count']}" for p in c["pub_counts"])
+        return (f"[{c['version']} {ident:<21}] msgs: {total:<8d} topics: {topics} "
+                f"connected: {connected}")
+    return (f"[{c['version']} {ident:<21}] state: {c['state']} inflt: {c['in_flight_count']:<4d} "
+            f"rdy: {c['ready_count']:<4d} fin: {c['finish_count']:<8d} "
+            f"re-q: {c['requeue_count']:<8d} msgs: {c['message_count']:<8d} "
+            f"connected: {connected}")
+
+
+def render_text(stats: dict, now: float | None = None) -> str:
+    """The classic plain-text /stats (nsqd v1.3.0 printStats), from a node_stats dict."""
+    now = time.time() if now is None else now
+    start = stats["start_time"]
+    lines = [f"nsqd v{stats['version']} (built w/python{platform.python_version()})",
+             f"start_time {_rfc3339(start)}",
+             f"uptime {go_duration(max(0, int((now - start) * 1e9)))}",
+             "", f"Health: {stats['health']}"]
+    out = "\n".join(lines) + "\n"
+    mem = stats.get("memory")
+    if mem is not None:
+        out += "\nMemory:\n"
+        for key in ("heap_objects", "heap_idle_bytes", "heap_in_use_bytes",
+                    "heap_released_bytes", "gc_pause_usec_100", "gc_pause_usec_99",
+                    "gc_pause_usec_95", "next_gc_bytes", "gc_total_runs"):
+            out += f"   {key:<25}\t{mem[key]}\n"
+    topics = stats["topics"]
+    out += "\nTopics: None\n" if not topics else "\nTopics:"
+    for t in topics:
+        prefix = "*P " if t["paused"] else "   "
+        out += (f"\n{prefix}[{t['topic_name']:<15}] depth: {t['depth']:<5d} "
+                f"be-depth: {t['backend_depth']:<5d} msgs: {t['message_count']:<8d} e2e%: \n")
+        for c in t["channels"]:
+            prefix = "   *P " if c["paused"] else "      "
+            out += (f"{prefix}[{c['channel_name']:<25}] depth: {c['depth']:<5d} "
+                    f"be-depth: {c['backend_depth']:<5d} inflt: {c['in_flight_count']:<4d} "
+                    f"def: {c['deferred_count']:<4d} re-q: {c['requeue_count']:<5d} "
+                    f"timeout: {c['timeout_count']:<5d} msgs: {c['message_count']:<8d} e2e%: \n")
+            for client in c["clients"] or []:
+                out += f"        {_client_line(client, now)}\n"
+    producers = stats["producers"]
+    if not producers:
+        out += "\nProducers: None\n"
+    else:
+        out += "\nProducers:\n"
+        for client in producers:
+            out += f"   {_client_line(client, now)}\n"
+    return out
