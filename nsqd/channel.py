@@ -168,7 +168,7 @@ class Channel:
             capacity = 0
             for c in self.clients:
                 room = c.ready_count - len(c.in_flight)
-                if room > 0:
+                if room > 0 and c.writable:
                     capacity += room
             if not capacity:
                 return
@@ -212,7 +212,7 @@ class Channel:
                 break
             client = clients[(self._rr + k) % n]
             room = client.ready_count - len(client.in_flight)
-            if room <= 0:
+            if room <= 0 or not client.writable:
                 continue
             chunk = msgs[i:i + room]
             i += len(chunk)

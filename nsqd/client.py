@@ -27,6 +27,7 @@ class Client:
         self.remote_address = remote_address
         self.settings = settings
         self.ready_count = 0
+        self.writable = True  # False while the transport's buffer is above its high mark
         self.in_flight: dict = {}
         self.channel = None
         self.topic_name = ""

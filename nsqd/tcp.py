@@ -108,12 +108,16 @@ class ClientConnection(asyncio.Protocol):
         self.pending.clear()
 
     def pause_writing(self) -> None:
+        self.client.writable = False  # the channel hands it nothing more until it drains
         # The client reads slower than we write. nsqd drops a client whose write makes
         # no progress for one heartbeat interval (its write deadline); so do we, or a
         # consumer that never reads would hold its messages and our memory forever.
         self._check_write_progress(-1)
 
     def resume_writing(self) -> None:
+        self.client.writable = True
+        if self.client.channel is not None:
+            self.client.channel.wake()
         if self._write_watch is not None:
             self._write_watch.cancel()
             self._write_watch = None
