@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+command -v node >/dev/null || need_apt+=(nodejs)  # tests/compat runs nsqjs under node
+command -v npm >/dev/null || need_apt+=(npm)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
@@ -15,3 +17,11 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+
+# nsqjs for tests/compat (node_modules is not committed; package-lock.json is).
+# npm ci only when the lock file changed since the last install.
+js=tests/compat/js
+if ! cmp -s "$js/package-lock.json" "$js/node_modules/.compat-lock-stamp" 2>/dev/null; then
+  (cd "$js" && npm ci --no-audit --no-fund --loglevel=error)
+  cp "$js/package-lock.json" "$js/node_modules/.compat-lock-stamp"
+fi

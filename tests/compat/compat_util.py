@@ -8,7 +8,8 @@ scenario names and result shapes are used by every driver:
 - subprocess: gnsq (gevent monkey-patches the interpreter, so it runs in its
   own python: gnsq_scenarios.py) and nsqjs (node: js/scenarios.js).
 
-Subprocess drivers print one JSON object per line on stdout: progress events
+Subprocess drivers read their parameters as JSON on stdin and print one JSON
+object per line on stdout: progress events
 (`{"event": ...}`) and finally `{"result": {...}}`.
 """
 
@@ -44,14 +45,16 @@ class ScenarioError(AssertionError):
 
 async def run_process(argv: list[str], params: dict, timeout: float, on_event=None,
                       cwd: str | None = None) -> dict:
-    """Run a scenario script with `params` as its JSON argument; return its result.
+    """Run a scenario script with `params` as JSON on its stdin; return its result.
 
     `on_event(event_dict)` (may be a coroutine function) is called for every
     progress line. A hang fails the test after `timeout` seconds (the process is
     killed and its stderr shown)."""
     proc = await asyncio.create_subprocess_exec(
-        *argv, json.dumps(params), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=cwd or COMPAT_DIR)
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=cwd or COMPAT_DIR, limit=64 * 1024 * 1024)
+    proc.stdin.write(json.dumps(params).encode())  # on stdin: bodies can exceed argv limits
+    proc.stdin.close()
     stderr_chunks: list[bytes] = []
 
     async def drain_stderr():
