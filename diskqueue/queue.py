@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import errno
 import os
 import time
@@ -106,8 +107,26 @@ class _Batch:
         self.count = 0
 
 
+# The commitlog's sync runs here while the writer's thread syncs the data.
+_SYNC_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="clog-sync")
+
 # Every blocking file call of the queue runs through this: aiofiles' thread-pool wrapper.
 _write_off_loop = aiofiles.os.wrap(lambda fn, *args: fn(*args))
+
+
+def _settle(waiter, result, error) -> None:
+    """Resolve one request's waiter: a future, or a callback(result, error)."""
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            if error is None:
+                waiter.set_result(result)
+            else:
+                waiter.set_exception(error)
+        return
+    try:
+        waiter(result, error)
+    except Exception:  # a caller's bug must never stop the writer
+        log.exception("append_callback_failed")
 
 
 class DiskQueue:
@@ -122,6 +141,7 @@ class DiskQueue:
         self.commitlog = CommitLog(os.path.join(path, "commitlog"), options.clog_entries_per_segment)
         self._batches: deque[_Batch] = deque()
         self._open: _Batch | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by open()
         self._wake = asyncio.Event()
         self._writer: asyncio.Task | None = None
         self._io_lock = asyncio.Lock()
@@ -144,6 +164,7 @@ class DiskQueue:
     @classmethod
     async def open(cls, path: str, options: QueueOptions = QueueOptions()) -> "DiskQueue":
         q = cls(path, options)
+        q._loop = asyncio.get_running_loop()
         await _write_off_loop(q._open_sync)
         q._writer = asyncio.get_running_loop().create_task(q._run_writer())
         return q
@@ -163,6 +184,14 @@ class DiskQueue:
                 f"{self._segments.path}: history should start at offset {meta['start_offset']} "
                 f"but the first segment starts at {self._segments.start}")
         self.commitlog.open(meta["start_log_id"])
+        start = meta["start_offset"]
+        if self._segments.start < start:  # a crash cut retain() or empty() short: finish it
+            last = self.commitlog.last()
+            if self._segments.end <= start and (last is None or last.end_offset <= start):
+                self._segments.reset(start)
+                self.commitlog.reset(self.commitlog.next_log_id)
+            else:
+                self._segments.drop_before(start)
         found = recover(self._segments, self.commitlog, self.options.max_batch_bytes,
                         meta["start_count"], self.epoch)
         self.corrupt = found.corrupt
@@ -201,10 +230,12 @@ class DiskQueue:
     # ---- appending -------------------------------------------------------
 
     def append(self, bodies: Sequence[bytes], trace_id: int = 0, ext: bytes = b"",
-               attempts: int = 0) -> asyncio.Future:
+               attempts: int = 0, callback=None) -> asyncio.Future | None:
         """Queue one write request (one commitlog entry); await the result for an `Appended`.
 
         All bodies of one call are contiguous and share trace id, ext header and attempts.
+        With `callback`, no future is made: the writer calls `callback(appended, error)`
+        (one of the two is None) and `append` returns None; the hot path of TCP publishing.
         """
         if self._closing:
             raise QueueClosedError(self.path)
@@ -219,8 +250,8 @@ class DiskQueue:
                 or batch.count + len(bodies) > self.options.max_batch_count)):
             batch = self._open = _Batch()
             self._batches.append(batch)
-        fut = asyncio.get_running_loop().create_future()
-        batch.requests.append((fut, bodies, trace_id, ext, attempts))
+        fut = self._loop.create_future() if callback is None else None
+        batch.requests.append((fut or callback, bodies, trace_id, ext, attempts))
         batch.bytes += size
         batch.count += len(bodies)
         self._wake.set()
@@ -267,8 +298,17 @@ class DiskQueue:
         self._commit(self.written_end, self.written_count)
 
     def _sync_sync(self) -> None:
-        self._segments.sync()
-        self.commitlog.sync()
+        self._sync_both()
+
+    def _sync_both(self) -> None:
+        """Sync data and commitlog at the same time (worker thread); both are done on return.
+
+        Safe in any order: recovery cuts the commitlog to the data."""
+        clog_synced = _SYNC_POOL.submit(self.commitlog.sync)
+        try:
+            self._segments.sync()
+        finally:
+            clog_synced.result()
 
     async def _write_batch(self, batch: _Batch) -> None:
         ts = max(time.time_ns(), self._last_ts)
@@ -281,9 +321,8 @@ class DiskQueue:
         except OSError as e:
             err = self._append_error(e)
             log.error("append_failed", path=self.path, partition=self.partition, error=str(err))
-            for fut, *_ in batch.requests:
-                if not fut.done():
-                    fut.set_exception(err)
+            for waiter, *_ in batch.requests:
+                _settle(waiter, None, err)
             return
         self.stats["batches"] += 1
         self.stats["batch_messages_total"] += batch.count
@@ -305,9 +344,8 @@ class DiskQueue:
             self._unsynced_messages += batch.count
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
-        for (fut, *_), result in zip(batch.requests, results):
-            if not fut.done():
-                fut.set_result(result)
+        for (waiter, *_), result in zip(batch.requests, results):
+            _settle(waiter, result, None)
 
     def _encode(self, requests, ts: int):
         """Encode a batch: (data bytes, commitlog bytes, one Appended per request, next sequence).
@@ -351,8 +389,7 @@ class DiskQueue:
             self._segments.write(data)
             self.commitlog.append_encoded(clog, entries)
             if sync:
-                self._segments.sync()
-                self.commitlog.sync()
+                self._sync_both()
         except BaseException:
             self.commitlog.truncate_after(log_before - 1)
             self._segments.truncate_to(max(data_before, self._segments.active_base))

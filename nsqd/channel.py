@@ -234,6 +234,14 @@ class Channel:
         self.dirty = True
         self._wake.set()
 
+    def finish_many(self, msgs: list[Message]) -> None:
+        finish = self.cursor.finish
+        for msg in msgs:
+            finish(msg)
+        self.finish_count += len(msgs)
+        self.dirty = True
+        self._wake.set()
+
     def requeue(self, msg: Message, delay_ms: int) -> None:
         """Put a message back: at once, or after `delay_ms`."""
         self.requeue_count += 1
