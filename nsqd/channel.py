@@ -30,6 +30,7 @@ from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
 
 from .cursor import Cursor
+from .delaying import ChannelDelay
 
 log = structlog.get_logger("nsqd.channel")
 
@@ -42,7 +43,7 @@ class Message:
     (offset, end, count, done), so taking a message costs one object."""
 
     __slots__ = ("offset", "end", "count", "done", "msg_id", "timestamp", "attempts", "body",
-                 "ext", "deadline", "client", "first_delivered")
+                 "ext", "deadline", "client", "first_delivered", "delayed")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -57,13 +58,29 @@ class Message:
         self.deadline = 0.0
         self.client = None
         self.first_delivered = 0.0
+        self.delayed = False  # True: it lives in the delay store, not in the cursor's window
+
+    @classmethod
+    def from_store(cls, d) -> "Message":
+        """A message brought back from the delay store (its log offset is long confirmed)."""
+        msg = cls.__new__(cls)
+        msg.offset = d.origin_offset
+        msg.end = msg.count = -1
+        msg.done = True
+        msg.msg_id, msg.timestamp, msg.attempts = d.msg_id, d.timestamp, d.attempts
+        msg.body, msg.ext = d.body, d.ext
+        msg.deadline = msg.first_delivered = 0.0
+        msg.client = None
+        msg.delayed = True
+        return msg
 
 
-def defer_ext(defer_ms: int) -> bytes:
-    """The ext header of a deferred publish (DPUB, HTTP /pub?defer=): due now + defer_ms."""
+def defer_ext(defer_ms: int, now: float) -> bytes:
+    """The ext header of a deferred publish (DPUB, HTTP /pub?defer=): due `now` (the node's
+    clock, unix seconds) + defer_ms."""
     if not defer_ms:
         return b""
-    return json.dumps({DEFER_KEY: int(time.time() * 1000) + defer_ms}).encode()
+    return json.dumps({DEFER_KEY: int(now * 1000) + defer_ms}).encode()
 
 
 def defer_until_ms(ext: bytes) -> int:
@@ -77,7 +94,9 @@ def defer_until_ms(ext: bytes) -> int:
 class Channel:
     def __init__(self, topic, name: str, queue: DiskQueue, confirmed: int,
                  confirmed_count: int, *, paused: bool = False,
-                 max_window: int = 100_000, read_batch: int = 1024):
+                 max_window: int = 100_000, read_batch: int = 1024,
+                 delay_path: str | None = None, delay_threshold_ms: int = 60_000,
+                 max_attempts_in_memory: int = 10, clock=time.time):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -91,7 +110,12 @@ class Channel:
         self._reader = queue.reader(confirmed)
         self.clients: list = []
         self.requeued: deque[Message] = deque()
-        self.deferred: list[tuple[float, int, Message]] = []  # (due monotonic, msg_id, msg)
+        self.from_delay: deque[Message] = deque()  # due messages brought back from the store
+        self.deferred: list[tuple[float, int, Message]] = []  # (due clock time, msg_id, msg)
+        self.clock = clock
+        self.delay_threshold_ms = delay_threshold_ms
+        self.max_attempts_in_memory = max_attempts_in_memory
+        self.delay = ChannelDelay(delay_path, self._stored) if delay_path else None
         self._rr = 0
         self._wake = asyncio.Event()
         self._closed = False
@@ -110,7 +134,8 @@ class Channel:
         self._task = asyncio.get_running_loop().create_task(self._pump())
         self.queue.commit_listeners.append(self.wake)
 
-    async def close(self) -> None:
+    async def close(self, delete: bool = False) -> None:
+        """Stop delivering; write what the delay store still has pending (or delete it)."""
         self._closed = True
         self._wake.set()
         if self.wake in self.queue.commit_listeners:
@@ -118,6 +143,8 @@ class Channel:
         if self._task is not None:
             await self._task
         self._reader.close()
+        if self.delay is not None:
+            await self.delay.close(delete)
 
     def wake(self) -> None:
         self._wake.set()
@@ -143,6 +170,8 @@ class Channel:
     # ---- delivery --------------------------------------------------------
 
     async def _pump(self) -> None:
+        if self.delay is not None:
+            await self.delay.open()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -176,8 +205,18 @@ class Channel:
             requeued = self.requeued
             while requeued and len(msgs) < capacity:
                 msgs.append(requeued.popleft())
-            room = min(capacity - len(msgs), self.max_window - self.cursor.window_size,
-                       self.read_batch)
+            from_delay = self.from_delay
+            if from_delay:  # fair with fresh messages: at most half the room when both wait
+                share = capacity - len(msgs)
+                if self.queue.committed_end > self.cursor.next_read:
+                    share = (share + 1) // 2
+                while from_delay and share > 0:
+                    msgs.append(from_delay.popleft())
+                    share -= 1
+            window_room = self.max_window - self.cursor.window_size
+            if window_room <= 0:
+                self._spill_deferred()
+            room = min(capacity - len(msgs), window_room, self.read_batch)
             if room > 0:
                 self.error = None
                 take = self.cursor.take
@@ -193,12 +232,46 @@ class Channel:
             self._distribute(msgs)
 
     def _defer_if_due_later(self, msg: Message) -> bool:
+        """A DPUB's message read before it is due: held in memory when due soon, moved to
+        the delay store when due later."""
         due_ms = defer_until_ms(msg.ext)
-        wait = due_ms / 1000 - time.time()
-        if due_ms and wait > 0:
-            heapq.heappush(self.deferred, (time.monotonic() + wait, msg.msg_id, msg))
-            return True
-        return False
+        if not due_ms or due_ms <= self.clock() * 1000:
+            return False
+        self._hold(msg, due_ms)
+        return True
+
+    def _hold(self, msg: Message, due_ms: int) -> None:
+        """Keep a message until `due_ms`: on disk when far off or often retried, else in memory."""
+        delay = self.delay
+        if delay is not None and delay.available and (
+                due_ms - self.clock() * 1000 >= self.delay_threshold_ms
+                or msg.attempts >= self.max_attempts_in_memory):
+            delay.move(msg, due_ms)
+        else:
+            heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
+
+    def _spill_deferred(self) -> None:
+        """The confirm window is full: move log messages held in memory to the delay store,
+        so their offsets confirm and fresh reads go on."""
+        delay = self.delay
+        if delay is None or not delay.available:
+            return
+        keep = []
+        for entry in self.deferred:
+            if entry[2].delayed:
+                keep.append(entry)
+            else:
+                delay.move(entry[2], int(entry[0] * 1000))
+        if len(keep) != len(self.deferred):
+            heapq.heapify(keep)
+            self.deferred = keep
+
+    def _stored(self, msgs: list[Message]) -> None:
+        """The delay store holds these log messages now: their offsets are confirmed."""
+        for msg in msgs:
+            self.cursor.finish(msg)
+        self.dirty = True
+        self._wake.set()
 
     def _distribute(self, msgs: list[Message]) -> None:
         """Hand messages to clients in turn, each up to its free RDY; keep the rest requeued."""
@@ -229,25 +302,25 @@ class Channel:
 
     def finish(self, msg: Message) -> None:
         """A message is done (FIN, or skipped by sampling)."""
-        self.cursor.finish(msg)
-        self.finish_count += 1
-        self.dirty = True
-        self._wake.set()
+        self.finish_many((msg,))
 
-    def finish_many(self, msgs: list[Message]) -> None:
+    def finish_many(self, msgs) -> None:
         finish = self.cursor.finish
         for msg in msgs:
-            finish(msg)
+            if msg.delayed:
+                self.delay.finish(msg)
+            else:
+                finish(msg)
         self.finish_count += len(msgs)
         self.dirty = True
         self._wake.set()
 
     def requeue(self, msg: Message, delay_ms: int) -> None:
-        """Put a message back: at once, or after `delay_ms`."""
+        """Put a message back: at once, or after `delay_ms` (see `_hold`)."""
         self.requeue_count += 1
         msg.client = None
-        if delay_ms > 0:
-            heapq.heappush(self.deferred, (time.monotonic() + delay_ms / 1000, msg.msg_id, msg))
+        if delay_ms > 0 or msg.attempts >= self.max_attempts_in_memory:
+            self._hold(msg, int(self.clock() * 1000) + delay_ms)
         else:
             self.requeued.append(msg)
             self._wake.set()
@@ -271,12 +344,22 @@ class Channel:
                 self.requeue(m, 0)
             moved += len(expired)
         deferred = self.deferred
-        while deferred and deferred[0][0] <= now:
+        wall = self.clock()
+        while deferred and deferred[0][0] <= wall:
             self.requeued.append(heapq.heappop(deferred)[2])
             moved += 1
+        delay = self.delay
+        if delay is not None and len(self.from_delay) < delay.take_limit and delay.due(
+                int(wall * 1000)):
+            asyncio.get_running_loop().create_task(self._take_due(int(wall * 1000)))
         if moved:
             self._wake.set()
         return moved
+
+    async def _take_due(self, now_ms: int) -> None:
+        for d in await self.delay.take_due(now_ms, self.delay.take_limit - len(self.from_delay)):
+            self.from_delay.append(Message.from_store(d))
+        self._wake.set()
 
     # ---- operations ------------------------------------------------------
 
@@ -290,10 +373,12 @@ class Channel:
         self._wake.set()
 
     def empty(self) -> None:
-        """Drop every message of the channel: backlog, requeued, deferred and in flight."""
+        """Drop every message of the channel held in memory: backlog, requeued, deferred and
+        in flight. (The delay store is emptied by `empty_delayed`.)"""
         for client in self.clients:
             client.in_flight.clear()
         self.requeued.clear()
+        self.from_delay.clear()
         self.deferred.clear()
         self.cursor.reset(self.queue.committed_end, self.queue.committed_count)
         self._reader.seek(self.queue.committed_end)
@@ -306,11 +391,28 @@ class Channel:
         self._reader.seek(offset)
         self._wake.set()
 
+    async def empty_delayed(self) -> int:
+        """Drop every message in the delay store; return how many."""
+        self.from_delay.clear()
+        return await self.delay.empty() if self.delay is not None else 0
+
+    async def requeue_delayed_now(self) -> int:
+        """Make every delayed message due now; return how many."""
+        if self.delay is None:
+            return 0
+        return await self.delay.requeue_all_now(int(self.clock() * 1000))
+
     # ---- stats -----------------------------------------------------------
 
     @property
+    def delayed_count(self) -> int:
+        """Messages in the delay store (waiting or brought back and not yet finished)."""
+        return self.delay.waiting + self.delay.taken if self.delay is not None else 0
+
+    @property
     def depth(self) -> int:
-        return self.queue.committed_count - self.cursor.next_count + len(self.requeued)
+        return (self.queue.committed_count - self.cursor.next_count + len(self.requeued)
+                + len(self.from_delay))
 
     @property
     def in_flight_count(self) -> int:

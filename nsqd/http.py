@@ -367,7 +367,7 @@ async def do_pub(nsqd, request):
     name = topic_arg(params)
     defer_ms = defer_arg(params, o.max_req_timeout_ms)
     partition = partition_arg(params)
-    await publish(nsqd, "PUB", name, [body], partition, defer_ext(defer_ms))
+    await publish(nsqd, "PUB", name, [body], partition, defer_ext(defer_ms, nsqd.clock()))
     return "OK"
 
 
@@ -461,8 +461,27 @@ async def do_channel_empty(nsqd, request):
     channels = _existing_channels(topic, params, channel_name)
     for c in channels:
         c.empty()
+        await c.empty_delayed()
     await _persist_channels(nsqd, channels)
     return None
+
+
+async def do_channel_delay_empty(nsqd, request):
+    """Ours: drop every message in the channel's disk delay queue -> {"count": dropped}."""
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    count = 0
+    for c in _existing_channels(topic, params, channel_name):
+        count += await c.empty_delayed()
+    return {"count": count}
+
+
+async def do_channel_delay_requeue(nsqd, request):
+    """Ours: make every delayed message of the channel due now -> {"count": requeued}."""
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    count = 0
+    for c in _existing_channels(topic, params, channel_name):
+        count += await c.requeue_delayed_now()
+    return {"count": count}
 
 
 async def _channel_pause(nsqd, request, pause: bool):
@@ -543,6 +562,8 @@ ROUTES = {
     "/channel/empty": {"POST": do_channel_empty},
     "/channel/pause": {"POST": do_channel_pause},
     "/channel/unpause": {"POST": do_channel_unpause},
+    "/channel/delay/empty": {"POST": do_channel_delay_empty},
+    "/channel/delay/requeue": {"POST": do_channel_delay_requeue},
     "/metrics": {"GET": do_metrics},
 }
 _CONFIG_METHODS = ("GET", "PUT")

@@ -150,6 +150,7 @@ def render(stats: dict) -> str:
         ("nsqd_channel_backend_depth", "backend_depth", "Messages not yet read from the log."),
         ("nsqd_channel_in_flight", "in_flight_count", "Messages delivered and not finished."),
         ("nsqd_channel_deferred", "deferred_count", "Messages waiting for a due time."),
+        ("nsqd_channel_delayed", "delayed_count", "Messages in the channel's disk delay queue."),
         ("nsqd_channel_requeued", "requeued_count", "Messages waiting for redelivery now."),
         ("nsqd_channel_clients", "client_count", "Clients subscribed."),
         ("nsqd_channel_paused", "paused", "1 when the channel is paused."),
@@ -159,6 +160,10 @@ def render(stats: dict) -> str:
     ]
     for name, key, help_text in gauges:
         out.family(name, "gauge", help_text, [(cl(*x), x[2][key]) for x in channels])
+    out.family("nsqd_channel_delay_oldest_due_seconds", "gauge",
+               "Unix time at which the oldest message of the disk delay queue is due.",
+               [(cl(*x), x[2]["delay_oldest_due_ms"] / 1000) for x in channels
+                if x[2]["delay_oldest_due_ms"] is not None])
     counters = [
         ("nsqd_channel_messages_total", "message_count",
          "Messages that reached the channel since it was opened."),

@@ -52,6 +52,7 @@ class NSQD:
         self._next_client_id = 0
         self._stopping = False
         self.version = VERSION
+        self.clock = time.time  # wall clock of due times; tests inject their own
         from .tcp import identify_limits, tls_context
 
         self.tls_context = tls_context(options)
@@ -64,6 +65,11 @@ class NSQD:
         policy = SyncPolicy(every_messages=max(1, o.sync_every),
                             every_ms=o.sync_timeout_ms if o.sync_every > 1 else 0)
         return QueueOptions(segment_bytes=o.segment_bytes, sync=policy)
+
+    def channel_settings(self) -> dict:
+        o = self.options
+        return {"max_window": o.max_channel_window, "delay_threshold_ms": o.delay_threshold_ms,
+                "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock}
 
     async def start(self) -> None:
         os.makedirs(self.options.data_path, exist_ok=True)
@@ -114,7 +120,7 @@ class NSQD:
         for (partition, channel_name), cstate in channels.items():
             p = topic.partitions.get(partition)
             if p is not None:
-                p.add_channel(channel_name, cstate, self.options.max_channel_window)
+                p.add_channel(channel_name, cstate, **self.channel_settings())
         self.topics[name] = topic
         return topic
 
@@ -144,7 +150,7 @@ class NSQD:
         if channel is None and create:
             if not valid_channel_name(channel_name):
                 raise NameError_(channel_name)
-            channel = p.add_channel(channel_name, None, self.options.max_channel_window)
+            channel = p.add_channel(channel_name, None, **self.channel_settings())
             self._store_channel(channel)
             log.info("channel_created", topic=topic_name, partition=p.number,
                      channel=channel_name)

@@ -59,7 +59,9 @@ class Options:
     max_body_size: int = 5 * 1024 * 1024
     msg_timeout_ms: int = 60_000
     max_msg_timeout_ms: int = 15 * 60_000
-    max_req_timeout_ms: int = 60 * 60_000
+    max_req_timeout_ms: int = 72 * 3_600_000  # REQ and DPUB delays (ours: the delay queue)
+    delay_threshold_ms: int = 60_000  # a delay this long goes to the channel's disk delay queue
+    delay_after_attempts: int = 10  # a message delivered this often waits on disk between tries
     max_rdy_count: int = 2500
     max_channel_window: int = 100_000  # taken-but-unconfirmed messages per channel
     # clients
@@ -102,6 +104,7 @@ _DURATIONS = {
     "max_output_buffer_timeout": "max_output_buffer_timeout_ms",
     "min_output_buffer_timeout": "min_output_buffer_timeout_ms",
     "retention_max_age": "retention_max_age_ms",
+    "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
@@ -157,4 +160,10 @@ def build(values: dict) -> Options:
     for key in _LISTS:
         if isinstance(kwargs.get(key), str):
             kwargs[key] = [kwargs[key]]
-    return Options(**kwargs)
+    options = Options(**kwargs)
+    if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
+        raise ValueError(f"--max-req-timeout must be between 1ms and 7 days (168h)")
+    return options
+
+
+MAX_DELAY_MS = 7 * 24 * 3_600_000  # the longest delay the delay queue accepts

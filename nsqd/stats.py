@@ -193,8 +193,12 @@ def channel_partition_stats(c) -> dict:
         "depth": max(0, c.depth),
         "backend_depth": max(0, q.committed_count - cursor.next_count),
         "in_flight_count": c.in_flight_count,
-        "deferred_count": len(c.deferred),
-        "requeued_count": len(c.requeued),
+        # classic meaning: messages waiting for a due time, here in memory or on disk
+        "deferred_count": len(c.deferred) + (c.delay.waiting if c.delay is not None else 0),
+        "delayed_count": c.delayed_count,  # ours: in the disk delay queue (waiting or taken)
+        "delay_oldest_due_ms": c.delay.oldest_due_ms if c.delay is not None else None,
+        "delay_error": c.delay.error if c.delay is not None else None,
+        "requeued_count": len(c.requeued) + len(c.from_delay),
         "message_count": max(0, q.committed_count - getattr(c, "opened_count", 0)),
         "requeue_count": c.requeue_count,
         "timeout_count": c.timeout_count,

@@ -533,7 +533,7 @@ class ClientConnection(asyncio.Protocol):
         max_ms = self.nsqd.options.max_req_timeout_ms
         if not 0 <= cmd.defer_ms <= max_ms:
             raise p.dpub_timeout_out_of_range(cmd.defer_ms, max_ms)
-        await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, defer_ext(cmd.defer_ms))
+        await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, defer_ext(cmd.defer_ms, self.nsqd.clock()))
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub, p.Pub: _pub,
                        p.Mpub: _mpub, p.Dpub: _dpub, p.PubExt: _pub_ext, p.MpubExt: _mpub_ext,

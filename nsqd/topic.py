@@ -46,8 +46,9 @@ class Partition:
             self._floor = (q.start_offset, q.start_count)
         return self._floor
 
-    def add_channel(self, name: str, state: dict | None, max_window: int) -> Channel:
-        """Open a channel: from its stored state, or as a new one (see the module invariants)."""
+    def add_channel(self, name: str, state: dict | None, **settings) -> Channel:
+        """Open a channel: from its stored state, or as a new one (see the module invariants).
+        `settings` are Channel's keyword options; its delay store lives in `delay/<name>`."""
         if state is None:
             q = self.queue
             offset, count = self.floor if not self.channels else (q.committed_end,
@@ -55,14 +56,14 @@ class Partition:
             state = {"confirmed": offset, "confirmed_count": count, "paused": False}
         channel = Channel(self.topic, name, self.queue, state["confirmed"],
                           state["confirmed_count"], paused=state.get("paused", False),
-                          max_window=max_window)
+                          delay_path=os.path.join(self.queue.path, "delay", name), **settings)
         self.channels[name] = channel
         channel.start()
         return channel
 
     async def remove_channel(self, name: str) -> None:
         channel = self.channels.pop(name)
-        await channel.close()
+        await channel.close(delete=True)
         if not self.channels:
             self._floor = (self.queue.committed_end, self.queue.committed_count)
 

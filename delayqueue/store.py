@@ -1,0 +1,779 @@
+"""One channel's deferred messages on disk: an LMDB environment polled by due time.
+
+Synchronous and blocking: the channel calls it from worker threads, never on the event
+loop; a lock makes the calls of several threads run one at a time. Every method that changes something is one LMDB write
+transaction, committed with a sync before it returns, so whatever a call returned
+from is on disk. See delayqueue/README.md for the layout and the exact guarantee.
+
+Sub-databases of the environment (all keys big-endian, so byte order is number order):
+
+    waiting   [8 due_ms][8 msg_id]  -> value     a cursor walks it in due-time order
+    taken     [8 msg_id]            -> value     handed out by take_due, not finished yet
+    due_of    [8 msg_id]            -> [8 due_ms][8 msg_id]   the waiting key of an id
+    corrupt   [db name]:[key]       -> raw value entries that failed their checksum
+    meta      b"format"             -> b"delaystore-1"
+
+value = one record made by diskqueue.record.encode_into (msg_id, trace_id, timestamp,
+attempts, ext, body; its own CRC), then [8 due_ms][8 origin_offset, signed]
+[4 crc32 of those 16 bytes, seeded with the record's CRC]. So every byte of a value
+is checked before it becomes a message, and the tail cannot be swapped between values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import struct
+import sys
+import threading
+import time
+import zlib
+from typing import Iterator, NamedTuple
+
+import lmdb
+
+from diskqueue.record import CorruptRecordError, decode_at, encode_into
+
+FORMAT = b"delaystore-1"
+DATA_FILE = "data.mdb"
+MAX_DBS = 8
+# Entries moved per write transaction by the whole-store operations (recovery at open,
+# requeue_all_now): bounds the dirty pages LMDB holds in memory during one transaction.
+CHUNK = 10_000
+# The read-only map is dropped from this process's page tables (madvise MADV_DONTNEED,
+# see _release_map) every this many entries handled, also inside a transaction (a random
+# touch maps up to 64 KiB: kernel fault-around), and after this many transactions.
+RELEASE_EVERY_ENTRIES = 256
+RELEASE_EVERY_TXNS = 32
+MAX_U64 = (1 << 64) - 1
+MAX_DUE_MS = (1 << 63) - 1
+
+_U64 = struct.Struct(">Q")
+_DUE_KEY = struct.Struct(">QQ")
+_TAIL = struct.Struct(">Qq")  # due_ms, origin_offset
+TAIL_SIZE = _TAIL.size + 4  # + crc32
+_pack_id = _U64.pack
+_pack_due_key = _DUE_KEY.pack
+_unpack_due_key = _DUE_KEY.unpack
+_pack_tail = _TAIL.pack
+_unpack_tail = _TAIL.unpack_from
+_unpack_sealed_tail = struct.Struct(">QqI").unpack_from  # due_ms, origin_offset, crc32
+_unpack_u32 = struct.Struct(">I").unpack_from
+_crc32 = zlib.crc32
+_new = tuple.__new__
+
+# Paths open in this process: LMDB forbids opening one environment twice in a process.
+_open_paths: set[str] = set()
+_open_paths_lock = threading.Lock()
+
+
+class DelayStoreError(Exception):
+    """The store cannot be opened or used; the message names the file and the cause."""
+
+
+class DelayStoreCorruptError(DelayStoreError):
+    """A stored value failed its checksum or framing. The entry was moved to the
+    `corrupt` sub-database (kept, not deleted), so the next call goes on past it."""
+
+    def __init__(self, path: str, db: str, key: bytes, reason: str):
+        self.path = path
+        self.db = db
+        self.key = key
+        self.reason = reason
+        super().__init__(f"{path}: corrupt entry in '{db}' at key {key.hex()}: {reason}")
+
+
+class DelayedMessage(NamedTuple):
+    """A deferred message: the whole message, when it is due, and where it came from."""
+
+    due_ms: int
+    msg_id: int
+    trace_id: int
+    timestamp: int
+    attempts: int
+    ext: bytes
+    body: bytes
+    origin_offset: int = -1  # virtual offset of the original record in the partition log
+
+
+class _Corrupt(Exception):
+    def __init__(self, db: str, key: bytes, reason: str):
+        self.db = db
+        self.key = bytes(key)
+        self.reason = reason
+
+
+# ---- value codec (pure) ---------------------------------------------------------
+
+def encode_value(m: DelayedMessage) -> bytearray:
+    """The stored value of `m` (see the module docstring)."""
+    if not 0 <= m.due_ms <= MAX_DUE_MS:
+        raise ValueError(f"due_ms out of range: {m.due_ms}")
+    if not 0 <= m.msg_id <= MAX_U64:
+        raise ValueError(f"msg_id out of range: {m.msg_id}")
+    if not 0 <= m.trace_id <= MAX_U64 or not 0 <= m.timestamp <= MAX_U64:
+        raise ValueError(f"trace_id or timestamp out of range: {m.trace_id}, {m.timestamp}")
+    if not 0 <= m.attempts <= 0xFFFF:
+        raise ValueError(f"attempts out of range (0..65535): {m.attempts}")
+    if len(m.ext) > 0xFFFF:
+        raise ValueError(f"ext header too long: {len(m.ext)} bytes (max 65535)")
+    if not -(1 << 63) <= m.origin_offset < (1 << 63):
+        raise ValueError(f"origin_offset out of range: {m.origin_offset}")
+    out = bytearray()
+    encode_into(out, m.msg_id, m.trace_id, m.timestamp, m.attempts, m.ext, m.body)
+    _seal(out, int.from_bytes(out[:4], "big"), m.due_ms, m.origin_offset)
+    return out
+
+
+def _seal(out: bytearray, record_crc: int, due_ms: int, origin_offset: int) -> None:
+    tail = _pack_tail(due_ms, origin_offset)
+    out += tail
+    out += _crc32(tail, record_crc).to_bytes(4, "big")
+
+
+def _with_due(value: bytes, due_ms: int) -> bytes | bytearray:
+    """`value` with its tail's due time changed (the record itself is not touched).
+    A value whose tail fails its checksum is returned unchanged: resealing it would
+    make a corrupt origin_offset look valid."""
+    if tail_due_ms(value) is None:
+        return value
+    end = len(value) - TAIL_SIZE
+    _, origin = _unpack_tail(value, end)
+    out = bytearray(memoryview(value)[:end])
+    _seal(out, int.from_bytes(value[:4], "big"), due_ms, origin)
+    return out
+
+
+def tail_due_ms(value: bytes) -> int | None:
+    """The due time in a value's tail, or None if the tail fails its checksum."""
+    if len(value) < TAIL_SIZE + 4:
+        return None
+    end = len(value) - TAIL_SIZE
+    crc = int.from_bytes(value[end + 16:], "big")
+    if _crc32(memoryview(value)[end:end + 16], int.from_bytes(value[:4], "big")) != crc:
+        return None
+    return _unpack_tail(value, end)[0]
+
+
+def decode_value(value: bytes, db: str = "?", key: bytes = b"") -> DelayedMessage:
+    """Decode and verify a stored value; raises _Corrupt (never returns garbage)."""
+    try:
+        rec = decode_at(value, 0, 0)
+    except CorruptRecordError as e:
+        raise _Corrupt(db, key, f"record {e.reason}") from None
+    if rec is None:
+        raise _Corrupt(db, key, f"value too short ({len(value)} bytes)")
+    if rec.size + TAIL_SIZE != len(value):
+        raise _Corrupt(db, key, f"value is {len(value)} bytes, record {rec.size} "
+                                f"+ tail {TAIL_SIZE}")
+    size = rec.size
+    due_ms, origin, crc = _unpack_sealed_tail(value, size)
+    if _crc32(value[size:size + 16], _unpack_u32(value, 0)[0]) != crc:
+        raise _Corrupt(db, key, "tail checksum mismatch")
+    return _new(DelayedMessage, (due_ms, rec.msg_id, rec.trace_id, rec.timestamp, rec.attempts,
+                                 rec.ext, rec.body, origin))
+
+
+def _check_waiting(key: bytes, m: DelayedMessage) -> None:
+    if len(key) != 16 or _unpack_due_key(key) != (m.due_ms, m.msg_id):
+        raise _Corrupt("waiting", key, f"key does not match value (due {m.due_ms}, "
+                                       f"id {m.msg_id})")
+
+
+def _check_taken(key: bytes, m: DelayedMessage) -> None:
+    if key != _pack_id(m.msg_id):
+        raise _Corrupt("taken", key, f"key does not match value (id {m.msg_id})")
+
+
+def _first_rows(cur, start: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
+    """Up to `limit` (key, value) pairs from the first key >= start (or the first key).
+    Collected before any change, so no cursor walks a tree while it is modified."""
+    found = cur.first() if start is None else cur.set_range(start)
+    rows = []
+    if not found:
+        return rows
+    for row in cur.iternext():
+        rows.append(row)
+        if len(rows) >= limit:
+            break
+    return rows
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_libc = None
+
+
+def _mappings_of(file_path: str) -> list[tuple[int, int]]:
+    """(start, length) of this process's read-only shared mappings of `file_path`
+    (Linux /proc/self/maps; [] elsewhere). Only such mappings are ever given to madvise:
+    on a private or anonymous mapping MADV_DONTNEED would zero memory."""
+    target = os.path.realpath(file_path)
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or fields[5].rstrip("\n") != target:
+                    continue
+                perms = fields[1]
+                if "s" not in perms or "w" in perms:
+                    continue
+                lo, hi = fields[0].split("-")
+                out.append((int(lo, 16), int(hi, 16) - int(lo, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def _madvise_dontneed(addr: int, length: int) -> bool:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return _libc.madvise(addr, length, 4) == 0  # MADV_DONTNEED (Linux)
+
+
+# ---- the store ------------------------------------------------------------------
+
+class DelayStore:
+    """One channel's delay queue: deferred messages in one LMDB environment (its folder).
+
+    Blocking; safe for one thread at a time (a lock serializes calls anyway).
+    """
+
+    def __init__(self, path: str, env: lmdb.Environment, dbs: dict):
+        self.path = path
+        self.data_file = os.path.join(path, DATA_FILE)
+        self._env = env
+        self._waiting = dbs["waiting"]
+        self._taken = dbs["taken"]
+        self._due_of = dbs["due_of"]
+        self._corrupt = dbs["corrupt"]
+        self._lock = threading.Lock()
+        self._closed = False
+        self._txns_since_release = 0
+        self._entries_since_release = 0
+        self._can_release = sys.platform.startswith("linux")
+        self._map: tuple[int, int] | None = None  # (address, length) of LMDB's map
+        self.recovered = 0  # entries moved from taken back to waiting at open
+        self.map_grows = 0
+
+    # -- open / create -----------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str, map_size: int = 1 << 30, *, now_ms: int | None = None) -> "DelayStore":
+        """Open (or create) the store in folder `path`; taken entries come back as waiting,
+        due at min(their due time, now). Raises DelayStoreError naming the file."""
+        path = os.path.abspath(path)
+        data = os.path.join(path, DATA_FILE)
+        for leftover in (path + ".creating", path + ".deleting"):
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise DelayStoreError(f"{path}: is not a folder (the delay store is a folder "
+                                  f"holding {DATA_FILE})")
+        try:
+            if not os.path.lexists(path) or not os.listdir(path):
+                cls._create(path, map_size)
+        except (OSError, lmdb.Error) as e:
+            raise DelayStoreError(f"{path}: cannot create the delay store: {e}") from e
+        try:
+            size = os.stat(data).st_size
+        except FileNotFoundError:
+            raise DelayStoreError(f"{data}: missing (the folder {path} exists but its LMDB "
+                                  f"data file is gone)") from None
+        except OSError as e:
+            raise DelayStoreError(f"{data}: cannot stat: {e}") from e
+        if size == 0:
+            raise DelayStoreError(f"{data}: empty file (0 bytes): the data file was truncated")
+        with _open_paths_lock:
+            if path in _open_paths:
+                raise DelayStoreError(f"{path}: already open in this process")
+            _open_paths.add(path)
+        env = None
+        try:
+            try:
+                # Room to grow past what the file already holds (it is address space only).
+                map_size = max(map_size, 2 * size)
+                env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=MAX_DBS,
+                                sync=True, metasync=True, readahead=False, create=False)
+            except lmdb.Error as e:
+                raise DelayStoreError(f"{data}: not a usable LMDB file: {e}") from e
+            # Pages past the end of a truncated file would be SIGBUS on first touch.
+            need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            if os.stat(data).st_size < need:
+                raise DelayStoreError(f"{data}: truncated: {os.stat(data).st_size} bytes, "
+                                      f"its last page needs {need}")
+            try:
+                # Handles live on only if their transaction commits; handles opened in a
+                # read transaction are refused by later write transactions (py-lmdb 3).
+                # A write transaction that changes nothing writes nothing at commit.
+                txn = env.begin(write=True)
+                try:
+                    dbs = {name: env.open_db(name.encode(), txn=txn, create=False)
+                           for name in ("waiting", "taken", "due_of", "corrupt", "meta")}
+                    fmt = txn.get(b"format", db=dbs["meta"])
+                except BaseException:
+                    txn.abort()
+                    raise
+                txn.commit()
+            except lmdb.NotFoundError:
+                raise DelayStoreError(f"{data}: not a delay store (a sub-database is "
+                                      f"missing)") from None
+            except lmdb.Error as e:
+                raise DelayStoreError(f"{data}: corrupt LMDB file: {e}") from e
+            if fmt != FORMAT:
+                raise DelayStoreError(f"{data}: unknown format {fmt!r} (expected {FORMAT!r})")
+            store = cls(path, env, dbs)
+            store.recovered = store._recover(_now_ms() if now_ms is None else now_ms)
+            return store
+        except BaseException:
+            if env is not None:
+                env.close()
+            with _open_paths_lock:
+                _open_paths.discard(path)
+            raise
+
+    @staticmethod
+    def _create(path: str, map_size: int) -> None:
+        """Create the environment in a side folder and rename it into place, so a folder
+        named `path` always holds a whole, initialized store."""
+        tmp = path + ".creating"
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+        env = lmdb.open(tmp, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=True,
+                        metasync=True, readahead=False)
+        try:
+            with env.begin(write=True) as txn:
+                for name in ("waiting", "taken", "due_of", "corrupt"):
+                    env.open_db(name.encode(), txn=txn)
+                txn.put(b"format", FORMAT, db=env.open_db(b"meta", txn=txn))
+        finally:
+            env.close()
+        _fsync_dir(tmp)
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty (checked by the caller)
+        os.rename(tmp, path)
+        _fsync_dir(parent)
+
+    def _recover(self, now_ms: int) -> int:
+        moved = 0
+        while True:
+            n = self._write(lambda txn: self._recover_chunk(txn, now_ms))
+            moved += n
+            if n < CHUNK:
+                return moved
+
+    def _recover_chunk(self, txn, now_ms: int) -> int:
+        rows = _first_rows(txn.cursor(db=self._taken), None, CHUNK)
+        tick = self._tick
+        for id8, value in rows:
+            tick()
+            due = tail_due_ms(value)
+            # A bad tail is moved as it is (due now), for take_due to report and set aside.
+            due = now_ms if due is None else min(due, now_ms)
+            due_key = _pack_due_key(due, _U64.unpack(id8)[0])
+            txn.delete(id8, db=self._taken)
+            old = txn.get(id8, db=self._due_of)
+            if old is not None:  # never both waiting and taken; but if so, keep one
+                txn.delete(old, db=self._waiting)
+            txn.put(due_key, _with_due(value, due), db=self._waiting)
+            txn.put(id8, due_key, db=self._due_of)
+        return len(rows)
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DelayStoreError(f"{self.path}: delay store is closed")
+
+    def _write(self, fn):
+        """Run fn(txn) in one write transaction, committed (synced) before return.
+        A full map is grown (doubled) and the transaction run again from the start."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    result = fn(txn)
+                break
+            except lmdb.MapFullError:
+                size = self._env.info()["map_size"]
+                self._map = None  # the map moves
+                self._env.set_mapsize(size * 2)
+                self.map_grows += 1
+            except _Corrupt:
+                raise
+            except lmdb.Error as e:
+                raise DelayStoreError(f"{self.data_file}: write failed: {e}") from e
+        self._txns_since_release += 1
+        if self._txns_since_release >= RELEASE_EVERY_TXNS:
+            self._release_map()
+        return result
+
+    def _tick(self) -> None:
+        """One entry handled (called in every loop over entries, inside transactions too)."""
+        self._entries_since_release += 1
+        if self._entries_since_release >= RELEASE_EVERY_ENTRIES:
+            self._release_map()
+
+    def _release_map(self) -> None:
+        """Drop the map's pages from this process's page tables.
+
+        LMDB reads through a read-only shared mmap of data.mdb; every page a lookup touched
+        stays mapped, and is counted in VmRSS, until the kernel needs the memory. Over a
+        million entries that is the whole file. MADV_DONTNEED on a shared file mapping only
+        unmaps: the data stays in the page cache and the next access maps it again. Safe
+        with readers open (they just fault the page in again)."""
+        self._txns_since_release = 0
+        self._entries_since_release = 0
+        if not self._can_release:
+            return
+        try:
+            # LMDB does not report its map's address: found in /proc/self/maps, kept while
+            # the map keeps its size. Only set_mapsize (ours, under the lock, which forgets
+            # it) moves the map; a stale address could by now be someone else's memory.
+            size = self._env.info()["map_size"]
+            if self._map is None or self._map[1] != size:
+                maps = _mappings_of(self.data_file)
+                self._map = maps[0] if len(maps) == 1 and maps[0][1] == size else None
+                if self._map is None:
+                    return
+            if not _madvise_dontneed(*self._map):
+                self._map = None
+        except (OSError, AttributeError, lmdb.Error):
+            self._can_release = False
+
+    def _quarantine_and_raise(self, err: _Corrupt):
+        """Move the corrupt entry aside (kept in `corrupt`), then raise a clear error."""
+        def move(txn):
+            db = {"waiting": self._waiting, "taken": self._taken}.get(err.db)
+            if db is None:
+                return
+            value = txn.pop(err.key, db=db)
+            if value is not None:
+                txn.put(err.db.encode() + b":" + err.key, value, db=self._corrupt)
+            if err.db == "waiting" and len(err.key) == 16:
+                id8 = err.key[8:]
+                if txn.get(id8, db=self._due_of) == err.key:
+                    txn.delete(id8, db=self._due_of)
+        self._write(move)
+        raise DelayStoreCorruptError(self.data_file, err.db, err.key, err.reason) from None
+
+    def _run(self, fn):
+        with self._lock:
+            self._check_open()
+            try:
+                return self._write(fn)
+            except _Corrupt as e:
+                self._quarantine_and_raise(e)
+
+    def _read(self, fn):
+        with self._lock:
+            self._check_open()
+            try:
+                with self._env.begin() as txn:
+                    return fn(txn)
+            except lmdb.Error as e:
+                raise DelayStoreError(f"{self.data_file}: read failed: {e}") from e
+
+    def _unlink(self, txn, id8: bytes) -> bytes | None:
+        """Remove id's entry from waiting or taken; return its value (None if absent)."""
+        due_key = txn.pop(id8, db=self._due_of)
+        if due_key is not None:
+            value = txn.pop(due_key, db=self._waiting)
+            if value is not None:
+                return value
+        return txn.pop(id8, db=self._taken)
+
+    # -- the API ---------------------------------------------------------------------
+
+    def put(self, items: list[DelayedMessage]) -> None:
+        """Store `items` as waiting, one synced transaction. An id already waiting or
+        taken is replaced."""
+        if not items:
+            return
+        # ValueError here, before any write: nothing of the batch is stored.
+        values = [encode_value(m) for m in items]
+        # The last item of an id wins (replace semantics inside one batch too).
+        by_id = {_pack_id(m.msg_id): (m, v) for m, v in zip(items, values)}
+        entries = sorted((_pack_due_key(m.due_ms, m.msg_id), v) for m, v in by_id.values())
+        del values
+        ids = sorted(by_id)
+        del by_id
+
+        def fn(txn):
+            waiting, taken, due_of = self._waiting, self._taken, self._due_of
+            pop, put, delete, tick = txn.pop, txn.put, txn.delete, self._tick
+            # One sub-database at a time, each in key order: neighbouring keys share pages.
+            olds = []
+            for id8 in ids:
+                old = pop(id8, db=due_of)
+                if old is not None:
+                    olds.append(old)
+                delete(id8, db=taken)
+                tick()
+            for old in sorted(olds):
+                delete(old, db=waiting)
+            for due_key, value in entries:
+                put(due_key, value, db=waiting)
+                put(due_key[8:], due_key, db=due_of)
+                tick()
+        self._run(fn)
+
+    def take_due(self, now_ms: int, limit: int) -> list[DelayedMessage]:
+        """Move up to `limit` waiting entries due at or before `now_ms` (in due order) to
+        taken, and return them. One synced transaction."""
+        if limit <= 0 or now_ms < 0:
+            return []
+        bound = _pack_id(min(now_ms, MAX_DUE_MS))
+
+        def fn(txn):
+            out = []
+            cur = txn.cursor(db=self._waiting)
+            if not cur.first():
+                return out
+            put, delete, tick = txn.put, txn.delete, self._tick
+            taken, due_of = self._taken, self._due_of
+            key_of, value_of, remove = cur.key, cur.value, cur.delete
+            while len(out) < limit:
+                key = key_of()
+                # An empty key: the cursor went past the last entry (LMDB keys are never empty).
+                if not key or key[:8] > bound:
+                    break
+                value = value_of()
+                m = decode_value(value, "waiting", key)
+                _check_waiting(key, m)
+                out.append(m)
+                id8 = key[8:]
+                remove()  # this entry; the cursor moves on to the next
+                delete(id8, db=due_of)
+                put(id8, value, db=taken)
+                tick()
+            return out
+        return self._run(fn)
+
+    def finish(self, msg_ids: list[int]) -> int:
+        """Delete these ids (taken or waiting), one synced transaction; how many existed."""
+        if not msg_ids:
+            return 0
+        ids = [_pack_id(i) for i in msg_ids]
+
+        def fn(txn):
+            n = 0
+            pop, taken, unlink, tick = txn.pop, self._taken, self._unlink, self._tick
+            for id8 in ids:
+                # taken first: what a FIN usually names (an id is never in both)
+                if pop(id8, db=taken) is not None or unlink(txn, id8) is not None:
+                    n += 1
+                tick()
+            return n
+        return self._run(fn)
+
+    def requeue(self, items: list[tuple[int, int, int]]) -> None:
+        """(msg_id, new_due_ms, attempts): move taken (or waiting) entries back to waiting
+        with the new due time and attempts, one synced transaction. Unknown ids are
+        skipped (already finished)."""
+        if not items:
+            return
+        for msg_id, due_ms, attempts in items:
+            if not 0 <= due_ms <= MAX_DUE_MS:
+                raise ValueError(f"due_ms out of range: {due_ms}")
+            if not 0 <= attempts <= 0xFFFF:
+                raise ValueError(f"attempts out of range (0..65535): {attempts}")
+        self._requeue(items)
+
+    def _requeue(self, items) -> int:
+        def fn(txn):
+            n = 0
+            for msg_id, due_ms, attempts in items:
+                id8 = _pack_id(msg_id)
+                due_key = txn.get(id8, db=self._due_of)
+                value = None if due_key is None else txn.get(due_key, db=self._waiting)
+                if value is not None:
+                    db_name, key = "waiting", due_key
+                else:
+                    db_name, key = "taken", id8
+                    value = txn.get(id8, db=self._taken)
+                    if value is None:
+                        continue  # finished already
+                m = decode_value(value, db_name, key)
+                (_check_waiting if db_name == "waiting" else _check_taken)(key, m)
+                self._unlink(txn, id8)
+                new_key = _pack_due_key(due_ms, msg_id)
+                txn.put(id8, new_key, db=self._due_of)
+                txn.put(new_key, encode_value(m._replace(due_ms=due_ms, attempts=attempts)),
+                        db=self._waiting)
+                n += 1
+                self._tick()
+            return n
+        return self._run(fn)
+
+    def stats(self) -> tuple[int, int, int | None]:
+        """(waiting count, taken count, oldest waiting due_ms or None), no scan."""
+        def fn(txn):
+            cur = txn.cursor(db=self._waiting)
+            oldest = _U64.unpack(cur.key()[:8])[0] if cur.first() else None
+            return (txn.stat(self._waiting)["entries"], txn.stat(self._taken)["entries"],
+                    oldest)
+        return self._read(fn)
+
+    def next_due_ms(self) -> int | None:
+        """Due time of the first waiting entry, None if none waits."""
+        def fn(txn):
+            cur = txn.cursor(db=self._waiting)
+            return _U64.unpack(cur.key()[:8])[0] if cur.first() else None
+        return self._read(fn)
+
+    def requeue_all_now(self, now_ms: int) -> int:
+        """Every waiting entry due later than `now_ms` becomes due at `now_ms`; returns how
+        many moved. In transactions of CHUNK entries: after a crash part-way each entry
+        is at its old or its new due time, never lost; calling again finishes the job."""
+        now_ms = max(0, min(now_ms, MAX_DUE_MS))
+        start = _pack_id(now_ms + 1) if now_ms < MAX_DUE_MS else None
+        if start is None:
+            return 0
+
+        def chunk(txn):
+            rows = _first_rows(txn.cursor(db=self._waiting), start, CHUNK)
+            now8 = _pack_id(now_ms)
+            for key, value in rows:
+                id8 = key[8:]
+                new_key = now8 + id8  # sorts before `start`: the next chunk never sees it
+                txn.delete(key, db=self._waiting)
+                # only the tail changes; the record is checked when taken
+                txn.put(new_key, _with_due(value, now_ms), db=self._waiting)
+                txn.put(id8, new_key, db=self._due_of)
+                self._tick()
+            return len(rows)
+
+        moved = 0
+        while True:
+            n = self._run(chunk)
+            moved += n
+            if n < CHUNK:
+                return moved
+
+    def empty(self) -> int:
+        """Drop every entry (waiting and taken); returns how many there were."""
+        def fn(txn):
+            n = txn.stat(self._waiting)["entries"] + txn.stat(self._taken)["entries"]
+            for db in (self._waiting, self._taken, self._due_of):
+                txn.drop(db, delete=False)
+            self._release_map()  # the drop walked the trees' branch pages
+            return n
+        return self._run(fn)
+
+    # -- additions (not used by the channel's hot path) -----------------------------------
+
+    def get(self, msg_id: int) -> tuple[str, DelayedMessage] | None:
+        """("waiting" | "taken", message) for an id, None if the store does not hold it."""
+        id8 = _pack_id(msg_id)
+
+        def fn(txn):
+            due_key = txn.get(id8, db=self._due_of)
+            if due_key is not None:
+                value = txn.get(due_key, db=self._waiting)
+                if value is not None:
+                    return "waiting", decode_value(value, "waiting", due_key)
+            value = txn.get(id8, db=self._taken)
+            return None if value is None else ("taken", decode_value(value, "taken", id8))
+        try:
+            return self._read(fn)
+        except _Corrupt as e:
+            raise DelayStoreCorruptError(self.data_file, e.db, e.key, e.reason) from None
+
+    def scan(self, batch: int = 1000) -> Iterator[tuple[str, DelayedMessage]]:
+        """Every entry, ("waiting", m) in due order then ("taken", m) in id order, read in
+        short read transactions of `batch` entries (a consistent view only per batch).
+        Raises DelayStoreCorruptError on a corrupt value (without moving it)."""
+        for name in ("waiting", "taken"):
+            after = None
+            while True:
+                def fn(txn, name=name, after=after):
+                    db = self._waiting if name == "waiting" else self._taken
+                    cur = txn.cursor(db=db)
+                    found = cur.set_range(after) if after is not None else cur.first()
+                    out = []
+                    while found and len(out) < batch:
+                        key, value = cur.item()
+                        if key != after:
+                            out.append((key, value))
+                        found = cur.next()
+                        self._tick()
+                    return out
+                rows = self._read(fn)
+                if not rows:
+                    break
+                for key, value in rows:
+                    try:
+                        m = decode_value(value, name, key)
+                        (_check_waiting if name == "waiting" else _check_taken)(key, m)
+                    except _Corrupt as e:
+                        raise DelayStoreCorruptError(self.data_file, e.db, e.key,
+                                                     e.reason) from None
+                    yield name, m
+                after = rows[-1][0]
+
+    def corrupt_count(self) -> int:
+        """Entries set aside in the `corrupt` sub-database (see DelayStoreCorruptError)."""
+        return self._read(lambda txn: txn.stat(self._corrupt)["entries"])
+
+    def disk_bytes(self) -> int:
+        try:
+            return os.stat(self.data_file).st_size
+        except OSError:
+            return 0
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the environment (every commit is already synced). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._env.close()
+            with _open_paths_lock:
+                _open_paths.discard(self.path)
+
+    def delete(self) -> None:
+        """Close and remove the folder (renamed aside first, so a crash part-way never
+        leaves a half-deleted store under the real name)."""
+        self.close()
+        if not os.path.isdir(self.path):
+            return
+        gone = self.path + ".deleting"
+        if os.path.isdir(gone):
+            shutil.rmtree(gone)
+        os.rename(self.path, gone)
+        parent = os.path.dirname(self.path)
+        _fsync_dir(parent)
+        shutil.rmtree(gone)
+        _fsync_dir(parent)
+
+    def __enter__(self) -> "DelayStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DelayStore({self.path!r}{', closed' if self._closed else ''})"

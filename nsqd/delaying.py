@@ -1,0 +1,166 @@
+"""ChannelDelay: a channel's link to its disk delay queue (delayqueue.DelayStore, LMDB).
+
+Moves deferred and often-retried messages into the store in batched, synced
+writes, and brings due ones back. All store calls run off the event loop, one
+at a time per channel.
+
+Invariants:
+- a message taken from the log counts as confirmed only after the write that
+  holds it in the store is committed (`on_stored` is called then);
+- a message brought back from the store stays in it ("taken") until its FIN
+  is written, so a crash at any moment brings it back (at-least-once);
+- when the store cannot be opened, `error` names the file and the channel keeps
+  its deferred messages in memory, as classic nsqd does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import structlog
+
+log = structlog.get_logger("nsqd.delay")
+
+
+class ChannelDelay:
+    def __init__(self, path: str, on_stored, take_limit: int = 1000):
+        self.path = path
+        self.on_stored = on_stored  # called with the log messages whose store write committed
+        self.take_limit = take_limit
+        self.store = None
+        self.error: str | None = None
+        self.waiting = 0
+        self.taken = 0
+        self.oldest_due_ms: int | None = None
+        self._puts: list = []  # (DelayedMessage, message from the log or None)
+        self._finishes: list[int] = []
+        self._requeues: list[tuple[int, int, int]] = []
+        self._pending = asyncio.Event()
+        self._flusher: asyncio.Task | None = None
+        self._taking = False
+        self._closed = False
+
+    @property
+    def available(self) -> bool:
+        return self.store is not None and not self._closed
+
+    async def open(self) -> None:
+        from delayqueue.store import DelayStore, DelayStoreError
+
+        try:
+            self.store = await asyncio.to_thread(DelayStore.open, self.path)
+        except (DelayStoreError, OSError) as e:
+            self.error = str(e)
+            log.error("delay_store_unavailable", path=self.path, error=self.error)
+            return
+        self._refresh(*await asyncio.to_thread(self.store.stats))
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    # ---- moving messages in ----------------------------------------------
+
+    def move(self, msg, due_ms: int) -> None:
+        """Store a message (from the log or from the store) to come back at `due_ms`."""
+        from delayqueue.store import DelayedMessage
+
+        if msg.delayed:
+            self._requeues.append((msg.msg_id, due_ms, msg.attempts))
+        else:
+            self._puts.append((DelayedMessage(due_ms, msg.msg_id, 0, msg.timestamp, msg.attempts,
+                                              msg.ext, msg.body, msg.offset), msg))
+        self._pending.set()
+
+    def finish(self, msg) -> None:
+        self._finishes.append(msg.msg_id)
+        self._pending.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            if not (self._puts or self._finishes or self._requeues):
+                if self._closed:
+                    return
+                await self._pending.wait()
+                self._pending.clear()
+                continue
+            puts, self._puts = self._puts, []
+            finishes, self._finishes = self._finishes, []
+            requeues, self._requeues = self._requeues, []
+            try:
+                stats = await asyncio.to_thread(self._apply, [d for d, _ in puts], finishes,
+                                                requeues)
+            except Exception as e:  # the messages stay where they were: in the log, or taken
+                log.exception("delay_store_write_failed", path=self.path)
+                self.error = str(e)
+                if self._closed:
+                    return
+                await asyncio.sleep(1)
+                self._puts[:0], self._finishes[:0], self._requeues[:0] = puts, finishes, requeues
+                continue
+            self._refresh(*stats)
+            stored = [m for _, m in puts if m is not None]
+            if stored:
+                self.on_stored(stored)
+
+    def _apply(self, puts, finishes, requeues):
+        """One flush (worker thread): each kind in one synced transaction."""
+        if puts:
+            self.store.put(puts)
+        if requeues:
+            self.store.requeue(requeues)
+        if finishes:
+            self.store.finish(finishes)
+        return self.store.stats()
+
+    def _refresh(self, waiting: int, taken: int, oldest_due_ms) -> None:
+        self.waiting, self.taken, self.oldest_due_ms = waiting, taken, oldest_due_ms
+
+    # ---- bringing due messages back ----------------------------------------
+
+    def due(self, now_ms: int) -> bool:
+        return (self.available and not self._taking and self.waiting > 0
+                and self.oldest_due_ms is not None and self.oldest_due_ms <= now_ms)
+
+    async def take_due(self, now_ms: int, limit: int):
+        """Due messages, moved to "taken" in the store (one transaction)."""
+        self._taking = True
+        try:
+            taken = await asyncio.to_thread(self.store.take_due, now_ms, min(limit,
+                                                                             self.take_limit))
+            self._refresh(*await asyncio.to_thread(self.store.stats))
+            return taken
+        finally:
+            self._taking = False
+
+    # ---- operations --------------------------------------------------------
+
+    async def empty(self) -> int:
+        if not self.available:
+            return 0
+        dropped = await asyncio.to_thread(self.store.empty)
+        self._refresh(*await asyncio.to_thread(self.store.stats))
+        return dropped
+
+    async def requeue_all_now(self, now_ms: int) -> int:
+        if not self.available:
+            return 0
+        moved = await asyncio.to_thread(self.store.requeue_all_now, now_ms)
+        self._refresh(*await asyncio.to_thread(self.store.stats))
+        return moved
+
+    async def close(self, delete: bool = False) -> None:
+        """Write what is pending, then close (and remove the folder when `delete`)."""
+        self._closed = True
+        self._pending.set()
+        if self._flusher is not None:
+            await self._flusher
+        if self.store is not None:
+            await asyncio.to_thread(self.store.delete if delete else self.store.close)
+            self.store = None
+        elif delete and os.path.isdir(self.path):
+            await asyncio.to_thread(_remove_tree, self.path)
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

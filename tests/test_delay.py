@@ -1,0 +1,314 @@
+"""The channel's disk delay queue, through a real nsqd over real sockets.
+
+Long delays are tested without waiting: the node's clock is injectable (`NSQD.clock`),
+and only due times read it; in-flight timeouts keep the monotonic clock.
+"""
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import pytest
+
+from nsqclient.conn import Connection, NSQError
+from nsqd.nsqd import NSQD
+from nsqd.options import Options
+from servers import NsqdProcess
+
+DAY_MS = 86_400_000
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_800_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+async def node(tmp_path):
+    started = []
+
+    async def start(clock=None, **kw):
+        n = NSQD(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                         data_path=str(tmp_path / "data"), log_level="warning", **kw))
+        if clock is not None:
+            n.clock = clock
+        await n.start()
+        started.append(n)
+        return n
+
+    yield start
+    for n in started:
+        await n.stop()
+
+
+async def connect(n, **identify):
+    return await Connection("127.0.0.1", n.tcp_port).connect(identify or None)
+
+
+async def take(conn, count=1, timeout=5.0):
+    return [await asyncio.wait_for(conn.messages.get(), timeout) for _ in range(count)]
+
+
+async def until(predicate, timeout=5.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def nothing_arrives(conn, wait=0.4):
+    try:
+        m = await asyncio.wait_for(conn.messages.get(), wait)
+    except asyncio.TimeoutError:
+        return
+    raise AssertionError(f"unexpected delivery {m.body!r}")
+
+
+def channel_of(n, topic="t", name="c"):
+    return n.topics[topic].partitions[0].channels[name]
+
+
+async def test_long_req_goes_to_disk_and_comes_back_when_due(node):
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    await pub.mpub("t", [b"retry-me", b"next"])
+    first, second = await take(c, 2)
+    first.req(30 * 60_000)  # half an hour: past the 60 s threshold
+    second.fin()
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1 and ch.cursor.window_size == 0)
+    assert ch.cursor.confirmed == ch.queue.committed_end, "the moved message must count as confirmed"
+    await nothing_arrives(c)
+    clock.advance(29 * 60)
+    await nothing_arrives(c)
+    clock.advance(61)
+    (back,) = await take(c)
+    assert (back.body, back.attempts, back.id) == (b"retry-me", 2, first.id)
+    back.fin()
+    await until(lambda: ch.delayed_count == 0)
+
+
+async def test_dpub_of_days_waits_on_disk(node):
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    await pub.dpub("t", 3 * DAY_MS, b"in three days")
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1)
+    clock.advance(3 * 86_400 - 5)
+    await nothing_arrives(c)
+    clock.advance(6)
+    (m,) = await take(c)
+    assert m.body == b"in three days" and m.attempts == 1
+
+
+async def test_often_retried_message_waits_on_disk_between_tries(node):
+    n = await node(delay_after_attempts=3)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=1)
+    pub = await connect(n)
+    await pub.pub("t", b"flaky")
+    ch = channel_of(n)
+    for attempt in range(1, 6):
+        (m,) = await take(c)
+        assert m.attempts == attempt
+        m.req(0)
+        if attempt >= 3:
+            await until(lambda: ch.delayed_count == 1)
+    (m,) = await take(c)
+    m.fin()
+    await until(lambda: ch.delayed_count == 0 and not ch.deferred)
+
+
+async def test_due_time_precision_under_no_load(node):
+    n = await node(delay_threshold_ms=500)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=1)
+    pub = await connect(n)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await pub.dpub("t", 1500, b"timed")
+    (m,) = await take(c, timeout=5)
+    elapsed = loop.time() - t0
+    assert channel_of(n).delay is not None and channel_of(n).delay.available
+    assert 1.5 <= elapsed <= 2.5, f"due at T+1.5 s, delivered at T+{elapsed:.2f} s"
+
+
+async def test_http_actions_requeue_now_and_empty(node):
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=10)
+    pub = await connect(n)
+    for i in range(4):
+        await pub.dpub("t", DAY_MS, b"d%d" % i)
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 4)
+
+    def post(path):
+        req = urllib.request.Request(f"http://127.0.0.1:{n.http_port}{path}", data=b"",
+                                     method="POST")
+        with urllib.request.urlopen(req) as r:
+            return json.loads(r.read())
+
+    stats = json.loads(await asyncio.to_thread(lambda: urllib.request.urlopen(
+        f"http://127.0.0.1:{n.http_port}/stats?format=json").read()))
+    cstats = stats["topics"][0]["channels"][0]
+    assert cstats["partitions"][0]["delayed_count"] == 4 and cstats["deferred_count"] == 4
+    assert await asyncio.to_thread(post, "/channel/delay/requeue?topic=t&channel=c") == {"count": 4}
+    got = await take(c, 4)
+    assert sorted(m.body for m in got) == [b"d0", b"d1", b"d2", b"d3"]
+    for m in got:
+        m.req(DAY_MS)
+    await until(lambda: ch.delayed_count == 4 and ch.delay.taken == 0)
+    assert await asyncio.to_thread(post, "/channel/delay/empty?topic=t&channel=c") == {"count": 4}
+    assert ch.delayed_count == 0
+    clock.advance(2 * 86_400)
+    await nothing_arrives(c)
+
+
+async def test_deleting_a_channel_deletes_its_delay_queue(node, tmp_path):
+    n = await node()
+    c = await connect(n)
+    await c.sub("t", "c", rdy=1)
+    pub = await connect(n)
+    await pub.dpub("t", DAY_MS, b"x")
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1)
+    path = ch.delay.path
+    assert os.path.isdir(path)
+    await c.close()
+    await n.delete_channel("t", "c")
+    assert not os.path.exists(path)
+
+
+async def test_bad_delays(node):
+    n = await node(max_req_timeout_ms=DAY_MS)
+    pub = await connect(n)
+    with pytest.raises(NSQError, match=r"E_INVALID DPUB timeout 86400001 out of range 0-86400000"):
+        await pub.dpub("t", DAY_MS + 1, b"too late")
+    c = await connect(n)
+    await c.sub("t", "c", rdy=1)
+    p2 = await connect(n)
+    await p2.pub("t", b"m")
+    (m,) = await take(c)
+    # as classic nsqd: a negative REQ timeout is not a number (fatal); the message goes back
+    m.conn.send(b"REQ " + m.id + b" -5\n")
+    await asyncio.wait_for(c.closed.wait(), 5)
+    assert c.errors == ["E_INVALID REQ could not parse timeout -5"]
+    c2 = await connect(n)
+    await c2.sub("t", "c", rdy=1)
+    (again,) = await take(c2)
+    assert again.attempts == 2
+    # an absurd but numeric timeout is clamped to --max-req-timeout, as classic nsqd does
+    again.conn.send(b"REQ " + again.id + b" 99999999999999\n")
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1)
+    assert ch.delay.oldest_due_ms <= int(n.clock() * 1000) + DAY_MS
+
+
+def test_max_req_timeout_is_bounded_by_seven_days():
+    from nsqd.options import from_args
+
+    assert from_args(["--max-req-timeout", "168h"]).max_req_timeout_ms == 7 * DAY_MS
+    with pytest.raises(ValueError, match="7 days"):
+        from_args(["--max-req-timeout", "169h"])
+
+
+async def test_corrupt_delay_store_names_the_file_and_the_node_still_serves(tmp_path):
+    proc = NsqdProcess(str(tmp_path / "n")).start()
+    try:
+        c = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await c.sub("t", "c")
+        await c.close()
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await pub.dpub("t", DAY_MS, b"later")
+        await pub.close()
+        await asyncio.sleep(0.5)
+        proc.stop()
+        data_mdb = os.path.join(str(tmp_path / "n"), "t", "0", "delay", "c", "data.mdb")
+        assert os.path.exists(data_mdb)
+        with open(data_mdb, "r+b") as f:
+            f.write(os.urandom(8192))
+        proc.start()
+        stats = json.loads(urllib.request.urlopen(
+            f"http://{proc.http_address}/stats?format=json").read())
+        error = stats["topics"][0]["channels"][0]["partitions"][0]["delay_error"]
+        assert error and "data.mdb" in error
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await pub.pub("t2", b"still serving")
+        c = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await c.sub("t2", "c", rdy=1)
+        (m,) = await take(c)
+        assert m.body == b"still serving"
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("round_", range(4))
+async def test_kill_9_while_messages_move_through_the_delay_queue(tmp_path, round_):
+    """Guarantee: every acknowledged message is delivered again after a crash unless it was
+    finished; a FIN older than the cursor checkpoint interval (1 s) never comes back."""
+    import random
+    import time
+
+    proc = NsqdProcess(str(tmp_path / "n"), "--delay-threshold", "200ms").start()
+    bodies = {b"k%d" % i for i in range(400)}
+    finished_at: dict[bytes, float] = {}
+    try:
+        sub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await sub.sub("t", "c", rdy=50)
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        for i in range(0, 400, 50):
+            await pub.mpub("t", sorted(bodies)[i:i + 50])
+
+        async def consume():
+            while True:
+                m = await sub.messages.get()
+                if m.attempts == 1:
+                    m.req(random.choice([250, 400, 600]))  # past the threshold: to disk
+                else:
+                    m.fin()
+                    finished_at[m.body] = time.monotonic()
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(random.uniform(0.3, 1.5))
+        proc.kill()
+        killed_at = time.monotonic()
+        task.cancel()
+        await sub.close()
+        await pub.close()
+
+        proc.start()
+        again = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await again.sub("t", "c", rdy=100)
+        seen: set[bytes] = set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not (bodies - finished_at.keys()) <= seen and loop.time() < deadline:
+            try:
+                m = await asyncio.wait_for(again.messages.get(), 1)
+            except asyncio.TimeoutError:
+                continue
+            seen.add(m.body)
+            m.fin()
+        lost = bodies - finished_at.keys() - seen
+        assert not lost, f"{len(lost)} unfinished messages lost after kill -9"
+        old_fins = {b for b in seen & finished_at.keys() if killed_at - finished_at[b] > 1.5}
+        assert not old_fins, f"{len(old_fins)} messages finished >1.5 s before the crash came back"
+        await again.close()
+    finally:
+        proc.kill()
