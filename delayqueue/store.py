@@ -44,7 +44,7 @@ CHUNK = 10_000
 # The read-only map is dropped from this process's page tables (madvise MADV_DONTNEED,
 # see _release_map) every this many entries handled, also inside a transaction (a random
 # touch maps up to 64 KiB: kernel fault-around), and after this many transactions.
-RELEASE_EVERY_ENTRIES = 256
+RELEASE_EVERY_ENTRIES = 64
 RELEASE_EVERY_TXNS = 32
 MAX_U64 = (1 << 64) - 1
 MAX_DUE_MS = (1 << 63) - 1

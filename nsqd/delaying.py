@@ -63,10 +63,11 @@ class ChannelDelay:
         """Store a message (from the log or from the store) to come back at `due_ms`."""
         from delayqueue.store import DelayedMessage
 
+        attempts = min(msg.attempts, 0xFFFF)  # the record's field is 16 bits
         if msg.delayed:
-            self._requeues.append((msg.msg_id, due_ms, msg.attempts))
+            self._requeues.append((msg.msg_id, due_ms, attempts))
         else:
-            self._puts.append((DelayedMessage(due_ms, msg.msg_id, 0, msg.timestamp, msg.attempts,
+            self._puts.append((DelayedMessage(due_ms, msg.msg_id, 0, msg.timestamp, attempts,
                                               msg.ext, msg.body, msg.offset), msg))
         self._pending.set()
 
@@ -122,14 +123,19 @@ class ChannelDelay:
 
     async def take_due(self, now_ms: int, limit: int):
         """Due messages, moved to "taken" in the store (one transaction)."""
+        from delayqueue.store import DelayStoreCorruptError
+
         self._taking = True
         try:
             taken = await asyncio.to_thread(self.store.take_due, now_ms, min(limit,
                                                                              self.take_limit))
-            self._refresh(*await asyncio.to_thread(self.store.stats))
-            return taken
+        except DelayStoreCorruptError as e:  # set aside by the store; the next take goes on
+            log.error("delay_store_corrupt_entry", path=self.path, error=str(e))
+            taken = []
         finally:
             self._taking = False
+        self._refresh(*await asyncio.to_thread(self.store.stats))
+        return taken
 
     # ---- operations --------------------------------------------------------
 
