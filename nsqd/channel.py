@@ -217,6 +217,7 @@ class Channel:
             if window_room <= 0:
                 self._spill_deferred()
             room = min(capacity - len(msgs), window_room, self.read_batch)
+            held = 0
             if room > 0:
                 self.error = None
                 take = self.cursor.take
@@ -224,12 +225,14 @@ class Channel:
                     msg = Message(rec)
                     take(msg)
                     if rec.ext and self._defer_if_due_later(msg):
+                        held += 1
                         continue
                     msgs.append(msg)
                 self.dirty = True
-            if not msgs:
+            if msgs:
+                self._distribute(msgs)
+            elif not held:  # nothing to hand out, and nothing read that was not due yet
                 return
-            self._distribute(msgs)
 
     def _defer_if_due_later(self, msg: Message) -> bool:
         """A DPUB's message read before it is due: held in memory when due soon, moved to

@@ -40,6 +40,7 @@ class ChannelDelay:
         self._flusher: asyncio.Task | None = None
         self._taking = False
         self._closed = False
+        self.flushes = 0  # store writes done: many moves share one
 
     @property
     def available(self) -> bool:
@@ -97,6 +98,7 @@ class ChannelDelay:
                 await asyncio.sleep(1)
                 self._puts[:0], self._finishes[:0], self._requeues[:0] = puts, finishes, requeues
                 continue
+            self.flushes += 1
             self._refresh(*stats)
             stored = [m for _, m in puts if m is not None]
             if stored:

@@ -312,3 +312,19 @@ async def test_kill_9_while_messages_move_through_the_delay_queue(tmp_path, roun
         await again.close()
     finally:
         proc.kill()
+
+
+async def test_deferred_messages_do_not_stall_reading_with_a_small_rdy(node):
+    n = await node(FakeClock())
+    c = await connect(n)
+    await c.sub("t", "c", rdy=1)
+    channel_of(n).pause()  # everything is published before the channel reads: one wake
+    pub = await connect(n)
+    for i in range(300):
+        await pub.dpub("t", DAY_MS, b"later%d" % i)
+    await pub.pub("t", b"now")
+    channel_of(n).unpause()
+    (m,) = await take(c, timeout=3)
+    assert m.body == b"now"
+    await until(lambda: channel_of(n).delayed_count == 300)
+    assert channel_of(n).delay.flushes < 30, "moves to the store must share writes"
