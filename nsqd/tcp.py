@@ -28,7 +28,8 @@ from .topic import PartitionNotFound
 
 log = structlog.get_logger("nsqd.tcp")
 
-_PUB_COMMANDS = {p.Pub: "PUB", p.Mpub: "MPUB"}
+_PUB_COMMANDS = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB"}
+MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
 
 MAX_PENDING = 256  # commands queued behind a slow one before reading pauses
 
@@ -67,7 +68,8 @@ class ClientConnection(asyncio.Protocol):
                                       state_check=self._state_check)
         self._parse_state = self.INIT  # the state the next parsed command will run in
         self.pending: deque = deque()
-        self.busy = False
+        self.busy = False  # an awaited command runs
+        self._publishing: deque[list] = deque()  # [done, error, topic, bodies, command] in order
         self.state = self.INIT
         self.transport = None
         self.client: Client | None = None
@@ -152,7 +154,7 @@ class ClientConnection(asyncio.Protocol):
                 self._fail(p.ProtocolError("E_BAD_BODY", "failed to decompress"))
                 return
         if (data.startswith(b"FIN ") and self.state == self.SUBSCRIBED and not self.busy
-                and not self.pending and not self.parser.buffered):
+                and not self.pending and not self._publishing and not self.parser.buffered):
             data = self._finish_run(data)
             if not data:
                 return
@@ -239,7 +241,14 @@ class ClientConnection(asyncio.Protocol):
             if self.transport.is_closing():
                 self.pending.clear()
                 return
-            cmd = self.pending.popleft()
+            cmd = self.pending[0]
+            if (type(cmd) in _PUB_COMMANDS and len(self._publishing) < MAX_PIPELINE
+                    and self._publish_now(cmd)):
+                self.pending.popleft()
+                continue
+            if self._publishing:
+                break  # its reply must follow the replies of the publishes before it
+            self.pending.popleft()
             if isinstance(cmd, p.ProtocolError):
                 self._fail(cmd)
                 continue
@@ -250,8 +259,6 @@ class ClientConnection(asyncio.Protocol):
                 except p.ProtocolError as e:
                     self._fail(e)
                 continue
-            if type(cmd) in _PUB_COMMANDS and self._publish_now(cmd):
-                continue
             self.busy = True
             asyncio.get_running_loop().create_task(self._run_async(cmd))
         if len(self.pending) > MAX_PENDING and not self._paused:
@@ -260,11 +267,12 @@ class ClientConnection(asyncio.Protocol):
         elif self._paused and len(self.pending) < MAX_PENDING // 2:
             self._paused = False
             self.transport.resume_reading()
-        if self._eof and not self.busy and not self.pending:
+        if self._eof and not self.busy and not self.pending and not self._publishing:
             self.transport.close()
 
     def _publish_now(self, cmd) -> bool:
-        """PUB/MPUB to an existing topic, answered from the append's callback: no task.
+        """PUB/MPUB/DPUB to an existing topic, answered from the append's callback: no task.
+        Several may be in flight (a pipelining client); replies go out in command order.
 
         Returns False to leave the command to the general (awaited) path."""
         topic = self.nsqd.topics.get(cmd.topic)
@@ -274,17 +282,23 @@ class ClientConnection(asyncio.Protocol):
         part = topic.partition(cmd.partition)
         if part is None or part.queue.closed:
             return False
-        bodies = [cmd.body] if type(cmd) is p.Pub else cmd.bodies
-        self.busy = True
-        part.queue.append(bodies, callback=functools.partial(
-            self._published, topic, _PUB_COMMANDS[type(cmd)], bodies))
+        kind = type(cmd)
+        bodies = cmd.bodies if kind is p.Mpub else [cmd.body]
+        ext = defer_ext(cmd.defer_ms, self.nsqd.clock()) if kind is p.Dpub else b""
+        slot = [False, None, topic, bodies, _PUB_COMMANDS[kind]]
+        self._publishing.append(slot)
+        part.queue.append(bodies, ext=ext, callback=functools.partial(self._published, slot))
         return True
 
-    def _published(self, topic, command: str, bodies: list[bytes], appended, exc) -> None:
-        self.busy = False
-        if exc is not None:
-            self._fail(p.publish_failed(command, str(exc)))
-        else:
+    def _published(self, slot: list, appended, exc) -> None:
+        slot[0], slot[1] = True, exc
+        publishing = self._publishing
+        while publishing and publishing[0][0]:
+            _, exc, topic, bodies, command = publishing.popleft()
+            if exc is not None:
+                publishing.clear()
+                self._fail(p.publish_failed(command, str(exc)))
+                return
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
             self.client.write(p.OK)
@@ -334,7 +348,7 @@ class ClientConnection(asyncio.Protocol):
             return
         loop = asyncio.get_running_loop()
         remaining = self._last_read + 2 * interval - time.monotonic()
-        if remaining <= 0 and (self.busy or self._paused):
+        if remaining <= 0 and (self.busy or self._paused or self._publishing):
             # We are the slow side (a command still runs, or reading is paused behind
             # queued ones): nsqd only arms its deadline when it reads again.
             self._last_read = time.monotonic()

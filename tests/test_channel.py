@@ -175,3 +175,33 @@ async def test_dpub_is_delivered_after_its_delay(node):
     assert first.body == b"now"
     (second,) = await take(c, 1)
     assert second.body == b"later" and loop.time() - t0 >= 0.39
+
+
+async def test_pipelined_publishes_are_answered_in_order(node):
+    from nsqd import protocol as p
+
+    n = await node()
+    warm = await connect(n)
+    await warm.pub("t", b"creates the topic")
+    reader, writer = await asyncio.open_connection("127.0.0.1", n.tcp_port)
+    writer.write(p.MAGIC_V2 + b"".join(
+        p.cmd_pub("t", b"%d" % i) if i % 3 else p.cmd_mpub("t", [b"%da" % i, b"%db" % i])
+        for i in range(150)) + p.cmd_dpub("t", 10, b"d") + b"RDY 1\n")
+    frames = p.FrameParser()
+    got = []
+    while len(got) < 152:
+        data = await asyncio.wait_for(reader.read(65536), 5)
+        assert data, f"closed after {got[-3:]}"
+        frames.feed(data)
+        got += list(frames.frames())
+    # 151 OKs in command order, then RDY before SUB: the fatal state error comes last
+    assert got[:151] == [(p.FRAME_RESPONSE, b"OK")] * 151
+    assert got[151] == (p.FRAME_ERROR, b"E_INVALID cannot RDY in current state")
+    c = await connect(n)
+    await c.sub("t", "c", rdy=300)
+    bodies = [m.body for m in await take(c, 1 + 100 + 100 + 1)]
+    expected = [b"creates the topic"]
+    for i in range(150):
+        expected += [b"%d" % i] if i % 3 else [b"%da" % i, b"%db" % i]
+    assert bodies[:-1] == expected and bodies[-1] == b"d"
+    writer.close()
