@@ -111,8 +111,9 @@ def recover(segments: Segments, clog: CommitLog, max_batch_bytes: int,
     last = clog.last()
     if last is None:
         orphans = [(b, b, e) for b, e in _segment_ranges(segments)]
-    elif last.end_offset < stop:
-        orphans = [(base, last.end_offset, stop)]
+    elif last.end_offset < stop:  # they may start in an earlier segment (a lost unsynced tail)
+        orphans = [(b, max(b, last.end_offset), e) for b, e in _segment_ranges(segments)
+                   if e > last.end_offset]
     else:
         orphans = []
     count = _rebuild(clog, segments, orphans, last, epoch, result) if orphans else None

@@ -107,10 +107,12 @@ class Segments:
             self._unsynced = False
 
     def rotate(self) -> None:
+        """Start a new segment at `end`; if its file cannot be made, the old one stays active."""
         self.sync()
+        fd = os.open(self.file(self.end), os.O_RDWR | os.O_CREAT, 0o644)
         os.close(self._fd)
+        self._fd = fd
         self.bases.append(self.end)
-        self._open_active()
         fsync_dir(self.path)
 
     def truncate_to(self, offset: int) -> None:
