@@ -162,7 +162,7 @@ def build(values: dict) -> Options:
             kwargs[key] = [kwargs[key]]
     options = Options(**kwargs)
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
-        raise ValueError(f"--max-req-timeout must be between 1ms and 7 days (168h)")
+        raise ValueError("--max-req-timeout must be between 1ms and 7 days (168h)")
     return options
 
 

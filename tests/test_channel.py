@@ -3,47 +3,8 @@
 import asyncio
 import os
 
-import pytest
 
-from nsqclient.conn import Connection
-from nsqd.nsqd import NSQD
-from nsqd.options import Options
-
-
-@pytest.fixture
-async def node(tmp_path):
-    def make(**kw):
-        opts = Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                       data_path=str(tmp_path / "data"), log_level="warning", **kw)
-        return NSQD(opts)
-
-    started = []
-
-    async def start(**kw):
-        n = make(**kw)
-        await n.start()
-        started.append(n)
-        return n
-
-    yield start
-    for n in started:
-        await n.stop()
-
-
-async def connect(n, **identify):
-    return await Connection("127.0.0.1", n.tcp_port).connect(identify or None)
-
-
-async def take(conn, count, timeout=5.0):
-    return [await asyncio.wait_for(conn.messages.get(), timeout) for _ in range(count)]
-
-
-async def nothing_arrives(conn, wait=0.5):
-    try:
-        m = await asyncio.wait_for(conn.messages.get(), wait)
-    except asyncio.TimeoutError:
-        return True
-    raise AssertionError(f"unexpected delivery {m.body!r}")
+from nodes import connect, nothing_arrives, take
 
 
 async def test_first_channel_gets_backlog_later_channel_starts_at_end(node):

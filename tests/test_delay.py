@@ -11,9 +11,8 @@ import urllib.request
 
 import pytest
 
+from nodes import connect, nothing_arrives, take, until
 from nsqclient.conn import Connection, NSQError
-from nsqd.nsqd import NSQD
-from nsqd.options import Options
 from servers import NsqdProcess
 
 DAY_MS = 86_400_000
@@ -28,48 +27,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
-
-
-@pytest.fixture
-async def node(tmp_path):
-    started = []
-
-    async def start(clock=None, **kw):
-        n = NSQD(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                         data_path=str(tmp_path / "data"), log_level="warning", **kw))
-        if clock is not None:
-            n.clock = clock
-        await n.start()
-        started.append(n)
-        return n
-
-    yield start
-    for n in started:
-        await n.stop()
-
-
-async def connect(n, **identify):
-    return await Connection("127.0.0.1", n.tcp_port).connect(identify or None)
-
-
-async def take(conn, count=1, timeout=5.0):
-    return [await asyncio.wait_for(conn.messages.get(), timeout) for _ in range(count)]
-
-
-async def until(predicate, timeout=5.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
-async def nothing_arrives(conn, wait=0.4):
-    try:
-        m = await asyncio.wait_for(conn.messages.get(), wait)
-    except asyncio.TimeoutError:
-        return
-    raise AssertionError(f"unexpected delivery {m.body!r}")
 
 
 def channel_of(n, topic="t", name="c"):
