@@ -191,6 +191,11 @@ class Channel:
                           channel=self.name, offset=e.offset, where=e.where)
                 await asyncio.sleep(5)
                 self._wake.set()
+            except Exception:  # a bug must stall one channel for a second, never for good
+                log.exception("delivery_failed", topic=self.topic_name, partition=self.partition,
+                              channel=self.name)
+                await asyncio.sleep(1)
+                self._wake.set()
 
     async def _deliver_ready(self) -> None:
         while not self.paused and not self.topic.paused and not self._closed:
