@@ -416,7 +416,10 @@ class DiskQueue:
         self.committed_count = count
         self._wake_readers()
         for listener in self.commit_listeners:
-            listener()
+            try:
+                listener()
+            except Exception:  # a listener's bug must never stop the writer
+                log.exception("commit_listener_failed", path=self.path)
 
     def _wake_readers(self) -> None:
         waiters, self._committed_waiters = self._committed_waiters, []
