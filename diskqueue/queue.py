@@ -460,9 +460,11 @@ class DiskQueue:
         return Reader(self, self.start_offset if offset is None else offset, read_ahead)
 
     async def find(self, method: str, value: int) -> Entry | None:
-        """Commitlog search off the loop: method is offset, msg_id, count or timestamp."""
+        """Commitlog search off the loop: method is offset, msg_id, count or timestamp.
+        Holds the I/O lock, so retention never drops the segment it reads."""
         fn = getattr(self.commitlog, f"find_by_{method}")
-        return await _write_off_loop(fn, value)
+        async with self._io_lock:
+            return await _write_off_loop(fn, value)
 
     # ---- retention and emptying ------------------------------------------
 

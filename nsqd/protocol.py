@@ -307,6 +307,8 @@ def ext_not_supported(topic: str) -> ProtocolError:
 
 _NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
+# Keys beginning "##" are the server's: only these may come from a client.
+RESERVED_HEADER_KEYS = frozenset({"##trace_id", "##partition_key", "##tag"})
 _START = re.compile(r"(timestamp|offset|count):([0-9]{1,19})")
 
 
@@ -561,6 +563,8 @@ def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
     for key in header:
         if _HEADER_KEY.fullmatch(key) is None:
             raise invalid_json_header(command, f"key {_go_quote(key)} is not valid")
+        if key.startswith("##") and key not in RESERVED_HEADER_KEYS:
+            raise invalid_json_header(command, f"key {_go_quote(key)} is reserved")
     return header, raw[end:]
 
 

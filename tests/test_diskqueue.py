@@ -1,6 +1,7 @@
 """Async tests of DiskQueue: the write path, readers, sync policies, retention, recovery, faults."""
 
 import asyncio
+import threading
 import errno
 import hashlib
 import json
@@ -899,3 +900,27 @@ async def test_full_disk(small_disk, queues):
     q = await queues(path, opts)
     assert q.written_count == count + 21
     assert (await read_all(q, a.offset))[0].body == b"room again"
+
+
+
+async def test_find_waits_for_retention(tmp_path, queues):
+    """A search never reads commitlog segments while retention is dropping them."""
+    q = await queues(tmp_path, QueueOptions(segment_bytes=1024, clog_entries_per_segment=4))
+    done = [await q.append([body(i)]) for i in range(100)]
+    dropping, release = threading.Event(), threading.Event()
+    drop = q.commitlog.drop_before_offset
+
+    def slow_drop(offset):
+        dropping.set()
+        release.wait(5)
+        return drop(offset)
+
+    q.commitlog.drop_before_offset = slow_drop
+    retain = asyncio.create_task(q.retain(before_offset=done[-1].offset))
+    await asyncio.get_running_loop().run_in_executor(None, dropping.wait, 5)
+    find = asyncio.create_task(q.find("msg_id", done[-1].first_id))
+    await asyncio.sleep(0.2)
+    assert not find.done(), "find ran while retention was dropping segments"
+    release.set()
+    assert await retain > 0
+    assert (await find).first_msg_id == done[-1].first_id

@@ -297,6 +297,16 @@ def test_bad_json_header_is_not_fatal_and_parsing_goes_on():
                       ('E_INVALID_JSON_HEADER PUB_EXT json header key "a " is not valid', False)]
 
 
+def test_unknown_reserved_header_keys_are_refused():
+    """A client must not smuggle in server-side keys such as the DPUB due time."""
+    assert error_of(p.cmd_pub_ext("t", {"##defer_until_ms": 1}, b"x")).text == \
+        'E_INVALID_JSON_HEADER PUB_EXT json header key "##defer_until_ms" is reserved'
+    assert error_of(p.cmd_mpub_ext("t", [({"##x": 1}, b"x")])).code == "E_INVALID_JSON_HEADER"
+    parser = p.CommandParser()
+    parser.feed(p.MAGIC_V2 + p.cmd_pub_ext("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x"))
+    assert list(parser.commands()) == [p.PubExt("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x", None)]
+
+
 def test_json_nested_too_deeply_is_a_value_error():
     with pytest.raises(ValueError):
         p.decode_json(b"[" * 100_000)
