@@ -5,7 +5,11 @@ Invariants:
   records never span two segments;
 - only the last (active) segment is ever written, and only at `end`;
 - a new segment is created only after the previous one is synced, and the
-  folder is synced after the file is created, so a rotation is durable.
+  folder is synced after the file is created, so a rotation is durable;
+- `newest.json` names the newest segment ever created, written (atomically)
+  before any byte goes into it: if that segment is not on disk at open, it
+  was lost, not torn, and open refuses with MissingSegmentError instead of
+  letting recovery cut the commitlog back to the older segments.
 
 Synchronous and blocking: the queue calls it from a worker thread.
 """
@@ -17,7 +21,10 @@ import os
 
 from commitlog.log import fsync_dir
 
+from .atomic import read_json, write_json_atomic
+
 SUFFIX = ".dat"
+NEWEST_FILE = "newest.json"
 
 
 class MissingSegmentError(Exception):
@@ -53,10 +60,17 @@ class Segments:
         os.makedirs(self.path, exist_ok=True)
         names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
         self.bases = [int(n[:-len(SUFFIX)]) for n in names]
+        newest = read_json(os.path.join(self.path, NEWEST_FILE), {}).get("base")
+        if newest is not None and newest > (self.bases[-1] if self.bases else start_offset):
+            raise MissingSegmentError(
+                f"{self.path}: segment {segment_name(newest)}, the newest one created, is not on "
+                f"disk: the data from offset {newest} on is missing")
         if not self.bases:
             self.bases = [start_offset]
             os.close(os.open(self.file(start_offset), os.O_RDWR | os.O_CREAT, 0o644))
             fsync_dir(self.path)
+        if newest != self.bases[-1]:
+            self._record_newest()
         for i in range(len(self.bases) - 1):
             size = os.path.getsize(self.file(self.bases[i]))
             if self.bases[i] + size != self.bases[i + 1]:
@@ -114,6 +128,10 @@ class Segments:
         self._fd = fd
         self.bases.append(self.end)
         fsync_dir(self.path)
+        self._record_newest()
+
+    def _record_newest(self) -> None:
+        write_json_atomic(os.path.join(self.path, NEWEST_FILE), {"base": self.active_base})
 
     def truncate_to(self, offset: int) -> None:
         """Cut the active segment back to `offset` (a failed write, or a torn tail)."""
@@ -142,6 +160,7 @@ class Segments:
         self._open_active()
         fsync_dir(self.path)
         self.end = offset
+        self._record_newest()
 
     def sizes(self) -> list[tuple[int, int, float]]:
         """(base, bytes, last modification time) of each segment, oldest first."""

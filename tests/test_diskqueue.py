@@ -725,6 +725,31 @@ async def test_missing_middle_segment(tmp_path, queues):
         await DiskQueue.open(str(tmp_path), q.options)
 
 
+async def test_missing_last_segment_is_refused_not_cut(tmp_path, queues):
+    """Even a small newest segment (less than a batch) is reported, never taken for a torn tail."""
+    q = await _four_segments(tmp_path, queues)
+    await q.append([b"small"])
+    files = segment_files(tmp_path)
+    assert os.path.getsize(files[-1]) < q.options.max_batch_bytes
+    await q.close()
+    os.unlink(files[-1])
+    with pytest.raises(MissingSegmentError, match=f"{os.path.basename(files[-1])}.*missing"):
+        await DiskQueue.open(str(tmp_path), q.options)
+    assert len(segment_files(tmp_path)) == len(files) - 1, "nothing cut or created"
+
+
+async def test_newest_segment_record_follows_rotation_and_empty(tmp_path, queues):
+    q = await _four_segments(tmp_path, queues)
+    newest = os.path.join(tmp_path, "data", "newest.json")
+    assert json.load(open(newest))["base"] == base_of(segment_files(tmp_path)[-1])
+    await q.empty()
+    assert json.load(open(newest))["base"] == q.written_end
+    await q.append([b"again"])
+    await q.close()
+    q = await queues(tmp_path, q.options)
+    assert q.written_count == 1 + (await read_all(q))[0].msg_id
+
+
 async def test_missing_first_segment(tmp_path, queues):
     q = await _four_segments(tmp_path, queues)
     await q.close()
