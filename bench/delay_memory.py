@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from bench.common import Report  # noqa: E402
+from nsqclient import commands as c  # noqa: E402
 from nsqclient.conn import Connection  # noqa: E402
-from nsqd import protocol as p  # noqa: E402
 from servers import NsqdProcess  # noqa: E402
 
 DAY_MS = 86_400_000
@@ -59,7 +59,7 @@ async def publish(port: int, total: int, connections: int, chunk: int) -> None:
         body = b"x" * 200
         for start in range(0, count, chunk):
             n = min(chunk, count - start)
-            await asyncio.gather(*(conn.command(p.cmd_dpub("t", DAY_MS, body))
+            await asyncio.gather(*(conn.command(c.cmd_dpub("t", DAY_MS, body))
                                    for _ in range(n)))
         await conn.close()
 

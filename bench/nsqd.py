@@ -54,6 +54,7 @@ try:
     import nsqd.protocol  # noqa: F401  (installed editable in the venv)
 except ImportError:  # a checkout without the install: append, never shadow stdlib
     sys.path.append(ROOT)
+from nsqclient.commands import FrameParser, cmd_cls, cmd_mpub, cmd_nop, cmd_pub, cmd_rdy, cmd_sub  # noqa: E402
 from nsqd import protocol as p  # noqa: E402
 
 BODY_LEN = 200
@@ -152,7 +153,7 @@ class ProduceJob:
 class Producer(asyncio.Protocol):
     def __init__(self, job: ProduceJob):
         self.job = job
-        self.frames = p.FrameParser()
+        self.frames = FrameParser()
         self.transport = None
         self.t_sent = 0.0
         self.left = 0
@@ -174,7 +175,7 @@ class Producer(asyncio.Protocol):
                 if payload == b"OK":
                     self._ok()
                 elif payload == b"_heartbeat_":
-                    self.transport.write(p.cmd_nop())
+                    self.transport.write(cmd_nop())
             else:
                 self.job.errors.append(payload[:200].decode(errors="replace"))
                 self.job.finished(self)
@@ -237,7 +238,7 @@ class Group:
             self.t_end = time.monotonic()
         for c in self.consumers:
             if not c.transport.is_closing():
-                c.transport.write(p.cmd_cls())
+                c.transport.write(cmd_cls())
 
     def consumer_closed(self) -> None:
         self.closed += 1
@@ -263,7 +264,7 @@ class Consumer(asyncio.Protocol):
         transport.write(p.MAGIC_V2)
 
     def start(self) -> None:
-        self.transport.write(p.cmd_sub(TOPIC, self.group.channel))
+        self.transport.write(cmd_sub(TOPIC, self.group.channel))
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -299,9 +300,9 @@ class Consumer(asyncio.Protocol):
         if kind == p.FRAME_RESPONSE:
             if payload == b"OK" and not self.subscribed:
                 self.subscribed = True
-                self.transport.write(p.cmd_rdy(self.rdy))
+                self.transport.write(cmd_rdy(self.rdy))
             elif payload == b"_heartbeat_":
-                self.transport.write(p.cmd_nop())
+                self.transport.write(cmd_nop())
             elif payload == b"CLOSE_WAIT":
                 self._closed()
         else:
@@ -544,7 +545,7 @@ class Server:
         """Send commands on a fresh blocking connection; return `replies` response payloads."""
         with socket.create_connection((self.host, self.port), timeout=30) as s:
             s.sendall(p.MAGIC_V2 + data)
-            parser = p.FrameParser()
+            parser = FrameParser()
             out = []
             while len(out) < replies:
                 chunk = s.recv(65536)
@@ -562,7 +563,7 @@ class Server:
         """SUB once to each channel and leave: the channels exist before the backlog is
         published (a channel made later starts at the end of the topic)."""
         for name in names:
-            self.command(p.cmd_sub(TOPIC, name))
+            self.command(cmd_sub(TOPIC, name))
 
 
 class Profiler:
@@ -789,8 +790,8 @@ def part_pub1(report: Report, cfg: str, flags: list[str], P: dict, args) -> None
     report.section(f"[{cfg}] (a) {P['pub_conns']} producers, one {BODY_LEN}-byte PUB at a time "
                    f"each ({P['pub_warm_s']:g} s warm-up, {P['pub_s']:g} s measured)")
     with Server(flags, args.dir) as srv:
-        srv.command(p.cmd_pub(TOPIC, b"x" * BODY_LEN))  # the topic exists before the clock starts
-        specs = produce_specs(p.cmd_pub(TOPIC, bodies(1)[0]), 1, P["pub_conns"], args.procs,
+        srv.command(cmd_pub(TOPIC, b"x" * BODY_LEN))  # the topic exists before the clock starts
+        specs = produce_specs(cmd_pub(TOPIC, bodies(1)[0]), 1, P["pub_conns"], args.procs,
                               warm_s=P["pub_warm_s"], dur_s=P["pub_s"])
         prof = profile_path(args, cfg, "pub1")
         results, _, phase = run_load(srv, specs, prof, args.py_spy_rate, args.py_spy_native)
@@ -823,8 +824,8 @@ def part_mpub(report: Report, cfg: str, flags: list[str], P: dict, args) -> None
                    f"{BODY_LEN} bytes at a time each ({P['mpub_warm_s']:g} s warm-up, "
                    f"{P['mpub_s']:g} s measured)")
     with Server(flags, args.dir) as srv:
-        srv.command(p.cmd_pub(TOPIC, b"x" * BODY_LEN))
-        specs = produce_specs(p.cmd_mpub(TOPIC, bodies(MPUB_BATCH)), MPUB_BATCH,
+        srv.command(cmd_pub(TOPIC, b"x" * BODY_LEN))
+        specs = produce_specs(cmd_mpub(TOPIC, bodies(MPUB_BATCH)), MPUB_BATCH,
                               P["mpub_conns"], min(args.procs, P["mpub_conns"]),
                               warm_s=P["mpub_warm_s"], dur_s=P["mpub_s"])
         prof = profile_path(args, cfg, "mpub200")
@@ -851,7 +852,7 @@ def part_mpub(report: Report, cfg: str, flags: list[str], P: dict, args) -> None
 
 def publish_backlog(report: Report, srv: Server, key: str, P: dict, args) -> None:
     n = P["backlog"]
-    specs = produce_specs(p.cmd_mpub(TOPIC, bodies(MPUB_BATCH)), MPUB_BATCH, P["backlog_conns"],
+    specs = produce_specs(cmd_mpub(TOPIC, bodies(MPUB_BATCH)), MPUB_BATCH, P["backlog_conns"],
                           min(args.procs, P["backlog_conns"]), batches=n // MPUB_BATCH)
     results, t0, phase = run_load(srv, specs, None, 0)
     count = sum(r["count"] for r in results)

@@ -13,6 +13,8 @@ from collections import deque
 
 from nsqd import protocol as p
 
+from . import commands as c
+
 
 class NSQError(Exception):
     """An E_* error frame answered to one of our commands."""
@@ -30,13 +32,13 @@ class Message:
         self.body = body
 
     def fin(self) -> None:
-        self.conn.send(p.cmd_fin(self.id))
+        self.conn.send(c.cmd_fin(self.id))
 
     def req(self, delay_ms: int = 0) -> None:
-        self.conn.send(p.cmd_req(self.id, delay_ms))
+        self.conn.send(c.cmd_req(self.id, delay_ms))
 
     def touch(self) -> None:
-        self.conn.send(p.cmd_touch(self.id))
+        self.conn.send(c.cmd_touch(self.id))
 
 
 class Connection:
@@ -56,7 +58,7 @@ class Connection:
         self._writer.write(p.MAGIC_V2)
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
         if identify is not None:
-            await self.command(p.cmd_identify(identify))
+            await self.command(c.cmd_identify(identify))
         return self
 
     def send(self, data: bytes) -> None:
@@ -70,21 +72,21 @@ class Connection:
         return await fut
 
     async def pub(self, topic: str, body: bytes) -> None:
-        await self.command(p.cmd_pub(topic, body))
+        await self.command(c.cmd_pub(topic, body))
 
     async def mpub(self, topic: str, bodies: list[bytes]) -> None:
-        await self.command(p.cmd_mpub(topic, bodies))
+        await self.command(c.cmd_mpub(topic, bodies))
 
     async def dpub(self, topic: str, defer_ms: int, body: bytes) -> None:
-        await self.command(p.cmd_dpub(topic, defer_ms, body))
+        await self.command(c.cmd_dpub(topic, defer_ms, body))
 
     async def sub(self, topic: str, channel: str, rdy: int = 0) -> None:
-        await self.command(p.cmd_sub(topic, channel))
+        await self.command(c.cmd_sub(topic, channel))
         if rdy:
             self.rdy(rdy)
 
     def rdy(self, count: int) -> None:
-        self._writer.write(p.cmd_rdy(count))
+        self._writer.write(c.cmd_rdy(count))
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -97,7 +99,7 @@ class Connection:
                 pass
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
-        frames = p.FrameParser()
+        frames = c.FrameParser()
         try:
             while True:
                 data = await reader.read(1 << 20)
@@ -107,10 +109,10 @@ class Connection:
                 batch = []
                 for kind, payload in frames.frames():
                     if kind == p.FRAME_MESSAGE:
-                        ts, attempts, msg_id, body = p.parse_message(payload)
+                        ts, attempts, msg_id, body = c.parse_message(payload)
                         batch.append(Message(self, ts, attempts, msg_id, body))
                     elif payload == b"_heartbeat_":
-                        self._writer.write(p.cmd_nop())
+                        self._writer.write(c.cmd_nop())
                     elif kind == p.FRAME_ERROR:
                         self._answer_error(payload.decode(errors="replace"))
                     else:

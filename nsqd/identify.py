@@ -4,7 +4,7 @@ the client's settings and the reply bytes out.
 Follows nsqd v1.3.0: the body is decoded the way Go's encoding/json fills
 nsqd's identifyDataV2 (keys matched case-insensitively, unknown keys and nulls
 ignored, a wrongly typed value fails the whole body), then each setting is
-range-checked in nsqd's order. Errors are fatal, texts come from protocol.py.
+range-checked in nsqd's order. Errors are fatal, texts come from errors.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from nsqd.protocol import compression_conflict, decode_json, identify_bad_json, identify_rejected
+from nsqd.errors import compression_conflict, identify_bad_json, identify_rejected
+from nsqd.protocol import decode_json
 
 
 @dataclass(frozen=True, slots=True)

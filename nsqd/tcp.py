@@ -20,7 +20,7 @@ from collections import deque
 
 import structlog
 
-from . import protocol as p
+from . import errors, protocol as p
 from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
@@ -151,7 +151,7 @@ class ClientConnection(asyncio.Protocol):
             try:
                 data = self._decompress(data)
             except Exception:
-                self._fail(p.ProtocolError("E_BAD_BODY", "failed to decompress"))
+                self._fail(errors.ProtocolError("E_BAD_BODY", "failed to decompress"))
                 return
         if (data.startswith(b"FIN ") and self.state == self.SUBSCRIBED and not self.busy
                 and not self.pending and not self._publishing and not self.parser.buffered):
@@ -200,7 +200,7 @@ class ClientConnection(asyncio.Protocol):
                     elif isinstance(cmd, p.Cls):
                         self._parse_state = self.CLOSING
                 return
-            except p.ProtocolError as e:
+            except errors.ProtocolError as e:
                 self.pending.append(e)
                 if e.fatal:
                     self._parser_dead = True
@@ -221,13 +221,13 @@ class ClientConnection(asyncio.Protocol):
         else:
             return
         if not ok:
-            raise p.invalid_state(name)
+            raise errors.invalid_state(name)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
-    def _fail(self, err: p.ProtocolError) -> None:
+    def _fail(self, err: errors.ProtocolError) -> None:
         self.client.write(err.frame)
         if err.fatal:
             self._parser_dead = True
@@ -249,14 +249,14 @@ class ClientConnection(asyncio.Protocol):
             if self._publishing:
                 break  # its reply must follow the replies of the publishes before it
             self.pending.popleft()
-            if isinstance(cmd, p.ProtocolError):
+            if isinstance(cmd, errors.ProtocolError):
                 self._fail(cmd)
                 continue
             handler = self._sync_handlers.get(type(cmd))
             if handler is not None:
                 try:
                     handler(self, cmd)
-                except p.ProtocolError as e:
+                except errors.ProtocolError as e:
                     self._fail(e)
                 continue
             self.busy = True
@@ -297,7 +297,7 @@ class ClientConnection(asyncio.Protocol):
             _, exc, topic, bodies, command = publishing.popleft()
             if exc is not None:
                 publishing.clear()
-                self._fail(p.publish_failed(command, str(exc)))
+                self._fail(errors.publish_failed(command, str(exc)))
                 return
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
@@ -311,11 +311,11 @@ class ClientConnection(asyncio.Protocol):
     async def _run_async(self, cmd) -> None:
         try:
             await self._async_handlers[type(cmd)](self, cmd)
-        except p.ProtocolError as e:
+        except errors.ProtocolError as e:
             self._fail(e)
         except Exception as e:  # a bug must cost one connection, never the server
             log.exception("command_failed", command=type(cmd).__name__)
-            self._fail(p.ProtocolError("E_INVALID", f"internal error: {e}"))
+            self._fail(errors.ProtocolError("E_INVALID", f"internal error: {e}"))
         finally:
             self.busy = False
         self._drain()
@@ -372,15 +372,15 @@ class ClientConnection(asyncio.Protocol):
         if self.state == self.CLOSING:
             return  # classic nsqd ignores RDY while closing
         if self.state != self.SUBSCRIBED:
-            raise p.invalid_state("RDY")
+            raise errors.invalid_state("RDY")
         if not 0 <= cmd.count <= self.nsqd.options.max_rdy_count:
-            raise p.rdy_out_of_range(cmd.count, self.nsqd.options.max_rdy_count)
+            raise errors.rdy_out_of_range(cmd.count, self.nsqd.options.max_rdy_count)
         self.client.ready_count = cmd.count
         self.client.channel.wake()
 
     def _in_flight(self, name: str, raw_id: bytes, failed):
         if self.state not in (self.SUBSCRIBED, self.CLOSING):
-            raise p.invalid_state(name)
+            raise errors.invalid_state(name)
         try:
             msg_id = p.decode_msg_id(raw_id)
         except ValueError:
@@ -391,25 +391,25 @@ class ClientConnection(asyncio.Protocol):
         return msg
 
     def _fin(self, cmd: p.Fin) -> None:
-        msg = self._in_flight("FIN", cmd.msg_id, p.fin_failed)
+        msg = self._in_flight("FIN", cmd.msg_id, errors.fin_failed)
         del self.client.in_flight[msg.msg_id]
         self.client.finish_count += 1
         self.client.channel.finish(msg)
 
     def _req(self, cmd: p.Req) -> None:
-        msg = self._in_flight("REQ", cmd.msg_id, p.req_failed)
+        msg = self._in_flight("REQ", cmd.msg_id, errors.req_failed)
         del self.client.in_flight[msg.msg_id]
         self.client.requeue_count += 1
         delay = min(max(cmd.timeout_ms, 0), self.nsqd.options.max_req_timeout_ms)
         self.client.channel.requeue(msg, delay)
 
     def _touch(self, cmd: p.Touch) -> None:
-        msg = self._in_flight("TOUCH", cmd.msg_id, p.touch_failed)
+        msg = self._in_flight("TOUCH", cmd.msg_id, errors.touch_failed)
         self.client.touch(msg, time.monotonic(), self.nsqd.options.max_msg_timeout_ms / 1000)
 
     def _cls(self, cmd: p.Cls) -> None:
         if self.state != self.SUBSCRIBED:
-            raise p.invalid_state("CLS")
+            raise errors.invalid_state("CLS")
         self.state = self.CLOSING
         self.client.ready_count = 0
         self.client.write(p.CLOSE_WAIT)
@@ -424,7 +424,7 @@ class ClientConnection(asyncio.Protocol):
 
     async def _identify(self, cmd: p.Identify) -> None:
         if self.state != self.INIT:
-            raise p.invalid_state("IDENTIFY")
+            raise errors.invalid_state("IDENTIFY")
         settings, reply = negotiate(cmd.body, self.limits, self.client.settings)
         self.client.settings = settings
         self.client.write(p.encode_response(reply))
@@ -458,16 +458,16 @@ class ClientConnection(asyncio.Protocol):
         from .auth import authenticate
 
         if not self.nsqd.options.auth_http_address:
-            raise p.auth_disabled()
+            raise errors.auth_disabled()
         if self.client.authorizations is not None:
-            raise p.auth_already_set()
+            raise errors.auth_already_set()
         result = await authenticate(self.nsqd.options.auth_http_address,
                                     self.client.remote_address.rsplit(":", 1)[0],
                                     self.client.tls, cmd.secret)
         if result is None:
-            raise p.auth_failed()
+            raise errors.auth_failed()
         if not result.authorizations:
-            raise p.auth_no_authorizations()
+            raise errors.auth_no_authorizations()
         self.client.authorizations = result.authorizations
         self.client.auth_identity = result.identity
         self.client.write(p.encode_response(json.dumps({
@@ -478,27 +478,27 @@ class ClientConnection(asyncio.Protocol):
         if not self.nsqd.options.auth_http_address:
             return
         if self.client.authorizations is None:
-            raise p.auth_first(command)
+            raise errors.auth_first(command)
         from .auth import allowed
 
         permission = "subscribe" if channel else "publish"
         if not allowed(self.client.authorizations, topic, channel, permission):
-            raise p.unauthorized(command, topic, channel)
+            raise errors.unauthorized(command, topic, channel)
 
     def _check_tls(self, command: str) -> None:
         if self.nsqd.options.tls_required and not self.client.tls:
-            raise p.tls_required(command)
+            raise errors.tls_required(command)
 
     async def _sub(self, cmd: p.Sub) -> None:
         if self.state != self.INIT:
-            raise p.invalid_state("SUB")
+            raise errors.invalid_state("SUB")
         if self.client.settings.heartbeat_interval_ms <= 0:  # as nsqd: no SUB without heartbeats
-            raise p.heartbeats_disabled()
+            raise errors.heartbeats_disabled()
         self._check_tls("SUB")
         self._check_auth("SUB", cmd.topic, cmd.channel)
         channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
         if channel is None:
-            raise p.bad_partition("SUB", str(cmd.partition))
+            raise errors.bad_partition("SUB", str(cmd.partition))
         self.client.channel = channel
         self.client.topic_name = cmd.topic
         channel.add_client(self.client)
@@ -513,9 +513,9 @@ class ClientConnection(asyncio.Protocol):
         try:
             await topic.publish(bodies, partition, ext)
         except PartitionNotFound:
-            raise p.bad_partition(command, str(partition)) from None
+            raise errors.bad_partition(command, str(partition)) from None
         except Exception as e:
-            raise p.publish_failed(command, str(e)) from None
+            raise errors.publish_failed(command, str(e)) from None
         self._count_published(topic, len(bodies))
         if reply:
             self.client.write(p.OK)
@@ -541,12 +541,12 @@ class ClientConnection(asyncio.Protocol):
     async def _not_yet(self, cmd) -> None:
         name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED",
                 p.PubTrace: "PUB_TRACE"}[type(cmd)]
-        raise p.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
+        raise errors.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
 
     async def _dpub(self, cmd: p.Dpub) -> None:
         max_ms = self.nsqd.options.max_req_timeout_ms
         if not 0 <= cmd.defer_ms <= max_ms:
-            raise p.dpub_timeout_out_of_range(cmd.defer_ms, max_ms)
+            raise errors.dpub_timeout_out_of_range(cmd.defer_ms, max_ms)
         await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, defer_ext(cmd.defer_ms, self.nsqd.clock()))
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub, p.Pub: _pub,

@@ -38,6 +38,8 @@ import yarl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nsqclient.commands import (FrameParser, cmd_fin, cmd_identify, cmd_nop, cmd_pub, cmd_rdy, cmd_req, cmd_sub,
+                                parse_message)
 from nsqd import http as nsqd_http
 from nsqd import protocol as p
 
@@ -100,12 +102,12 @@ def find_channel(doc: dict, topic: str, channel: str) -> dict | None:
 
 
 class Conn:
-    """A raw protocol V2 connection driven with nsqd/protocol.py's client helpers."""
+    """A raw protocol V2 connection driven with nsqclient/commands.py's client helpers."""
 
     def __init__(self, reader, writer):
         self.reader = reader
         self.writer = writer
-        self.frames = p.FrameParser()
+        self.frames = FrameParser()
         self.queue: list[tuple[int, bytes]] = []
 
     @classmethod
@@ -114,7 +116,7 @@ class Conn:
         conn = cls(reader, writer)
         writer.write(p.MAGIC_V2)
         if identify is not None:
-            writer.write(p.cmd_identify(identify))
+            writer.write(cmd_identify(identify))
             assert await conn.frame() == (p.FRAME_RESPONSE, b"OK")
         return conn
 
@@ -122,10 +124,10 @@ class Conn:
     async def consumer(cls, nsqd, topic: str, channel: str, rdy: int,
                        identify: dict | None = None) -> "Conn":
         conn = await cls.open(nsqd, identify)
-        conn.writer.write(p.cmd_sub(topic, channel))
+        conn.writer.write(cmd_sub(topic, channel))
         assert await conn.frame() == (p.FRAME_RESPONSE, b"OK")
         if rdy:
-            conn.send(p.cmd_rdy(rdy))
+            conn.send(cmd_rdy(rdy))
         return conn
 
     def send(self, data: bytes) -> None:
@@ -149,10 +151,10 @@ class Conn:
         while True:
             kind, data = await self.frame(timeout)
             if kind == p.FRAME_RESPONSE and data == b"_heartbeat_":
-                self.send(p.cmd_nop())
+                self.send(cmd_nop())
                 continue
             assert kind == p.FRAME_MESSAGE, (kind, data)
-            _ts, attempts, msg_id, body = p.parse_message(data)
+            _ts, attempts, msg_id, body = parse_message(data)
             return msg_id, body, attempts
 
     async def messages(self, n: int, timeout: float = 5.0) -> list[bytes]:
@@ -273,7 +275,7 @@ async def stats_scenario(nsqd) -> list[Conn]:
     await ok(nsqd, "POST", "/channel/create?topic=ref_t&channel=c1")
     await ok(nsqd, "POST", "/pub?topic=ref_deliver", b"hello")
     producer = await Conn.open(nsqd)
-    producer.send(p.cmd_pub("ref_deliver", b"world!"))
+    producer.send(cmd_pub("ref_deliver", b"world!"))
     assert await producer.frame() == (p.FRAME_RESPONSE, b"OK")
     consumer = await Conn.consumer(nsqd, "ref_deliver", "c", 5, identify={
         "client_id": "cons1", "hostname": "h1", "user_agent": "capture/1.0"})
@@ -498,8 +500,8 @@ async def test_stats_numbers_after_known_sequence(nsqd):
     try:
         first, _, _ = await conn.message()
         second, _, _ = await conn.message()
-        conn.send(p.cmd_fin(first))
-        conn.send(p.cmd_req(second, 0))
+        conn.send(cmd_fin(first))
+        conn.send(cmd_req(second, 0))
 
         async def settled():
             doc = await stats(nsqd, "&topic=num")
@@ -585,7 +587,7 @@ async def test_metrics(nsqd):
     producer = await Conn.open(nsqd)
     try:
         await conn.message()
-        producer.send(p.cmd_pub("met", b"dddd"))
+        producer.send(cmd_pub("met", b"dddd"))
         assert await producer.frame() == (p.FRAME_RESPONSE, b"OK")
         r = await ok(nsqd, "GET", "/metrics")
         assert r.content_type == "text/plain; version=0.0.4; charset=utf-8"

@@ -1,4 +1,5 @@
-"""nsqd/protocol.py against the nsqd v1.3.0 reference, by example and by property."""
+"""nsqd/protocol.py and nsqd/errors.py, with the client half nsqclient/commands.py,
+against the nsqd v1.3.0 reference, by example and by property."""
 
 import json
 import re
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nsqd import protocol as p
+from nsqclient import commands as c
+from nsqd import errors as e, protocol as p
 from nsqd.identify import IdentifyLimits, negotiate
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())
@@ -42,9 +44,9 @@ class MiniServer:
 
     def check_state(self, name: str) -> None:
         if name in ("IDENTIFY", "AUTH", "SUB") and self.subscribed:
-            raise p.invalid_state(name)
+            raise e.invalid_state(name)
         if name in ("RDY", "FIN", "REQ", "TOUCH", "CLS") and not self.subscribed:
-            raise p.invalid_state(name)
+            raise e.invalid_state(name)
 
     def handle(self, command) -> bytes | None:
         match command:
@@ -57,17 +59,17 @@ class MiniServer:
             case p.Pub() | p.Mpub() | p.Dpub():
                 return b"OK"
             case p.Rdy(count=count) if count > LIMITS.max_rdy_count:
-                raise p.rdy_out_of_range(count, LIMITS.max_rdy_count)
+                raise e.rdy_out_of_range(count, LIMITS.max_rdy_count)
             case p.Fin(msg_id=msg_id):
-                raise p.fin_failed(msg_id)
+                raise e.fin_failed(msg_id)
             case p.Req(msg_id=msg_id):
-                raise p.req_failed(msg_id)
+                raise e.req_failed(msg_id)
             case p.Touch(msg_id=msg_id):
-                raise p.touch_failed(msg_id)
+                raise e.touch_failed(msg_id)
             case p.Cls():
                 return b"CLOSE_WAIT"
             case p.Auth():
-                raise p.auth_disabled()
+                raise e.auth_disabled()
         return None
 
     def exchange(self, data: bytes) -> tuple[bytes, bool]:
@@ -81,14 +83,14 @@ class MiniServer:
                     if reply is not None:
                         out.append(p.encode_response(reply))
                 return b"".join(out), False
-            except p.ProtocolError as exc:
+            except e.ProtocolError as exc:
                 out.append(exc.frame)
                 if exc.fatal:
                     return b"".join(out), True
 
 
 def frames_of(data: bytes) -> list[tuple[int, bytes]]:
-    parser = p.FrameParser()
+    parser = c.FrameParser()
     parser.feed(data)
     frames = list(parser.frames())
     assert parser.buffered == 0
@@ -126,7 +128,7 @@ def test_reference_message_frames():
         timestamp = time.time_ns()
         [(frame_type, data)] = frames_of(p.encode_message(timestamp, attempts, msg_id, body))
         assert frame_type == p.FRAME_MESSAGE
-        assert p.parse_message(data) == (timestamp, attempts, msg_id, body)
+        assert c.parse_message(data) == (timestamp, attempts, msg_id, body)
         p.decode_msg_id(msg_id)  # nsqd's ids are 16 hex characters too
 
 
@@ -146,8 +148,8 @@ def parse(data: bytes, **limits) -> list:
     return list(parser.commands())
 
 
-def error_of(data: bytes, **limits) -> p.ProtocolError:
-    with pytest.raises(p.ProtocolError) as info:
+def error_of(data: bytes, **limits) -> e.ProtocolError:
+    with pytest.raises(e.ProtocolError) as info:
         parse(data, **limits)
     return info.value
 
@@ -214,7 +216,7 @@ def test_arguments_nsqd_reads_leniently():
 def test_raw_client_bytes_go_back_unchanged():
     error = error_of(b"RDY \xff1\n")
     assert error.frame == p.encode_error(b"E_INVALID RDY could not parse count \xff1")
-    assert p.fin_failed(b"\xfe" * 16).frame.endswith(b"FIN " + b"\xfe" * 16 + b" failed ID not in flight")
+    assert e.fin_failed(b"\xfe" * 16).frame.endswith(b"FIN " + b"\xfe" * 16 + b" failed ID not in flight")
 
 
 def test_line_length_is_bounded():
@@ -238,7 +240,7 @@ def test_newline_search_is_linear():
 def test_declared_sizes_are_refused_before_buffering():
     parser = p.CommandParser()
     parser.feed(p.MAGIC_V2 + b"PUB t\n\x7f\xff\xff\xff")
-    with pytest.raises(p.ProtocolError, match="PUB message too big 2147483647 > 1048576"):
+    with pytest.raises(e.ProtocolError, match="PUB message too big 2147483647 > 1048576"):
         list(parser.commands())
 
 
@@ -251,7 +253,7 @@ def test_mpub_frames_by_count_and_caps_total_at_max_body_size():
     assert list(parser.commands()) == [p.Mpub("t", [b"a", b"bc"])]
     # ...but never past max_body_size.
     parser.feed(b"MPUB t\n\x00\x00\x00\x08\x00\x00\x00\x02\x00\x00\x00\x10" + b"x" * 16 + b"\x00\x00\x00\x10")
-    with pytest.raises(p.ProtocolError, match="E_BAD_BODY MPUB body too big 44 > 40"):
+    with pytest.raises(e.ProtocolError, match="E_BAD_BODY MPUB body too big 44 > 40"):
         list(parser.commands())
     assert error_of(b"MPUB t\n\x00\x00\x00\x0d\x00\x00\x00\x02\x00\x00\x00\x01a\xff\xff\xff\xff").text == \
         "E_BAD_MESSAGE MPUB invalid message(1) body size -1"
@@ -260,12 +262,12 @@ def test_mpub_frames_by_count_and_caps_total_at_max_body_size():
 def test_state_check_runs_before_the_arguments():
     def reject(name):
         if name != "NOP":
-            raise p.invalid_state(name)
+            raise e.invalid_state(name)
     parser = p.CommandParser(state_check=reject)
     parser.feed(p.MAGIC_V2 + b"NOP\nRDY abc\n")
     commands = parser.commands()
     assert next(commands) == p.Nop()
-    with pytest.raises(p.ProtocolError, match="^E_INVALID cannot RDY in current state$"):
+    with pytest.raises(e.ProtocolError, match="^E_INVALID cannot RDY in current state$"):
         next(commands)
 
 
@@ -273,23 +275,23 @@ def test_fatal_errors_are_sticky():
     parser = p.CommandParser()
     parser.feed(p.MAGIC_V2 + b"FOO\nNOP\n")
     for _ in range(2):
-        with pytest.raises(p.ProtocolError, match="^E_INVALID invalid command FOO$"):
+        with pytest.raises(e.ProtocolError, match="^E_INVALID invalid command FOO$"):
             list(parser.commands())
 
 
 def test_bad_json_header_is_not_fatal_and_parsing_goes_on():
     parser = p.CommandParser()
     parser.feed(p.MAGIC_V2
-                + p.encode_command(b"PUB_EXT", "t", body=b"\x00\x05[1,2]x") + p.cmd_nop()
-                + p.encode_command(b"MPUB_EXT", "t", body=b'\x00\x00\x00\x01\x00\x00\x00\x09\x00\x06{"a":1x')
-                + p.cmd_nop() + p.cmd_pub_ext("t", {"a ": 1}, b"x") + p.cmd_nop())
+                + c.encode_command(b"PUB_EXT", "t", body=b"\x00\x05[1,2]x") + c.cmd_nop()
+                + c.encode_command(b"MPUB_EXT", "t", body=b'\x00\x00\x00\x01\x00\x00\x00\x09\x00\x06{"a":1x')
+                + c.cmd_nop() + c.cmd_pub_ext("t", {"a ": 1}, b"x") + c.cmd_nop())
     seen, errors = [], []
     while True:
         try:
             for command in parser.commands():
                 seen.append(command)
             break
-        except p.ProtocolError as exc:
+        except e.ProtocolError as exc:
             errors.append((exc.text, exc.fatal))
     assert seen == [p.Nop(), p.Nop(), p.Nop()]
     assert errors == [("E_INVALID_JSON_HEADER PUB_EXT json header is not an object", False),
@@ -299,11 +301,11 @@ def test_bad_json_header_is_not_fatal_and_parsing_goes_on():
 
 def test_unknown_reserved_header_keys_are_refused():
     """A client must not smuggle in server-side keys such as the DPUB due time."""
-    assert error_of(p.cmd_pub_ext("t", {"##defer_until_ms": 1}, b"x")).text == \
+    assert error_of(c.cmd_pub_ext("t", {"##defer_until_ms": 1}, b"x")).text == \
         'E_INVALID_JSON_HEADER PUB_EXT json header key "##defer_until_ms" is reserved'
-    assert error_of(p.cmd_mpub_ext("t", [({"##x": 1}, b"x")])).code == "E_INVALID_JSON_HEADER"
+    assert error_of(c.cmd_mpub_ext("t", [({"##x": 1}, b"x")])).code == "E_INVALID_JSON_HEADER"
     parser = p.CommandParser()
-    parser.feed(p.MAGIC_V2 + p.cmd_pub_ext("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x"))
+    parser.feed(p.MAGIC_V2 + c.cmd_pub_ext("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x"))
     assert list(parser.commands()) == [p.PubExt("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x", None)]
 
 
@@ -313,7 +315,7 @@ def test_json_nested_too_deeply_is_a_value_error():
     with pytest.raises(ValueError):
         p.decode_json(b"NaN")
     deep = b"[" * 30_000 + b"]" * 30_000
-    assert error_of(p.encode_command(b"PUB_EXT", "t", body=struct.pack(">H", len(deep)) + deep + b"x")).code == \
+    assert error_of(c.encode_command(b"PUB_EXT", "t", body=struct.pack(">H", len(deep)) + deep + b"x")).code == \
         "E_INVALID_JSON_HEADER"
 
 
@@ -333,26 +335,26 @@ def test_names():
 
 
 def test_state_error_helpers():
-    assert p.invalid_state("SUB").text == "E_INVALID cannot SUB in current state"
-    assert p.tls_required("PUB").text == "E_INVALID cannot PUB in current state (TLS required)"
-    assert p.heartbeats_disabled().text == "E_INVALID cannot SUB with heartbeats disabled"
-    assert p.rdy_out_of_range(9999999, 2500).text == "E_INVALID RDY count 9999999 out of range 0-2500"
-    assert p.req_failed(b"0123456789abcdef", "client does not own message").text == \
+    assert e.invalid_state("SUB").text == "E_INVALID cannot SUB in current state"
+    assert e.tls_required("PUB").text == "E_INVALID cannot PUB in current state (TLS required)"
+    assert e.heartbeats_disabled().text == "E_INVALID cannot SUB with heartbeats disabled"
+    assert e.rdy_out_of_range(9999999, 2500).text == "E_INVALID RDY count 9999999 out of range 0-2500"
+    assert e.req_failed(b"0123456789abcdef", "client does not own message").text == \
         "E_REQ_FAILED REQ 0123456789abcdef failed client does not own message"
-    assert p.unauthorized("SUB", "t", "c").text == 'E_UNAUTHORIZED AUTH failed for SUB on "t" "c"'
-    assert p.auth_first("PUB").text == "E_AUTH_FIRST AUTH required before PUB"
-    assert [p.publish_failed(c, "disk full").text for c in ("PUB", "MPUB", "DPUB")] == [
+    assert e.unauthorized("SUB", "t", "c").text == 'E_UNAUTHORIZED AUTH failed for SUB on "t" "c"'
+    assert e.auth_first("PUB").text == "E_AUTH_FIRST AUTH required before PUB"
+    assert [e.publish_failed(command, "disk full").text for command in ("PUB", "MPUB", "DPUB")] == [
         "E_PUB_FAILED PUB failed disk full", "E_MPUB_FAILED MPUB failed disk full",
         "E_DPUB_FAILED DPUB failed disk full"]
-    assert p.sub_failed("consumers for channel c exceeds limit of 1").code == "E_SUB_FAILED"
-    assert not p.not_leader("PUB").fatal and p.not_leader("SUB").fatal and p.not_writable("FIN").fatal
-    non_fatal = [p.fin_failed(b"x" * 16), p.req_failed(b"x" * 16), p.touch_failed(b"x" * 16),
-                 p.ext_not_supported("t"), p.not_writable("MPUB")]
-    assert not any(e.fatal for e in non_fatal)
-    fatal = [p.auth_disabled(), p.auth_already_set(), p.auth_failed(), p.auth_no_authorizations(),
-             p.topic_not_exist("t"), p.pub_too_much_waiting(1), p.sub_order_is_must(), p.identify_failed("tls")]
-    assert all(e.fatal for e in fatal)
-    assert [e.code for e in fatal] == ["E_AUTH_DISABLED", "E_INVALID", "E_AUTH_FAILED", "E_UNAUTHORIZED",
+    assert e.sub_failed("consumers for channel c exceeds limit of 1").code == "E_SUB_FAILED"
+    assert not e.not_leader("PUB").fatal and e.not_leader("SUB").fatal and e.not_writable("FIN").fatal
+    non_fatal = [e.fin_failed(b"x" * 16), e.req_failed(b"x" * 16), e.touch_failed(b"x" * 16),
+                 e.ext_not_supported("t"), e.not_writable("MPUB")]
+    assert not any(err.fatal for err in non_fatal)
+    fatal = [e.auth_disabled(), e.auth_already_set(), e.auth_failed(), e.auth_no_authorizations(),
+             e.topic_not_exist("t"), e.pub_too_much_waiting(1), e.sub_order_is_must(), e.identify_failed("tls")]
+    assert all(err.fatal for err in fatal)
+    assert [err.code for err in fatal] == ["E_AUTH_DISABLED", "E_INVALID", "E_AUTH_FAILED", "E_UNAUTHORIZED",
                                        "E_TOPIC_NOT_EXIST", "E_PUB_TOO_MUCH_WAITING", "E_SUB_ORDER_IS_MUST",
                                        "E_IDENTIFY_FAILED"]
 
@@ -404,24 +406,24 @@ def pair(encode, expect):
 
 
 commands = st.one_of(
-    st.builds(pair(p.cmd_pub, p.Pub), names, bodies, partitions),
-    st.builds(pair(p.cmd_mpub, p.Mpub), names, st.lists(bodies, min_size=1, max_size=4), partitions),
-    st.builds(pair(p.cmd_dpub, p.Dpub), names, st.integers(0, 3_600_000), bodies, partitions),
-    st.builds(pair(p.cmd_pub_ext, p.PubExt), names, headers, bodies, partitions),
-    st.builds(pair(p.cmd_mpub_ext, p.MpubExt), names, st.lists(st.tuples(headers, bodies), min_size=1, max_size=3),
+    st.builds(pair(c.cmd_pub, p.Pub), names, bodies, partitions),
+    st.builds(pair(c.cmd_mpub, p.Mpub), names, st.lists(bodies, min_size=1, max_size=4), partitions),
+    st.builds(pair(c.cmd_dpub, p.Dpub), names, st.integers(0, 3_600_000), bodies, partitions),
+    st.builds(pair(c.cmd_pub_ext, p.PubExt), names, headers, bodies, partitions),
+    st.builds(pair(c.cmd_mpub_ext, p.MpubExt), names, st.lists(st.tuples(headers, bodies), min_size=1, max_size=3),
               partitions),
-    st.builds(pair(p.cmd_pub_trace, p.PubTrace), names, st.integers(0, 2**64 - 1), bodies, partitions),
-    st.builds(pair(p.cmd_sub, p.Sub), names, names, partitions),
-    st.builds(pair(p.cmd_sub_ordered, p.SubOrdered), names, names, st.integers(0, p.MAX_PARTITION)),
-    st.builds(pair(p.cmd_sub_advanced, p.SubAdvanced), names, names, st.integers(0, p.MAX_PARTITION), starts),
-    st.builds(pair(p.cmd_rdy, p.Rdy), st.integers(0, 10**12)),
-    st.builds(pair(p.cmd_fin, p.Fin), msg_ids),
-    st.builds(pair(p.cmd_req, p.Req), msg_ids, st.integers(0, 10**12)),
-    st.builds(pair(p.cmd_touch, p.Touch), msg_ids),
-    st.builds(lambda d: (p.cmd_identify(d), p.Identify(json.dumps(d).encode())), headers),
-    st.builds(pair(p.cmd_auth, p.Auth), bodies),
-    st.just((p.cmd_cls(), p.Cls())),
-    st.just((p.cmd_nop(), p.Nop())),
+    st.builds(pair(c.cmd_pub_trace, p.PubTrace), names, st.integers(0, 2**64 - 1), bodies, partitions),
+    st.builds(pair(c.cmd_sub, p.Sub), names, names, partitions),
+    st.builds(pair(c.cmd_sub_ordered, p.SubOrdered), names, names, st.integers(0, p.MAX_PARTITION)),
+    st.builds(pair(c.cmd_sub_advanced, p.SubAdvanced), names, names, st.integers(0, p.MAX_PARTITION), starts),
+    st.builds(pair(c.cmd_rdy, p.Rdy), st.integers(0, 10**12)),
+    st.builds(pair(c.cmd_fin, p.Fin), msg_ids),
+    st.builds(pair(c.cmd_req, p.Req), msg_ids, st.integers(0, 10**12)),
+    st.builds(pair(c.cmd_touch, p.Touch), msg_ids),
+    st.builds(lambda d: (c.cmd_identify(d), p.Identify(json.dumps(d).encode())), headers),
+    st.builds(pair(c.cmd_auth, p.Auth), bodies),
+    st.just((c.cmd_cls(), p.Cls())),
+    st.just((c.cmd_nop(), p.Nop())),
 )
 
 
@@ -461,7 +463,7 @@ def test_any_bytes_give_commands_or_protocol_errors_in_bounded_memory(pieces, ma
                 for _ in parser.commands():
                     assert parser.buffered <= BOUND + len(chunk)
                 break
-            except p.ProtocolError as exc:
+            except e.ProtocolError as exc:
                 assert exc.text.startswith(exc.code + " ") or exc.text == exc.code
                 if exc.fatal:
                     return
@@ -481,19 +483,19 @@ def test_frame_parser_round_trip(items, data):
     stream = b"".join(encoded for _, encoded in items)
     messages = [frame[1] for frame, _ in items if frame[0] == p.FRAME_MESSAGE]
     assert p.encode_messages(messages) == b"".join(e for f, e in items if f[0] == p.FRAME_MESSAGE)
-    parser = p.FrameParser()
+    parser = c.FrameParser()
     parsed = []
     for chunk in chunked(stream, data.draw(st.lists(st.integers(0, len(stream)), max_size=8))):
         parser.feed(chunk)
-        parsed += [(t, p.parse_message(d) if t == p.FRAME_MESSAGE else d) for t, d in parser.frames()]
+        parsed += [(t, c.parse_message(d) if t == p.FRAME_MESSAGE else d) for t, d in parser.frames()]
     assert parsed == [frame for frame, _ in items]
 
 
 def test_frame_parser_refuses_bad_sizes():
     for size in (3, 65):
-        parser = p.FrameParser(max_frame_size=64)
+        parser = c.FrameParser(max_frame_size=64)
         parser.feed(struct.pack(">ii", size, 0))
         with pytest.raises(ValueError):
             list(parser.frames())
     with pytest.raises(ValueError):
-        p.parse_message(bytes(25))
+        c.parse_message(bytes(25))

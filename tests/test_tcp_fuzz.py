@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nsqclient import commands as c
 from nsqd import protocol as p
 from servers import NsqdProcess
 
@@ -110,7 +111,7 @@ def exchange(port: int, chunks: list[bytes], *, half_close: bool = True,
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-        parser = p.FrameParser()
+        parser = c.FrameParser()
         frames, closed = [], False
         deadline = started + timeout
         while (left := deadline - time.monotonic()) > 0:
@@ -151,7 +152,7 @@ def check(outcome: Outcome, *, must_close: bool = True) -> Outcome:
         elif frame_type == p.FRAME_RESPONSE:
             assert data in (b"OK", b"CLOSE_WAIT", b"_heartbeat_") or data.startswith(b"{"), outcome
         else:
-            p.parse_message(data)
+            c.parse_message(data)
     if must_close:
         assert outcome.closed, f"hang: not closed within {END_TIMEOUT} s: {outcome}"
     return outcome
@@ -167,19 +168,19 @@ def pub_sub_round(port: int, tag: str) -> None:
     consumer = connect(port)
     producer = connect(port)
     try:
-        consumer.sendall(p.MAGIC_V2 + p.cmd_sub(topic, "c") + p.cmd_rdy(10))
+        consumer.sendall(p.MAGIC_V2 + c.cmd_sub(topic, "c") + c.cmd_rdy(10))
         assert read_frames(consumer, 1) == [(p.FRAME_RESPONSE, b"OK")]
-        producer.sendall(p.MAGIC_V2 + p.cmd_pub(topic, b"one") + p.cmd_mpub(topic, [b"two", b"three"]))
+        producer.sendall(p.MAGIC_V2 + c.cmd_pub(topic, b"one") + c.cmd_mpub(topic, [b"two", b"three"]))
         assert read_frames(producer, 2) == [(p.FRAME_RESPONSE, b"OK")] * 2
         frames = read_frames(consumer, 3)
         bodies = []
         for frame_type, data in frames:
             assert frame_type == p.FRAME_MESSAGE
-            _, attempts, msg_id, body = p.parse_message(data)
+            _, attempts, msg_id, body = c.parse_message(data)
             bodies.append(body)
-            consumer.sendall(p.cmd_fin(msg_id))
+            consumer.sendall(c.cmd_fin(msg_id))
         assert sorted(bodies) == [b"one", b"three", b"two"]
-        consumer.sendall(p.cmd_cls())
+        consumer.sendall(c.cmd_cls())
         assert read_frames(consumer, 1) == [(p.FRAME_RESPONSE, b"CLOSE_WAIT")]
     finally:
         consumer.close()
@@ -187,7 +188,7 @@ def pub_sub_round(port: int, tag: str) -> None:
 
 
 def read_frames(sock: socket.socket, n: int, timeout: float = END_TIMEOUT) -> list:
-    parser = p.FrameParser()
+    parser = c.FrameParser()
     frames = []
     deadline = time.monotonic() + timeout
     while len(frames) < n:
@@ -383,8 +384,8 @@ def test_abuse(server, name):
 
 def test_fin_req_touch_of_unknown_ids_are_not_fatal(server):
     ids = [b"0123456789abcdef", b"ffffffffffffffff", b"0123456789ABCDEF", b"\xff" * 16, b"-" * 16]
-    sent = p.cmd_sub("fz_t", "fz_ids") + b"".join(
-        p.cmd_fin(i) + p.cmd_req(i, 0) + p.cmd_touch(i) for i in ids) + b"RDY 1\nNOP\n"
+    sent = c.cmd_sub("fz_t", "fz_ids") + b"".join(
+        c.cmd_fin(i) + c.cmd_req(i, 0) + c.cmd_touch(i) for i in ids) + b"RDY 1\nNOP\n"
     outcome = check(exchange(server.tcp_port, [p.MAGIC_V2 + sent]))
     expected = []
     for i in ids:
@@ -397,7 +398,7 @@ def test_fin_req_touch_of_unknown_ids_are_not_fatal(server):
 
 def test_half_close_gets_every_answer(server):
     """Like nsqd, commands read before the client's EOF are all answered, then the server closes."""
-    sent = b"".join(p.cmd_pub("fz_half", b"m%d" % i) for i in range(50)) + p.cmd_mpub("fz_half", [b"a", b"b"])
+    sent = b"".join(c.cmd_pub("fz_half", b"m%d" % i) for i in range(50)) + c.cmd_mpub("fz_half", [b"a", b"b"])
     outcome = check(exchange(server.tcp_port, [p.MAGIC_V2 + sent]))
     assert outcome.frames == [(p.FRAME_RESPONSE, b"OK")] * 51
 
@@ -433,7 +434,7 @@ async def garbage_client(port: int, rng: random.Random) -> str:
     else:
         data = p.MAGIC_V2 + b"SUB fz_many c%d\nRDY %d\n" % (rng.randrange(3), rng.randrange(3000))
     ending = rng.choice(["eof", "eof", "wait", "reset"])
-    parser = p.FrameParser()
+    parser = c.FrameParser()
     frames: list = []
     try:
         writer.write(data)
@@ -510,18 +511,18 @@ async def test_slow_consumer_does_not_stall_others(tmp_path):
     nops = None
     try:
         await loop.sock_connect(hog, ("127.0.0.1", proc.tcp_port))
-        await loop.sock_sendall(hog, p.MAGIC_V2 + p.cmd_identify({"heartbeat_interval": 1000})
-                                + p.cmd_sub("fz_slow", "hog") + p.cmd_rdy(2500))
+        await loop.sock_sendall(hog, p.MAGIC_V2 + c.cmd_identify({"heartbeat_interval": 1000})
+                                + c.cmd_sub("fz_slow", "hog") + c.cmd_rdy(2500))
 
         async def blind_nops():
             while True:
                 await asyncio.sleep(0.3)
-                await loop.sock_sendall(hog, p.cmd_nop())
+                await loop.sock_sendall(hog, c.cmd_nop())
 
         nops = asyncio.create_task(blind_nops())
         body = b"s" * 4096
         reader, writer = await asyncio.open_connection("127.0.0.1", proc.tcp_port)
-        writer.write(p.MAGIC_V2 + p.cmd_sub("fz_slow", "other") + p.cmd_rdy(500))
+        writer.write(p.MAGIC_V2 + c.cmd_sub("fz_slow", "other") + c.cmd_rdy(500))
         other = FrameReader(reader)
         assert await other.next() == (p.FRAME_RESPONSE, b"OK")
         await asyncio.sleep(0.2)  # both subscribed before the flood
@@ -532,7 +533,7 @@ async def test_slow_consumer_does_not_stall_others(tmp_path):
         started = time.monotonic()
         total = 3000
         for i in range(0, total, 100):
-            pwriter.write(p.cmd_mpub("fz_slow", [body] * 100))
+            pwriter.write(c.cmd_mpub("fz_slow", [body] * 100))
             assert await producer.next(timeout=5) == (p.FRAME_RESPONSE, b"OK")
         assert time.monotonic() - started < 10
 
@@ -541,28 +542,28 @@ async def test_slow_consumer_does_not_stall_others(tmp_path):
             frame_type, data = await other.next(timeout=5)
             if frame_type == p.FRAME_MESSAGE:
                 received += 1
-                writer.write(p.cmd_fin(p.parse_message(data)[2]))
+                writer.write(c.cmd_fin(c.parse_message(data)[2]))
         assert time.monotonic() - started < 15
 
         # Producers on another topic are not slowed by the hog either.
         for i in range(20):
             t0 = time.monotonic()
-            pwriter.write(p.cmd_pub("fz_other", b"x"))
+            pwriter.write(c.cmd_pub("fz_other", b"x"))
             assert await producer.next(timeout=5) == (p.FRAME_RESPONSE, b"OK")
             assert time.monotonic() - t0 < 1
 
         # The hog is dropped and what it held comes back to its channel.
         hreader, hwriter = await asyncio.open_connection("127.0.0.1", proc.tcp_port)
-        hwriter.write(p.MAGIC_V2 + p.cmd_sub("fz_slow", "hog") + p.cmd_rdy(2500))
+        hwriter.write(p.MAGIC_V2 + c.cmd_sub("fz_slow", "hog") + c.cmd_rdy(2500))
         rescuer = FrameReader(hreader)
         assert await rescuer.next() == (p.FRAME_RESPONSE, b"OK")
         seen = set()
         while len(seen) < total:
             frame_type, data = await rescuer.next(timeout=10)
             if frame_type == p.FRAME_MESSAGE:
-                msg_id = p.parse_message(data)[2]
+                msg_id = c.parse_message(data)[2]
                 seen.add(msg_id)
-                hwriter.write(p.cmd_fin(msg_id))
+                hwriter.write(c.cmd_fin(msg_id))
         assert time.monotonic() - started < 30
         for w in (writer, pwriter, hwriter):
             w.close()
@@ -576,7 +577,7 @@ async def test_slow_consumer_does_not_stall_others(tmp_path):
 class FrameReader:
     def __init__(self, reader: asyncio.StreamReader):
         self.reader = reader
-        self.parser = p.FrameParser()
+        self.parser = c.FrameParser()
         self.frames: list = []
 
     async def next(self, timeout: float = END_TIMEOUT) -> tuple[int, bytes]:

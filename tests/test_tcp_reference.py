@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from nsqclient import commands as c
 from nsqd import protocol as p
 from servers import NsqdProcess
 
@@ -100,7 +101,7 @@ class Wire:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader = reader
         self.writer = writer
-        self.parser = p.FrameParser()
+        self.parser = c.FrameParser()
         self.frames: list[tuple[int, bytes]] = []
         self.eof = False
 
@@ -216,7 +217,7 @@ async def test_reference_case(server, name):
     try:
         if name in SUBSCRIBED:
             # Setup: a subscribed connection (a channel of its own, so nothing is delivered).
-            assert await wire.request(p.cmd_sub("ref_t", f"setup_{name}")) == [(p.FRAME_RESPONSE, b"OK")]
+            assert await wire.request(c.cmd_sub("ref_t", f"setup_{name}")) == [(p.FRAME_RESPONSE, b"OK")]
         for exchange in case["exchanges"]:
             await replay_exchange(wire, exchange)
     finally:
@@ -237,22 +238,22 @@ async def test_reference_delivery_and_requeue(server):
     consumer = await Wire.open(server.tcp_port)
     producer = await Wire.open(server.tcp_port)
     try:
-        assert await consumer.request(p.cmd_sub("ref_deliver", "c")) == [(p.FRAME_RESPONSE, b"OK")]
-        assert await producer.request(p.cmd_pub("ref_deliver", body)) == [(p.FRAME_RESPONSE, b"OK")]
-        [(frame_type, data)] = await consumer.request(p.cmd_rdy(1))
+        assert await consumer.request(c.cmd_sub("ref_deliver", "c")) == [(p.FRAME_RESPONSE, b"OK")]
+        assert await producer.request(c.cmd_pub("ref_deliver", body)) == [(p.FRAME_RESPONSE, b"OK")]
+        [(frame_type, data)] = await consumer.request(c.cmd_rdy(1))
         assert frame_type == FRAME_TYPES[delivery["frame"]]
-        timestamp, attempts, msg_id, got_body = p.parse_message(data)
+        timestamp, attempts, msg_id, got_body = c.parse_message(data)
         assert (attempts, got_body) == (delivery["attempts"], body)
         # 16 hex characters like nsqd's; the value is ours (PROTOCOL.md): partition << 50 | sequence.
         assert p.msg_id_partition(p.decode_msg_id(msg_id)) == 0
         assert abs(timestamp - time.time_ns()) < 60 * 10**9  # nanoseconds since the epoch
 
-        [(frame_type, data)] = await consumer.request(p.cmd_req(msg_id, 0))
+        [(frame_type, data)] = await consumer.request(c.cmd_req(msg_id, 0))
         assert frame_type == FRAME_TYPES[redelivery["frame"]]
-        _, attempts, again_id, got_body = p.parse_message(data)
+        _, attempts, again_id, got_body = c.parse_message(data)
         assert (attempts, again_id, got_body) == (redelivery["attempts"], msg_id, body)
 
-        consumer.send(p.cmd_fin(msg_id))
+        consumer.send(c.cmd_fin(msg_id))
         await consumer.quiet()
         assert consumer.take() == [] and not consumer.eof
     finally:
@@ -268,7 +269,7 @@ async def test_reference_heartbeat(server):
     wire = await Wire.open(server.tcp_port)
     try:
         started = time.monotonic()
-        assert await wire.request(p.cmd_identify({"heartbeat_interval": 1000})) == [(p.FRAME_RESPONSE, b"OK")]
+        assert await wire.request(c.cmd_identify({"heartbeat_interval": 1000})) == [(p.FRAME_RESPONSE, b"OK")]
         arrivals = []
         while len(arrivals) < 2 and time.monotonic() - started < 3:
             await wire.until(lambda: wire.frames, timeout=3 - (time.monotonic() - started))
@@ -287,11 +288,11 @@ async def test_heartbeat_answered_keeps_the_connection(server):
     """A client that answers each heartbeat with NOP stays connected past two intervals."""
     wire = await Wire.open(server.tcp_port)
     try:
-        assert await wire.request(p.cmd_identify({"heartbeat_interval": 1000})) == [(p.FRAME_RESPONSE, b"OK")]
+        assert await wire.request(c.cmd_identify({"heartbeat_interval": 1000})) == [(p.FRAME_RESPONSE, b"OK")]
         for _ in range(3):
             await wire.until(lambda: wire.frames, timeout=2)
             assert wire.take() == [(p.FRAME_RESPONSE, HEARTBEAT)]
-            wire.send(p.cmd_nop())
+            wire.send(c.cmd_nop())
         assert not wire.eof
     finally:
         await wire.close()
@@ -352,9 +353,9 @@ async def test_dpub_limit_is_max_req_timeout(tmp_path):
     proc = NsqdProcess(str(tmp_path / "nsqd"), "--max-req-timeout", "48h").start()
     try:
         wire = await Wire.open(proc.tcp_port)
-        assert await wire.request(p.cmd_dpub("ref_defer", 86_400_000, b"tomorrow")) == [(p.FRAME_RESPONSE, b"OK")]
-        assert await wire.request(p.cmd_dpub("ref_defer", 172_800_000, b"in two days")) == [(p.FRAME_RESPONSE, b"OK")]
-        assert await wire.request(p.cmd_dpub("ref_defer", 172_800_001, b"too late")) == \
+        assert await wire.request(c.cmd_dpub("ref_defer", 86_400_000, b"tomorrow")) == [(p.FRAME_RESPONSE, b"OK")]
+        assert await wire.request(c.cmd_dpub("ref_defer", 172_800_000, b"in two days")) == [(p.FRAME_RESPONSE, b"OK")]
+        assert await wire.request(c.cmd_dpub("ref_defer", 172_800_001, b"too late")) == \
             [(p.FRAME_ERROR, b"E_INVALID DPUB timeout 172800001 out of range 0-172800000")]
         await wire.until(lambda: False)
         assert wire.eof
