@@ -324,8 +324,12 @@ class Channel:
         self._wake.set()
 
     def requeue(self, msg: Message, delay_ms: int) -> None:
-        """Put a message back: at once, or after `delay_ms` (see `_hold`)."""
+        """A consumer's REQ: counted in `requeue_count`, as classic nsqd does."""
         self.requeue_count += 1
+        self._put_back(msg, delay_ms)
+
+    def _put_back(self, msg: Message, delay_ms: int) -> None:
+        """Put a message back: at once, or after `delay_ms` (see `_hold`)."""
         msg.client = None
         if delay_ms > 0 or msg.attempts >= self.max_attempts_in_memory:
             self._hold(msg, int(self.clock() * 1000) + delay_ms)
@@ -335,7 +339,7 @@ class Channel:
 
     def _requeue_all(self, msgs: list[Message]) -> None:
         for m in msgs:
-            self.requeue(m, 0)
+            self._put_back(m, 0)
 
     def process_timeouts(self, now: float) -> int:
         """Requeue expired in-flight messages and release due deferred ones; return how many."""
@@ -349,7 +353,7 @@ class Channel:
             for m in expired:
                 del client.in_flight[m.msg_id]
                 self.timeout_count += 1
-                self.requeue(m, 0)
+                self._put_back(m, 0)
             moved += len(expired)
         deferred = self.deferred
         wall = self.clock()

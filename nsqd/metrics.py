@@ -167,7 +167,7 @@ def render(stats: dict) -> str:
     counters = [
         ("nsqd_channel_messages_total", "message_count",
          "Messages that reached the channel since it was opened."),
-        ("nsqd_channel_requeues_total", "requeue_count", "Requeues (REQ, timeouts, disconnects)."),
+        ("nsqd_channel_requeues_total", "requeue_count", "Messages requeued by REQ."),
         ("nsqd_channel_timeouts_total", "timeout_count", "In-flight messages that timed out."),
         ("nsqd_channel_finishes_total", "finish_count", "Messages finished."),
     ]

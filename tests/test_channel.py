@@ -72,7 +72,17 @@ async def test_timeout_requeues_and_touch_extends(node):
         msgs[b"touched"].touch()
     (back,) = await take(c, 1, timeout=3)
     assert back.body == b"forgotten" and back.attempts == 2
-    assert n.topics["t"].partitions[0].channels["c"].timeout_count == 1
+    channel = n.topics["t"].partitions[0].channels["c"]
+    assert (channel.timeout_count, channel.requeue_count) == (1, 0), "requeue_count counts REQ only"
+    await c.close()  # a disconnect puts its in-flight messages back, uncounted too
+    again = await connect(n)
+    await again.sub("t", "c", rdy=2)
+    held = await take(again, 2)
+    assert {m.body for m in held} == {b"touched", b"forgotten"}
+    assert (channel.timeout_count, channel.requeue_count) == (1, 0)
+    held[0].req(0)
+    await take(again, 1)
+    assert channel.requeue_count == 1
 
 
 async def test_confirm_window_bounds_fresh_reads(node):
