@@ -47,7 +47,8 @@ _common = _load_common()
 CpuWatch, Report, RssSampler = _common.CpuWatch, _common.Report, _common.RssSampler
 machine_info, rss_mb = _common.machine_info, _common.rss_mb
 
-from delayqueue.store import DelayedMessage, DelayStore  # noqa: E402
+from delayqueue.entry import DelayedMessage  # noqa: E402
+from delayqueue.store import DelayStore  # noqa: E402
 
 BODY_LEN = 200
 TARGET_MSGS_PER_S = 50_000

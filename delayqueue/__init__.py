@@ -3,7 +3,7 @@
 See README.md. The channel uses `delayqueue.store.DelayStore` from a worker thread.
 """
 
-from delayqueue.store import (DelayedMessage, DelayStore, DelayStoreCorruptError,
-                              DelayStoreError)
+from delayqueue.entry import DelayedMessage
+from delayqueue.store import DelayStore, DelayStoreCorruptError, DelayStoreError
 
 __all__ = ["DelayedMessage", "DelayStore", "DelayStoreCorruptError", "DelayStoreError"]

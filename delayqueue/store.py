@@ -1,22 +1,18 @@
 """One channel's deferred messages on disk: an LMDB environment polled by due time.
 
 Synchronous and blocking: the channel calls it from worker threads, never on the event
-loop; a lock makes the calls of several threads run one at a time. Every method that changes something is one LMDB write
-transaction, committed with a sync before it returns, so whatever a call returned
-from is on disk. See delayqueue/README.md for the layout and the exact guarantee.
+loop; a lock makes the calls of several threads run one at a time. Every method that
+changes something is one LMDB write transaction, committed with a sync before it returns,
+so whatever a call returned from is on disk. See delayqueue/README.md for the layout and
+the exact guarantee.
 
-Sub-databases of the environment (all keys big-endian, so byte order is number order):
+Sub-databases of the environment (keys and values encoded by delayqueue/entry.py):
 
     waiting   [8 due_ms][8 msg_id]  -> value     a cursor walks it in due-time order
     taken     [8 msg_id]            -> value     handed out by take_due, not finished yet
     due_of    [8 msg_id]            -> [8 due_ms][8 msg_id]   the waiting key of an id
     corrupt   [db name]:[key]       -> raw value entries that failed their checksum
     meta      b"format"             -> b"delaystore-1"
-
-value = one record made by diskqueue.record.encode_into (msg_id, trace_id, timestamp,
-attempts, ext, body; its own CRC), then [8 due_ms][8 origin_offset, signed]
-[4 crc32 of those 16 bytes, seeded with the record's CRC]. So every byte of a value
-is checked before it becomes a message, and the tail cannot be swapped between values.
 """
 
 from __future__ import annotations
@@ -24,16 +20,16 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import struct
 import sys
 import threading
 import time
-import zlib
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import lmdb
 
-from diskqueue.record import CorruptRecordError, decode_at, encode_into
+from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, check_taken,
+                              check_waiting, decode_value, encode_value, pack_due_key, pack_id,
+                              tail_due_ms, with_due)
 
 FORMAT = b"delaystore-1"
 DATA_FILE = "data.mdb"
@@ -46,22 +42,6 @@ CHUNK = 10_000
 # touch maps up to 64 KiB: kernel fault-around), and after this many transactions.
 RELEASE_EVERY_ENTRIES = 64
 RELEASE_EVERY_TXNS = 32
-MAX_U64 = (1 << 64) - 1
-MAX_DUE_MS = (1 << 63) - 1
-
-_U64 = struct.Struct(">Q")
-_DUE_KEY = struct.Struct(">QQ")
-_TAIL = struct.Struct(">Qq")  # due_ms, origin_offset
-TAIL_SIZE = _TAIL.size + 4  # + crc32
-_pack_id = _U64.pack
-_pack_due_key = _DUE_KEY.pack
-_unpack_due_key = _DUE_KEY.unpack
-_pack_tail = _TAIL.pack
-_unpack_tail = _TAIL.unpack_from
-_unpack_sealed_tail = struct.Struct(">QqI").unpack_from  # due_ms, origin_offset, crc32
-_unpack_u32 = struct.Struct(">I").unpack_from
-_crc32 = zlib.crc32
-_new = tuple.__new__
 
 # Paths open in this process: LMDB forbids opening one environment twice in a process.
 _open_paths: set[str] = set()
@@ -82,108 +62,6 @@ class DelayStoreCorruptError(DelayStoreError):
         self.key = key
         self.reason = reason
         super().__init__(f"{path}: corrupt entry in '{db}' at key {key.hex()}: {reason}")
-
-
-class DelayedMessage(NamedTuple):
-    """A deferred message: the whole message, when it is due, and where it came from."""
-
-    due_ms: int
-    msg_id: int
-    trace_id: int
-    timestamp: int
-    attempts: int
-    ext: bytes
-    body: bytes
-    origin_offset: int = -1  # virtual offset of the original record in the partition log
-
-
-class _Corrupt(Exception):
-    def __init__(self, db: str, key: bytes, reason: str):
-        self.db = db
-        self.key = bytes(key)
-        self.reason = reason
-
-
-# ---- value codec (pure) ---------------------------------------------------------
-
-def encode_value(m: DelayedMessage) -> bytearray:
-    """The stored value of `m` (see the module docstring)."""
-    if not 0 <= m.due_ms <= MAX_DUE_MS:
-        raise ValueError(f"due_ms out of range: {m.due_ms}")
-    if not 0 <= m.msg_id <= MAX_U64:
-        raise ValueError(f"msg_id out of range: {m.msg_id}")
-    if not 0 <= m.trace_id <= MAX_U64 or not 0 <= m.timestamp <= MAX_U64:
-        raise ValueError(f"trace_id or timestamp out of range: {m.trace_id}, {m.timestamp}")
-    if not 0 <= m.attempts <= 0xFFFF:
-        raise ValueError(f"attempts out of range (0..65535): {m.attempts}")
-    if len(m.ext) > 0xFFFF:
-        raise ValueError(f"ext header too long: {len(m.ext)} bytes (max 65535)")
-    if not -(1 << 63) <= m.origin_offset < (1 << 63):
-        raise ValueError(f"origin_offset out of range: {m.origin_offset}")
-    out = bytearray()
-    encode_into(out, m.msg_id, m.trace_id, m.timestamp, m.attempts, m.ext, m.body)
-    _seal(out, int.from_bytes(out[:4], "big"), m.due_ms, m.origin_offset)
-    return out
-
-
-def _seal(out: bytearray, record_crc: int, due_ms: int, origin_offset: int) -> None:
-    tail = _pack_tail(due_ms, origin_offset)
-    out += tail
-    out += _crc32(tail, record_crc).to_bytes(4, "big")
-
-
-def _with_due(value: bytes, due_ms: int) -> bytes | bytearray:
-    """`value` with its tail's due time changed (the record itself is not touched).
-    A value whose tail fails its checksum is returned unchanged: resealing it would
-    make a corrupt origin_offset look valid."""
-    if tail_due_ms(value) is None:
-        return value
-    end = len(value) - TAIL_SIZE
-    _, origin = _unpack_tail(value, end)
-    out = bytearray(memoryview(value)[:end])
-    _seal(out, int.from_bytes(value[:4], "big"), due_ms, origin)
-    return out
-
-
-def tail_due_ms(value: bytes) -> int | None:
-    """The due time in a value's tail, or None if the tail fails its checksum."""
-    if len(value) < TAIL_SIZE + 4:
-        return None
-    end = len(value) - TAIL_SIZE
-    crc = int.from_bytes(value[end + 16:], "big")
-    if _crc32(memoryview(value)[end:end + 16], int.from_bytes(value[:4], "big")) != crc:
-        return None
-    return _unpack_tail(value, end)[0]
-
-
-def decode_value(value: bytes, db: str = "?", key: bytes = b"") -> DelayedMessage:
-    """Decode and verify a stored value; raises _Corrupt (never returns garbage)."""
-    try:
-        rec = decode_at(value, 0, 0)
-    except CorruptRecordError as e:
-        raise _Corrupt(db, key, f"record {e.reason}") from None
-    if rec is None:
-        raise _Corrupt(db, key, f"value too short ({len(value)} bytes)")
-    if rec.size + TAIL_SIZE != len(value):
-        raise _Corrupt(db, key, f"value is {len(value)} bytes, record {rec.size} "
-                                f"+ tail {TAIL_SIZE}")
-    size = rec.size
-    due_ms, origin, crc = _unpack_sealed_tail(value, size)
-    if _crc32(value[size:size + 16], _unpack_u32(value, 0)[0]) != crc:
-        raise _Corrupt(db, key, "tail checksum mismatch")
-    return _new(DelayedMessage, (due_ms, rec.msg_id, rec.trace_id, rec.timestamp, rec.attempts,
-                                 rec.ext, rec.body, origin))
-
-
-def _check_waiting(key: bytes, m: DelayedMessage) -> None:
-    if len(key) != 16 or _unpack_due_key(key) != (m.due_ms, m.msg_id):
-        raise _Corrupt("waiting", key, f"key does not match value (due {m.due_ms}, "
-                                       f"id {m.msg_id})")
-
-
-def _check_taken(key: bytes, m: DelayedMessage) -> None:
-    if key != _pack_id(m.msg_id):
-        raise _Corrupt("taken", key, f"key does not match value (id {m.msg_id})")
 
 
 def _first_rows(cur, start: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
@@ -387,12 +265,12 @@ class DelayStore:
             due = tail_due_ms(value)
             # A bad tail is moved as it is (due now), for take_due to report and set aside.
             due = now_ms if due is None else min(due, now_ms)
-            due_key = _pack_due_key(due, _U64.unpack(id8)[0])
+            due_key = pack_due_key(due, U64.unpack(id8)[0])
             txn.delete(id8, db=self._taken)
             old = txn.get(id8, db=self._due_of)
             if old is not None:  # never both waiting and taken; but if so, keep one
                 txn.delete(old, db=self._waiting)
-            txn.put(due_key, _with_due(value, due), db=self._waiting)
+            txn.put(due_key, with_due(value, due), db=self._waiting)
             txn.put(id8, due_key, db=self._due_of)
         return len(rows)
 
@@ -415,7 +293,7 @@ class DelayStore:
                 self._map = None  # the map moves
                 self._env.set_mapsize(size * 2)
                 self.map_grows += 1
-            except _Corrupt:
+            except CorruptEntry:
                 raise
             except lmdb.Error as e:
                 raise DelayStoreError(f"{self.data_file}: write failed: {e}") from e
@@ -457,7 +335,7 @@ class DelayStore:
         except (OSError, AttributeError, lmdb.Error):
             self._can_release = False
 
-    def _quarantine_and_raise(self, err: _Corrupt):
+    def _quarantine_and_raise(self, err: CorruptEntry):
         """Move the corrupt entry aside (kept in `corrupt`), then raise a clear error."""
         def move(txn):
             db = {"waiting": self._waiting, "taken": self._taken}.get(err.db)
@@ -478,7 +356,7 @@ class DelayStore:
             self._check_open()
             try:
                 return self._write(fn)
-            except _Corrupt as e:
+            except CorruptEntry as e:
                 self._quarantine_and_raise(e)
 
     def _read(self, fn):
@@ -509,8 +387,8 @@ class DelayStore:
         # ValueError here, before any write: nothing of the batch is stored.
         values = [encode_value(m) for m in items]
         # The last item of an id wins (replace semantics inside one batch too).
-        by_id = {_pack_id(m.msg_id): (m, v) for m, v in zip(items, values)}
-        entries = sorted((_pack_due_key(m.due_ms, m.msg_id), v) for m, v in by_id.values())
+        by_id = {pack_id(m.msg_id): (m, v) for m, v in zip(items, values)}
+        entries = sorted((pack_due_key(m.due_ms, m.msg_id), v) for m, v in by_id.values())
         del values
         ids = sorted(by_id)
         del by_id
@@ -539,7 +417,7 @@ class DelayStore:
         taken, and return them. One synced transaction."""
         if limit <= 0 or now_ms < 0:
             return []
-        bound = _pack_id(min(now_ms, MAX_DUE_MS))
+        bound = pack_id(min(now_ms, MAX_DUE_MS))
 
         def fn(txn):
             out = []
@@ -556,7 +434,7 @@ class DelayStore:
                     break
                 value = value_of()
                 m = decode_value(value, "waiting", key)
-                _check_waiting(key, m)
+                check_waiting(key, m)
                 out.append(m)
                 id8 = key[8:]
                 remove()  # this entry; the cursor moves on to the next
@@ -570,7 +448,7 @@ class DelayStore:
         """Delete these ids (taken or waiting), one synced transaction; how many existed."""
         if not msg_ids:
             return 0
-        ids = [_pack_id(i) for i in msg_ids]
+        ids = [pack_id(i) for i in msg_ids]
 
         def fn(txn):
             n = 0
@@ -600,7 +478,7 @@ class DelayStore:
         def fn(txn):
             n = 0
             for msg_id, due_ms, attempts in items:
-                id8 = _pack_id(msg_id)
+                id8 = pack_id(msg_id)
                 due_key = txn.get(id8, db=self._due_of)
                 value = None if due_key is None else txn.get(due_key, db=self._waiting)
                 if value is not None:
@@ -611,9 +489,9 @@ class DelayStore:
                     if value is None:
                         continue  # finished already
                 m = decode_value(value, db_name, key)
-                (_check_waiting if db_name == "waiting" else _check_taken)(key, m)
+                (check_waiting if db_name == "waiting" else check_taken)(key, m)
                 self._unlink(txn, id8)
-                new_key = _pack_due_key(due_ms, msg_id)
+                new_key = pack_due_key(due_ms, msg_id)
                 txn.put(id8, new_key, db=self._due_of)
                 txn.put(new_key, encode_value(m._replace(due_ms=due_ms, attempts=attempts)),
                         db=self._waiting)
@@ -626,7 +504,7 @@ class DelayStore:
         """(waiting count, taken count, oldest waiting due_ms or None), no scan."""
         def fn(txn):
             cur = txn.cursor(db=self._waiting)
-            oldest = _U64.unpack(cur.key()[:8])[0] if cur.first() else None
+            oldest = U64.unpack(cur.key()[:8])[0] if cur.first() else None
             return (txn.stat(self._waiting)["entries"], txn.stat(self._taken)["entries"],
                     oldest)
         return self._read(fn)
@@ -635,7 +513,7 @@ class DelayStore:
         """Due time of the first waiting entry, None if none waits."""
         def fn(txn):
             cur = txn.cursor(db=self._waiting)
-            return _U64.unpack(cur.key()[:8])[0] if cur.first() else None
+            return U64.unpack(cur.key()[:8])[0] if cur.first() else None
         return self._read(fn)
 
     def requeue_all_now(self, now_ms: int) -> int:
@@ -643,19 +521,19 @@ class DelayStore:
         many moved. In transactions of CHUNK entries: after a crash part-way each entry
         is at its old or its new due time, never lost; calling again finishes the job."""
         now_ms = max(0, min(now_ms, MAX_DUE_MS))
-        start = _pack_id(now_ms + 1) if now_ms < MAX_DUE_MS else None
+        start = pack_id(now_ms + 1) if now_ms < MAX_DUE_MS else None
         if start is None:
             return 0
 
         def chunk(txn):
             rows = _first_rows(txn.cursor(db=self._waiting), start, CHUNK)
-            now8 = _pack_id(now_ms)
+            now8 = pack_id(now_ms)
             for key, value in rows:
                 id8 = key[8:]
                 new_key = now8 + id8  # sorts before `start`: the next chunk never sees it
                 txn.delete(key, db=self._waiting)
                 # only the tail changes; the record is checked when taken
-                txn.put(new_key, _with_due(value, now_ms), db=self._waiting)
+                txn.put(new_key, with_due(value, now_ms), db=self._waiting)
                 txn.put(id8, new_key, db=self._due_of)
                 self._tick()
             return len(rows)
@@ -681,7 +559,7 @@ class DelayStore:
 
     def get(self, msg_id: int) -> tuple[str, DelayedMessage] | None:
         """("waiting" | "taken", message) for an id, None if the store does not hold it."""
-        id8 = _pack_id(msg_id)
+        id8 = pack_id(msg_id)
 
         def fn(txn):
             due_key = txn.get(id8, db=self._due_of)
@@ -693,7 +571,7 @@ class DelayStore:
             return None if value is None else ("taken", decode_value(value, "taken", id8))
         try:
             return self._read(fn)
-        except _Corrupt as e:
+        except CorruptEntry as e:
             raise DelayStoreCorruptError(self.data_file, e.db, e.key, e.reason) from None
 
     def scan(self, batch: int = 1000) -> Iterator[tuple[str, DelayedMessage]]:
@@ -721,8 +599,8 @@ class DelayStore:
                 for key, value in rows:
                     try:
                         m = decode_value(value, name, key)
-                        (_check_waiting if name == "waiting" else _check_taken)(key, m)
-                    except _Corrupt as e:
+                        (check_waiting if name == "waiting" else check_taken)(key, m)
+                    except CorruptEntry as e:
                         raise DelayStoreCorruptError(self.data_file, e.db, e.key,
                                                      e.reason) from None
                     yield name, m

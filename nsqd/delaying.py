@@ -62,7 +62,7 @@ class ChannelDelay:
 
     def move(self, msg, due_ms: int) -> None:
         """Store a message (from the log or from the store) to come back at `due_ms`."""
-        from delayqueue.store import DelayedMessage
+        from delayqueue.entry import DelayedMessage
 
         attempts = min(msg.attempts, 0xFFFF)  # the record's field is 16 bits
         if msg.delayed:

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from delayqueue import store as store_mod
-from delayqueue.store import (DelayedMessage, DelayStore, DelayStoreCorruptError,
-                              DelayStoreError, decode_value, encode_value)
+from delayqueue.entry import CorruptEntry, DelayedMessage, decode_value, encode_value
+from delayqueue.store import DelayStore, DelayStoreCorruptError, DelayStoreError
 
 M = DelayedMessage
 U64 = (1 << 64) - 1
@@ -80,7 +80,7 @@ def test_value_any_flipped_bit_is_detected(m, data):
     value = bytearray(encode_value(m))
     bit = data.draw(st.integers(0, len(value) * 8 - 1))
     value[bit // 8] ^= 1 << (bit % 8)
-    with pytest.raises(store_mod._Corrupt):
+    with pytest.raises(CorruptEntry):
         decode_value(bytes(value), "waiting", b"k")
 
 
