@@ -25,28 +25,15 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# This file is named like the package it measures: with its own folder first on sys.path,
-# `import delayqueue` would import this script. Drop that folder; load common.py by path.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
-try:
-    import delayqueue.store  # noqa: F401  (installed editable in the venv)
-except ImportError:  # running from a checkout without the install: append, never shadow stdlib
-    sys.path.append(os.path.dirname(HERE))
+# This file is named like the package it measures: with bench/ first on sys.path,
+# `import delayqueue` would import this script. Drop bench/ and import the bench modules
+# as `bench.*` from the repository root, appended (never shadowing the standard library).
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [x for x in sys.path if os.path.abspath(x or os.curdir) != HERE]
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
-
-def _load_common():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_common", os.path.join(HERE, "common.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_common = _load_common()
-CpuWatch, Report, RssSampler = _common.CpuWatch, _common.Report, _common.RssSampler
-machine_info, rss_mb = _common.machine_info, _common.rss_mb
-
+from bench.common import CpuWatch, Report, RssSampler, machine_info, rss_mb  # noqa: E402
 from delayqueue.entry import DelayedMessage  # noqa: E402
 from delayqueue.store import DelayStore  # noqa: E402
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import glob
 import json
 import os
@@ -27,20 +28,23 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-try:
-    import diskqueue  # noqa: F401  (installed editable in the venv)
-except ImportError:  # running from a checkout without the install: append, never shadow stdlib
-    sys.path.append(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)
+# With bench/ first on sys.path, `import nsqd` would import bench/nsqd.py: drop bench/ and
+# import the bench modules as `bench.*` from the repository root, appended (never
+# shadowing the standard library).
+sys.path[:] = [x for x in sys.path if os.path.abspath(x or os.curdir) != HERE]
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 import aiofiles  # noqa: E402
 import aiofiles.os  # noqa: E402
 import uvloop  # noqa: E402
 
-from common import (MB, CpuWatch, GcWatch, Report, RssSampler, machine_info, percentile,  # noqa: E402
-                    rss_mb)  # noqa: E402
+from bench.common import (MB, CpuWatch, GcWatch, Report, RssSampler, machine_info,  # noqa: E402
+                          percentile, rss_mb)
 from diskqueue.queue import DiskQueue, QueueOptions  # noqa: E402
 from diskqueue.record import record_size  # noqa: E402
+from nsqd.main import tune_gc  # noqa: E402
 
 BODY_LEN = 200
 REC_LEN = record_size(BODY_LEN)  # 236 bytes on disk per 200-byte message
@@ -98,26 +102,30 @@ def fsync_bound(path: str, seconds: float) -> tuple[float, float]:
 # ---- 2. group commit ------------------------------------------------------------
 
 async def group_commit(path: str, total: int, concurrency: int) -> dict:
+    """`concurrency` producers appending one message at a time; a warm-up round of a tenth
+    as many appends first (thread pool, first segment pages), then the measured round."""
     q = await DiskQueue.open(path, QueueOptions())
     body = os.urandom(BODY_LEN)
     per = total // concurrency
+    warm = max(1, per // 10)
     lat: list[float] = []
 
-    async def one_producer():
+    async def one_producer(n: int, record):
         append = q.append
         clock = time.perf_counter
-        record = lat.append
-        for _ in range(per):
+        for _ in range(n):
             t = clock()
             await append([body])
             record(clock() - t)
 
+    await asyncio.gather(*(one_producer(warm, lambda _: None) for _ in range(concurrency)))
+    stats0 = dict(q.stats)
     with CpuWatch() as cpu, GcWatch() as gcw:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one_producer() for _ in range(concurrency)))
+        await asyncio.gather(*(one_producer(per, lat.append) for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-    stats = dict(q.stats)
-    assert q.written_count == per * concurrency, (q.written_count, per * concurrency)
+    stats = {k: v - stats0[k] for k, v in q.stats.items()}
+    assert q.written_count == (warm + per) * concurrency, q.written_count
     await q.close()
     lat.sort()
     return dict(msgs=per * concurrency, elapsed=elapsed, p50=percentile(lat, 50) * 1e3,
@@ -272,10 +280,12 @@ async def run_all(cfg: dict, base: str, quick: bool) -> None:
     rep = Report("storage")
     info = machine_info()
     rep.figures.update(quick=quick, python=info["python"], cpus=info["cpus"],
-                       loadavg_1m_start=info["loadavg_1m"], loop=type(asyncio.get_running_loop()).__module__)
+                       loadavg_1m_start=info["loadavg_1m"], loop=type(asyncio.get_running_loop()).__module__,
+                       gc_thresholds=list(gc.get_threshold()))
     print(f"storage benchmark ({'quick' if quick else 'full'}), data in {base}, "
           f"python {info['python']}, {info['cpus']} CPUs, load average {info['loadavg_1m']}, "
-          f"loop {rep.figures['loop']}")
+          f"loop {rep.figures['loop']}, gc thresholds {gc.get_threshold()} "
+          f"({'Python default' if gc.get_threshold()[0] == 700 else 'nsqd policy'})")
     print(f"record: {BODY_LEN}-byte body = {REC_LEN} bytes on disk; MB = MiB; "
           f"'other CPUs' = CPUs busy with other processes during a part (noise)")
     t_start = time.perf_counter()
@@ -436,10 +446,15 @@ def main() -> None:
                     help="run only this part (2, 3, or 3 then 4), e.g. under py-spy")
     ap.add_argument("--cprofile", action="store_true",
                     help="with --part: profile the event-loop thread with cProfile")
+    ap.add_argument("--default-gc", action="store_true",
+                    help="keep Python's default garbage-collector thresholds (by default the "
+                         "engine runs under nsqd's policy, nsqd.main.tune_gc)")
     ap.add_argument("--rss-child", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     ap.add_argument("--appenders", type=int, default=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if not args.default_gc:
+        tune_gc()
     if args.rss_child is not None:  # internal: part 5 in a fresh process
         out = uvloop.run(rss_child(args.dir, args.rss_child, 1000, args.appenders))
         print(json.dumps(out))

@@ -241,9 +241,12 @@ class DiskQueue:
             raise QueueClosedError(self.path)
         if len(ext) > MAX_EXT or not 0 <= attempts <= 0xFFFF or not 0 <= trace_id < 1 << 64:
             raise ValueError("ext longer than 65535 bytes, or attempts or trace_id out of range")
-        if bodies and FIXED_LENGTH + len(ext) + max(map(len, bodies)) > MAX_RECORD:
+        body_bytes = sum(map(len, bodies))
+        # The largest body is at most the sum of all: look for it only when the sum is big.
+        if (FIXED_LENGTH + len(ext) + body_bytes > MAX_RECORD
+                and FIXED_LENGTH + len(ext) + max(map(len, bodies)) > MAX_RECORD):
             raise ValueError(f"a body may hold at most {MAX_RECORD - FIXED_LENGTH - len(ext)} bytes")
-        size = (HEAD_SIZE + len(ext)) * len(bodies) + sum(map(len, bodies))
+        size = (HEAD_SIZE + len(ext)) * len(bodies) + body_bytes
         batch = self._open
         if batch is None or (batch.count and (
                 batch.bytes + size > self.options.max_batch_bytes

