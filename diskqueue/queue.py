@@ -11,7 +11,9 @@ Invariants:
 - `committed_end <= written_end`; readers never see past `committed_end`;
 - a future resolves only after its data is written, synced when the policy
   says so, and (with `auto_commit`) committed;
-- a failed batch leaves data and commitlog exactly as before it;
+- a failed batch leaves data and commitlog exactly as before it; a failed sync (or
+  a failed undo) fails the queue: no append is taken again until it is reopened;
+- the writer task never dies: a batch that fails in any way fails its own waiters;
 - message ids are `partition << 50 | sequence`, the sequence being the
   message's 0-based place in the partition's history.
 """
@@ -61,6 +63,16 @@ class DiskFullError(AppendError):
 
 class QueueClosedError(Exception):
     """The queue is closed or closing."""
+
+
+class _Unrecoverable(Exception):
+    """Raised by the worker thread when the queue must fail (see QueueFailedError)."""
+
+
+class QueueFailedError(AppendError):
+    """A sync failed, or a failed write could not be undone: what the kernel still holds
+    for these files is unknown, so the queue takes no more appends until it is reopened
+    (recovery then trusts only what is on disk)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,7 @@ class DiskQueue:
         self._writer: asyncio.Task | None = None
         self._io_lock = asyncio.Lock()
         self._closing = False
+        self.failed: QueueFailedError | None = None
         self._committed_waiters: list[asyncio.Future] = []
         self.commit_listeners: list = []  # plain callables, called when committed_end moves
         self._unsynced_messages = 0
@@ -239,6 +252,10 @@ class DiskQueue:
         """
         if self._closing:
             raise QueueClosedError(self.path)
+        if self.failed is not None:
+            raise self.failed
+        if not bodies:
+            raise ValueError("a write request needs at least one message")
         if len(ext) > MAX_EXT or not 0 <= attempts <= 0xFFFF or not 0 <= trace_id < 1 << 64:
             raise ValueError("ext longer than 65535 bytes, or attempts or trace_id out of range")
         body_bytes = sum(map(len, bodies))
@@ -279,7 +296,25 @@ class DiskQueue:
             batch = self._batches.popleft()
             if batch is self._open:
                 self._open = None
-            await self._write_batch(batch)
+            if self.failed is not None:
+                self._fail_batch(batch, self.failed)
+                continue
+            try:
+                await self._write_batch(batch)
+            except Exception as e:  # a bug here must fail one batch, never stop the writer
+                log.exception("write_batch_failed", path=self.path, partition=self.partition)
+                self._fail_batch(batch, AppendError(f"writing {self.path} failed: {e!r}"))
+
+    def _fail_batch(self, batch: _Batch, err: Exception) -> None:
+        for waiter, *_ in batch.requests:
+            _settle(waiter, None, err)
+
+    def _fail_queue(self, reason: str) -> QueueFailedError:
+        if self.failed is None:
+            self.failed = QueueFailedError(f"{self.path}: {reason}; no append is taken until "
+                                           "the queue is reopened")
+            log.error("queue_failed", path=self.path, partition=self.partition, reason=reason)
+        return self.failed
 
     def _sync_due_in(self) -> float | None:
         every_ms = self.options.sync.every_ms
@@ -289,8 +324,12 @@ class DiskQueue:
 
     async def _sync_now(self) -> None:
         t0 = time.perf_counter()
-        async with self._io_lock:
-            await _write_off_loop(self._sync_sync)
+        try:
+            async with self._io_lock:
+                await _write_off_loop(self._sync_both)
+        except OSError as e:
+            self._fail_queue(f"sync failed: {e}")
+            return
         elapsed = time.perf_counter() - t0
         self.stats["syncs"] += 1
         self.stats["sync_seconds_total"] += elapsed
@@ -299,9 +338,6 @@ class DiskQueue:
         if not self.options.auto_commit:
             return
         self._commit(self.written_end, self.written_count)
-
-    def _sync_sync(self) -> None:
-        self._sync_both()
 
     def _sync_both(self) -> None:
         """Sync data and commitlog at the same time (worker thread); both are done on return.
@@ -321,11 +357,13 @@ class DiskQueue:
         try:
             async with self._io_lock:
                 await _write_off_loop(self._write_sync, data, clog, len(results), sync_now)
+        except _Unrecoverable as e:
+            self._fail_batch(batch, self._fail_queue(str(e)))
+            return
         except OSError as e:
             err = self._append_error(e)
             log.error("append_failed", path=self.path, partition=self.partition, error=str(err))
-            for waiter, *_ in batch.requests:
-                _settle(waiter, None, err)
+            self._fail_batch(batch, err)
             return
         self.stats["batches"] += 1
         self.stats["batch_messages_total"] += batch.count
@@ -385,18 +423,26 @@ class DiskQueue:
                     and time.monotonic() - self._unsynced_since >= policy.every_ms / 1000)
 
     def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
-        """Write one batch (worker thread). On any error, cut both files back and re-raise."""
+        """Write one batch (worker thread), and sync it if `sync`. A failed write is undone
+        (both files cut back) and re-raised; a failed undo or a failed sync raises
+        _Unrecoverable."""
         data_before = self._segments.end
         log_before = self.commitlog.next_log_id
         try:
             self._segments.write(data)
             self.commitlog.append_encoded(clog, entries)
-            if sync:
-                self._sync_both()
         except BaseException:
-            self.commitlog.truncate_after(log_before - 1)
-            self._segments.truncate_to(max(data_before, self._segments.active_base))
+            try:
+                self.commitlog.truncate_after(log_before - 1)
+                self._segments.truncate_to(max(data_before, self._segments.active_base))
+            except OSError as undo:
+                raise _Unrecoverable(f"undoing a failed write failed: {undo}") from undo
             raise
+        if sync:
+            try:
+                self._sync_both()
+            except OSError as e:
+                raise _Unrecoverable(f"sync failed: {e}") from e
 
     def _append_error(self, e: OSError) -> AppendError:
         if e.errno == errno.ENOSPC:

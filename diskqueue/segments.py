@@ -6,6 +6,8 @@ Invariants:
 - only the last (active) segment is ever written, and only at `end`;
 - a new segment is created only after the previous one is synced, and the
   folder is synced after the file is created, so a rotation is durable;
+- `bases` is replaced, never changed in place: the event loop reads it while a
+  worker thread rotates or drops segments;
 - `newest.json` names the newest segment ever created, written (atomically)
   before any byte goes into it: if that segment is not on disk at open, it
   was lost, not torn, and open refuses with MissingSegmentError instead of
@@ -61,7 +63,10 @@ class Segments:
         names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
         self.bases = [int(n[:-len(SUFFIX)]) for n in names]
         newest = read_json(os.path.join(self.path, NEWEST_FILE), {}).get("base")
-        if newest is not None and newest > (self.bases[-1] if self.bases else start_offset):
+        # With no file at all, `newest` at or past the start means that segment was lost
+        # (reset() never leaves the folder without a file that an open would still need).
+        if newest is not None and (newest > self.bases[-1] if self.bases
+                                   else newest >= start_offset):
             raise MissingSegmentError(
                 f"{self.path}: segment {segment_name(newest)}, the newest one created, is not on "
                 f"disk: the data from offset {newest} on is missing")
@@ -126,7 +131,7 @@ class Segments:
         fd = os.open(self.file(self.end), os.O_RDWR | os.O_CREAT, 0o644)
         os.close(self._fd)
         self._fd = fd
-        self.bases.append(self.end)
+        self.bases = self.bases + [self.end]
         fsync_dir(self.path)
         self._record_newest()
 
@@ -143,21 +148,27 @@ class Segments:
 
     def drop_before(self, offset: int) -> int:
         """Delete whole segments that end at or before `offset` (never the active one)."""
-        dropped = 0
-        while len(self.bases) > 1 and self.bases[1] <= offset:
-            os.unlink(self.file(self.bases.pop(0)))
-            dropped += 1
+        keep = next(i for i, end in enumerate(self.bases[1:] + [None])
+                    if end is None or end > offset)
+        dropped, self.bases = self.bases[:keep], self.bases[keep:]
+        for base in dropped:
+            os.unlink(self.file(base))
         if dropped:
             fsync_dir(self.path)
-        return dropped
+        return len(dropped)
 
     def reset(self, offset: int) -> None:
-        """Delete every segment; the history continues empty at `offset`."""
+        """Delete every segment; the history continues empty at `offset`. A segment that
+        already starts at `offset` is emptied in place, so the folder is never left without
+        the file `newest.json` names (open would take that for a lost segment)."""
         self.close()
-        for base in self.bases:
-            os.unlink(self.file(base))
-        self.bases = [offset]
+        old, self.bases = self.bases, [offset]
+        for base in old:
+            if base != offset:
+                os.unlink(self.file(base))
         self._open_active()
+        os.ftruncate(self._fd, 0)
+        os.fsync(self._fd)
         fsync_dir(self.path)
         self.end = offset
         self._record_newest()

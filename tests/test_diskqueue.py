@@ -14,7 +14,7 @@ import time
 import pytest
 
 from commitlog.entry import ENTRY_SIZE
-from diskqueue.queue import (PARTITION_SHIFT, AppendError, DiskFullError, DiskQueue,
+from diskqueue.queue import (PARTITION_SHIFT, AppendError, DiskFullError, DiskQueue, QueueFailedError,
                              QueueClosedError, QueueOptions, SyncPolicy)
 from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, encode_into
 from diskqueue.segments import MissingSegmentError
@@ -738,6 +738,30 @@ async def test_missing_last_segment_is_refused_not_cut(tmp_path, queues):
     assert len(segment_files(tmp_path)) == len(files) - 1, "nothing cut or created"
 
 
+async def test_missing_only_segment_is_refused(tmp_path, queues):
+    """With every data file gone, open refuses: it never starts an empty history that would
+    hand out the lost messages' ids again."""
+    q = await queues(tmp_path)
+    await append_singles(q, 100)
+    await q.close()
+    [only] = segment_files(tmp_path)
+    os.unlink(only)
+    with pytest.raises(MissingSegmentError, match=os.path.basename(only)):
+        await DiskQueue.open(str(tmp_path), q.options)
+    assert segment_files(tmp_path) == [], "nothing created"
+
+
+async def test_empty_of_an_empty_queue_survives_reopen(tmp_path, queues):
+    """empty() when nothing was written since the last empty keeps the file newest.json
+    names, so the next open takes nothing for lost."""
+    q = await queues(tmp_path)
+    await q.empty()
+    await q.empty()
+    await q.close()
+    q = await queues(tmp_path)
+    assert (await q.append([b"x"])).first_id == 0
+
+
 async def test_newest_segment_record_follows_rotation_and_empty(tmp_path, queues):
     q = await _four_segments(tmp_path, queues)
     newest = os.path.join(tmp_path, "data", "newest.json")
@@ -818,7 +842,6 @@ def is_data_fd(q):
 
 
 @pytest.mark.parametrize("call,what", [("pwrite", "data"), ("pwrite", "commitlog"),
-                                       ("fdatasync", "data"), ("fdatasync", "commitlog"),
                                        ("open", "new segment")])
 async def test_a_failed_batch_leaves_everything_as_before(tmp_path, queues, monkeypatch, call,
                                                           what):
@@ -849,6 +872,54 @@ async def test_a_failed_batch_leaves_everything_as_before(tmp_path, queues, monk
     await q.close()
     q = await queues(tmp_path, QueueOptions(segment_bytes=4096))
     assert [r.body for r in await read_all(q)] == want and q.written_count == 9
+
+
+@pytest.mark.parametrize("what", ["data", "commitlog"])
+async def test_a_failed_sync_fails_the_queue_until_reopened(tmp_path, queues, monkeypatch, what):
+    """After a failed fdatasync the kernel may have dropped the unsynced pages: the batch
+    fails, and so does every later append, until a reopen trusts only what is on disk."""
+    q = await queues(tmp_path, QueueOptions(segment_bytes=1 << 20))
+    await append_singles(q, 5, size=1000)
+    end = q.written_end
+    if what == "data":
+        state = fail_once(monkeypatch, "fdatasync", errno.EIO, is_data_fd(q))
+    else:
+        state = fail_once(monkeypatch, "fdatasync", errno.EIO,
+                          lambda fd, *_: "commitlog" in os.readlink(f"/proc/self/fd/{fd}"))
+    results = await asyncio.gather(*[q.append([body(5 + i, 1000)]) for i in range(3)],
+                                   return_exceptions=True)
+    assert state["failed"] == 1
+    assert all(type(r) is QueueFailedError for r in results), results
+    assert "sync failed" in str(results[0]) and q.failed is not None
+    assert q.written_end == end and q.committed_end == end  # nothing of it was acknowledged
+    with pytest.raises(QueueFailedError):
+        q.append([b"later"])
+    assert [r.body for r in await read_all(q)] == [body(i, 1000) for i in range(5)]
+    await q.close()
+    q = await queues(tmp_path, QueueOptions(segment_bytes=1 << 20))
+    # What was acknowledged is there; the unacknowledged batch may be too (it reached the
+    # page cache), never in part, and appending goes on after it.
+    got = [r.body for r in await read_all(q)]
+    assert got[:5] == [body(i, 1000) for i in range(5)]
+    assert got[5:] in ([], [body(5 + i, 1000) for i in range(3)])
+    a = await q.append([b"after"])
+    assert a.first_id == len(got)
+    check_commitlog_matches(q, await read_all(q))
+
+
+async def test_the_writer_survives_a_bad_request(tmp_path, queues):
+    """A request the encoder cannot take fails its batch (a batch resolves as one), and
+    the writer goes on with the next batches."""
+    q = await queues(tmp_path)
+    same_batch = await asyncio.gather(q.append(["not bytes"]), q.append([b"fine"]),
+                                      return_exceptions=True)
+    assert [type(r) for r in same_batch] == [AppendError, AppendError]
+    assert q.written_count == 0 and q.failed is None
+    a = await q.append([b"next"])
+    assert (a.first_id, a.offset) == (0, 0)
+    assert [r.body for r in await read_all(q)] == [b"next"]
+    with pytest.raises(ValueError):
+        q.append([])
 
 
 # ---- crash safety: a full disk -----------------------------------------------
