@@ -111,7 +111,7 @@ async def main() -> None:
         report.add("rss_over_idle_mb", end - idle, "RSS over idle with all delayed (MB)",
                    target=("<= 50", end - idle <= 50))
         report.add("rss_peak_over_idle_mb", peak - idle, "peak RSS over idle (MB)")
-        delay_dir = os.path.join(proc.data_path, "t", "0", "delay")
+        delay_dir = os.path.join(proc.data_path, "t.topic", "0", "delay")
         report.add("delay_queue_disk_mb", dir_mb(delay_dir), "delay queue on disk (MB)")
         await consumer.close()
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 
 import structlog
@@ -22,7 +23,7 @@ from .channel import Channel
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from .protocol import valid_channel_name, valid_topic_name
-from .topic import Topic
+from .topic import Topic, topic_folder
 
 log = structlog.get_logger("nsqd")
 
@@ -113,7 +114,10 @@ class NSQD:
     # ---- topics and channels ---------------------------------------------
 
     async def _open_topic(self, name: str, state: dict) -> Topic:
-        topic = Topic(name, os.path.join(self.options.data_path, name), self.queue_options())
+        path = topic_folder(self.options.data_path, name)
+        topic = Topic(name, path, self.queue_options())
+        if topic.ephemeral:  # never stored: what a run before this one left is not ours
+            await asyncio.to_thread(shutil.rmtree, path, True)
         topic.paused = state.get("paused", False)
         await topic.open(state.get("partitions", [0]), state.get("floors", {}))
         channels = await asyncio.to_thread(self.meta.channels, name)
@@ -221,8 +225,11 @@ class NSQD:
             await asyncio.sleep(SCAN_INTERVAL)
             now = time.monotonic()
             for topic in list(self.topics.values()):
-                for channel in topic.channels():
-                    channel.process_timeouts(now)
+                for channel in list(topic.channels()):
+                    try:
+                        channel.process_timeouts(now)
+                    except Exception:  # one channel's bug must not stop every timeout
+                        log.exception("timeouts_failed", topic=topic.name, channel=channel.name)
 
     async def _checkpoint_loop(self) -> None:
         while True:

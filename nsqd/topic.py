@@ -27,6 +27,17 @@ from .channel import Channel
 log = structlog.get_logger("nsqd.topic")
 
 
+def topic_folder(data_path: str, name: str) -> str:
+    """`<data-path>/<name>.topic`. The suffix keeps every name a plain folder name: `.` and
+    `..` are legal NSQ names, and a bare `..` would be the data path's parent."""
+    return os.path.join(data_path, f"{name}.topic")
+
+
+def delay_folder(partition_path: str, channel: str) -> str:
+    """A channel's delay queue: `<partition folder>/delay/<channel>.channel` (same reason)."""
+    return os.path.join(partition_path, "delay", f"{channel}.channel")
+
+
 class PartitionNotFound(LookupError):
     """A partition number this node does not hold for the topic."""
 
@@ -48,7 +59,7 @@ class Partition:
 
     def add_channel(self, name: str, state: dict | None, **settings) -> Channel:
         """Open a channel: from its stored state, or as a new one (see the module invariants).
-        `settings` are Channel's keyword options; its delay store lives in `delay/<name>`."""
+        `settings` are Channel's keyword options; its delay store is in `delay_folder`."""
         if state is None:
             q = self.queue
             offset, count = self.floor if not self.channels else (q.committed_end,
@@ -56,7 +67,7 @@ class Partition:
             state = {"confirmed": offset, "confirmed_count": count, "paused": False}
         channel = Channel(self.topic, name, self.queue, state["confirmed"],
                           state["confirmed_count"], paused=state.get("paused", False),
-                          delay_path=os.path.join(self.queue.path, "delay", name), **settings)
+                          delay_path=delay_folder(self.queue.path, name), **settings)
         self.channels[name] = channel
         channel.start()
         return channel

@@ -111,7 +111,7 @@ async def test_retention_keeps_what_a_channel_needs(node, tmp_path):
         await pub.mpub("t", [b"y" * 200 for _ in range(10)])
     for m in await take(fast, 200):
         m.fin()
-    seg_dir = os.path.join(str(tmp_path / "data"), "t", "0", "data")
+    seg_dir = os.path.join(str(tmp_path / "data"), "t.topic", "0", "data")
     await asyncio.sleep(0.5)
     assert len(glob.glob(os.path.join(seg_dir, "*.dat"))) > 10, "segments the slow channel needs were dropped"
     slow.rdy(500)

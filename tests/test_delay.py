@@ -196,7 +196,7 @@ async def test_corrupt_delay_store_names_the_file_and_the_node_still_serves(tmp_
         await pub.close()
         await asyncio.sleep(0.5)
         proc.stop()
-        data_mdb = os.path.join(str(tmp_path / "n"), "t", "0", "delay", "c", "data.mdb")
+        data_mdb = os.path.join(str(tmp_path / "n"), "t.topic", "0", "delay", "c.channel", "data.mdb")
         assert os.path.exists(data_mdb)
         with open(data_mdb, "r+b") as f:
             f.write(os.urandom(8192))

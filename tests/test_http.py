@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import re
 import socket
 import struct
@@ -487,6 +488,29 @@ async def test_delete_channel_and_topic(nsqd):
         # a topic made again under the name starts from nothing
         await ok(nsqd, "POST", "/topic/create?topic=gone")
         assert find_topic(await stats(nsqd), "gone")["depth"] == 0
+    finally:
+        await conn.close()
+
+
+async def test_dot_names_stay_inside_the_data_path(nsqd, tmp_path):
+    """`.` and `..` are legal NSQ names: they must name topics and channels like any
+    other, never folders around the data path."""
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    (beside / "keep").write_text("untouched")
+    await ok(nsqd, "POST", "/mpub?topic=keep", b"k1\nk2")
+    await ok(nsqd, "POST", "/channel/create?topic=keep&channel=c")
+    for name in (".", ".."):
+        await ok(nsqd, "POST", f"/pub?topic={name}", b"dot")
+        await ok(nsqd, "POST", f"/channel/create?topic=keep&channel={name}")
+        await ok(nsqd, "POST", f"/channel/delete?topic=keep&channel={name}")
+        await ok(nsqd, "POST", f"/topic/delete?topic={name}")
+    assert (beside / "keep").read_text() == "untouched"
+    assert sorted(os.listdir(tmp_path)) == ["beside", "nsqd"]
+    assert find_channel(await stats(nsqd), "keep", "c")["depth"] == 2
+    conn = await Conn.consumer(nsqd, "keep", "c", 10)
+    try:
+        assert sorted([(await conn.message())[1] for _ in range(2)]) == [b"k1", b"k2"]
     finally:
         await conn.close()
 
