@@ -43,7 +43,7 @@ class Message:
     (offset, end, count, done), so taking a message costs one object."""
 
     __slots__ = ("offset", "end", "count", "done", "msg_id", "timestamp", "attempts", "body",
-                 "ext", "deadline", "client", "first_delivered", "delayed")
+                 "ext", "deadline", "client", "delivered_at", "delayed")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -57,7 +57,7 @@ class Message:
         self.ext = rec.ext
         self.deadline = 0.0
         self.client = None
-        self.first_delivered = 0.0
+        self.delivered_at = 0.0
         self.delayed = False  # True: it lives in the delay store, not in the cursor's window
 
     @classmethod
@@ -69,7 +69,7 @@ class Message:
         msg.done = True
         msg.msg_id, msg.timestamp, msg.attempts = d.msg_id, d.timestamp, d.attempts
         msg.body, msg.ext = d.body, d.ext
-        msg.deadline = msg.first_delivered = 0.0
+        msg.deadline = msg.delivered_at = 0.0
         msg.client = None
         msg.delayed = True
         return msg

@@ -84,8 +84,7 @@ class Client:
             m.attempts += 1
             m.deadline = deadline
             m.client = self
-            if not m.first_delivered:
-                m.first_delivered = now
+            m.delivered_at = now  # TOUCH extends up to max_msg_timeout after this delivery
             in_flight[m.msg_id] = m
             body = m.body
             add(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, m.timestamp,
@@ -98,8 +97,8 @@ class Client:
             self.write(b"".join(parts))
 
     def touch(self, msg, now: float, max_msg_timeout: float) -> bool:
-        """Extend a message's deadline (up to max_msg_timeout after its first delivery)."""
-        deadline = min(now + self.msg_timeout, msg.first_delivered + max_msg_timeout)
+        """Extend a message's deadline (up to max_msg_timeout after this delivery of it)."""
+        deadline = min(now + self.msg_timeout, msg.delivered_at + max_msg_timeout)
         if deadline <= msg.deadline:
             return True
         msg.deadline = deadline

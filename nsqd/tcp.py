@@ -32,6 +32,7 @@ _PUB_COMMANDS = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB"}
 MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
 
 MAX_PENDING = 256  # commands queued behind a slow one before reading pauses
+INFLATE_STEP = 256 * 1024  # deflate output taken per step: a small read may inflate a lot
 
 
 def identify_limits(nsqd) -> IdentifyLimits:
@@ -74,12 +75,16 @@ class ClientConnection(asyncio.Protocol):
         self.transport = None
         self.client: Client | None = None
         self.limits = nsqd.identify_limits
-        self._decompress = None
+        self._decompress = None  # snappy: a stream's decompress(data)
+        self._inflater = None  # deflate: a zlib decompressobj, inflated in bounded steps
+        self._deflated = b""  # deflate input not inflated yet (waits while reading is paused)
         self._last_read = time.monotonic()
         self._heartbeat = None
         self._read_deadline = None  # nsqd's read deadline: 2 heartbeat intervals of silence
         self._parser_dead = False
-        self._paused = False
+        self._paused = False  # too many commands queued: reading paused until they run
+        self._write_blocked = False  # the client reads slower than we write: reading paused
+        self._reading = True
         self._eof = False  # the client half-closed: close once its commands are answered
         self._write_watch = None  # while writing is paused: the progress check
 
@@ -111,18 +116,35 @@ class ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.client.writable = False  # the channel hands it nothing more until it drains
-        # The client reads slower than we write. nsqd drops a client whose write makes
-        # no progress for one heartbeat interval (its write deadline); so do we, or a
-        # consumer that never reads would hold its messages and our memory forever.
+        # A client that does not read must not make us buffer answers to what it keeps
+        # sending: stop reading it until it reads.
+        self._write_blocked = True
+        self._update_reading()
+        # nsqd drops a client whose write makes no progress for one heartbeat interval
+        # (its write deadline); so do we, or a consumer that never reads would hold its
+        # messages and our memory forever.
         self._check_write_progress(-1)
 
     def resume_writing(self) -> None:
         self.client.writable = True
+        self._write_blocked = False
+        self._update_reading()
         if self.client.channel is not None:
             self.client.channel.wake()
         if self._write_watch is not None:
             self._write_watch.cancel()
             self._write_watch = None
+
+    def _update_reading(self) -> None:
+        want = not (self._paused or self._write_blocked)
+        if want == self._reading or self.transport.is_closing():
+            return
+        self._reading = want
+        if want:
+            self.transport.resume_reading()
+            self._inflate()
+        else:
+            self.transport.pause_reading()
 
     def _check_write_progress(self, sent_before: int) -> None:
         self._write_watch = None
@@ -147,12 +169,34 @@ class ClientConnection(asyncio.Protocol):
         self._last_read = time.monotonic()
         if self._parser_dead:
             return
+        if self._inflater is not None:
+            self._deflated += data
+            self._inflate()
+            return
         if self._decompress is not None:
             try:
                 data = self._decompress(data)
             except Exception:
                 self._fail(errors.ProtocolError("E_BAD_BODY", "failed to decompress"))
                 return
+        self._receive(data)
+
+    def _inflate(self) -> None:
+        """Inflate what waits, INFLATE_STEP bytes at a time, while reading is not paused:
+        a few KiB of deflate can hold gigabytes of commands."""
+        while self._deflated and self._reading and not self._parser_dead:
+            try:
+                data = self._inflater.decompress(self._deflated, INFLATE_STEP)
+            except zlib.error:
+                self._fail(errors.ProtocolError("E_BAD_BODY", "failed to decompress"))
+                return
+            self._deflated = self._inflater.unconsumed_tail
+            if not data:
+                return
+            self._receive(data)
+
+    def _receive(self, data: bytes) -> None:
+        """Plain bytes from the client: parse them and run what can run."""
         if (data.startswith(b"FIN ") and self.state == self.SUBSCRIBED and not self.busy
                 and not self.pending and not self._publishing and not self.parser.buffered):
             data = self._finish_run(data)
@@ -263,10 +307,10 @@ class ClientConnection(asyncio.Protocol):
             asyncio.get_running_loop().create_task(self._run_async(cmd))
         if len(self.pending) > MAX_PENDING and not self._paused:
             self._paused = True
-            self.transport.pause_reading()
+            self._update_reading()
         elif self._paused and len(self.pending) < MAX_PENDING // 2:
             self._paused = False
-            self.transport.resume_reading()
+            self._update_reading()
         if self._eof and not self.busy and not self.pending and not self._publishing:
             self.transport.close()
 
@@ -348,7 +392,7 @@ class ClientConnection(asyncio.Protocol):
             return
         loop = asyncio.get_running_loop()
         remaining = self._last_read + 2 * interval - time.monotonic()
-        if remaining <= 0 and (self.busy or self._paused or self._publishing):
+        if remaining <= 0 and (self.busy or not self._reading or self._publishing):
             # We are the slow side (a command still runs, or reading is paused behind
             # queued ones): nsqd only arms its deadline when it reads again.
             self._last_read = time.monotonic()
@@ -440,8 +484,7 @@ class ClientConnection(asyncio.Protocol):
             self.client.use_snappy()
             self.client.write(p.OK)
         elif settings.deflate:
-            obj = zlib.decompressobj(-15)
-            self._decompress = obj.decompress
+            self._inflater = zlib.decompressobj(-15)
             self.client.use_deflate(settings.deflate_level)
             self.client.write(p.OK)
 

@@ -85,6 +85,26 @@ async def test_timeout_requeues_and_touch_extends(node):
     assert channel.requeue_count == 1
 
 
+async def test_touch_limit_counts_from_each_delivery(node):
+    """TOUCH extends a message up to --max-msg-timeout after *this* delivery, as classic
+    nsqd does: a redelivered message can be touched again."""
+    n = await node(max_msg_timeout_ms=1500)
+    c = await connect(n, msg_timeout=1000)
+    await c.sub("t", "c", rdy=1)
+    pub = await connect(n)
+    await pub.pub("t", b"slow")
+    await take(c, 1)
+    (again,) = await take(c, 1, timeout=3)  # timed out after 1 s, delivered again
+    assert again.attempts == 2
+    # 1.5 s after the first delivery has passed by the second TOUCH; counted from this
+    # delivery the TOUCHes keep it in flight.
+    for _ in range(2):
+        await asyncio.sleep(0.4)
+        again.touch()
+    await nothing_arrives(c, 0.3)
+    again.fin()
+
+
 async def test_confirm_window_bounds_fresh_reads(node):
     n = await node(max_channel_window=10)
     c = await connect(n)

@@ -22,6 +22,7 @@ import re
 import socket
 import struct
 import time
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -415,6 +416,34 @@ def test_abrupt_resets(server):
         sock.sendall(p.MAGIC_V2 + data)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
+
+
+def test_deflate_bomb_costs_bounded_memory(server):
+    """A few hundred KiB of deflate can carry 200 MB of PUB commands. The server inflates
+    a step at a time, and stops reading (so stops inflating) while the client does not
+    read its answers: memory stays bounded, and the server stays healthy."""
+    command = c.cmd_pub("fz_bomb", b"x")
+    plain_mb = 200
+    squash = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = command * (MB // len(command))
+    bomb = b"".join(squash.compress(block) for _ in range(plain_mb)) + squash.flush(zlib.Z_SYNC_FLUSH)
+    assert len(bomb) < plain_mb * MB // 300
+    before = rss_kb(server.proc.pid)
+    sock = connect(server.tcp_port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+    try:
+        sock.sendall(p.MAGIC_V2 + c.cmd_identify({"deflate": True, "heartbeat_interval": -1,
+                                                   "feature_negotiation": True}))
+        time.sleep(0.3)  # the IDENTIFY reply and its OK are sent uncompressed, then deflate
+        sock.settimeout(5)
+        sock.sendall(bomb)
+        time.sleep(1.5)
+        grown_mb = (rss_kb(server.proc.pid) - before) / 1024
+        assert grown_mb < 40, f"RSS grew by {grown_mb:.0f} MB for a {len(bomb) // 1024} KiB bomb"
+    finally:
+        sock.close()
+    assert server.proc.poll() is None
+    pub_sub_round(server.tcp_port, "after_bomb")
 
 
 # ---------------------------------------------------------------- many at once
