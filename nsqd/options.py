@@ -77,7 +77,8 @@ class Options:
     tls_key: str = ""
     tls_root_ca_file: str = ""
     tls_client_auth_policy: str = ""
-    tls_required: int = 0
+    tls_required: int = 0  # 0 no, 1 yes (true), 2 all but HTTP (tcp-https; no HTTPS here yet)
+    tls_min_version: str = "tls1.0"
     auth_http_address: list[str] = field(default_factory=list)
     # logs
     log_level: str = "info"
@@ -109,6 +110,51 @@ _DURATIONS = {
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate"}
+# Classic config-file keys that name one of our options differently.
+_CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
+                   "auth_http_addresses": "auth_http_address"}
+TLS_VERSIONS = ("ssl3.0", "tls1.0", "tls1.1", "tls1.2", "tls1.3")
+
+_HELP = {
+    "tcp_address": "<addr>:<port> to listen on for TCP clients",
+    "http_address": "<addr>:<port> to listen on for HTTP clients",
+    "broadcast_address": "address this node is known by (default: the host name)",
+    "lookupd_tcp_address": "nsqlookupd TCP address (may be given several times)",
+    "data_path": "folder for topics, channels and their delay queues",
+    "segment_bytes": "size of one data segment file (bytes)",
+    "sync_every": "messages per fdatasync; 1 (default) syncs every batch before its OK",
+    "sync_timeout": "with --sync-every > 1, also sync data this old (duration)",
+    "mem_queue_size": "accepted for compatibility and ignored: every message goes to disk "
+                      "before its OK, and the page cache is the memory queue",
+    "retention_max_age": "drop segments older than this even if a channel still needs them "
+                         "(0: never)",
+    "retention_max_bytes": "drop the oldest segments beyond this size per partition (0: never)",
+    "max_msg_size": "largest message body (bytes)",
+    "max_body_size": "largest MPUB body (bytes)",
+    "msg_timeout": "default time a client has to FIN, REQ or TOUCH a message",
+    "max_msg_timeout": "longest msg_timeout a client may ask for, and TOUCH limit",
+    "max_req_timeout": "longest REQ and DPUB delay (default 72h, at most 168h)",
+    "delay_threshold": "delays at least this long wait in the channel's disk delay queue",
+    "delay_after_attempts": "a message delivered this many times waits on disk between tries",
+    "max_rdy_count": "largest RDY a client may send",
+    "max_channel_window": "messages a channel may hold taken and not confirmed past",
+    "tls_required": "require TLS for TCP clients: false, true or tcp-https",
+    "tls_min_version": "oldest TLS version accepted: " + ", ".join(TLS_VERSIONS),
+    "tls_client_auth_policy": "require (a client certificate) or require-verify (one "
+                              "signed by --tls-root-ca-file)",
+    "auth_http_address": "auth server <addr>:<port> (may be given several times)",
+    "log_level": "debug, info, warning or error",
+    "log_format": "console or json",
+}
+
+
+def parse_tls_required(text: str | int | bool) -> int:
+    """Classic --tls-required: false/0, true/1, or tcp-https (2)."""
+    value = str(text).strip().lower()
+    for level, names in enumerate((("false", "0", ""), ("true", "1"), ("tcp-https", "2"))):
+        if value in names:
+            return level
+    raise ValueError(f"invalid --tls-required {text!r} (false, true or tcp-https)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -120,17 +166,22 @@ def parser() -> argparse.ArgumentParser:
         if name.endswith("_ms") and name[:-3] in _DURATIONS:
             name = name[:-3]
         flag = "--" + name.replace("_", "-")
+        kw = {"dest": name, "help": _HELP.get(name)}
         if name in _LISTS:
-            p.add_argument(flag, action="append", dest=name)
+            p.add_argument(flag, action="append", **kw)
         elif name in _BOOLS:
-            p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), dest=name,
-                           nargs="?", const=True)
+            p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"),
+                           nargs="?", const=True, **kw)
         elif name in _DURATIONS:
-            p.add_argument(flag, type=parse_duration_ms, dest=name)
+            p.add_argument(flag, type=parse_duration_ms, **kw)
+        elif name == "tls_required":
+            p.add_argument(flag, type=parse_tls_required, nargs="?", const=1, **kw)
+        elif name == "tls_min_version":
+            p.add_argument(flag, choices=TLS_VERSIONS, **kw)
         elif f.type in ("int", int):
-            p.add_argument(flag, type=int, dest=name)
+            p.add_argument(flag, type=int, **kw)
         else:
-            p.add_argument(flag, dest=name)
+            p.add_argument(flag, **kw)
     return p
 
 
@@ -139,9 +190,16 @@ def from_args(argv: list[str] | None = None) -> Options:
     values: dict = {}
     config = args.pop("config", None)
     if config:
-        with open(config, "rb") as f:
-            for key, value in tomllib.load(f).items():
-                values[key.replace("-", "_")] = value
+        try:
+            with open(config, "rb") as f:
+                loaded = tomllib.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read --config {config}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {config} is not valid TOML: {e}") from None
+        for key, value in loaded.items():
+            key = key.replace("-", "_")
+            values[_CONFIG_ALIASES.get(key, key)] = value
     values.update(args)
     return build(values)
 
@@ -153,6 +211,8 @@ def build(values: dict) -> Options:
     for key, value in values.items():
         if key in _DURATIONS:
             kwargs[_DURATIONS[key]] = parse_duration_ms(value)
+        elif key == "tls_required":
+            kwargs[key] = parse_tls_required(value)
         elif key in known:
             kwargs[key] = value
         else:
@@ -161,6 +221,8 @@ def build(values: dict) -> Options:
         if isinstance(kwargs.get(key), str):
             kwargs[key] = [kwargs[key]]
     options = Options(**kwargs)
+    if options.tls_min_version not in TLS_VERSIONS:
+        raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
         raise ValueError("--max-req-timeout must be between 1ms and 7 days (168h)")
     return options

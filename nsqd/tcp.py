@@ -605,6 +605,12 @@ async def start_tcp(nsqd):
     return server, server.sockets[0].getsockname()[1]
 
 
+# --tls-min-version; Python's ssl has no SSL 3.0, so its oldest is the closest.
+_TLS_MINIMUM = {"ssl3.0": ssl.TLSVersion.MINIMUM_SUPPORTED, "tls1.0": ssl.TLSVersion.TLSv1,
+                "tls1.1": ssl.TLSVersion.TLSv1_1, "tls1.2": ssl.TLSVersion.TLSv1_2,
+                "tls1.3": ssl.TLSVersion.TLSv1_3}
+
+
 def tls_context(options) -> ssl.SSLContext | None:
     if not options.tls_cert:
         return None
@@ -612,7 +618,10 @@ def tls_context(options) -> ssl.SSLContext | None:
     ctx.load_cert_chain(options.tls_cert, options.tls_key)
     if options.tls_root_ca_file:
         ctx.load_verify_locations(options.tls_root_ca_file)
+    ctx.minimum_version = _TLS_MINIMUM[options.tls_min_version]
     if options.tls_client_auth_policy == "require":
+        # Classic asks for any certificate and checks nothing; Python's ssl cannot require
+        # a certificate without verifying it, so this asks for one and checks what comes.
         ctx.verify_mode = ssl.CERT_OPTIONAL
     elif options.tls_client_auth_policy == "require-verify":
         ctx.verify_mode = ssl.CERT_REQUIRED

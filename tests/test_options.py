@@ -1,0 +1,58 @@
+"""nsqd's flags and config file: classic names and values, clear errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from nsqd.options import from_args, parse_duration_ms
+
+
+def test_durations_take_go_forms_and_plain_ms():
+    assert parse_duration_ms("1h30m") == 90 * 60_000
+    assert parse_duration_ms("250ms") == 250
+    assert parse_duration_ms("1500") == 1500
+    for bad in ("", "1x", "ms", "1h 30m"):
+        with pytest.raises(ValueError):
+            parse_duration_ms(bad)
+
+
+@pytest.mark.parametrize("argv,level", [([], 0), (["--tls-required"], 1),
+                                        (["--tls-required=true"], 1),
+                                        (["--tls-required=false"], 0),
+                                        (["--tls-required", "tcp-https"], 2)])
+def test_tls_required_takes_classic_values(argv, level):
+    assert from_args(argv).tls_required == level
+
+
+def test_classic_config_file_keys(tmp_path):
+    config = tmp_path / "nsqd.toml"
+    config.write_text('nsqlookupd_tcp_addresses = ["127.0.0.1:4160", "10.0.0.2:4160"]\n'
+                      'msg_timeout = "90s"\n'
+                      'tls_required = "tcp-https"\n'
+                      'mem-queue-size = 0\n')
+    o = from_args(["--config", str(config), "--msg-timeout", "30s"])
+    assert o.lookupd_tcp_address == ["127.0.0.1:4160", "10.0.0.2:4160"]
+    assert o.msg_timeout_ms == 30_000, "the command line wins over the file"
+    assert (o.tls_required, o.mem_queue_size) == (2, 0)
+
+
+def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("msg_timeout = \n")
+    for argv, text in ((["--config", str(tmp_path / "missing.toml")], "cannot read --config"),
+                       (["--config", str(bad)], "is not valid TOML"),
+                       (["--tls-min-version", "tls9"], "invalid choice")):
+        r = subprocess.run([sys.executable, "-m", "nsqd.main", *argv], capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 2, r
+        assert text in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_help_explains_the_flags_we_treat_differently():
+    r = subprocess.run([sys.executable, "-m", "nsqd.main", "--help"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "accepted for compatibility and ignored" in text  # --mem-queue-size
+    assert "syncs every batch before its OK" in text  # --sync-every
