@@ -3,12 +3,18 @@
 Owns its negotiated settings, RDY, the in-flight messages it holds (a dict in
 delivery order, which is deadline order since one client has one msg_timeout;
 TOUCH moves a message to the end), counters for /stats, and the outgoing
-byte stream: frames go through `write`, which compresses when negotiated and
-buffers message frames so a consumer with a large RDY is fed in large writes.
+byte stream, compressed when negotiated.
+
+Output buffering, as classic nsqd negotiates it: message frames wait in a buffer
+until it holds output_buffer_size bytes, the client can take no more (in flight
+reached RDY), or output_buffer_timeout passes; any other frame goes out at once,
+after what the buffer holds. A timeout of 0 (the client sent -1) sends each
+delivery at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 import time
@@ -41,6 +47,9 @@ class Client:
         self.tls = False
         self._transport = None
         self._compress = None
+        self._buffered: list[bytes] = []  # message frames not sent yet
+        self._buffered_bytes = 0
+        self._flush_timer: asyncio.TimerHandle | None = None
         self.bytes_out = 0  # handed to the transport; minus its buffer: what the kernel took
 
     @property
@@ -61,6 +70,26 @@ class Client:
         self._compress = stream.add_chunk
 
     def write(self, data: bytes) -> None:
+        """Send a frame now, after the message frames buffered before it."""
+        if self._buffered:
+            data = self._take_buffered() + data
+        self._send(data)
+
+    def flush(self) -> None:
+        """Send the buffered message frames now."""
+        if self._buffered:
+            self._send(self._take_buffered())
+
+    def _take_buffered(self) -> bytes:
+        data = b"".join(self._buffered)
+        self._buffered.clear()
+        self._buffered_bytes = 0
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        return data
+
+    def _send(self, data: bytes) -> None:
         if self._transport is None or self._transport.is_closing():
             return
         if self._compress is not None:
@@ -94,7 +123,21 @@ class Client:
             sent += 1
         self.message_count += sent
         if parts:
-            self.write(b"".join(parts))
+            self._buffer_messages(b"".join(parts))
+
+    def _buffer_messages(self, data: bytes) -> None:
+        timeout_ms = self.settings.output_buffer_timeout_ms
+        if timeout_ms <= 0:
+            self.write(data)
+            return
+        self._buffered.append(data)
+        self._buffered_bytes += len(data)
+        if (self._buffered_bytes >= self.settings.output_buffer_size
+                or len(self.in_flight) >= self.ready_count):
+            self.flush()
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(timeout_ms / 1000,
+                                                                      self.flush)
 
     def touch(self, msg, now: float, max_msg_timeout: float) -> bool:
         """Extend a message's deadline (up to max_msg_timeout after this delivery of it)."""

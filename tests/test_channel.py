@@ -105,6 +105,37 @@ async def test_touch_limit_counts_from_each_delivery(node):
     again.fin()
 
 
+async def test_output_buffering_as_negotiated(node):
+    """Message frames wait until output_buffer_size bytes are buffered, the client can
+    take no more, or output_buffer_timeout passes; -1 sends each delivery at once."""
+    n = await node()
+    pub = await connect(n)
+    buffered = await connect(n, output_buffer_timeout=1000, output_buffer_size=64 * 1024)
+    await buffered.sub("t", "buffered", rdy=100)
+    eager = await connect(n, output_buffer_timeout=-1)
+    await eager.sub("t", "eager", rdy=100)
+    single = await connect(n, output_buffer_timeout=1000, output_buffer_size=64 * 1024)
+    await single.sub("t", "single", rdy=1)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    for i in range(3):
+        await pub.pub("t", b"m%d" % i)
+    assert [m.body for m in await take(eager, 3, timeout=0.5)] == [b"m0", b"m1", b"m2"]
+    (one,) = await take(single, 1, timeout=0.5)  # RDY 1: it can take no more, so out it goes
+    await nothing_arrives(buffered, 0.5)
+    got = await take(buffered, 3, timeout=2)
+    assert [m.body for m in got] == [b"m0", b"m1", b"m2"]
+    assert 0.9 <= loop.time() - t0 < 2.0
+    for m in got:
+        m.fin()
+    # A full buffer goes out at once.
+    t1 = loop.time()
+    await pub.mpub("t", [b"x" * 1000] * 80)
+    assert len(await take(buffered, 80, timeout=0.8)) == 80
+    assert loop.time() - t1 < 0.8
+    one.fin()
+
+
 async def test_confirm_window_bounds_fresh_reads(node):
     n = await node(max_channel_window=10)
     c = await connect(n)
