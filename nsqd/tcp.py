@@ -102,6 +102,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.nsqd.connections.discard(self)
+        self.client.flush()  # nothing can go out now; this stops its flush timer
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self._read_deadline is not None:
@@ -420,6 +421,8 @@ class ClientConnection(asyncio.Protocol):
         if not 0 <= cmd.count <= self.nsqd.options.max_rdy_count:
             raise errors.rdy_out_of_range(cmd.count, self.nsqd.options.max_rdy_count)
         self.client.ready_count = cmd.count
+        if cmd.count <= len(self.client.in_flight):
+            self.client.flush()  # it takes no more for now: what waits for it goes out
         self.client.channel.wake()
 
     def _in_flight(self, name: str, raw_id: bytes, failed):
