@@ -13,6 +13,7 @@ Sub-databases of the environment (keys and values encoded by delayqueue/entry.py
     due_of    [8 msg_id]            -> [8 due_ms][8 msg_id]   the waiting key of an id
     corrupt   [db name]:[key]       -> raw value entries that failed their checksum
     meta      b"format"             -> b"delaystore-1"
+              b"max_origin"         -> [8 signed]   the highest origin_offset ever put
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import struct
 import sys
 import threading
 import time
@@ -32,6 +34,8 @@ from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, che
                               tail_due_ms, with_due)
 
 FORMAT = b"delaystore-1"
+MAX_ORIGIN_KEY = b"max_origin"
+I64 = struct.Struct(">q")
 DATA_FILE = "data.mdb"
 MAX_DBS = 8
 # Entries moved per write transaction by the whole-store operations (recovery at open,
@@ -139,6 +143,7 @@ class DelayStore:
         self._taken = dbs["taken"]
         self._due_of = dbs["due_of"]
         self._corrupt = dbs["corrupt"]
+        self._meta = dbs["meta"]
         self._lock = threading.Lock()
         self._closed = False
         self._txns_since_release = 0
@@ -392,8 +397,12 @@ class DelayStore:
         del values
         ids = sorted(by_id)
         del by_id
+        top = max(m.origin_offset for m in items)
 
         def fn(txn):
+            old_top = txn.get(MAX_ORIGIN_KEY, db=self._meta)
+            if old_top is None or top > I64.unpack(old_top)[0]:
+                txn.put(MAX_ORIGIN_KEY, I64.pack(top), db=self._meta)
             waiting, taken, due_of = self._waiting, self._taken, self._due_of
             pop, put, delete, tick = txn.pop, txn.put, txn.delete, self._tick
             # One sub-database at a time, each in key order: neighbouring keys share pages.
@@ -554,6 +563,21 @@ class DelayStore:
             self._release_map()  # the drop walked the trees' branch pages
             return n
         return self._run(fn)
+
+    def max_origin_offset(self) -> int:
+        """The highest origin_offset ever put (-1 if none): a log record past it was never
+        moved here."""
+        raw = self._read(lambda txn: txn.get(MAX_ORIGIN_KEY, db=self._meta))
+        return -1 if raw is None else I64.unpack(raw)[0]
+
+    def holding(self, msg_ids: list[int]) -> set[int]:
+        """The ids among `msg_ids` the store holds (waiting or taken)."""
+        def fn(txn):
+            due_of, taken, get = self._due_of, self._taken, txn.get
+            return {i for i in msg_ids
+                    if get(pack_id(i), db=due_of) is not None
+                    or get(pack_id(i), db=taken) is not None}
+        return self._read(fn)
 
     # -- additions (not used by the channel's hot path) -----------------------------------
 

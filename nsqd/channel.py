@@ -42,8 +42,8 @@ class Message:
     """A message taken from the log, with its delivery state; also its own cursor Slot
     (offset, end, count, done), so taking a message costs one object."""
 
-    __slots__ = ("offset", "end", "count", "done", "msg_id", "timestamp", "attempts", "body",
-                 "ext", "deadline", "client", "delivered_at", "delayed")
+    __slots__ = ("offset", "end", "count", "done", "msg_id", "trace_id", "timestamp", "attempts",
+                 "body", "ext", "deadline", "client", "delivered_at", "delayed")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -51,6 +51,7 @@ class Message:
         self.count = rec.msg_id & SEQUENCE_MASK
         self.done = False
         self.msg_id = rec.msg_id
+        self.trace_id = rec.trace_id
         self.timestamp = rec.timestamp
         self.attempts = rec.attempts
         self.body = rec.body
@@ -67,7 +68,8 @@ class Message:
         msg.offset = d.origin_offset
         msg.end = msg.count = -1
         msg.done = True
-        msg.msg_id, msg.timestamp, msg.attempts = d.msg_id, d.timestamp, d.attempts
+        msg.msg_id, msg.trace_id, msg.timestamp, msg.attempts = (d.msg_id, d.trace_id,
+                                                                 d.timestamp, d.attempts)
         msg.body, msg.ext = d.body, d.ext
         msg.deadline = msg.delivered_at = 0.0
         msg.client = None
@@ -225,10 +227,16 @@ class Channel:
             held = 0
             if room > 0:
                 self.error = None
+                records = await self._reader.read(room)
+                in_store = await self.delay.holding(records) if self.delay else ()
                 take = self.cursor.take
-                for rec in await self._reader.read(room):
+                for rec in records:
                     msg = Message(rec)
                     take(msg)
+                    if in_store and msg.msg_id in in_store:  # moved there before a crash
+                        self.cursor.finish(msg)
+                        held += 1
+                        continue
                     if rec.ext and self._defer_if_due_later(msg):
                         held += 1
                         continue
@@ -236,7 +244,7 @@ class Channel:
                 self.dirty = True
             if msgs:
                 self._distribute(msgs)
-            elif not held:  # nothing to hand out, and nothing read that was not due yet
+            elif not held:  # nothing to hand out, and nothing read that was kept back
                 return
 
     def _defer_if_due_later(self, msg: Message) -> bool:
@@ -386,7 +394,16 @@ class Channel:
 
     def empty(self) -> None:
         """Drop every message of the channel held in memory: backlog, requeued, deferred and
-        in flight. (The delay store is emptied by `empty_delayed`.)"""
+        in flight. (The delay store is emptied by `empty_delayed`.) Messages brought back from
+        the delay store go back to it, due now: it still holds them as taken."""
+        delay = self.delay
+        if delay is not None and delay.available:
+            now_ms = int(self.clock() * 1000)
+            held = [m for c in self.clients for m in c.in_flight.values()]
+            held += [*self.requeued, *self.from_delay, *(entry[2] for entry in self.deferred)]
+            for m in held:
+                if m.delayed:
+                    delay.move(m, now_ms)
         for client in self.clients:
             client.in_flight.clear()
         self.requeued.clear()

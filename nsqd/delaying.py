@@ -10,7 +10,9 @@ Invariants:
 - a message brought back from the store stays in it ("taken") until its FIN
   is written, so a crash at any moment brings it back (at-least-once);
 - when the store cannot be opened, `error` names the file and the channel keeps
-  its deferred messages in memory, as classic nsqd does.
+  its deferred messages in memory, as classic nsqd does;
+- a log record the store already holds (moved there, then a crash before the cursor
+  was saved) is the store's: `holding` tells the channel, which confirms it unsent.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ChannelDelay:
         self.waiting = 0
         self.taken = 0
         self.oldest_due_ms: int | None = None
+        self.max_origin = -1  # at open: no log record past this offset is in the store
         self._puts: list = []  # (DelayedMessage, message from the log or None)
         self._finishes: list[int] = []
         self._requeues: list[tuple[int, int, int]] = []
@@ -56,7 +59,17 @@ class ChannelDelay:
             log.error("delay_store_unavailable", path=self.path, error=self.error)
             return
         self._refresh(*await asyncio.to_thread(self.store.stats))
+        self.max_origin = await asyncio.to_thread(self.store.max_origin_offset)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    async def holding(self, records) -> set[int]:
+        """Ids of the log `records` that the store held when it was opened (checked only
+        for records at or before `max_origin`: after a restart, at most one checkpoint's
+        worth)."""
+        if not self.available or not records or records[0].offset > self.max_origin:
+            return set()
+        ids = [r.msg_id for r in records if r.offset <= self.max_origin]
+        return await asyncio.to_thread(self.store.holding, ids)
 
     # ---- moving messages in ----------------------------------------------
 
@@ -68,8 +81,8 @@ class ChannelDelay:
         if msg.delayed:
             self._requeues.append((msg.msg_id, due_ms, attempts))
         else:
-            self._puts.append((DelayedMessage(due_ms, msg.msg_id, 0, msg.timestamp, attempts,
-                                              msg.ext, msg.body, msg.offset), msg))
+            self._puts.append((DelayedMessage(due_ms, msg.msg_id, msg.trace_id, msg.timestamp,
+                                              attempts, msg.ext, msg.body, msg.offset), msg))
         self._pending.set()
 
     def finish(self, msg) -> None:

@@ -54,6 +54,7 @@ class Options:
     retention_max_age_ms: int = 0  # 0: keep what a channel still needs, forever
     retention_max_bytes: int = 0  # 0: no size bound per partition
     retention_check_interval_ms: int = 10_000
+    checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
     # messages
     max_msg_size: int = 1024 * 1024
     max_body_size: int = 5 * 1024 * 1024
@@ -107,6 +108,7 @@ _DURATIONS = {
     "retention_max_age": "retention_max_age_ms",
     "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
+    "checkpoint_interval": "checkpoint_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate"}
@@ -129,6 +131,8 @@ _HELP = {
     "retention_max_age": "drop segments older than this even if a channel still needs them "
                          "(0: never)",
     "retention_max_bytes": "drop the oldest segments beyond this size per partition (0: never)",
+    "checkpoint_interval": "how often channel cursors are saved (after a crash a channel "
+                           "redelivers what was finished since)",
     "max_msg_size": "largest message body (bytes)",
     "max_body_size": "largest MPUB body (bytes)",
     "msg_timeout": "default time a client has to FIN, REQ or TOUCH a message",

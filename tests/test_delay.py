@@ -56,6 +56,31 @@ async def test_long_req_goes_to_disk_and_comes_back_when_due(node):
     await until(lambda: ch.delayed_count == 0)
 
 
+async def test_channel_empty_gives_a_delayed_message_in_flight_back_to_the_store(node):
+    """Emptying a channel drops what it holds in memory; a message brought back from the
+    delay store (still "taken" there) goes back to the store, due now, not stranded until
+    a restart."""
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    await pub.pub("t", b"retry-me")
+    (m,) = await take(c)
+    m.req(30 * 60_000)
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1 and ch.delay.waiting == 1)
+    clock.advance(31 * 60)
+    (back,) = await take(c)
+    assert ch.delay.taken == 1
+    ch.empty()
+    await until(lambda: ch.delay.waiting == 1 and ch.delay.taken == 0)
+    (again,) = await take(c)  # due now: it comes back
+    assert again.body == b"retry-me"
+    again.fin()
+    await until(lambda: ch.delayed_count == 0)
+
+
 async def test_dpub_of_days_waits_on_disk(node):
     clock = FakeClock()
     n = await node(clock)
@@ -266,6 +291,49 @@ async def test_kill_9_while_messages_move_through_the_delay_queue(tmp_path, roun
         assert not lost, f"{len(lost)} unfinished messages lost after kill -9"
         old_fins = {b for b in seen & finished_at.keys() if killed_at - finished_at[b] > 1.5}
         assert not old_fins, f"{len(old_fins)} messages finished >1.5 s before the crash came back"
+        await again.close()
+    finally:
+        proc.kill()
+
+
+async def test_a_message_moved_to_the_store_keeps_its_delay_across_a_crash(tmp_path):
+    """REQ'd for an hour, moved to the delay store, then kill -9 before the cursor was
+    saved: after the restart the log record is read again, but the store owns it; it
+    must not be delivered now as a fresh message."""
+    proc = NsqdProcess(str(tmp_path / "n"), "--checkpoint-interval", "1h").start()
+    try:
+        sub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await sub.sub("t", "c", rdy=10)
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await pub.mpub("t", [b"later%d" % i for i in range(5)] + [b"now"])
+        for _ in range(6):
+            m = await asyncio.wait_for(sub.messages.get(), 5)
+            if m.body == b"now":
+                m.fin()
+            else:
+                m.req(3_600_000)
+        stats = {}
+        for _ in range(100):  # the moves are written in the background
+            stats = json.loads(urllib.request.urlopen(
+                f"http://127.0.0.1:{proc.http_port}/stats?format=json&topic=t").read())
+            if stats["topics"][0]["channels"][0]["partitions"][0]["delayed_count"] == 5:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["topics"][0]["channels"][0]["partitions"][0]["delayed_count"] == 5
+        proc.kill()
+        proc.start()
+        again = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await again.sub("t", "c", rdy=10)
+        seen = []
+        try:
+            while True:
+                seen.append((await asyncio.wait_for(again.messages.get(), 1.5)).body)
+        except asyncio.TimeoutError:
+            pass
+        assert all(not b.startswith(b"later") for b in seen), seen
+        stats = json.loads(urllib.request.urlopen(
+            f"http://127.0.0.1:{proc.http_port}/stats?format=json&topic=t").read())
+        assert stats["topics"][0]["channels"][0]["partitions"][0]["delayed_count"] == 5
         await again.close()
     finally:
         proc.kill()

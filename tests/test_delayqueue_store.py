@@ -207,6 +207,21 @@ def test_requeue_taken_and_waiting(store):
     store.requeue([])
 
 
+def test_max_origin_and_holding_survive_reopen(path):
+    s = DelayStore.open(path)
+    assert s.max_origin_offset() == -1 and s.holding([1, 2]) == set()
+    s.put([msg(1, 10, origin=500), msg(2, 20, origin=300), msg(3, 30)])
+    s.put([msg(4, 40, origin=100)])  # a lower origin never lowers the mark
+    assert s.max_origin_offset() == 500
+    s.take_due(15, 10)  # 1 is taken now: still held
+    s.finish([2])
+    assert s.holding([1, 2, 3, 4, 99]) == {1, 3, 4}
+    s.close()
+    s = DelayStore.open(path)
+    assert s.max_origin_offset() == 500 and s.holding([1, 2, 3, 4]) == {1, 3, 4}
+    s.close()
+
+
 def test_put_replaces_waiting_and_taken(store):
     store.put([msg(1, 10, body=b"v1"), msg(2, 20, body=b"v1")])
     store.put([msg(1, 30, body=b"v2")])  # was waiting
