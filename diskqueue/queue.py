@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import dataclasses
 import errno
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import aiofiles.os
@@ -75,7 +75,7 @@ class QueueFailedError(AppendError):
     (recovery then trusts only what is on disk)."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SyncPolicy:
     """When the writer syncs. The default syncs every batch before acknowledging it (durable)."""
 
@@ -87,7 +87,7 @@ class SyncPolicy:
         return self.every_messages <= 1
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class QueueOptions:
     partition: int = 0
     segment_bytes: int = 100 * 1024 * 1024
@@ -205,7 +205,8 @@ class DiskQueue:
                 self.commitlog.reset(self.commitlog.next_log_id)
             else:
                 self._segments.drop_before(start)
-        found = recover(self._segments, self.commitlog, self.options.max_batch_bytes,
+        window = self.options.max_batch_bytes if self.options.sync.durable else None
+        found = recover(self._segments, self.commitlog, window,
                         meta["start_count"], self.epoch)
         self.corrupt = found.corrupt
         self.start_count = meta["start_count"]
@@ -317,10 +318,20 @@ class DiskQueue:
         return self.failed
 
     def _sync_due_in(self) -> float | None:
-        every_ms = self.options.sync.every_ms
-        if not self._unsynced_messages or not every_ms:
+        if not self._unsynced_messages:
             return None
-        return max(0.0, self._unsynced_since + every_ms / 1000 - time.monotonic())
+        policy = self.options.sync
+        if policy.durable:  # set_sync made the queue durable with data unsynced
+            return 0.0
+        if not policy.every_ms:
+            return None
+        return max(0.0, self._unsynced_since + policy.every_ms / 1000 - time.monotonic())
+
+    def set_sync(self, policy: SyncPolicy) -> None:
+        """Change the sync policy from the next batch on; what is unsynced is synced as the
+        new policy says (at once, when it is durable)."""
+        self.options = dataclasses.replace(self.options, sync=policy)
+        self._wake.set()
 
     async def _sync_now(self) -> None:
         t0 = time.perf_counter()

@@ -3,8 +3,10 @@
 Run once at open, before any write. The rules:
 - only the active (last) segment can have a torn tail: the writer syncs a
   segment before it creates the next one;
-- its tail is checked record by record from a little before the last
-  commitlog entry (at most one unsynced batch can be torn);
+- with the durable policy (every batch synced before the next is written) its tail
+  is checked record by record from a little before the last commitlog entry (at most
+  one unsynced batch can be torn); with a lazier policy any part of the active segment
+  may be unsynced, so all of it is checked;
 - a bad record followed by a valid record at a later commitlog entry's offset
   is corruption in the middle, not a torn tail: it is reported and kept, never cut;
 - otherwise the data is cut at the first bad record;
@@ -71,19 +73,22 @@ def _valid_record_at(fd: int, base: int, offset: int, end: int) -> bool:
     return next(scan(fd, base, offset, end), None) is not None
 
 
-def recover(segments: Segments, clog: CommitLog, max_batch_bytes: int,
+def recover(segments: Segments, clog: CommitLog, unsynced_window: int | None,
             start_count: int, epoch: int = 0) -> Recovered:
+    """`unsynced_window`: the most bytes that can be unsynced at a crash (one batch, for
+    the durable policy), or None when it is unbounded (a lazier policy)."""
     base = segments.active_base
     file_end = segments.end
     last = clog.last()
-    if last is not None and last.end_offset > file_end + 2 * max_batch_bytes:
+    if (unsynced_window is not None and last is not None
+            and last.end_offset > file_end + 2 * unsynced_window):
         raise MissingSegmentError(
             f"{segments.path}: the commitlog records writes up to offset {last.end_offset} but the "
             f"data ends at {file_end}: more than one unsynced batch is missing")
 
     scan_from = base
-    if last is not None:
-        anchor = clog.find_by_offset(max(base, min(last.offset, file_end) - max_batch_bytes))
+    if last is not None and unsynced_window is not None:
+        anchor = clog.find_by_offset(max(base, min(last.offset, file_end) - unsynced_window))
         if anchor is not None and anchor.offset >= base:
             scan_from = anchor.offset
 

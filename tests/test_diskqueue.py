@@ -738,6 +738,32 @@ async def test_missing_last_segment_is_refused_not_cut(tmp_path, queues):
     assert len(segment_files(tmp_path)) == len(files) - 1, "nothing cut or created"
 
 
+@pytest.mark.parametrize("durable", [True, False])
+async def test_lost_unsynced_tail_of_a_lazy_policy(tmp_path, queues, durable):
+    """Power loss under --sync-every N can take many unsynced batches with it (and the
+    commitlog's entries for them). A lazy queue cuts the commitlog to the data and goes
+    on; a durable one, where at most one batch is ever unsynced, refuses: for it, data
+    missing far behind the commitlog is loss of acknowledged data."""
+    small = dict(max_batch_bytes=1024, segment_bytes=1 << 20)
+    lazy = QueueOptions(sync=SyncPolicy(every_messages=1000), **small)
+    q = await queues(tmp_path, lazy)
+    appended = await append_singles(q, 50, size=100)
+    await q.close()
+    [seg] = segment_files(tmp_path)
+    cut = appended[20].offset + 50  # record 20 torn, 21..49 gone
+    os.truncate(seg, cut)
+    options = QueueOptions(**small) if durable else lazy
+    if durable:
+        with pytest.raises(MissingSegmentError, match="unsynced batch is missing"):
+            await DiskQueue.open(str(tmp_path), options)
+        return
+    q = await queues(tmp_path, options)
+    assert q.written_count == 20 and q.written_end == appended[20].offset
+    assert [r.body for r in await read_all(q)] == [body(i, 100) for i in range(20)]
+    check_commitlog_matches(q, await read_all(q))
+    assert (await q.append([b"on"])).first_id == 20
+
+
 async def test_missing_only_segment_is_refused(tmp_path, queues):
     """With every data file gone, open refuses: it never starts an empty history that would
     hand out the lost messages' ids again."""
