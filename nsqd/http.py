@@ -60,8 +60,8 @@ from diskqueue.queue import QueueClosedError
 
 from . import metrics, stats
 from .channel import defer_ext
-from .nsqd import NameError_
-from .options import _DURATIONS
+from .nsqd import NameError_, sync_policy
+from .options import _DURATIONS, parse_duration_ms
 from .protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 from .topic import PartitionNotFound
 
@@ -391,8 +391,39 @@ async def do_mpub(nsqd, request):
 
 
 async def do_topic_create(nsqd, request):
-    await _get_topic(nsqd, topic_arg(query(request)))
+    """Classic create; ours: `sync_every` (messages per sync; 1 = every batch, durable) and
+    `sync_timeout` (a duration) give the topic its own sync policy (`syncdisk` is taken
+    for `sync_every`, as nsqlookupd's partitioned /topic/create spells it)."""
+    q = query(request)
+    sync = _sync_args(nsqd, q)
+    topic = await _get_topic(nsqd, topic_arg(q))
+    if sync is not None:
+        topic.set_sync(sync, sync_policy(*sync))
+        await _persist_topic(nsqd, topic)
     return None
+
+
+def _sync_args(nsqd, q) -> tuple[int, int] | None:
+    every = arg(q, "sync_every")
+    if every is None:
+        every = arg(q, "syncdisk")
+    timeout = arg(q, "sync_timeout")
+    if every is None and timeout is None:
+        return None
+    o = nsqd.options
+    try:
+        every_n = o.sync_every if every is None else int(every)
+    except ValueError:
+        raise HTTPError(400, "INVALID_SYNC_EVERY") from None
+    if not 1 <= every_n <= 1_000_000:
+        raise HTTPError(400, "INVALID_SYNC_EVERY")
+    try:
+        timeout_ms = o.sync_timeout_ms if timeout is None else parse_duration_ms(timeout)
+    except ValueError:
+        raise HTTPError(400, "INVALID_SYNC_TIMEOUT") from None
+    if not 0 <= timeout_ms <= 3_600_000:
+        raise HTTPError(400, "INVALID_SYNC_TIMEOUT")
+    return every_n, timeout_ms
 
 
 async def do_topic_delete(nsqd, request):

@@ -29,7 +29,12 @@ log = structlog.get_logger("nsqd")
 
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
-CHECKPOINT_INTERVAL = 1.0
+
+
+def sync_policy(sync_every: int, sync_timeout_ms: int) -> SyncPolicy:
+    """--sync-every / --sync-timeout as a SyncPolicy: 1 syncs every batch (durable)."""
+    return SyncPolicy(every_messages=max(1, sync_every),
+                      every_ms=sync_timeout_ms if sync_every > 1 else 0)
 
 
 class NameError_(ValueError):
@@ -61,11 +66,12 @@ class NSQD:
 
     # ---- lifecycle -------------------------------------------------------
 
-    def queue_options(self) -> QueueOptions:
+    def queue_options(self, sync: tuple[int, int] | None = None) -> QueueOptions:
+        """Options of a topic's partitions: the node's sync policy, or the topic's own
+        (`sync`: messages per sync, ms; see Topic.sync)."""
         o = self.options
-        policy = SyncPolicy(every_messages=max(1, o.sync_every),
-                            every_ms=o.sync_timeout_ms if o.sync_every > 1 else 0)
-        return QueueOptions(segment_bytes=o.segment_bytes, sync=policy)
+        every, ms = sync or (o.sync_every, o.sync_timeout_ms)
+        return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms))
 
     def channel_settings(self) -> dict:
         o = self.options
@@ -115,7 +121,9 @@ class NSQD:
 
     async def _open_topic(self, name: str, state: dict) -> Topic:
         path = topic_folder(self.options.data_path, name)
-        topic = Topic(name, path, self.queue_options())
+        sync = state.get("sync")
+        topic = Topic(name, path, self.queue_options(tuple(sync) if sync else None))
+        topic.sync = tuple(sync) if sync else None
         if topic.ephemeral:  # never stored: what a run before this one left is not ours
             await asyncio.to_thread(shutil.rmtree, path, True)
         topic.paused = state.get("paused", False)
@@ -233,7 +241,7 @@ class NSQD:
 
     async def _checkpoint_loop(self) -> None:
         while True:
-            await asyncio.sleep(CHECKPOINT_INTERVAL)
+            await asyncio.sleep(self.options.checkpoint_interval_ms / 1000)
             try:
                 await self.checkpoint()
             except Exception:  # a failed checkpoint is retried; the cursor only lags

@@ -136,6 +136,8 @@ def partition_stats(partition) -> dict:
         "committed_count": q.committed_count,
         "written_offset": q.written_end,
         "written_count": q.written_count,
+        "sync_every": q.options.sync.every_messages,
+        "sync_timeout_ms": q.options.sync.every_ms,
         "group_commit": {
             "batches": s["batches"],
             "syncs": s["syncs"],

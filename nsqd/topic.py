@@ -108,6 +108,7 @@ class Topic:
         self.ephemeral = name.endswith("#ephemeral")
         self.queue_options = queue_options
         self.paused = False
+        self.sync: tuple[int, int] | None = None  # its own (sync_every, sync_timeout_ms)
         self.partitions: dict[int, Partition] = {}
         self.message_count = 0  # messages published through this node since start
         self.message_bytes = 0
@@ -120,8 +121,17 @@ class Topic:
             self.partitions[number] = Partition(self, number, queue, tuple(floor))
 
     def state(self) -> dict:
-        return {"partitions": sorted(self.partitions), "paused": self.paused,
-                "floors": {str(n): list(p._floor) for n, p in self.partitions.items()}}
+        state = {"partitions": sorted(self.partitions), "paused": self.paused,
+                 "floors": {str(n): list(p._floor) for n, p in self.partitions.items()}}
+        if self.sync is not None:
+            state["sync"] = list(self.sync)
+        return state
+
+    def set_sync(self, sync: tuple[int, int], policy) -> None:
+        """Give the topic its own sync policy (messages per sync, ms), from now on."""
+        self.sync = sync
+        for p in self.partitions.values():
+            p.queue.set_sync(policy)
 
     async def close(self) -> None:
         for p in self.partitions.values():

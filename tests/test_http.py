@@ -492,6 +492,37 @@ async def test_delete_channel_and_topic(nsqd):
         await conn.close()
 
 
+async def test_a_topic_may_have_its_own_sync_policy(nsqd):
+    """/topic/create?sync_every=&sync_timeout= gives one topic a lazier policy (or back to
+    durable); others keep the node's; it survives a restart."""
+    await ok(nsqd, "POST", "/topic/create?topic=lazy&sync_every=1000&sync_timeout=5s")
+    await ok(nsqd, "POST", "/topic/create?topic=strict")
+    for i in range(20):
+        await ok(nsqd, "POST", "/pub?topic=lazy", b"l%d" % i)
+        await ok(nsqd, "POST", "/pub?topic=strict", b"s%d" % i)
+
+    def part(doc, name):
+        return find_topic(doc, name)["partitions"][0]
+
+    doc = await stats(nsqd)
+    lazy, strict = part(doc, "lazy"), part(doc, "strict")
+    assert (lazy["sync_every"], lazy["sync_timeout_ms"]) == (1000, 5000)
+    assert (strict["sync_every"], strict["sync_timeout_ms"]) == (1, 0)
+    assert lazy["group_commit"]["syncs"] == 0 and lazy["group_commit"]["batches"] == 20
+    assert strict["group_commit"]["syncs"] == strict["group_commit"]["batches"] == 20
+    for bad, code in (("sync_every=0", "INVALID_SYNC_EVERY"), ("sync_every=x", "INVALID_SYNC_EVERY"),
+                      ("sync_timeout=soon", "INVALID_SYNC_TIMEOUT")):
+        r = await call(nsqd, "POST", f"/topic/create?topic=lazy&{bad}")
+        assert (r.status, r.json) == (400, {"message": code})
+    nsqd.stop()
+    nsqd.start()
+    assert part(await stats(nsqd), "lazy")["sync_every"] == 1000
+    await ok(nsqd, "POST", "/topic/create?topic=lazy&syncdisk=1")  # durable again, at once
+    assert part(await stats(nsqd), "lazy")["sync_every"] == 1
+    await ok(nsqd, "POST", "/pub?topic=lazy", b"now durable")
+    assert part(await stats(nsqd), "lazy")["group_commit"]["syncs"] == 1
+
+
 async def test_dot_names_stay_inside_the_data_path(nsqd, tmp_path):
     """`.` and `..` are legal NSQ names: they must name topics and channels like any
     other, never folders around the data path."""
