@@ -4,6 +4,8 @@ The server is asked `GET /auth?remote_ip=&tls=&secret=` and answers
 {"identity", "identity_url", "ttl", "authorizations": [{"topic", "channels",
 "permissions"}]}; topic and channel patterns are regular expressions that
 must match the whole name. Any failure to reach or parse it is a failed AUTH.
+As in classic nsqd, the answer holds for `ttl` seconds; the first check after
+that asks the server again with the same secret.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class AuthResult:
     identity: str
     identity_url: str
     authorizations: list[dict]
+    ttl_s: float
 
 
 async def authenticate(addresses: list[str], remote_ip: str, tls: bool,
@@ -39,8 +42,9 @@ async def authenticate(addresses: list[str], remote_ip: str, tls: bool,
                     data = await resp.json(content_type=None)
                     return AuthResult(str(data.get("identity", "")),
                                       str(data.get("identity_url", "")),
-                                      list(data.get("authorizations") or []))
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                                      list(data.get("authorizations") or []),
+                                      float(data.get("ttl") or 0))
+            except (aiohttp.ClientError, TimeoutError, ValueError, TypeError) as e:
                 log.warning("auth_server_failed", address=address, error=str(e))
     return None
 

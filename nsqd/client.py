@@ -44,6 +44,8 @@ class Client:
         self.pub_counts: dict[str, int] = {}
         self.authorizations: list | None = None  # None: no AUTH done
         self.auth_identity = ""
+        self.auth_secret = b""
+        self.auth_expires = 0.0  # time.monotonic() after which AUTH is asked again
         self.tls = False
         self._transport = None
         self._compress = None

@@ -501,30 +501,37 @@ class ClientConnection(asyncio.Protocol):
         self.client.tls = True
 
     async def _auth(self, cmd: p.Auth) -> None:
-        from .auth import authenticate
-
         if not self.nsqd.options.auth_http_address:
             raise errors.auth_disabled()
         if self.client.authorizations is not None:
             raise errors.auth_already_set()
-        result = await authenticate(self.nsqd.options.auth_http_address,
-                                    self.client.remote_address.rsplit(":", 1)[0],
-                                    self.client.tls, cmd.secret)
-        if result is None:
-            raise errors.auth_failed()
+        result = await self._ask_auth_server(cmd.secret)
         if not result.authorizations:
             raise errors.auth_no_authorizations()
-        self.client.authorizations = result.authorizations
-        self.client.auth_identity = result.identity
         self.client.write(p.encode_response(json.dumps({
             "identity": result.identity, "identity_url": result.identity_url,
             "permission_count": len(result.authorizations)}).encode()))
 
-    def _check_auth(self, command: str, topic: str, channel: str = "") -> None:
+    async def _ask_auth_server(self, secret: bytes):
+        from .auth import authenticate
+
+        result = await authenticate(self.nsqd.options.auth_http_address,
+                                    self.client.remote_address.rsplit(":", 1)[0],
+                                    self.client.tls, secret)
+        if result is None:
+            raise errors.auth_failed()
+        c = self.client
+        c.authorizations, c.auth_identity = result.authorizations, result.identity
+        c.auth_secret, c.auth_expires = secret, time.monotonic() + result.ttl_s
+        return result
+
+    async def _check_auth(self, command: str, topic: str, channel: str = "") -> None:
         if not self.nsqd.options.auth_http_address:
             return
         if self.client.authorizations is None:
             raise errors.auth_first(command)
+        if time.monotonic() >= self.client.auth_expires:  # its ttl passed: ask again
+            await self._ask_auth_server(self.client.auth_secret)
         from .auth import allowed
 
         permission = "subscribe" if channel else "publish"
@@ -541,7 +548,7 @@ class ClientConnection(asyncio.Protocol):
         if self.client.settings.heartbeat_interval_ms <= 0:  # as nsqd: no SUB without heartbeats
             raise errors.heartbeats_disabled()
         self._check_tls("SUB")
-        self._check_auth("SUB", cmd.topic, cmd.channel)
+        await self._check_auth("SUB", cmd.topic, cmd.channel)
         channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
         if channel is None:
             raise errors.bad_partition("SUB", str(cmd.partition))
@@ -554,7 +561,7 @@ class ClientConnection(asyncio.Protocol):
     async def _publish(self, command: str, topic_name: str, bodies: list[bytes],
                        partition: int | None, ext: bytes = b"", reply: bool = True) -> None:
         self._check_tls(command)
-        self._check_auth(command, topic_name)
+        await self._check_auth(command, topic_name)
         topic = await self.nsqd.get_topic(topic_name)
         try:
             await topic.publish(bodies, partition, ext)
