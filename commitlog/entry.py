@@ -3,11 +3,13 @@
 One entry per client write request, 64 bytes, big-endian:
 
     [8 log_id][8 epoch][8 first_msg_id][8 offset][8 count_before][8 timestamp_ns]
-    [4 size][4 msg_count][4 reserved][4 crc32 of the first 60 bytes]
+    [4 size][4 msg_count][4 flags][4 crc32 of the first 60 bytes]
 
 `offset` is the virtual offset of the request's first record, `size` the bytes
 of all its records, `count_before` the number of messages in the partition
 before this request. Log ids are contiguous, so entry N sits at a computable place.
+Flags: SYNCED_BEFORE says every byte of the partition before `offset` was synced
+when this entry was written (recovery uses it to tell a torn tail from corruption).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ _BODY = struct.Struct(">QQQQQQIII")
 ENTRY_SIZE = 64
 _CRC = struct.Struct(">I")
 _pack = _BODY.pack
+SYNCED_BEFORE = 1
 
 
 class CorruptEntryError(Exception):
@@ -35,6 +38,7 @@ class Entry(NamedTuple):
     timestamp: int
     size: int
     msg_count: int
+    flags: int = 0
 
     @property
     def end_offset(self) -> int:
@@ -46,9 +50,10 @@ class Entry(NamedTuple):
 
 
 def encode_fields(log_id: int, epoch: int, first_msg_id: int, offset: int, count_before: int,
-                  timestamp: int, size: int, msg_count: int) -> bytes:
+                  timestamp: int, size: int, msg_count: int, flags: int = 0) -> bytes:
     """Encode one entry from its fields (the write path's form: no Entry object)."""
-    body = _pack(log_id, epoch, first_msg_id, offset, count_before, timestamp, size, msg_count, 0)
+    body = _pack(log_id, epoch, first_msg_id, offset, count_before, timestamp, size, msg_count,
+                 flags)
     return body + zlib.crc32(body).to_bytes(4, "big")
 
 
@@ -62,4 +67,4 @@ def decode(buf, pos: int = 0) -> Entry:
     (crc,) = _CRC.unpack_from(buf, pos + 60)
     if zlib.crc32(memoryview(buf)[pos:pos + 60]) != crc:
         raise CorruptEntryError(f"entry checksum mismatch at byte {pos}")
-    return Entry(*fields[:8])
+    return Entry(*fields)

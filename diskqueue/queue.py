@@ -33,7 +33,7 @@ from typing import NamedTuple, Sequence
 import aiofiles.os
 import structlog
 
-from commitlog.entry import Entry, encode_fields
+from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, CommitLog
 
 from .atomic import read_json, write_json_atomic
@@ -413,6 +413,7 @@ class DiskQueue:
         log_id = self.commitlog.next_log_id
         prefix = self.partition << PARTITION_SHIFT
         epoch = self.epoch
+        flags = SYNCED_BEFORE if not self._unsynced_messages else 0  # the first entry's
         for _fut, bodies, trace_id, ext, attempts in requests:
             start = offset
             first_id = prefix | seq
@@ -420,7 +421,9 @@ class DiskQueue:
             offset = encode_records(add, offsets, offset, first_id, trace_id, ts, attempts, ext,
                                     bodies)
             n = len(bodies)
-            clog.append(encode_fields(log_id, epoch, first_id, start, seq, ts, offset - start, n))
+            clog.append(encode_fields(log_id, epoch, first_id, start, seq, ts, offset - start, n,
+                                      flags))
+            flags = 0
             results.append(_new(Appended, (first_id, n, start, offset, log_id, ts, offsets)))
             seq += n
             log_id += 1

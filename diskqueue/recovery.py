@@ -7,8 +7,11 @@ Run once at open, before any write. The rules:
   is checked record by record from a little before the last commitlog entry (at most
   one unsynced batch can be torn); with a lazier policy any part of the active segment
   may be unsynced, so all of it is checked;
-- a bad record followed by a valid record at a later commitlog entry's offset
-  is corruption in the middle, not a torn tail: it is reported and kept, never cut;
+- a bad record followed by a valid record at a later commitlog entry marked
+  SYNCED_BEFORE (written only once everything before it was synced) is corruption
+  in the middle, not a torn tail: it is reported and kept, never cut; a bad record
+  with no such entry after it is in data that was never synced, so never
+  acknowledged under the durable policy: the tail from it is cut;
 - otherwise the data is cut at the first bad record;
 - the commitlog is then cut to the data (entries past the data's end go), and
   records past its last entry get one regenerated entry each (their request
@@ -20,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from commitlog.entry import Entry
+from commitlog.entry import SYNCED_BEFORE, Entry
 from commitlog.log import CommitLog
 
 from .record import CorruptRecordError, decode_at
@@ -132,16 +135,16 @@ def _check_tail(fd: int, base: int, pos: int, file_end: int, clog: CommitLog,
                 result: Recovered) -> int:
     """Verify records from `pos`; return where the valid data ends.
 
-    A bad record is skipped (and reported in `result.corrupt`) only when a
-    later commitlog entry points at a valid record after it.
+    A bad record is skipped (and reported in `result.corrupt`) only when a later
+    SYNCED_BEFORE commitlog entry points at a valid record after it.
     """
     while True:
         stop, reason = _drain(scan(fd, base, pos, file_end))
         if reason is None:
             return stop
         resume = next((e.offset for e in _entries_after(clog, stop)
-                       if e.offset < file_end and _valid_record_at(fd, base, e.offset, file_end)),
-                      None)
+                       if e.flags & SYNCED_BEFORE and e.offset < file_end
+                       and _valid_record_at(fd, base, e.offset, file_end)), None)
         if resume is None:
             return stop
         result.corrupt.append((stop, reason))

@@ -717,6 +717,24 @@ async def test_flipped_bit_in_the_last_segment_keeps_the_data_after_it(tmp_path,
     assert [off for off, _ in q.corrupt] == [bad.offset] and q.written_count == 24
 
 
+async def test_a_bad_record_in_the_last_batch_is_a_torn_tail(tmp_path, queues):
+    """Power loss mid-sync can leave the last batch with a hole and later parts of it
+    (and their commitlog entries) on disk. Nothing of that batch was acknowledged, and no
+    entry after the hole says "everything before me was synced": the tail is cut, not
+    kept as corruption that every reader would then trip over."""
+    q = await queues(tmp_path)
+    await append_singles(q, 10, size=300)  # ten batches, each synced
+    last = await asyncio.gather(*[q.append([body(100 + i, 300)]) for i in range(3)])
+    assert len({a.log_id for a in last}) == 3 and q.stats["batches"] == 11  # one batch
+    await q.close()
+    flip_bit(segment_files(tmp_path)[0], last[0].offset + HEAD_SIZE + 10, 2)
+    q = await queues(tmp_path)
+    assert q.corrupt == []
+    assert (q.written_count, q.written_end, len(q.commitlog)) == (10, last[0].offset, 10)
+    assert [r.body for r in await read_all(q)] == [body(i, 300) for i in range(10)]
+    assert (await q.append([b"on"])).first_id == 10
+
+
 async def test_missing_middle_segment(tmp_path, queues):
     q = await _four_segments(tmp_path, queues)
     await q.close()
