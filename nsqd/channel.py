@@ -117,7 +117,8 @@ class Channel:
         self.clock = clock
         self.delay_threshold_ms = delay_threshold_ms
         self.max_attempts_in_memory = max_attempts_in_memory
-        self.delay = ChannelDelay(delay_path, self._stored) if delay_path else None
+        self.delay = (ChannelDelay(delay_path, self._stored, self._given_back) if delay_path
+                      else None)
         self._rr = 0
         self._wake = asyncio.Event()
         self._closed = False
@@ -288,6 +289,11 @@ class Channel:
             self.cursor.finish(msg)
         self.dirty = True
         self._wake.set()
+
+    def _given_back(self, held: list[tuple[Message, int]]) -> None:
+        """The delay store could not take these log messages: they wait in memory."""
+        for msg, due_ms in held:
+            heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
 
     def _distribute(self, msgs: list[Message]) -> None:
         """Hand messages to clients in turn, each up to its free RDY; keep the rest requeued."""

@@ -9,8 +9,10 @@ Invariants:
   holds it in the store is committed (`on_stored` is called then);
 - a message brought back from the store stays in it ("taken") until its FIN
   is written, so a crash at any moment brings it back (at-least-once);
-- when the store cannot be opened, `error` names the file and the channel keeps
-  its deferred messages in memory, as classic nsqd does;
+- when the store cannot be opened, or its writes keep failing (GIVE_UP_AFTER
+  flushes in a row), `error` names the file and the channel keeps its deferred
+  messages in memory, as classic nsqd does: moves not yet written are given back
+  (`give_back`), so nothing waits on a broken store;
 - a log record the store already holds (moved there, then a crash before the cursor
   was saved) is the store's: `holding` tells the channel, which confirms it unsent.
 """
@@ -24,11 +26,14 @@ import structlog
 
 log = structlog.get_logger("nsqd.delay")
 
+GIVE_UP_AFTER = 3  # failed store writes in a row before moves stop going to the store
+
 
 class ChannelDelay:
-    def __init__(self, path: str, on_stored, take_limit: int = 1000):
+    def __init__(self, path: str, on_stored, give_back, take_limit: int = 1000):
         self.path = path
         self.on_stored = on_stored  # called with the log messages whose store write committed
+        self.give_back = give_back  # called with (message, due_ms) the store did not take
         self.take_limit = take_limit
         self.store = None
         self.error: str | None = None
@@ -43,11 +48,12 @@ class ChannelDelay:
         self._flusher: asyncio.Task | None = None
         self._taking = False
         self._closed = False
+        self._failed = False  # writes kept failing: no more moves in
         self.flushes = 0  # store writes done: many moves share one
 
     @property
     def available(self) -> bool:
-        return self.store is not None and not self._closed
+        return self.store is not None and not self._closed and not self._failed
 
     async def open(self) -> None:
         from delayqueue.store import DelayStore, DelayStoreError
@@ -90,6 +96,7 @@ class ChannelDelay:
         self._pending.set()
 
     async def _flush_loop(self) -> None:
+        failures = 0
         while True:
             if not (self._puts or self._finishes or self._requeues):
                 if self._closed:
@@ -108,9 +115,17 @@ class ChannelDelay:
                 self.error = str(e)
                 if self._closed:
                     return
+                failures += 1
+                if failures >= GIVE_UP_AFTER and not self._failed:
+                    self._failed = True
+                    log.error("delay_store_given_up", path=self.path, error=self.error)
+                if self._failed:  # moves from the log wait in the channel's memory instead
+                    self.give_back([(m, d.due_ms) for d, m in puts + self._puts if m is not None])
+                    puts, self._puts = [], []
                 await asyncio.sleep(1)
                 self._puts[:0], self._finishes[:0], self._requeues[:0] = puts, finishes, requeues
                 continue
+            failures = 0
             self.flushes += 1
             self._refresh(*stats)
             stored = [m for _, m in puts if m is not None]

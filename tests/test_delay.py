@@ -81,6 +81,34 @@ async def test_channel_empty_gives_a_delayed_message_in_flight_back_to_the_store
     await until(lambda: ch.delayed_count == 0)
 
 
+async def test_a_store_whose_writes_keep_failing_is_given_up(node, monkeypatch):
+    """Moves the store cannot write come back to the channel's memory after a few tries,
+    and are delivered when due: nothing waits on a broken store (nor is lost)."""
+    from delayqueue.store import DelayStore, DelayStoreError
+
+    def broken_put(self, items):
+        raise DelayStoreError(f"{self.data_file}: write failed: MDB_DISKFULL (simulated)")
+
+    monkeypatch.setattr(DelayStore, "put", broken_put)
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    await pub.pub("t", b"retry-me")
+    (m,) = await take(c)
+    m.req(30 * 60_000)
+    ch = channel_of(n)
+    await until(lambda: len(ch.deferred) == 1, timeout=10)
+    assert not ch.delay.available and "MDB_DISKFULL" in ch.delay.error
+    assert ch.cursor.confirmed < ch.queue.committed_end, "never confirmed: it is not on disk"
+    clock.advance(31 * 60)
+    (back,) = await take(c)
+    assert back.body == b"retry-me" and back.attempts == 2
+    back.fin()
+    await until(lambda: ch.cursor.confirmed == ch.queue.committed_end)
+
+
 async def test_dpub_of_days_waits_on_disk(node):
     clock = FakeClock()
     n = await node(clock)
