@@ -11,8 +11,9 @@ dict or list as compact JSON (`application/json; charset=utf-8`, `<>&` escaped
 as Go does); errors are `{"message":"CODE"}` with the classic status; every V1
 answer carries `X-NSQ-Content-Type: nsq; version=1.0`. v1.3.0 answers this way
 whether or not `Accept: application/vnd.nsq; version=1.0` is sent (the reference
-records both), so the legacy `{"status_code","status_txt","data"}` wrapper of
-older nsqd is not implemented.
+records both), and so do we by default. For tools written against older nsqd,
+`--http-legacy-envelope` wraps the JSON answers to requests without that header in
+the legacy `{"status_code","status_txt","data"}` envelope (text answers stay text).
 
 Bodies are read with a bound: never more than the limit + 1 bytes are buffered
 (max_msg_size for /pub and PUT /config, max_body_size for /mpub), and a
@@ -103,6 +104,16 @@ def utf8(text: str) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         return _SURROGATE.sub("\ufffd", text).encode("utf-8")
+
+
+def respond_legacy(status: int, data) -> web.Response:
+    """Older nsqd's envelope: {"status_code", "status_txt", "data"}, the same status."""
+    if status == 200 and isinstance(data, str):
+        return respond_v1(status, data)
+    envelope = {"status_code": status, "status_txt": "OK" if status == 200 else str(data),
+                "data": data if status == 200 else None}
+    return web.Response(status=status, body=go_json(envelope), content_type="application/json",
+                        charset="utf-8")
 
 
 def respond_v1(status: int, data) -> web.Response:
@@ -618,15 +629,19 @@ def _allowed(path: str) -> tuple[str, ...] | None:
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
     nsqd = request.app[NSQD_KEY]
+    respond = respond_v1
+    if nsqd.options.http_legacy_envelope and "version=1.0" not in request.headers.get(
+            "Accept", ""):
+        respond = respond_legacy
     path = request.path
     allowed = _allowed(path)
     if allowed is None:
-        return respond_v1(404, "NOT_FOUND")
+        return respond(404, "NOT_FOUND")
     allow = ", ".join(sorted(allowed + ("OPTIONS",)))
     if request.method == "OPTIONS":
         return web.Response(status=200, headers={"Allow": allow})
     if request.method not in allowed:
-        resp = respond_v1(405, "METHOD_NOT_ALLOWED")
+        resp = respond(405, "METHOD_NOT_ALLOWED")
         resp.headers["Allow"] = allow
         return resp
     try:
@@ -637,13 +652,13 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         else:
             data = await ROUTES[path][request.method](nsqd, request)
     except HTTPError as e:
-        return respond_v1(e.status, e.code)
+        return respond(e.status, e.code)
     except Exception:  # a bug costs one request, never the server
         log.exception("http_handler_failed", path=path, method=request.method)
-        return respond_v1(500, "INTERNAL_ERROR")
+        return respond(500, "INTERNAL_ERROR")
     if isinstance(data, web.StreamResponse):
         return data
-    return respond_v1(200, data)
+    return respond(200, data)
 
 
 async def start_http(nsqd):

@@ -81,6 +81,7 @@ class Options:
     tls_required: int = 0  # 0 no, 1 yes (true), 2 all but HTTP (tcp-https; no HTTPS here yet)
     tls_min_version: str = "tls1.0"
     auth_http_address: list[str] = field(default_factory=list)
+    http_legacy_envelope: bool = False  # wrap JSON for requests without the V1 Accept header
     # logs
     log_level: str = "info"
     log_format: str = "console"
@@ -111,7 +112,7 @@ _DURATIONS = {
     "checkpoint_interval": "checkpoint_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
-_BOOLS = {"snappy", "deflate"}
+_BOOLS = {"snappy", "deflate", "http_legacy_envelope"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
@@ -147,6 +148,9 @@ _HELP = {
     "tls_client_auth_policy": "require (a client certificate) or require-verify (one "
                               "signed by --tls-root-ca-file)",
     "auth_http_address": "auth server <addr>:<port> (may be given several times)",
+    "http_legacy_envelope": "answer HTTP requests without 'Accept: application/vnd.nsq; "
+                            "version=1.0' in older nsqd's {status_code, status_txt, data} "
+                            "envelope (v1.3.0 never does)",
     "log_level": "debug, info, warning or error",
     "log_format": "console or json",
 }

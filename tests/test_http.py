@@ -741,6 +741,28 @@ def small_nsqd(tmp_path):
     proc.kill()
 
 
+async def test_legacy_envelope_when_asked_for(tmp_path):
+    """--http-legacy-envelope: requests without the V1 Accept header get older nsqd's
+    {status_code, status_txt, data}; with the header, or without the flag, V1 answers."""
+    from servers import NsqdProcess
+
+    nsqd = NsqdProcess(str(tmp_path / "legacy"), "--http-legacy-envelope").start()
+    try:
+        await ok(nsqd, "POST", "/pub?topic=env", b"x")
+        r = await call(nsqd, "GET", "/stats?format=json&topic=env")
+        assert r.status == 200 and r.json["status_code"] == 200 and r.json["status_txt"] == "OK"
+        assert r.json["data"]["topics"][0]["topic_name"] == "env"
+        r = await call(nsqd, "GET", "/stats?format=json&topic=env", headers=ACCEPT_V1)
+        assert "status_code" not in r.json and r.json["topics"][0]["topic_name"] == "env"
+        r = await call(nsqd, "POST", "/topic/delete?topic=nope")
+        assert (r.status, r.json) == (404, {"status_code": 404, "status_txt": "TOPIC_NOT_FOUND",
+                                            "data": None})
+        r = await call(nsqd, "GET", "/ping")
+        assert (r.status, r.text) == (200, "OK")
+    finally:
+        nsqd.kill()
+
+
 async def test_bad_input_gets_4xx_json(small_nsqd):
     nsqd = small_nsqd
     await ok(nsqd, "POST", "/topic/create?topic=exists")
