@@ -5,7 +5,7 @@ import glob
 import os
 
 
-from nodes import connect, nothing_arrives, take
+from nodes import connect, nothing_arrives, take, until
 
 
 async def test_first_channel_gets_backlog_later_channel_starts_at_end(node):
@@ -170,6 +170,75 @@ async def test_retention_keeps_what_a_channel_needs(node, tmp_path):
         m.fin()
     await asyncio.sleep(0.8)
     assert len(glob.glob(os.path.join(seg_dir, "*.dat"))) == 1, "confirmed segments were not dropped"
+
+
+async def test_retention_by_size_passes_a_stalled_channel(node, tmp_path):
+    """--retention-max-bytes bounds a partition's data even when a channel never reads:
+    the oldest segments go, and the stalled channel goes on from the oldest one left."""
+    n = await node(segment_bytes=4096, retention_check_interval_ms=100,
+                   retention_max_bytes=3 * 4096)
+    stalled = await connect(n)
+    await stalled.sub("t", "stalled", rdy=0)
+    pub = await connect(n)
+    for i in range(20):  # ~12 segments of ~2.4 KB writes
+        await pub.mpub("t", [b"%03d" % (i * 10 + k) + b"y" * 197 for k in range(10)])
+    seg_dir = os.path.join(str(tmp_path / "data"), "t.topic", "0", "data")
+    q = n.topics["t"].partitions[0].queue
+    await until(lambda: q.start_offset > 0, timeout=5)
+    kept = sum(os.path.getsize(f) for f in glob.glob(os.path.join(seg_dir, "*.dat")))
+    assert kept <= 3 * 4096
+    first_kept = q.start_count
+    stalled.rdy(500)
+    got = []
+    while True:
+        try:
+            (m,) = await take(stalled, 1, timeout=0.5)
+        except asyncio.TimeoutError:
+            break
+        got.append(int(m.body[:3]))
+        m.fin()
+    assert got and got[-1] == 199, "the newest messages are kept"
+    assert got == list(range(got[0], 200)), "from the oldest kept on, nothing skipped"
+    assert got[0] == first_kept > 0, "what retention dropped is not delivered"
+
+
+async def test_sample_rate_delivers_about_that_share(node):
+    """IDENTIFY sample_rate: the client gets about that percentage of the channel's
+    messages; the rest are finished for it (the channel does not wait for them)."""
+    n = await node()
+    c = await connect(n, sample_rate=30)
+    await c.sub("t", "c", rdy=2500)
+    pub = await connect(n)
+    await pub.mpub("t", [b"m%d" % i for i in range(2000)])
+    ch = n.topics["t"].partitions[0].channels["c"]
+    got = 0
+    while True:
+        try:
+            (m,) = await take(c, 1, timeout=0.5)
+        except asyncio.TimeoutError:
+            break
+        got += 1
+        m.fin()
+    assert 450 <= got <= 750, got  # 30% of 2000 is 600
+    await until(lambda: ch.cursor.confirmed == ch.queue.committed_end)
+
+
+async def test_ephemeral_topic_is_not_kept_across_a_restart(node):
+    n = await node()
+    c = await connect(n)
+    await c.sub("e#ephemeral", "c", rdy=0)
+    pub = await connect(n)
+    await pub.mpub("e#ephemeral", [b"old1", b"old2"])
+    await n.stop()
+    n = await node()
+    assert "e#ephemeral" not in n.topics
+    c = await connect(n)
+    await c.sub("e#ephemeral", "c", rdy=10)
+    await nothing_arrives(c)
+    await pub.close()
+    pub = await connect(n)
+    await pub.pub("e#ephemeral", b"new")
+    assert [m.body for m in await take(c, 1)] == [b"new"]
 
 
 async def test_ephemeral_channel_goes_with_its_last_client(node):

@@ -492,6 +492,25 @@ async def test_delete_channel_and_topic(nsqd):
         await conn.close()
 
 
+async def test_sync_every_and_sync_timeout_flags(tmp_path):
+    """--sync-every N: batches are written without a sync until N messages wait;
+    --sync-timeout T: what waits is synced T after it was written anyway."""
+    from servers import NsqdProcess
+
+    nsqd = NsqdProcess(str(tmp_path / "lazy"), "--sync-every", "1000",
+                       "--sync-timeout", "300ms").start()
+    try:
+        for i in range(10):
+            await ok(nsqd, "POST", "/pub?topic=t", b"m%d" % i)
+        gc = find_topic(await stats(nsqd), "t")["partitions"][0]["group_commit"]
+        assert (gc["batches"], gc["syncs"]) == (10, 0)
+        await asyncio.sleep(0.6)
+        gc = find_topic(await stats(nsqd), "t")["partitions"][0]["group_commit"]
+        assert gc["syncs"] == 1, "the timed sync did not come"
+    finally:
+        nsqd.kill()
+
+
 async def test_a_topic_may_have_its_own_sync_policy(nsqd):
     """/topic/create?sync_every=&sync_timeout= gives one topic a lazier policy (or back to
     durable); others keep the node's; it survives a restart."""
