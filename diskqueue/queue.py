@@ -214,10 +214,12 @@ class DiskQueue:
         self.written_count = self.committed_count = found.count
         last = self.commitlog.last()
         self._last_ts = last.timestamp if last is not None else 0
-        if found.cut_bytes or found.cut_entries or found.rebuilt_entries or found.corrupt:
+        if (found.cut_bytes or found.cut_entries or found.rebuilt_entries or found.corrupt
+                or found.index_rebuilt):
             log.warning("recovered", path=self.path, partition=self.partition,
                         cut_bytes=found.cut_bytes, cut_entries=found.cut_entries,
-                        rebuilt_entries=found.rebuilt_entries, corrupt=found.corrupt)
+                        rebuilt_entries=found.rebuilt_entries, corrupt=found.corrupt,
+                        index_rebuilt=found.index_rebuilt)
 
     async def close(self) -> None:
         """Write what is pending, sync, close the files. Later appends raise QueueClosedError."""

@@ -15,7 +15,11 @@ Run once at open, before any write. The rules:
 - otherwise the data is cut at the first bad record;
 - the commitlog is then cut to the data (entries past the data's end go), and
   records past its last entry get one regenerated entry each (their request
-  boundaries were lost with the crash; nothing about them was acknowledged).
+  boundaries were lost with the crash; nothing about them was acknowledged);
+- a commitlog entry that fails its checksum makes the whole commitlog be rebuilt
+  from the data, one entry per record (`index_rebuilt` says why). The tail check
+  then has no entry to resume at, so a bad record in the active segment is cut
+  as a torn tail: only a second fault (data and index both damaged) can cost data.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from commitlog.entry import SYNCED_BEFORE, Entry
+from commitlog.entry import SYNCED_BEFORE, CorruptEntryError, Entry
 from commitlog.log import CommitLog
 
 from .record import CorruptRecordError, decode_at
@@ -40,6 +44,7 @@ class Recovered:
     cut_bytes: int = 0  # torn tail removed from the data
     cut_entries: int = 0  # commitlog entries removed (their data was not there)
     rebuilt_entries: int = 0  # commitlog entries regenerated from the data
+    index_rebuilt: str = ""  # why the whole commitlog was rebuilt from the data, if it was
     corrupt: list[tuple[int, str]] = field(default_factory=list)  # (offset, reason) kept in place
 
 
@@ -80,6 +85,17 @@ def recover(segments: Segments, clog: CommitLog, unsynced_window: int | None,
             start_count: int, epoch: int = 0) -> Recovered:
     """`unsynced_window`: the most bytes that can be unsynced at a crash (one batch, for
     the durable policy), or None when it is unbounded (a lazier policy)."""
+    try:
+        return _recover(segments, clog, unsynced_window, start_count, epoch)
+    except CorruptEntryError as e:
+        clog.reset(clog.first_log_id)
+        result = _recover(segments, clog, unsynced_window, start_count, epoch)
+        result.index_rebuilt = str(e)
+        return result
+
+
+def _recover(segments: Segments, clog: CommitLog, unsynced_window: int | None,
+             start_count: int, epoch: int) -> Recovered:
     base = segments.active_base
     file_end = segments.end
     last = clog.last()

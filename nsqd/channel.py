@@ -43,7 +43,7 @@ class Message:
     (offset, end, count, done), so taking a message costs one object."""
 
     __slots__ = ("offset", "end", "count", "done", "msg_id", "trace_id", "timestamp", "attempts",
-                 "body", "ext", "deadline", "client", "delivered_at", "delayed")
+                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -59,6 +59,7 @@ class Message:
         self.deadline = 0.0
         self.client = None
         self.delivered_at = 0.0
+        self.wire_id = b""  # the id as sent (16 hex characters), set at delivery
         self.delayed = False  # True: it lives in the delay store, not in the cursor's window
 
     @classmethod
@@ -74,6 +75,7 @@ class Message:
         msg.deadline = msg.delivered_at = 0.0
         msg.client = None
         msg.delayed = True
+        msg.wire_id = b""
         return msg
 
 
@@ -365,7 +367,7 @@ class Channel:
                     break
                 expired.append(m)
             for m in expired:
-                del client.in_flight[m.msg_id]
+                del client.in_flight[m.wire_id]
                 self.timeout_count += 1
                 self._put_back(m, 0)
             moved += len(expired)

@@ -1,8 +1,8 @@
 """Client: the state of one TCP connection, as a consumer and as a producer.
 
-Owns its negotiated settings, RDY, the in-flight messages it holds (a dict in
-delivery order, which is deadline order since one client has one msg_timeout;
-TOUCH moves a message to the end), counters for /stats, and the outgoing
+Owns its negotiated settings, RDY, the in-flight messages it holds (a dict keyed by
+the 16 id bytes sent on the wire, in delivery order, which is deadline order since
+one client has one msg_timeout; TOUCH moves a message to the end), counters for /stats, and the outgoing
 byte stream, compressed when negotiated.
 
 Output buffering, as classic nsqd negotiates it: message frames wait in a buffer
@@ -116,11 +116,12 @@ class Client:
             m.deadline = deadline
             m.client = self
             m.delivered_at = now  # TOUCH extends up to max_msg_timeout after this delivery
-            in_flight[m.msg_id] = m
+            wire_id = m.wire_id = b"%016x" % m.msg_id
+            in_flight[wire_id] = m
             body = m.body
             add(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, m.timestamp,
                      m.attempts if m.attempts < 0xFFFF else 0xFFFF))
-            add(b"%016x" % m.msg_id)
+            add(wire_id)
             add(body)
             sent += 1
         self.message_count += sent
@@ -147,6 +148,6 @@ class Client:
         if deadline <= msg.deadline:
             return True
         msg.deadline = deadline
-        del self.in_flight[msg.msg_id]
-        self.in_flight[msg.msg_id] = msg
+        del self.in_flight[msg.wire_id]
+        self.in_flight[msg.wire_id] = msg
         return True

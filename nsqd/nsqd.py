@@ -147,6 +147,7 @@ class NSQD:
             if topic is None:
                 topic = await self._open_topic(name, {"partitions": [0]})
                 self._store_topic(topic)
+                await self.meta.flush()  # on disk before the PUB or SUB that made it is answered
                 log.info("topic_created", topic=name)
         return topic
 
@@ -164,6 +165,9 @@ class NSQD:
                 raise NameError_(channel_name)
             channel = p.add_channel(channel_name, None, **self.channel_settings())
             self._store_channel(channel)
+            # On disk before SUB's OK: a channel lost in a crash would come back starting at
+            # the topic's end, past what was published for it in between.
+            await self.meta.flush()
             log.info("channel_created", topic=topic_name, partition=p.number,
                      channel=channel_name)
         return channel

@@ -222,8 +222,8 @@ class Rdy:
 
 @dataclass(slots=True)
 class Fin:
-    """`msg_id` is any 16 bytes, as in nsqd: decode_msg_id may still refuse it
-    (answer fin_failed, not a fatal error)."""
+    """`msg_id` is any 16 bytes, as in nsqd: it names an in-flight message only when it
+    is the bytes that were sent (otherwise fin_failed, not a fatal error)."""
     msg_id: bytes
 
 

@@ -212,21 +212,15 @@ class ClientConnection(asyncio.Protocol):
         the bytes after it; the first other line, and all that follows, is the parser's.
 
         A consumer sends thousands of FINs a second: this skips a command object and a
-        dispatch per line, and wakes the channel once per run."""
+        dispatch per line, and wakes the channel once per run. In-flight messages are keyed
+        by the id bytes we sent, so a line names one exactly when it echoes them."""
         in_flight = self.client.in_flight
         done = []
         pos = 0
         end = len(data)
         while end - pos >= 21 and data[pos + 20] == 10 and data.startswith(b"FIN ", pos):
-            raw = data[pos + 4:pos + 20]
-            try:
-                msg_id = int(raw, 16)
-            except ValueError:
-                break
-            if b"%016x" % msg_id != raw:  # not our spelling of an id: the parser decides
-                break
-            msg = in_flight.pop(msg_id, None)
-            if msg is None:
+            msg = in_flight.pop(data[pos + 4:pos + 20], None)
+            if msg is None:  # not in flight here: the parser answers it
                 break
             done.append(msg)
             pos += 21
@@ -428,24 +422,20 @@ class ClientConnection(asyncio.Protocol):
     def _in_flight(self, name: str, raw_id: bytes, failed):
         if self.state not in (self.SUBSCRIBED, self.CLOSING):
             raise errors.invalid_state(name)
-        try:
-            msg_id = p.decode_msg_id(raw_id)
-        except ValueError:
-            raise failed(raw_id) from None
-        msg = self.client.in_flight.get(msg_id)
+        msg = self.client.in_flight.get(raw_id)  # keyed by the id bytes we sent
         if msg is None:
             raise failed(raw_id)
         return msg
 
     def _fin(self, cmd: p.Fin) -> None:
         msg = self._in_flight("FIN", cmd.msg_id, errors.fin_failed)
-        del self.client.in_flight[msg.msg_id]
+        del self.client.in_flight[msg.wire_id]
         self.client.finish_count += 1
         self.client.channel.finish(msg)
 
     def _req(self, cmd: p.Req) -> None:
         msg = self._in_flight("REQ", cmd.msg_id, errors.req_failed)
-        del self.client.in_flight[msg.msg_id]
+        del self.client.in_flight[msg.wire_id]
         self.client.requeue_count += 1
         delay = min(max(cmd.timeout_ms, 0), self.nsqd.options.max_req_timeout_ms)
         self.client.channel.requeue(msg, delay)

@@ -735,6 +735,27 @@ async def test_a_bad_record_in_the_last_batch_is_a_torn_tail(tmp_path, queues):
     assert (await q.append([b"on"])).first_id == 10
 
 
+async def test_a_corrupt_commitlog_entry_is_rebuilt_from_the_data(tmp_path, queues):
+    """The commitlog is an index: a flipped bit in an entry recovery reads (its searches
+    start at the middle entry) makes it rebuild the commitlog from the data, one entry
+    per record, instead of refusing to open the partition."""
+    q = await queues(tmp_path)
+    await append_singles(q, 30, size=100)
+    await q.append([body(100 + i, 100) for i in range(5)])  # one request, five records
+    good = await read_all(q)
+    await q.close()
+    [clog_file] = [os.path.join(q.commitlog.path, n) for n in os.listdir(q.commitlog.path)
+                   if n.endswith(".clog")]
+    flip_bit(clog_file, 64 * 15 + 20, 1)  # entry 15 of 0..30: a binary search's first look
+    q = await queues(tmp_path)
+    assert (q.written_count, q.written_end) == (35, good[-1].end)
+    assert len(q.commitlog) == 35, "rebuilt: one entry per record"
+    assert await read_all(q) == good
+    check_commitlog_matches(q, good)
+    assert (await q.find("msg_id", good[20].msg_id)).offset == good[20].offset
+    assert (await q.append([b"on"])).first_id == 35
+
+
 async def test_missing_middle_segment(tmp_path, queues):
     q = await _four_segments(tmp_path, queues)
     await q.close()

@@ -84,6 +84,30 @@ async def test_acknowledged_messages_survive_kill_9(tmp_path, round_):
         proc.kill()
 
 
+async def test_a_channel_made_just_before_a_crash_keeps_what_was_published_for_it(tmp_path):
+    """A second channel made by SUB, a publish it must see, then kill -9 before any cursor
+    checkpoint: the channel is on disk from its SUB's OK, so after the restart it still
+    starts where it was made, not at the topic's end."""
+    proc = NsqdProcess(str(tmp_path / "n"), "--checkpoint-interval", "1h").start()
+    try:
+        first = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await first.sub("t", "first")
+        await first.close()
+        second = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await second.sub("t", "second")
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await pub.pub("t", b"for both")
+        proc.kill()
+        await second.close()
+        await pub.close()
+        proc.start()
+        for channel in ("first", "second"):
+            seen = await drain(proc.tcp_port, "t", channel, {b"for both"})
+            assert b"for both" in seen, f"channel {channel} lost an acknowledged message"
+    finally:
+        proc.kill()
+
+
 async def test_confirmed_cursor_survives_clean_restart(tmp_path):
     proc = NsqdProcess(str(tmp_path / "n")).start()
     try:
