@@ -422,19 +422,22 @@ def _sync_args(nsqd, q) -> tuple[int, int] | None:
     if every is None and timeout is None:
         return None
     o = nsqd.options
-    try:
-        every_n = o.sync_every if every is None else int(every)
-    except ValueError:
-        raise HTTPError(400, "INVALID_SYNC_EVERY") from None
-    if not 1 <= every_n <= 1_000_000:
-        raise HTTPError(400, "INVALID_SYNC_EVERY")
-    try:
-        timeout_ms = o.sync_timeout_ms if timeout is None else parse_duration_ms(timeout)
-    except ValueError:
-        raise HTTPError(400, "INVALID_SYNC_TIMEOUT") from None
-    if not 0 <= timeout_ms <= 3_600_000:
-        raise HTTPError(400, "INVALID_SYNC_TIMEOUT")
+    every_n = (o.sync_every if every is None
+               else _bounded(every, int, 1, 1_000_000, "INVALID_SYNC_EVERY"))
+    timeout_ms = (o.sync_timeout_ms if timeout is None
+                  else _bounded(timeout, parse_duration_ms, 0, 3_600_000, "INVALID_SYNC_TIMEOUT"))
     return every_n, timeout_ms
+
+
+def _bounded(text: str, parse, low: int, high: int, code: str) -> int:
+    """`parse(text)` when it lies in [low, high]; else 400 `code`."""
+    try:
+        value = parse(text)
+    except ValueError:
+        raise HTTPError(400, code) from None
+    if not low <= value <= high:
+        raise HTTPError(400, code)
+    return value
 
 
 async def do_topic_delete(nsqd, request):

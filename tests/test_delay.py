@@ -33,6 +33,19 @@ def channel_of(n, topic="t", name="c"):
     return n.topics[topic].partitions[0].channels[name]
 
 
+async def one_message_requeued_for_half_an_hour(node, clock):
+    """A node on `clock`, a consumer (RDY 5) of t/c, and one message it REQs for 30
+    minutes: past the 60 s threshold, so to the delay store."""
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=5)
+    pub = await connect(n)
+    await pub.pub("t", b"retry-me")
+    (m,) = await take(c)
+    m.req(30 * 60_000)
+    return n, c, channel_of(n)
+
+
 async def test_long_req_goes_to_disk_and_comes_back_when_due(node):
     clock = FakeClock()
     n = await node(clock)
@@ -61,14 +74,7 @@ async def test_channel_empty_gives_a_delayed_message_in_flight_back_to_the_store
     delay store (still "taken" there) goes back to the store, due now, not stranded until
     a restart."""
     clock = FakeClock()
-    n = await node(clock)
-    c = await connect(n)
-    await c.sub("t", "c", rdy=5)
-    pub = await connect(n)
-    await pub.pub("t", b"retry-me")
-    (m,) = await take(c)
-    m.req(30 * 60_000)
-    ch = channel_of(n)
+    n, c, ch = await one_message_requeued_for_half_an_hour(node, clock)
     await until(lambda: ch.delayed_count == 1 and ch.delay.waiting == 1)
     clock.advance(31 * 60)
     (back,) = await take(c)
@@ -91,14 +97,7 @@ async def test_a_store_whose_writes_keep_failing_is_given_up(node, monkeypatch):
 
     monkeypatch.setattr(DelayStore, "put", broken_put)
     clock = FakeClock()
-    n = await node(clock)
-    c = await connect(n)
-    await c.sub("t", "c", rdy=5)
-    pub = await connect(n)
-    await pub.pub("t", b"retry-me")
-    (m,) = await take(c)
-    m.req(30 * 60_000)
-    ch = channel_of(n)
+    n, c, ch = await one_message_requeued_for_half_an_hour(node, clock)
     await until(lambda: len(ch.deferred) == 1, timeout=10)
     assert not ch.delay.available and "MDB_DISKFULL" in ch.delay.error
     assert ch.cursor.confirmed < ch.queue.committed_end, "never confirmed: it is not on disk"
