@@ -74,22 +74,21 @@ class Reader:
         return records
 
     async def _refill(self, committed: int) -> None:
+        """Read the buffer again from `offset`: a record cut at the old buffer's end is read
+        whole (page cache), rather than copying the old tail in front of the new bytes."""
         path, base, seg_end = self.queue.segment_of(self.offset)
         if base != self._fd_base:
             self.close()
             self._fd_base = base
-        read_end = min(committed, seg_end)
-        have = self._buf[self._pos:]
-        want = max(self.read_ahead, 2 * len(have) + 4096)
-        want = min(want, read_end - self.offset - len(have))
-        if want <= 0:
+        have = len(self._buf) - self._pos  # a record's first part: more than this is needed
+        want = min(max(self.read_ahead, 2 * have + 4096), min(committed, seg_end) - self.offset)
+        if want <= have:
             if have:  # a record that should be whole is not: the segment was cut
                 raise CorruptRecordError(self.offset, "record cut short", path)
             return
-        file_pos = self.offset + len(have) - base
-        self._fd, data = await _pread_off_loop(self._fd, path, want, file_pos)
-        if not data:
+        self._fd, data = await _pread_off_loop(self._fd, path, want, self.offset - base)
+        if len(data) <= have:
             raise CorruptRecordError(self.offset, "segment ends before its committed data", path)
-        self._buf = have + data if have else data
+        self._buf = data
         self._buf_start = self.offset
         self._pos = 0
