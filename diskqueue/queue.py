@@ -38,6 +38,7 @@ from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, CommitLog
 
 from .atomic import read_json, write_json_atomic
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
+from .reader import Reader, SharedChunks
 from .recovery import recover
 from .segments import MissingSegmentError, Segments
 
@@ -168,6 +169,7 @@ class DiskQueue:
         self.written_count = self.committed_count = 0
         self.start_count = 0
         self.corrupt: list[tuple[int, str]] = []
+        self.shared_chunks = SharedChunks()  # what its Readers decoded lately, for each other
         self.stats = {"batches": 0, "syncs": 0, "batch_messages_total": 0, "sync_seconds_total": 0.0}
         self.histograms = {"batch_messages": [0] * (len(BATCH_MESSAGES_BUCKETS) + 1),
                            "sync_seconds": [0] * (len(SYNC_SECONDS_BUCKETS) + 1)}
@@ -519,9 +521,7 @@ class DiskQueue:
             end = self.written_end
         return self._segments.file(base), base, end
 
-    def reader(self, offset: int | None = None, read_ahead: int = 1 << 20):
-        from .reader import Reader
-
+    def reader(self, offset: int | None = None, read_ahead: int = 1 << 20) -> Reader:
         return Reader(self, self.start_offset if offset is None else offset, read_ahead)
 
     async def find(self, method: str, value: int) -> Entry | None:
@@ -538,8 +538,12 @@ class DiskQueue:
         """Drop whole old segments: those ending at or before `before_offset`, older than
         `max_age_s`, or beyond `max_bytes` in total (oldest first). Never the active one.
         Returns the new start offset."""
+        before = self.start_offset
         async with self._io_lock:
-            return await _write_off_loop(self._retain_sync, before_offset, max_age_s, max_bytes)
+            start = await _write_off_loop(self._retain_sync, before_offset, max_age_s, max_bytes)
+        if start != before:
+            self.shared_chunks.clear()  # what was dropped is served from nowhere
+        return start
 
     def _retain_sync(self, before_offset, max_age_s, max_bytes) -> int:
         segs = self._segments.sizes()
@@ -571,6 +575,7 @@ class DiskQueue:
         """Drop every message; offsets, counts and ids continue where they were."""
         async with self._io_lock:
             await _write_off_loop(self._empty_sync)
+        self.shared_chunks.clear()
 
     def _empty_sync(self) -> None:
         end, count, next_log_id = self.written_end, self.written_count, self.commitlog.next_log_id

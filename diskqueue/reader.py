@@ -5,16 +5,23 @@ Invariants:
 - it never skips a record: a corrupt one raises CorruptRecordError with its
   offset, each time it is reached, after the good records before it are returned;
 - one blocking `pread` of up to `read_ahead` bytes, off the event loop,
-  serves many records.
+  serves many records;
+- records it decoded are shared with the queue's other Readers (SharedChunks), so
+  channels reading near each other decode and checksum each record once.
 """
 
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
+from collections import deque
+from operator import itemgetter
 
 import aiofiles.os
 
 from .record import CorruptRecordError, Record, decode_all
+
+_offset_of = itemgetter(0)  # Record.offset
 
 
 def _pread(fd: int, path: str, size: int, pos: int) -> tuple[int, bytes]:
@@ -24,6 +31,41 @@ def _pread(fd: int, path: str, size: int, pos: int) -> tuple[int, bytes]:
 
 
 _pread_off_loop = aiofiles.os.wrap(_pread)
+
+
+class SharedChunks:
+    """The record lists a queue's Readers decoded lately, for its other Readers.
+
+    Only verified, committed records go in (what `Reader.read` returned), and committed
+    records never change, so a hit is exactly what decoding again would give. At most
+    `limit` chunks, the oldest dropped first. The lists are shared: callers never
+    change what `Reader.read` returns.
+    """
+
+    MIN_RECORDS = 16  # smaller reads are not worth keeping
+
+    def __init__(self, limit: int = 64):
+        self._chunks: deque[list[Record]] = deque(maxlen=limit)
+        self.hits = 0  # records handed out from here instead of decoded again
+
+    def add(self, records: list[Record]) -> None:
+        if len(records) >= self.MIN_RECORDS:
+            self._chunks.append(records)
+
+    def take(self, offset: int, max_count: int) -> list[Record]:
+        """Up to `max_count` records from the one at `offset`, or [] if no chunk has it."""
+        for records in reversed(self._chunks):  # the newest first
+            last = records[-1]
+            if records[0].offset <= offset <= last.offset:
+                i = bisect_left(records, offset, key=_offset_of)
+                if records[i].offset == offset:
+                    found = records[i:i + max_count]
+                    self.hits += len(found)
+                    return found
+        return []
+
+    def clear(self) -> None:
+        self._chunks.clear()
 
 
 class Reader:
@@ -51,11 +93,28 @@ class Reader:
         committed = self.queue.committed_end
         if self.offset >= committed:
             return []
-        records = self._decode(committed, max_count)
+        shared = self.queue.shared_chunks
+        records = shared.take(self.offset, max_count)
         if records:
+            self._skip_to(records[-1].end)
             return records
-        await self._refill(committed)
-        return self._decode(committed, max_count)
+        records = self._decode(committed, max_count)
+        if not records:
+            await self._refill(committed)
+            records = self._decode(committed, max_count)
+        shared.add(records)
+        return records
+
+    def _skip_to(self, offset: int) -> None:
+        """Go on from `offset` (past records taken from the shared chunks); the buffer stays
+        when it holds that place."""
+        self.offset = offset
+        if self._buf_start <= offset <= self._buf_start + len(self._buf):
+            self._pos = offset - self._buf_start
+        else:
+            self._buf = b""
+            self._buf_start = offset
+            self._pos = 0
 
     async def read_wait(self, max_count: int = 1024, timeout: float | None = None) -> list[Record]:
         """Like `read`, but wait up to `timeout` seconds for something to be committed."""

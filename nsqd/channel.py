@@ -100,7 +100,7 @@ class Channel:
                  confirmed_count: int, *, paused: bool = False,
                  max_window: int = 100_000, read_batch: int = 1024,
                  delay_path: str | None = None, delay_threshold_ms: int = 60_000,
-                 max_attempts_in_memory: int = 10, clock=time.time):
+                 max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -119,8 +119,8 @@ class Channel:
         self.clock = clock
         self.delay_threshold_ms = delay_threshold_ms
         self.max_attempts_in_memory = max_attempts_in_memory
-        self.delay = (ChannelDelay(delay_path, self._stored, self._given_back) if delay_path
-                      else None)
+        self.delay = (ChannelDelay(delay_path, self._stored, self._given_back,
+                                   expected=delay_expected) if delay_path else None)
         self._rr = 0
         self._wake = asyncio.Event()
         self._closed = False
@@ -156,8 +156,10 @@ class Channel:
 
     def checkpoint(self) -> dict:
         self.dirty = False
+        d = self.delay
         return {"confirmed": self.cursor.confirmed, "confirmed_count": self.cursor.confirmed_count,
-                "paused": self.paused}
+                "paused": self.paused,
+                "delay_store": d is not None and (d.store is not None or d.expected)}
 
     # ---- clients ---------------------------------------------------------
 
@@ -177,6 +179,7 @@ class Channel:
     async def _pump(self) -> None:
         if self.delay is not None:
             await self.delay.open()
+            self.dirty = True  # the checkpoint now records that the channel has a store
         while True:
             await self._wake.wait()
             self._wake.clear()

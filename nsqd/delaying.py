@@ -30,8 +30,10 @@ GIVE_UP_AFTER = 3  # failed store writes in a row before moves stop going to the
 
 
 class ChannelDelay:
-    def __init__(self, path: str, on_stored, give_back, take_limit: int = 1000):
+    def __init__(self, path: str, on_stored, give_back, take_limit: int = 1000,
+                 expected: bool = False):
         self.path = path
+        self.expected = expected  # the channel had a store: a missing folder is an error
         self.on_stored = on_stored  # called with the log messages whose store write committed
         self.give_back = give_back  # called with (message, due_ms) the store did not take
         self.take_limit = take_limit
@@ -58,6 +60,11 @@ class ChannelDelay:
     async def open(self) -> None:
         from delayqueue.store import DelayStore, DelayStoreError
 
+        if self.expected and not os.path.isdir(self.path):
+            self.error = (f"{self.path}: the channel's delay store is missing (what it held "
+                          "counts as confirmed in the log): deferred messages wait in memory")
+            log.error("delay_store_missing", path=self.path)
+            return
         try:
             self.store = await asyncio.to_thread(DelayStore.open, self.path)
         except (DelayStoreError, OSError) as e:

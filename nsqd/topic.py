@@ -67,7 +67,8 @@ class Partition:
             state = {"confirmed": offset, "confirmed_count": count, "paused": False}
         channel = Channel(self.topic, name, self.queue, state["confirmed"],
                           state["confirmed_count"], paused=state.get("paused", False),
-                          delay_path=delay_folder(self.queue.path, name), **settings)
+                          delay_path=delay_folder(self.queue.path, name),
+                          delay_expected=state.get("delay_store", False), **settings)
         self.channels[name] = channel
         channel.start()
         return channel

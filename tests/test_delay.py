@@ -267,6 +267,35 @@ async def test_corrupt_delay_store_names_the_file_and_the_node_still_serves(tmp_
         proc.kill()
 
 
+async def test_a_missing_delay_store_is_an_error_not_a_new_empty_store(tmp_path):
+    """The store held messages whose log offsets count as confirmed: if its folder is gone
+    at start, the channel says so (naming the folder) instead of starting an empty one."""
+    import shutil
+
+    proc = NsqdProcess(str(tmp_path / "n")).start()
+    try:
+        c = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await c.sub("t", "c")
+        await c.close()
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await pub.dpub("t", DAY_MS, b"later")
+        await pub.close()
+        await asyncio.sleep(0.5)
+        assert proc.stop() == 0
+        folder = os.path.join(str(tmp_path / "n"), "t.topic", "0", "delay", "c.channel")
+        shutil.rmtree(folder)
+        for _ in range(2):  # and it stays an error: no empty store is made in its place
+            proc.start()
+            stats = json.loads(urllib.request.urlopen(
+                f"http://{proc.http_address}/stats?format=json").read())
+            error = stats["topics"][0]["channels"][0]["partitions"][0]["delay_error"]
+            assert error and folder in error and "missing" in error
+            assert not os.path.exists(folder)
+            assert proc.stop() == 0
+    finally:
+        proc.kill()
+
+
 @pytest.mark.parametrize("round_", range(4))
 async def test_kill_9_while_messages_move_through_the_delay_queue(tmp_path, round_):
     """Guarantee: every acknowledged message is delivered again after a crash unless it was

@@ -756,6 +756,27 @@ async def test_a_corrupt_commitlog_entry_is_rebuilt_from_the_data(tmp_path, queu
     assert (await q.append([b"on"])).first_id == 35
 
 
+async def test_readers_share_what_they_decoded(tmp_path, queues):
+    """A second reader at a place the first one decoded gets the same records without
+    decoding them again (channels of one partition read the same data); where no chunk
+    has its place, it decodes for itself."""
+    q = await queues(tmp_path)
+    await q.append([body(i, 150) for i in range(300)])
+    lead, follow = q.reader(), q.reader()
+    first = await lead.read(200)
+    assert q.shared_chunks.hits == 0
+    a = await follow.read(50)
+    b = await follow.read(500)
+    assert a + b == first and q.shared_chunks.hits == 200
+    rest = await follow.read(500)  # past the lead: decoded here, then shared the other way
+    assert [r.body for r in rest] == [body(i, 150) for i in range(200, 300)]
+    assert await lead.read(500) == rest and q.shared_chunks.hits == 300
+    await q.empty()
+    assert q.shared_chunks.take(first[0].offset, 10) == []
+    lead.close()
+    follow.close()
+
+
 async def test_missing_middle_segment(tmp_path, queues):
     q = await _four_segments(tmp_path, queues)
     await q.close()
