@@ -38,19 +38,26 @@ class SharedChunks:
 
     Only verified, committed records go in (what `Reader.read` returned), and committed
     records never change, so a hit is exactly what decoding again would give. At most
-    `limit` chunks, the oldest dropped first. The lists are shared: callers never
-    change what `Reader.read` returns.
+    `limit` records are held, the oldest chunks dropped first: readers further apart
+    than that decode for themselves. The lists are shared: callers never change what
+    `Reader.read` returns.
     """
 
     MIN_RECORDS = 16  # smaller reads are not worth keeping
 
-    def __init__(self, limit: int = 64):
-        self._chunks: deque[list[Record]] = deque(maxlen=limit)
+    def __init__(self, limit: int = 16384):
+        self.limit = limit
+        self._chunks: deque[list[Record]] = deque()
+        self._held = 0
         self.hits = 0  # records handed out from here instead of decoded again
 
     def add(self, records: list[Record]) -> None:
-        if len(records) >= self.MIN_RECORDS:
-            self._chunks.append(records)
+        if len(records) < self.MIN_RECORDS:
+            return
+        self._chunks.append(records)
+        self._held += len(records)
+        while self._held > self.limit:
+            self._held -= len(self._chunks.popleft())
 
     def take(self, offset: int, max_count: int) -> list[Record]:
         """Up to `max_count` records from the one at `offset`, or [] if no chunk has it."""
@@ -66,6 +73,7 @@ class SharedChunks:
 
     def clear(self) -> None:
         self._chunks.clear()
+        self._held = 0
 
 
 class Reader:

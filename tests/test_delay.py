@@ -237,7 +237,9 @@ def test_max_req_timeout_is_bounded_by_seven_days():
         from_args(["--max-req-timeout", "169h"])
 
 
-async def test_corrupt_delay_store_names_the_file_and_the_node_still_serves(tmp_path):
+async def stopped_node_with_a_delayed_message(tmp_path):
+    """An nsqd (stopped cleanly) whose channel t/c holds a day-long DPUB in its delay
+    store; returns it and the store's folder."""
     proc = NsqdProcess(str(tmp_path / "n")).start()
     try:
         c = await Connection("127.0.0.1", proc.tcp_port).connect()
@@ -247,8 +249,17 @@ async def test_corrupt_delay_store_names_the_file_and_the_node_still_serves(tmp_
         await pub.dpub("t", DAY_MS, b"later")
         await pub.close()
         await asyncio.sleep(0.5)
-        proc.stop()
-        data_mdb = os.path.join(str(tmp_path / "n"), "t.topic", "0", "delay", "c.channel", "data.mdb")
+        assert proc.stop() == 0
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, os.path.join(proc.data_path, "t.topic", "0", "delay", "c.channel")
+
+
+async def test_corrupt_delay_store_names_the_file_and_the_node_still_serves(tmp_path):
+    proc, folder = await stopped_node_with_a_delayed_message(tmp_path)
+    try:
+        data_mdb = os.path.join(folder, "data.mdb")
         assert os.path.exists(data_mdb)
         with open(data_mdb, "r+b") as f:
             f.write(os.urandom(8192))
@@ -272,17 +283,8 @@ async def test_a_missing_delay_store_is_an_error_not_a_new_empty_store(tmp_path)
     at start, the channel says so (naming the folder) instead of starting an empty one."""
     import shutil
 
-    proc = NsqdProcess(str(tmp_path / "n")).start()
+    proc, folder = await stopped_node_with_a_delayed_message(tmp_path)
     try:
-        c = await Connection("127.0.0.1", proc.tcp_port).connect()
-        await c.sub("t", "c")
-        await c.close()
-        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
-        await pub.dpub("t", DAY_MS, b"later")
-        await pub.close()
-        await asyncio.sleep(0.5)
-        assert proc.stop() == 0
-        folder = os.path.join(str(tmp_path / "n"), "t.topic", "0", "delay", "c.channel")
         shutil.rmtree(folder)
         for _ in range(2):  # and it stays an error: no empty store is made in its place
             proc.start()
