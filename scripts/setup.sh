@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+# Python 3.11+ with venv and ensurepip (Debian ships venv apart, in python3-venv).
+python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+  || need_apt+=(python3 python3-venv)
 command -v node >/dev/null || need_apt+=(nodejs)  # tests/compat runs nsqjs under node
 command -v npm >/dev/null || need_apt+=(npm)
 if [ "${#need_apt[@]}" -gt 0 ]; then
