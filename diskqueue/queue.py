@@ -322,7 +322,7 @@ class DiskQueue:
         return self.failed
 
     def _sync_due_in(self) -> float | None:
-        if not self._unsynced_messages:
+        if not self._unsynced_messages or self.failed is not None:  # a failed queue waits
             return None
         policy = self.options.sync
         if policy.durable:  # set_sync made the queue durable with data unsynced

@@ -993,6 +993,27 @@ async def test_a_failed_sync_fails_the_queue_until_reopened(tmp_path, queues, mo
     check_commitlog_matches(q, await read_all(q))
 
 
+async def test_a_failed_timed_sync_fails_the_queue_once(tmp_path, queues, monkeypatch):
+    """Under --sync-timeout a failed timed sync fails the queue; the writer then waits
+    for close instead of retrying the sync in a busy loop."""
+    q = await queues(tmp_path, QueueOptions(sync=SyncPolicy(every_messages=1000, every_ms=50)))
+    await q.append([b"unsynced"])
+    calls = {"n": 0}
+    real = os.fdatasync
+
+    def failing(fd):
+        calls["n"] += 1
+        raise OSError(errno.EIO, "simulated")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    await asyncio.sleep(0.5)
+    assert q.failed is not None and "sync failed" in str(q.failed)
+    assert calls["n"] <= 2, f"{calls['n']} sync attempts: the writer spins"
+    monkeypatch.setattr(os, "fdatasync", real)
+    with pytest.raises(QueueFailedError):
+        q.append([b"later"])
+
+
 async def test_the_writer_survives_a_bad_request(tmp_path, queues):
     """A request the encoder cannot take fails its batch (a batch resolves as one), and
     the writer goes on with the next batches."""
