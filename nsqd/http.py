@@ -61,7 +61,7 @@ from diskqueue.queue import QueueClosedError
 
 from . import metrics, stats
 from .channel import defer_ext
-from .nsqd import NameError_, sync_policy
+from .nsqd import NameError_
 from .options import _DURATIONS, parse_duration_ms
 from .protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 from .topic import PartitionNotFound
@@ -409,7 +409,7 @@ async def do_topic_create(nsqd, request):
     sync = _sync_args(nsqd, q)
     topic = await _get_topic(nsqd, topic_arg(q))
     if sync is not None:
-        topic.set_sync(sync, sync_policy(*sync))
+        topic.set_sync(sync)
         await _persist_topic(nsqd, topic)
     return None
 

@@ -17,24 +17,18 @@ import time
 
 import structlog
 
-from diskqueue.queue import QueueOptions, SyncPolicy
+from diskqueue.queue import QueueOptions
 
 from .channel import Channel
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from .protocol import valid_channel_name, valid_topic_name
-from .topic import Topic, topic_folder
+from .topic import Topic, sync_policy, topic_folder
 
 log = structlog.get_logger("nsqd")
 
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
-
-
-def sync_policy(sync_every: int, sync_timeout_ms: int) -> SyncPolicy:
-    """--sync-every / --sync-timeout as a SyncPolicy: 1 syncs every batch (durable)."""
-    return SyncPolicy(every_messages=max(1, sync_every),
-                      every_ms=sync_timeout_ms if sync_every > 1 else 0)
 
 
 class NameError_(ValueError):

@@ -20,11 +20,17 @@ import shutil
 
 import structlog
 
-from diskqueue.queue import DiskQueue, QueueOptions
+from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
 from .channel import Channel
 
 log = structlog.get_logger("nsqd.topic")
+
+
+def sync_policy(sync_every: int, sync_timeout_ms: int) -> SyncPolicy:
+    """--sync-every / --sync-timeout as a SyncPolicy: 1 syncs every batch (durable)."""
+    return SyncPolicy(every_messages=max(1, sync_every),
+                      every_ms=sync_timeout_ms if sync_every > 1 else 0)
 
 
 def topic_folder(data_path: str, name: str) -> str:
@@ -128,11 +134,11 @@ class Topic:
             state["sync"] = list(self.sync)
         return state
 
-    def set_sync(self, sync: tuple[int, int], policy) -> None:
+    def set_sync(self, sync: tuple[int, int]) -> None:
         """Give the topic its own sync policy (messages per sync, ms), from now on."""
         self.sync = sync
         for p in self.partitions.values():
-            p.queue.set_sync(policy)
+            p.queue.set_sync(sync_policy(*sync))
 
     async def close(self) -> None:
         for p in self.partitions.values():
