@@ -309,10 +309,25 @@ async def test_acknowledged_only_after_data_and_commitlog_are_synced(tmp_path, q
             (a.log_id + 1 - base) * ENTRY_SIZE)
         assert name in listed[q.commitlog.path]
 
-    async def one(i):
-        a = await q.append([body(i), body(i + 1000)])
-        check(a)
-        return a
+    loop = asyncio.get_running_loop()
+
+    def one(i):
+        """Checked in the writer's own callback, the moment the append is acknowledged:
+        no later batch can have been synced yet."""
+        heard = loop.create_future()
+
+        def acknowledged(a, err):
+            try:
+                if err is not None:
+                    raise err
+                check(a)
+            except BaseException as e:  # the writer logs callback errors: hand it over
+                heard.set_exception(e)
+            else:
+                heard.set_result(a)
+
+        q.append([body(i), body(i + 1000)], callback=acknowledged)
+        return heard
 
     for start in range(0, 200, 20):
         await asyncio.gather(*(one(i) for i in range(start, start + 20)))
