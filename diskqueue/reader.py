@@ -13,8 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-from bisect import bisect_left
-from collections import deque
+from bisect import bisect_left, bisect_right
 from operator import itemgetter
 
 import aiofiles.os
@@ -37,42 +36,55 @@ class SharedChunks:
     """The record lists a queue's Readers decoded lately, for its other Readers.
 
     Only verified, committed records go in (what `Reader.read` returned), and committed
-    records never change, so a hit is exactly what decoding again would give. At most
-    `limit` records are held, the oldest chunks dropped first: readers further apart
-    than that decode for themselves. The lists are shared: callers never change what
-    `Reader.read` returns.
+    records never change, so a hit is exactly what decoding again would give. Chunks
+    never overlap and are kept in offset order: a read adds only what lies past the
+    furthest record held, so a look-up is two binary searches. At most `limit` records
+    are held, the oldest chunks dropped first: readers further behind decode for
+    themselves. The lists are shared: callers never change what `Reader.read` returns.
     """
 
     MIN_RECORDS = 16  # smaller reads are not worth keeping
 
     def __init__(self, limit: int = 16384):
         self.limit = limit
-        self._chunks: deque[list[Record]] = deque()
+        self._chunks: list[list[Record]] = []  # in offset order, disjoint
+        self._firsts: list[int] = []  # the first offset of each chunk
+        self._end = -1  # just past the furthest record held
         self._held = 0
         self.hits = 0  # records handed out from here instead of decoded again
 
     def add(self, records: list[Record]) -> None:
-        if len(records) < self.MIN_RECORDS:
+        if len(records) < self.MIN_RECORDS or records[-1].end <= self._end:
             return
+        if records[0].offset < self._end:  # keep only what is new
+            records = records[bisect_left(records, self._end, key=_offset_of):]
         self._chunks.append(records)
+        self._firsts.append(records[0].offset)
+        self._end = records[-1].end
         self._held += len(records)
         while self._held > self.limit:
-            self._held -= len(self._chunks.popleft())
+            self._held -= len(self._chunks.pop(0))
+            del self._firsts[0]
 
     def take(self, offset: int, max_count: int) -> list[Record]:
         """Up to `max_count` records from the one at `offset`, or [] if no chunk has it."""
-        for records in reversed(self._chunks):  # the newest first
-            last = records[-1]
-            if records[0].offset <= offset <= last.offset:
-                i = bisect_left(records, offset, key=_offset_of)
-                if records[i].offset == offset:
-                    found = records[i:i + max_count]
-                    self.hits += len(found)
-                    return found
-        return []
+        i = bisect_right(self._firsts, offset) - 1
+        if i < 0:
+            return []
+        records = self._chunks[i]
+        if offset > records[-1].offset:
+            return []
+        j = bisect_left(records, offset, key=_offset_of)
+        if records[j].offset != offset:
+            return []
+        found = records[j:j + max_count]
+        self.hits += len(found)
+        return found
 
     def clear(self) -> None:
         self._chunks.clear()
+        self._firsts.clear()
+        self._end = -1
         self._held = 0
 
 

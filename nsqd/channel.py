@@ -234,7 +234,10 @@ class Channel:
             if room > 0:
                 self.error = None
                 records = await self._reader.read(room)
-                in_store = await self.delay.holding(records) if self.delay else ()
+                delay = self.delay
+                in_store = (await delay.holding(records)  # only after a restart, briefly
+                            if delay is not None and records
+                            and records[0].offset <= delay.max_origin else ())
                 take = self.cursor.take
                 for rec in records:
                     msg = Message(rec)

@@ -16,7 +16,7 @@ import pytest
 from commitlog.entry import ENTRY_SIZE
 from diskqueue.queue import (PARTITION_SHIFT, AppendError, DiskFullError, DiskQueue, QueueFailedError,
                              QueueClosedError, QueueOptions, SyncPolicy)
-from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, encode_into
+from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, Record, encode_into
 from diskqueue.segments import MissingSegmentError
 
 
@@ -790,6 +790,23 @@ async def test_readers_share_what_they_decoded(tmp_path, queues):
     assert q.shared_chunks.take(first[0].offset, 10) == []
     lead.close()
     follow.close()
+
+
+def test_shared_chunks_keep_disjoint_chunks_within_their_limit():
+    from diskqueue.reader import SharedChunks
+
+    recs = [Record(i * 10, 10, i, 0, 0, 0, b"", b"x") for i in range(400)]
+    shared = SharedChunks(limit=250)
+    shared.add(recs[0:100])
+    shared.add(recs[50:150])  # overlaps: only 100..149 is new
+    shared.add(recs[10:20])  # nothing new
+    assert shared.take(recs[120].offset, 1000) == recs[120:150]
+    assert shared.take(recs[60].offset, 5) == recs[60:65]
+    assert shared.take(recs[60].offset + 3, 5) == []  # not a record boundary
+    assert shared.take(recs[150].offset, 5) == []  # past what is held
+    shared.add(recs[150:300])  # 300 held > 250: the oldest chunk goes
+    assert shared.take(recs[0].offset, 5) == [] and shared.take(recs[299].offset, 5) == [recs[299]]
+    assert shared.hits == 30 + 5 + 1
 
 
 async def test_missing_middle_segment(tmp_path, queues):
