@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from bench.common import Report  # noqa: E402
-from nsqclient import commands as c  # noqa: E402
+from nsqwire import commands as c  # noqa: E402
 from nsqclient.conn import Connection  # noqa: E402
 from servers import NsqdProcess  # noqa: E402
 

@@ -20,8 +20,8 @@ import resource
 import struct
 import time
 
-from nsqclient.commands import FrameParser, cmd_cls, cmd_nop, cmd_rdy, cmd_sub
-from nsqd import protocol as p
+from nsqwire.commands import FrameParser, cmd_cls, cmd_nop, cmd_rdy, cmd_sub
+from nsqwire import protocol as p
 
 FRAME = struct.Struct(">ii")
 

@@ -44,7 +44,7 @@ from bench import common  # noqa: E402
 from bench.common import MB, Report, percentile  # noqa: E402
 from bench.loadgen import Workers, cpu_seconds  # noqa: E402
 from bench.nsqd_server import Profiler, Server, pid_cpu_seconds, summarize_profile  # noqa: E402
-from nsqclient.commands import cmd_mpub, cmd_pub  # noqa: E402
+from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
 
 BODY_LEN = 200
 TOPIC = "bench"

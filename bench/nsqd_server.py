@@ -21,8 +21,8 @@ from collections import Counter
 
 from bench import common
 from bench.common import MB
-from nsqclient.commands import FrameParser, cmd_sub
-from nsqd import protocol as p
+from nsqwire.commands import FrameParser, cmd_sub
+from nsqwire import protocol as p
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

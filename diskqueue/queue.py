@@ -37,6 +37,8 @@ from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, CommitLog
 
 from .atomic import read_json, write_json_atomic
+from nsqwire.ids import PARTITION_SHIFT
+
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
 from .reader import Reader, SharedChunks
 from .recovery import recover
@@ -44,7 +46,6 @@ from .segments import MissingSegmentError, Segments
 
 log = structlog.get_logger("diskqueue")
 
-PARTITION_SHIFT = 50
 _new = tuple.__new__
 META_FILE = "meta.json"
 # Upper bounds of the group-commit histograms in `DiskQueue.histograms` (one slot per

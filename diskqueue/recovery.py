@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 from commitlog.entry import SYNCED_BEFORE, CorruptEntryError, Entry
 from commitlog.log import CommitLog
+from nsqwire.ids import SEQUENCE_MASK
 
 from .record import CorruptRecordError, decode_at
 from .segments import MissingSegmentError, Segments
 
-SEQUENCE_MASK = (1 << 50) - 1
 SCAN_CHUNK = 4 * 1024 * 1024
 
 

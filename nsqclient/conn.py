@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from nsqd import protocol as p
-
-from . import commands as c
+from nsqwire import commands as c, protocol as p
 
 
 class NSQError(Exception):

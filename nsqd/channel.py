@@ -28,13 +28,13 @@ import structlog
 from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
+from nsqwire.ids import SEQUENCE_MASK
 
 from .cursor import Cursor
 from .delaying import ChannelDelay
 
 log = structlog.get_logger("nsqd.channel")
 
-SEQUENCE_MASK = (1 << 50) - 1
 DEFER_KEY = "##defer_until_ms"
 
 

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import struct
 import time
 import zlib
 
-from .identify import ClientSettings
+from nsqwire.frames import encode_messages
+from nsqwire.ids import encode_msg_id
 
-_MESSAGE_HEAD = struct.Struct(">iiqH")  # size, frame type 2, timestamp, attempts
-_MESSAGE_OVERHEAD = 4 + 8 + 2 + 16
-FRAME_MESSAGE = 2
+from .identify import ClientSettings
 
 
 class Client:
@@ -104,29 +102,24 @@ class Client:
         deadline = now + self.msg_timeout
         in_flight = self.in_flight
         sample = self.settings.sample_rate
-        pack = _MESSAGE_HEAD.pack
-        parts = []
-        add = parts.append
-        sent = 0
+        if sample:
+            kept = []
+            for m in msgs:
+                if random.randrange(100) < sample:
+                    kept.append(m)
+                else:
+                    channel.finish(m)  # sampled out: classic nsqd drops it for this channel
+            msgs = kept
         for m in msgs:
-            if sample and random.randrange(100) >= sample:
-                channel.finish(m)  # sampled out: classic nsqd drops it for this channel
-                continue
             m.attempts += 1
             m.deadline = deadline
             m.client = self
             m.delivered_at = now  # TOUCH extends up to max_msg_timeout after this delivery
-            wire_id = m.wire_id = b"%016x" % m.msg_id
+            wire_id = m.wire_id = encode_msg_id(m.msg_id)
             in_flight[wire_id] = m
-            body = m.body
-            add(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, m.timestamp,
-                     m.attempts if m.attempts < 0xFFFF else 0xFFFF))
-            add(wire_id)
-            add(body)
-            sent += 1
-        self.message_count += sent
-        if parts:
-            self._buffer_messages(b"".join(parts))
+        self.message_count += len(msgs)
+        if msgs:
+            self._buffer_messages(encode_messages(msgs))
 
     def _buffer_messages(self, data: bytes) -> None:
         timeout_ms = self.settings.output_buffer_timeout_ms

@@ -63,7 +63,7 @@ from . import metrics, stats
 from .channel import defer_ext
 from .nsqd import NameError_
 from .options import _DURATIONS, parse_duration_ms
-from .protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
+from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 from .topic import PartitionNotFound
 
 log = structlog.get_logger("nsqd.http")

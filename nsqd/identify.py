@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from nsqd.errors import compression_conflict, identify_bad_json, identify_rejected
-from nsqd.protocol import decode_json
+from nsqwire.errors import compression_conflict, identify_bad_json, identify_rejected
+from nsqwire.protocol import decode_json
 
 
 @dataclass(frozen=True, slots=True)

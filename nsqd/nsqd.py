@@ -22,7 +22,7 @@ from diskqueue.queue import QueueOptions
 from .channel import Channel
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
-from .protocol import valid_channel_name, valid_topic_name
+from nsqwire.protocol import valid_channel_name, valid_topic_name
 from .topic import Topic, sync_policy, topic_folder
 
 log = structlog.get_logger("nsqd")

@@ -20,7 +20,7 @@ from collections import deque
 
 import structlog
 
-from . import errors, protocol as p
+from nsqwire import errors, protocol as p
 from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate

@@ -273,8 +273,8 @@ async def test_dpub_is_delivered_after_its_delay(node):
 
 
 async def test_pipelined_publishes_are_answered_in_order(node):
-    from nsqclient.commands import FrameParser, cmd_dpub, cmd_mpub, cmd_pub
-    from nsqd import protocol as p
+    from nsqwire.commands import FrameParser, cmd_dpub, cmd_mpub, cmd_pub
+    from nsqwire import protocol as p
 
     n = await node()
     warm = await connect(n)

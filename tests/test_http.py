@@ -39,10 +39,10 @@ import yarl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nsqclient.commands import (FrameParser, cmd_fin, cmd_identify, cmd_nop, cmd_pub, cmd_rdy, cmd_req, cmd_sub,
+from nsqwire.commands import (FrameParser, cmd_fin, cmd_identify, cmd_nop, cmd_pub, cmd_rdy, cmd_req, cmd_sub,
                                 parse_message)
 from nsqd import http as nsqd_http
-from nsqd import protocol as p
+from nsqwire import protocol as p
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())["http"]
 ACCEPT_V1 = {"Accept": "application/vnd.nsq; version=1.0"}

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nsqd.identify import ClientSettings, IdentifyLimits, initial_settings, negotiate
-from nsqd.errors import ProtocolError
+from nsqwire.errors import ProtocolError
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())
 TCP_CASES = {case["case"]: case for case in REFERENCE["tcp"]}

@@ -1,18 +1,19 @@
-"""nsqd/protocol.py and nsqd/errors.py, with the client half nsqclient/commands.py,
+"""nsqwire (protocol.py, frames.py, ids.py, errors.py), with the client half nsqclient/commands.py,
 against the nsqd v1.3.0 reference, by example and by property."""
 
 import json
 import re
 import struct
 import time
+from typing import NamedTuple
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nsqclient import commands as c
-from nsqd import errors as e, protocol as p
+from nsqwire import commands as c
+from nsqwire import errors as e, protocol as p
 from nsqd.identify import IdentifyLimits, negotiate
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())
@@ -120,13 +121,26 @@ def test_reference_exchange(name):
         assert closed == exchange["connection_closed_after"]
 
 
+class Msg(NamedTuple):
+    """What the server's frame encoder reads of a message."""
+    timestamp: int
+    attempts: int
+    wire_id: bytes
+    body: bytes
+
+
+def test_message_frame_attempts_saturate():
+    [(_, data)] = frames_of(p.encode_messages([Msg(1, 70000, b"0" * 16, b"x")]))
+    assert c.parse_message(data)[1] == 0xFFFF
+
+
 def test_reference_message_frames():
     for name, attempts in (("delivery", 1), ("requeue_redelivery", 2)):
         ref = TCP_CASES[name]["exchanges"][0]["frames"][0]
         msg_id, body = ref["id"].encode(), ref["body"].encode()
         assert ref["attempts"] == attempts
         timestamp = time.time_ns()
-        [(frame_type, data)] = frames_of(p.encode_message(timestamp, attempts, msg_id, body))
+        [(frame_type, data)] = frames_of(p.encode_messages([Msg(timestamp, attempts, msg_id, body)]))
         assert frame_type == p.FRAME_MESSAGE
         assert c.parse_message(data) == (timestamp, attempts, msg_id, body)
         p.decode_msg_id(msg_id)  # nsqd's ids are 16 hex characters too
@@ -473,7 +487,7 @@ def test_any_bytes_give_commands_or_protocol_errors_in_bounded_memory(pieces, ma
 frames = st.one_of(
     st.builds(lambda d: ((p.FRAME_RESPONSE, d), p.encode_response(d)), st.binary(max_size=30)),
     st.builds(lambda d: ((p.FRAME_ERROR, d), p.encode_error(d)), st.binary(max_size=30)),
-    st.builds(lambda ts, n, i, b: ((p.FRAME_MESSAGE, (ts, n, i, b)), p.encode_message(ts, n, i, b)),
+    st.builds(lambda ts, n, i, b: ((p.FRAME_MESSAGE, (ts, n, i, b)), p.encode_messages([Msg(ts, n, i, b)])),
               st.integers(-(2**63), 2**63 - 1), st.integers(0, 65535), msg_ids, st.binary(max_size=30)),
 )
 
@@ -482,7 +496,8 @@ frames = st.one_of(
 def test_frame_parser_round_trip(items, data):
     stream = b"".join(encoded for _, encoded in items)
     messages = [frame[1] for frame, _ in items if frame[0] == p.FRAME_MESSAGE]
-    assert p.encode_messages(messages) == b"".join(e for f, e in items if f[0] == p.FRAME_MESSAGE)
+    assert p.encode_messages([Msg(*m) for m in messages]) == b"".join(
+        e for f, e in items if f[0] == p.FRAME_MESSAGE)
     parser = c.FrameParser()
     parsed = []
     for chunk in chunked(stream, data.draw(st.lists(st.integers(0, len(stream)), max_size=8))):

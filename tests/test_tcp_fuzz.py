@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nsqclient import commands as c
-from nsqd import protocol as p
+from nsqwire import commands as c
+from nsqwire import protocol as p
 from servers import NsqdProcess
 
 END_TIMEOUT = 5.0  # a connection not closed by then is a hang

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from nsqclient import commands as c
-from nsqd import protocol as p
+from nsqwire import commands as c
+from nsqwire import protocol as p
 from servers import NsqdProcess
 
 DATA = Path(__file__).parent / "data" / "nsqd-v1.3.0.json"

@@ -2,9 +2,8 @@
 
 The cmd_* functions encode one command each; FrameParser splits what the
 server sends into (frame_type, data) and parse_message reads a message frame.
-The partition-aware client (conn.py), the tests and the benchmarks share this
-one codec. The wire constants (MAGIC_V2, FRAME_*) are the server's, in
-nsqd/protocol.py.
+Our client (nsqclient), the tests and the benchmarks share this one codec; the
+frame layouts and constants are frames.py's.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import json
 import struct
 from collections.abc import Iterator
 
-# The layouts nsqd/protocol.py writes and reads, spelled out here rather than
-# borrowed from its private names.
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 _FRAME_HEADER = struct.Struct(">ii")  # size (type + data), type

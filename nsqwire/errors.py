@@ -10,6 +10,8 @@ partition extension's errors.
 
 from __future__ import annotations
 
+from .frames import encode_error
+
 NOT_IN_FLIGHT = "ID not in flight"
 
 
@@ -30,7 +32,6 @@ class ProtocolError(Exception):
 
     @property
     def frame(self) -> bytes:
-        from .protocol import encode_error  # protocol imports this module: import on use
         return encode_error(self.text)
 
 

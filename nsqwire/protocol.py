@@ -1,13 +1,13 @@
-"""NSQ TCP protocol V2, server side, sans-I/O: bytes in, commands out; frames out as bytes.
+"""NSQ TCP protocol V2, server side, sans-I/O: bytes in, commands out.
 
 No sockets, no event loop, no timers. The connection handler feeds what it
-reads into a CommandParser, acts on each command, and writes the bytes the
-encoders return. Here too: the rules for names, message ids and JSON, and the
-wire constants (MAGIC_V2, frame types) that clients share.
+reads into a CommandParser, acts on each command, and writes the frames that
+frames.py encodes. Here too: the rules for names, extension headers and JSON.
 
 The errors the parser raises, like every error the server sends, are built in
-errors.py. The client half (cmd_* encoders, FrameParser) is
-nsqclient/commands.py: the server never depends on the client.
+errors.py; message ids are ids.py. The frame encoders and the id helpers are
+imported here too, so that `protocol` is the one name a user of the wire needs.
+The client half (cmd_* encoders, FrameParser) is nsqclient/commands.py.
 """
 
 from __future__ import annotations
@@ -15,37 +15,23 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
+                     MAGIC_V2, OK, encode_error, encode_messages, encode_response, pub_trace_reply)
+from .ids import (MAX_PARTITION, MAX_SEQUENCE, MSG_ID_LENGTH, PARTITION_SHIFT,  # noqa: F401
+                  decode_msg_id, encode_msg_id, make_msg_id, msg_id_partition, msg_id_sequence)
 from .errors import (ProtocolError, _go_quote, _raw, bad_channel, bad_partition, bad_protocol, bad_topic,
                      body_too_big, dpub_timeout_out_of_range, insufficient_parameters, invalid_body_size,
                      invalid_command, invalid_ext_body, invalid_json_header, invalid_message_count,
                      invalid_message_size, invalid_mpub_message_size, invalid_msg_id, invalid_parameter_count,
                      invalid_start, line_too_long, message_too_big, unparsable_number)
 
-MAGIC_V2 = b"  V2"
-
-FRAME_RESPONSE = 0
-FRAME_ERROR = 1
-FRAME_MESSAGE = 2
-
-# Message ids (ours): partition << 50 | per-partition sequence, sent as 16
-# lowercase hex characters so that every client echoes them safely.
-PARTITION_SHIFT = 50
-MAX_PARTITION = (1 << (64 - PARTITION_SHIFT)) - 1
-MAX_SEQUENCE = (1 << PARTITION_SHIFT) - 1
-MSG_ID_LENGTH = 16
-
 MAX_NAME_LENGTH = 64
 
 _I32 = struct.Struct(">i")
 _U16 = struct.Struct(">H")
-_FRAME_HEADER = struct.Struct(">ii")  # size (type + data), type
-_MESSAGE_HEADER = struct.Struct(">iiqH16s")  # size, type, timestamp ns, attempts, id
-_MESSAGE_OVERHEAD = _MESSAGE_HEADER.size - 4  # what the size field counts besides the body
-_TRACE_REPLY = struct.Struct(">2sQQqI")
-_HEX_DIGITS = b"0123456789abcdef"
 
 
 # ---------------------------------------------------------------- names, ids, JSON
@@ -75,33 +61,6 @@ def parse_consume_start(text: str) -> tuple[str, int | None]:
     if m is None:
         raise ValueError(f"invalid consume start {text!r}")
     return m[1], int(m[2])
-
-
-def make_msg_id(partition: int, sequence: int) -> int:
-    if not 0 <= partition <= MAX_PARTITION or not 0 <= sequence <= MAX_SEQUENCE:
-        raise ValueError(f"partition {partition} or sequence {sequence} out of range")
-    return partition << PARTITION_SHIFT | sequence
-
-
-def msg_id_partition(n: int) -> int:
-    return n >> PARTITION_SHIFT
-
-
-def msg_id_sequence(n: int) -> int:
-    return n & MAX_SEQUENCE
-
-
-def encode_msg_id(n: int) -> bytes:
-    """64-bit id -> 16 lowercase hex characters."""
-    return b"%016x" % n
-
-
-def decode_msg_id(b: bytes) -> int:
-    """16 lowercase hex characters -> id; ValueError for anything else."""
-    # strip() leaves something behind exactly when a byte is not a hex digit.
-    if len(b) != MSG_ID_LENGTH or b.strip(_HEX_DIGITS):
-        raise ValueError(f"invalid message id {b!r}")
-    return int(b, 16)
 
 
 def _reject_constant(name: str) -> None:
@@ -642,41 +601,3 @@ _HANDLERS: dict[str, Callable[[CommandParser, list[bytes]], Command | None]] = {
     "CLS": CommandParser._cls,
     "NOP": CommandParser._nop,
 }
-
-
-# ---------------------------------------------------------------- server-side encoders
-
-
-def encode_response(data: bytes) -> bytes:
-    return _FRAME_HEADER.pack(len(data) + 4, FRAME_RESPONSE) + data
-
-
-def encode_error(text: bytes | str) -> bytes:
-    if isinstance(text, str):
-        text = text.encode("utf-8", "surrogateescape")
-    return _FRAME_HEADER.pack(len(text) + 4, FRAME_ERROR) + text
-
-
-def encode_message(timestamp_ns: int, attempts: int, msg_id: bytes, body: bytes) -> bytes:
-    """One message frame; msg_id is the 16-byte encode_msg_id() form."""
-    return _MESSAGE_HEADER.pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, timestamp_ns, attempts, msg_id) + body
-
-
-def encode_messages(messages: Iterable[tuple[int, int, bytes, bytes]]) -> bytes:
-    """Many message frames, one join: (timestamp_ns, attempts, msg_id, body) each."""
-    pack = _MESSAGE_HEADER.pack
-    parts = []
-    for timestamp_ns, attempts, msg_id, body in messages:
-        parts.append(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, timestamp_ns, attempts, msg_id))
-        parts.append(body)
-    return b"".join(parts)
-
-
-def pub_trace_reply(msg_id: int, trace_id: int, offset: int, size: int) -> bytes:
-    """Response data for PUB_TRACE: OK + 8-byte id + 8-byte trace id + 8-byte offset + 4-byte size."""
-    return _TRACE_REPLY.pack(b"OK", msg_id, trace_id, offset, size)
-
-
-OK = encode_response(b"OK")
-HEARTBEAT = encode_response(b"_heartbeat_")
-CLOSE_WAIT = encode_response(b"CLOSE_WAIT")
