@@ -11,6 +11,9 @@ Invariants:
   finished: a client's in-flight table, `requeued`, or `deferred`;
 - `confirmed` only moves over finished messages, so after a crash the channel
   restarts at `confirmed` and redelivers, never skips (at-least-once);
+- a checkpoint also saves the finished ranges beyond `confirmed` and the attempts of
+  unfinished messages (see `checkpoint`): after a crash, reading skips the saved ranges
+  and a message comes back with its attempts carried on;
 - at most `max_window` messages are taken and unconfirmed: a stuck message
   stops fresh reads, it never grows memory without bound.
 """
@@ -22,6 +25,7 @@ import heapq
 import json
 import time
 from collections import deque
+from operator import itemgetter
 
 import structlog
 
@@ -30,12 +34,14 @@ from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
 from nsqwire.ids import SEQUENCE_MASK
 
-from .cursor import Cursor
+from .cursor import Cursor, Ranges, pack_u64, unpack_u64
 from .delaying import ChannelDelay
 
 log = structlog.get_logger("nsqd.channel")
 
 DEFER_KEY = "##defer_until_ms"
+MAX_SAVED_RANGES = 4096  # finished ranges a checkpoint keeps (the nearest to `confirmed`)
+MAX_SAVED_ATTEMPTS = 4096  # attempts of unfinished messages a checkpoint keeps (the highest)
 
 
 class Message:
@@ -95,12 +101,41 @@ def defer_until_ms(ext: bytes) -> int:
         return 0
 
 
+class SavedWindow:
+    """What a checkpoint saved of the window beyond `confirmed` (a restart reads it back):
+    `ahead`, the finished ranges (the cursor skips them); `next_read`, where the window
+    ended; `attempts`, offset -> attempts of unfinished messages that were not delivered
+    exactly once. Any other message read again below `next_read` was delivered once."""
+
+    __slots__ = ("ahead", "next_read", "attempts")
+
+    def __init__(self, ahead: Ranges | None, next_read: int, attempts: dict[int, int]):
+        self.ahead, self.next_read, self.attempts = ahead, next_read, attempts
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SavedWindow | None":
+        """From a stored checkpoint; None when it has no window (older checkpoints, new
+        channels). Raises ValueError when it is damaged."""
+        next_read = state.get("next_read", 0)
+        if next_read <= state["confirmed"]:
+            return None
+        ahead = Ranges.decode(state.get("finished", b""))
+        if not ahead.beyond(state["confirmed"], state["confirmed_count"]) or (
+                len(ahead) and ahead.bounds[-1] > next_read):
+            raise ValueError("finished ranges not in order beyond confirmed")
+        attempts = unpack_u64(state.get("attempts", b""))
+        half = len(attempts) // 2
+        return cls(ahead if len(ahead) else None, next_read,
+                   dict(zip(attempts[:half], attempts[half:])))
+
+
 class Channel:
     def __init__(self, topic, name: str, queue: DiskQueue, confirmed: int,
                  confirmed_count: int, *, paused: bool = False,
                  max_window: int = 100_000, read_batch: int = 1024,
                  delay_path: str | None = None, delay_threshold_ms: int = 60_000,
-                 max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False):
+                 max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False,
+                 saved: SavedWindow | None = None):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -110,7 +145,10 @@ class Channel:
         self.paused = paused
         self.max_window = max_window
         self.read_batch = read_batch
-        self.cursor = Cursor(confirmed, confirmed_count)
+        self.cursor = Cursor(confirmed, confirmed_count, saved.ahead if saved else None)
+        self.saved = saved  # until reading passes its `next_read`
+        self.put_back: dict[int, Message] = {}  # offset -> log message requeued or deferred
+        self._saved_finished = (-1, b"")  # (cursor.changes, encoded ranges) of the last save
         self._reader = queue.reader(confirmed)
         self.clients: list = []
         self.requeued: deque[Message] = deque()
@@ -155,11 +193,36 @@ class Channel:
         self._wake.set()
 
     def checkpoint(self) -> dict:
+        """The state to store: the cursor (`confirmed`; `next_read`; `finished`, the first
+        MAX_SAVED_RANGES finished ranges beyond `confirmed` as packed u64s, re-encoded only
+        when they changed), `attempts` of unfinished messages not delivered exactly once
+        (at most MAX_SAVED_ATTEMPTS, the highest), and the channel's flags."""
         self.dirty = False
         d = self.delay
-        return {"confirmed": self.cursor.confirmed, "confirmed_count": self.cursor.confirmed_count,
-                "paused": self.paused,
+        c = self.cursor
+        if self._saved_finished[0] != c.changes:
+            self._saved_finished = (c.changes, c.finished.encode(MAX_SAVED_RANGES))
+        return {"confirmed": c.confirmed, "confirmed_count": c.confirmed_count,
+                "next_read": c.next_read, "finished": self._saved_finished[1],
+                "attempts": self._saved_attempts(), "paused": self.paused,
                 "delay_store": d is not None and (d.store is not None or d.expected)}
+
+    def _saved_attempts(self) -> bytes:
+        """Offsets, then attempts, of the unfinished log messages whose attempts are not 1:
+        put back ones (REQ, timeout, disconnect) and ones read but never delivered. A message
+        in flight that is not listed was delivered once."""
+        put_back = self.put_back
+        if any(m.done for m in put_back.values()):
+            put_back = self.put_back = {o: m for o, m in put_back.items() if not m.done}
+        saved = {o: m.attempts for o, m in put_back.items()}
+        for m in self.requeued:
+            if m.attempts == 0 and not m.delayed:
+                saved[m.offset] = 0
+        if not saved:
+            return b""
+        items = (sorted(saved.items()) if len(saved) <= MAX_SAVED_ATTEMPTS else
+                 sorted(heapq.nlargest(MAX_SAVED_ATTEMPTS, saved.items(), key=itemgetter(1))))
+        return pack_u64([o for o, _ in items]) + pack_u64([a for _, a in items])
 
     # ---- clients ---------------------------------------------------------
 
@@ -238,23 +301,59 @@ class Channel:
                 in_store = (await delay.holding(records)  # only after a restart, briefly
                             if delay is not None and records
                             and records[0].offset <= delay.max_origin else ())
-                take = self.cursor.take
+                cursor = self.cursor
+                take = cursor.take
+                saved = self.saved
                 for rec in records:
+                    if saved is not None:  # after a restart: skip, or carry attempts on
+                        if rec.offset < cursor.next_read or (
+                                cursor.ahead is not None and cursor.take_finished()):
+                            held += 1  # in a finished range the checkpoint saved
+                            continue
+                        msg = Message(rec)
+                        take(msg)
+                        if self._resume(msg, in_store):
+                            held += 1
+                        else:
+                            msgs.append(msg)
+                        continue
                     msg = Message(rec)
                     take(msg)
                     if in_store and msg.msg_id in in_store:  # moved there before a crash
-                        self.cursor.finish(msg)
+                        cursor.finish(msg)
                         held += 1
                         continue
                     if rec.ext and self._defer_if_due_later(msg):
                         held += 1
                         continue
                     msgs.append(msg)
+                if saved is not None and cursor.ahead is None and (
+                        cursor.next_read >= saved.next_read):
+                    self.saved = None
                 self.dirty = True
             if msgs:
                 self._distribute(msgs)
             elif not held:  # nothing to hand out, and nothing read that was kept back
                 return
+
+    def _resume(self, msg: Message, in_store) -> bool:
+        """A message read again after a restart, not in a saved finished range: give it the
+        attempts it had (saved, or 1 when it was in the window and delivered once), unless it
+        is a DPUB still not due (then it was never delivered). True when it is kept back."""
+        if in_store and msg.msg_id in in_store:  # moved to the delay store before the crash
+            self.cursor.finish(msg)
+            return True
+        saved = self.saved
+        if msg.offset >= saved.next_read:  # read for the first time
+            return bool(msg.ext) and self._defer_if_due_later(msg)
+        attempts = saved.attempts.get(msg.offset)
+        if attempts is not None:
+            msg.attempts = min(attempts, 0xFFFF)
+        if msg.ext and self._defer_if_due_later(msg):
+            return True
+        if attempts is None and msg.attempts == 0:
+            msg.attempts = 1
+        return False
 
     def _defer_if_due_later(self, msg: Message) -> bool:
         """A DPUB's message read before it is due: held in memory when due soon, moved to
@@ -353,6 +452,8 @@ class Channel:
     def _put_back(self, msg: Message, delay_ms: int) -> None:
         """Put a message back: at once, or after `delay_ms` (see `_hold`)."""
         msg.client = None
+        if not msg.delayed:
+            self.put_back[msg.offset] = msg  # its attempts go with the next checkpoint
         if delay_ms > 0 or msg.attempts >= self.max_attempts_in_memory:
             self._hold(msg, int(self.clock() * 1000) + delay_ms)
         else:
@@ -423,6 +524,8 @@ class Channel:
         self.requeued.clear()
         self.from_delay.clear()
         self.deferred.clear()
+        self.put_back.clear()
+        self.saved = None
         self.cursor.reset(self.queue.committed_end, self.queue.committed_count)
         self._reader.seek(self.queue.committed_end)
         self.dirty = True
@@ -453,9 +556,13 @@ class Channel:
         return self.delay.waiting + self.delay.taken if self.delay is not None else 0
 
     @property
+    def backend_depth(self) -> int:
+        """Messages not read yet (less those a checkpoint saved as finished)."""
+        return self.queue.committed_count - self.cursor.next_count - self.cursor.ahead_count
+
+    @property
     def depth(self) -> int:
-        return (self.queue.committed_count - self.cursor.next_count + len(self.requeued)
-                + len(self.from_delay))
+        return self.backend_depth + len(self.requeued) + len(self.from_delay)
 
     @property
     def in_flight_count(self) -> int:

@@ -1,10 +1,17 @@
 """MetaStore: node-local metadata (topics, channels, cursors) in SQLite through sqlitedict.
 
 Keys: `topic/<topic>` -> {"partitions": [...], "paused": bool, "floors": {partition: offset}},
-`channel/<topic>/<partition>/<channel>` -> {"confirmed", "confirmed_count", "paused"}.
+`channel/<topic>/<partition>/<channel>` -> a channel's checkpoint (Channel.checkpoint:
+"confirmed", "confirmed_count", "next_read", "finished" and "attempts" as packed bytes,
+"paused", "delay_store"; a checkpoint written before the window was saved has only the first
+three and the flags, and reads as "no finished ranges").
 All keys live in one table, so one `flush` is one SQLite transaction: a crash
 leaves the previous state or the new one, never a mix. Ephemeral topics and
 channels are never stored.
+
+`put` and `delete` only note the change on the event loop (the last one of a key wins);
+`flush` pickles, writes and commits them in a worker thread, one flush at a time and in
+the order they were made.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import asyncio
 
 from sqlitedict import SqliteDict
+
+_DELETED = object()
 
 
 def topic_key(topic: str) -> str:
@@ -25,34 +34,82 @@ def channel_key(topic: str, partition: int, channel: str) -> str:
 class MetaStore:
     def __init__(self, path: str):
         self._db = SqliteDict(path, tablename="meta", autocommit=False)
+        self._pending: dict[str, object] = {}  # key -> value, or _DELETED
+        self._prefixes: list[str] = []  # delete_prefix calls not flushed yet (applied first)
+        self._lock = asyncio.Lock()
 
     def topics(self) -> dict[str, dict]:
         """Stored topics by name (read once at start)."""
-        return {k[len("topic/"):]: v for k, v in self._db.items() if k.startswith("topic/")}
+        return {k[len("topic/"):]: v for k, v in self._items("topic/").items()}
 
     def channels(self, topic: str) -> dict[tuple[int, str], dict]:
         prefix = f"channel/{topic}/"
         out = {}
-        for k, v in self._db.items():
+        for k, v in self._items(prefix).items():
+            partition, name = k[len(prefix):].split("/", 1)
+            out[(int(partition), name)] = v
+        return out
+
+    def _items(self, prefix: str) -> dict[str, object]:
+        """Stored items under `prefix`, with the changes not flushed yet."""
+        pending, prefixes = dict(self._pending), list(self._prefixes)
+        out = {k: v for k, v in self._db.items()
+               if k.startswith(prefix) and not any(k.startswith(p) for p in prefixes)}
+        for k, v in pending.items():
             if k.startswith(prefix):
-                partition, name = k[len(prefix):].split("/", 1)
-                out[(int(partition), name)] = v
+                if v is _DELETED:
+                    out.pop(k, None)
+                else:
+                    out[k] = v
         return out
 
     def put(self, key: str, value: dict) -> None:
-        self._db[key] = value
+        """Store `value` at the next flush. It must not change until then (pass a new one)."""
+        self._pending[key] = value
 
     def delete(self, key: str) -> None:
-        self._db.pop(key, None)
+        self._pending[key] = _DELETED
 
     def delete_prefix(self, prefix: str) -> None:
-        for k in [k for k in self._db.keys() if k.startswith(prefix)]:
-            del self._db[k]
+        for k in self._pending:
+            if k.startswith(prefix):
+                self._pending[k] = _DELETED
+        self._prefixes.append(prefix)
 
     async def flush(self) -> None:
-        """Commit what was put since the last flush (one transaction), off the event loop."""
-        await asyncio.to_thread(self._db.commit, True)
+        """Write and commit what was put since the last flush (one transaction), off the
+        event loop. When it fails, the changes stay pending for the next flush."""
+        async with self._lock:
+            batch, prefixes = self._pending, self._prefixes
+            self._pending, self._prefixes = {}, []
+            try:
+                await asyncio.to_thread(self._write, batch, prefixes)
+            except BaseException:
+                self._keep(batch, prefixes)
+                raise
+
+    def _keep(self, batch: dict[str, object], prefixes: list[str]) -> None:
+        """Put a failed flush's changes back under the newer ones."""
+        newer = self._prefixes
+        for k, v in batch.items():
+            if k not in self._pending and not any(k.startswith(p) for p in newer):
+                self._pending[k] = v
+        self._prefixes = prefixes + newer
+
+    def _write(self, batch: dict[str, object], prefixes: list[str]) -> None:
+        db = self._db
+        for prefix in prefixes:
+            for k in [k for k in db.keys() if k.startswith(prefix)]:
+                del db[k]
+        for k, v in batch.items():
+            if v is _DELETED:
+                db.pop(k, None)
+            else:
+                db[k] = v
+        db.commit(blocking=True)
 
     def close(self) -> None:
-        self._db.commit(blocking=True)
+        batch, prefixes = self._pending, self._prefixes
+        self._pending, self._prefixes = {}, []
+        self._write(batch, prefixes)
         self._db.close()

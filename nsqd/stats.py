@@ -193,7 +193,7 @@ def channel_partition_stats(c) -> dict:
     return {
         "partition": c.partition,
         "depth": max(0, c.depth),
-        "backend_depth": max(0, q.committed_count - cursor.next_count),
+        "backend_depth": max(0, c.backend_depth),
         "in_flight_count": c.in_flight_count,
         # classic meaning: messages waiting for a due time, here in memory or on disk
         "deferred_count": len(c.deferred) + (c.delay.waiting if c.delay is not None else 0),

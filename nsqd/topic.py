@@ -22,7 +22,7 @@ import structlog
 
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
-from .channel import Channel
+from .channel import Channel, SavedWindow
 
 log = structlog.get_logger("nsqd.topic")
 
@@ -74,10 +74,20 @@ class Partition:
         channel = Channel(self.topic, name, self.queue, state["confirmed"],
                           state["confirmed_count"], paused=state.get("paused", False),
                           delay_path=delay_folder(self.queue.path, name),
-                          delay_expected=state.get("delay_store", False), **settings)
+                          delay_expected=state.get("delay_store", False),
+                          saved=self._saved_window(name, state), **settings)
         self.channels[name] = channel
         channel.start()
         return channel
+
+    def _saved_window(self, name: str, state: dict) -> SavedWindow | None:
+        """The window a checkpoint saved; a damaged one is dropped (only duplicates follow)."""
+        try:
+            return SavedWindow.from_state(state)
+        except ValueError as e:
+            log.warning("saved_window_dropped", topic=self.topic.name, partition=self.number,
+                        channel=name, reason=str(e))
+            return None
 
     async def remove_channel(self, name: str) -> None:
         channel = self.channels.pop(name)
@@ -105,7 +115,7 @@ class Partition:
         q = self.queue
         if not self.channels:
             return q.committed_count - self.floor[1]
-        return q.committed_count - min(c.cursor.next_count for c in self.channels.values())
+        return min(c.backend_depth for c in self.channels.values())
 
 
 class Topic:
