@@ -200,8 +200,9 @@ class Channel:
         self.dirty = False
         d = self.delay
         c = self.cursor
+        ranges = c.ranges()
         if self._saved_finished[0] != c.changes:
-            self._saved_finished = (c.changes, c.finished.encode(MAX_SAVED_RANGES))
+            self._saved_finished = (c.changes, ranges.encode(MAX_SAVED_RANGES))
         return {"confirmed": c.confirmed, "confirmed_count": c.confirmed_count,
                 "next_read": c.next_read, "finished": self._saved_finished[1],
                 "attempts": self._saved_attempts(), "paused": self.paused,

@@ -6,18 +6,20 @@
   finished or not. Finished messages beyond the first unfinished one are the
   channel's "confirmed segments"; when the first unfinished message finishes,
   `confirmed` jumps to the next unfinished one (or to `next_read`).
-- `finished`: those confirmed segments as merged ranges, kept up to date on every
-  FIN, so a checkpoint saves them without a walk over the window. After a restart
-  the saved ranges are `ahead` of `next_read`: reading takes each one as finished
-  at once (`take_finished`), so its messages are not delivered again.
+- `ranges()`: those confirmed segments as merged ranges, for a checkpoint. A FIN beyond
+  the first unfinished message is only noted (`_late`); the notes are folded into the
+  ranges every FOLD_EVERY of them and when the ranges are asked for, so a checkpoint
+  never walks the window and a FIN stays a few list operations.
+- `ahead`: after a restart, the finished ranges the checkpoint saved beyond `next_read`.
+  Reading takes each one as finished at once (`take_finished`): its messages are not
+  delivered again.
 
 Invariants: the window's first slot is never finished; every slot not finished is
 in the window (`reset` marks the slots it forgets finished, so a late FIN of one is
-ignored); `finished` lists exactly the finished slots beyond the first unfinished one.
+ignored); `ranges()` lists exactly the finished slots beyond the first unfinished one.
 
 FINs mostly arrive in order, so popping finished slots from the front is
-amortised O(1) per message whatever the order; a FIN beyond a gap costs one
-binary search over the ranges.
+amortised O(1) per message whatever the order.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ import sys
 from array import array
 from bisect import bisect_right
 from collections import deque
+from operator import attrgetter
+
+FOLD_EVERY = 1024  # FINs beyond the gap noted before they are folded into the ranges
+_offset = attrgetter("offset")
 
 
 class Slot:
@@ -42,31 +48,34 @@ class Slot:
 
 def pack_u64(values) -> bytes:
     """Integers as little-endian 64-bit words (the checkpoint's compact form)."""
-    a = array("q", values)
+    a = values if isinstance(values, array) else array("q", values)
     if sys.byteorder == "big":
+        a = array("q", a)
         a.byteswap()
     return a.tobytes()
 
 
-def unpack_u64(data: bytes) -> list[int]:
+def unpack_u64(data: bytes) -> array:
+    """Raises ValueError when `data` is not whole 64-bit words."""
     a = array("q")
     a.frombytes(data)
     if sys.byteorder == "big":
         a.byteswap()
-    return a.tolist()
+    return a
 
 
 class Ranges:
     """Merged finished ranges in offset order: `bounds` = [start0, end0, start1, end1, ...]
     (offsets) and `counts` the same places as message counts (first message, one past the
     last), so a range holds counts[2i+1] - counts[2i] messages. Ranges never touch: an
-    unfinished message lies between two of them."""
+    unfinished message lies between two of them. Both are arrays of 64-bit integers, so a
+    checkpoint copies them out as they are."""
 
     __slots__ = ("bounds", "counts")
 
-    def __init__(self, bounds: list[int] | None = None, counts: list[int] | None = None):
-        self.bounds = bounds if bounds is not None else []
-        self.counts = counts if counts is not None else []
+    def __init__(self, bounds=(), counts=()):
+        self.bounds = array("q", bounds)
+        self.counts = array("q", counts)
 
     def __len__(self) -> int:
         return len(self.bounds) // 2
@@ -82,7 +91,8 @@ class Ranges:
     def beyond(self, offset: int, count: int) -> bool:
         """Whether every range lies past (`offset`, `count`), in order, none touching."""
         b, c = self.bounds, self.counts
-        return (len(b) == len(c) and all(x < y for x, y in zip([offset, *b], b))
+        return (len(b) == len(c) and len(b) % 2 == 0
+                and all(x < y for x, y in zip([offset, *b], b))
                 and all(x < y for x, y in zip([count, *c], c)))
 
     def add(self, start: int, end: int, start_count: int, end_count: int) -> None:
@@ -101,14 +111,16 @@ class Ranges:
             bounds[i] = start
             counts[i] = start_count
         else:
-            bounds[i:i] = (start, end)
-            counts[i:i] = (start_count, end_count)
+            bounds.insert(i, end)
+            bounds.insert(i, start)
+            counts.insert(i, end_count)
+            counts.insert(i, start_count)
 
     def encode(self, limit: int) -> bytes:
         """The first `limit` ranges as little-endian u64s: every bound offset, then every
         bound count."""
-        n = 2 * min(limit, len(self))
-        if n == len(self.bounds):
+        n = 2 * limit
+        if n >= len(self.bounds):
             return pack_u64(self.bounds) + pack_u64(self.counts)
         return pack_u64(self.bounds[:n]) + pack_u64(self.counts[:n])
 
@@ -126,7 +138,7 @@ class Cursor:
     def __init__(self, confirmed: int, confirmed_count: int, ahead: Ranges | None = None):
         """`ahead`: finished ranges a checkpoint saved beyond `confirmed` (a restart)."""
         self._window: deque[Slot] = deque()
-        self.changes = 0  # bumped whenever `finished` changes (a checkpoint re-encodes it)
+        self.changes = 0  # bumped whenever the ranges change (a checkpoint re-encodes them)
         self.reset(confirmed, confirmed_count)
         if ahead is not None and len(ahead):
             if not ahead.beyond(confirmed, confirmed_count):
@@ -141,7 +153,8 @@ class Cursor:
         self.confirmed = self.next_read = offset
         self.confirmed_count = self.next_count = count
         self._window = deque()
-        self.finished = Ranges()
+        self._finished = Ranges()  # folded finished ranges (some may be confirmed since)
+        self._late: list[Slot] = []  # finished beyond the gap, not folded yet
         self.changes += 1
         self.ahead: Ranges | None = None  # saved finished ranges not read yet (restart)
         self.ahead_count = 0  # messages in them
@@ -174,7 +187,7 @@ class Cursor:
         slot = Slot(start, end, start_count)
         slot.done = True
         self._window.append(slot)
-        self.finished.add(start, end, start_count, end_count)
+        self._finished.add(start, end, start_count, end_count)
         self.changes += 1
         return True
 
@@ -184,11 +197,11 @@ class Cursor:
             return  # finished already, or forgotten by `reset`
         slot.done = True
         window = self._window
-        if not window:
-            return
-        if window[0] is not slot:  # beyond the first unfinished message
-            self.finished.add(slot.offset, slot.end, slot.count, slot.count + 1)
-            self.changes += 1
+        if window[0] is not slot:  # beyond the first unfinished message (it is in the window)
+            late = self._late
+            late.append(slot)
+            if len(late) >= FOLD_EVERY:
+                self._fold()
             return
         while window and window[0].done:
             window.popleft()
@@ -198,10 +211,39 @@ class Cursor:
         else:
             self.confirmed = self.next_read
             self.confirmed_count = self.next_count
-        bounds = self.finished.bounds
-        if bounds and bounds[1] <= self.confirmed:  # the range after the gap is confirmed now
-            del bounds[:2], self.finished.counts[:2]
+
+    def _fold(self) -> None:
+        """Drop the ranges `confirmed` passed; add the noted FINs still beyond it, each run of
+        adjacent ones as one range."""
+        confirmed = self.confirmed
+        finished = self._finished
+        bounds = finished.bounds
+        dropped = 0
+        while dropped < len(bounds) and bounds[dropped + 1] <= confirmed:
+            dropped += 2
+        if dropped:
+            del bounds[:dropped], finished.counts[:dropped]
             self.changes += 1
+        late = [s for s in self._late if s.offset >= confirmed]
+        self._late = []
+        if not late:
+            return
+        late.sort(key=_offset)
+        add = finished.add
+        first = last = late[0]
+        for s in late[1:]:
+            if s.offset != last.end:
+                add(first.offset, last.end, first.count, last.count + 1)
+                first = s
+            last = s
+        add(first.offset, last.end, first.count, last.count + 1)
+        self.changes += 1
+
+    def ranges(self) -> Ranges:
+        """The finished ranges beyond `confirmed`, merged (read, do not change)."""
+        if self._late or (self._finished.bounds and self._finished.bounds[1] <= self.confirmed):
+            self._fold()
+        return self._finished
 
     @property
     def window_size(self) -> int:
@@ -214,4 +256,4 @@ class Cursor:
 
     def confirmed_segments(self) -> list[tuple[int, int]]:
         """Finished ranges beyond `confirmed`, merged: [(start, end), ...]."""
-        return self.finished.pairs()
+        return self.ranges().pairs()

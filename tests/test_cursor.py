@@ -80,7 +80,7 @@ def test_saved_ranges_skip_exactly_the_finished_messages_after_a_restart(sizes, 
     finished = data.draw(st.sets(st.integers(0, len(sizes) - 1)))
     for i in data.draw(st.permutations(sorted(finished))):
         before.finish(slots[i])
-    saved = Ranges.decode(before.finished.encode(limit=1 << 20))
+    saved = Ranges.decode(before.ranges().encode(limit=1 << 20))
     assert saved.pairs() == before.confirmed_segments()
     after = Cursor(before.confirmed, before.confirmed_count, saved)
     assert after.ahead_count == sum(1 for i in finished if slots[i].offset > before.confirmed)
@@ -110,7 +110,7 @@ def test_saved_ranges_are_bounded_and_past_the_bound_only_come_back():
     slots = take_all(cursor, [10] * 9, 0, 0)
     for i in (2, 4, 6, 8):  # ranges at messages 2, 4, 6, 8 beyond the gap at 0
         cursor.finish(slots[i])
-    saved = Ranges.decode(cursor.finished.encode(limit=2))
+    saved = Ranges.decode(cursor.ranges().encode(limit=2))
     assert saved.pairs() == [(20, 30), (40, 50)]
     assert Cursor(0, 0, saved).ahead_count == 2
 
