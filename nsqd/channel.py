@@ -101,6 +101,17 @@ def defer_until_ms(ext: bytes) -> int:
         return 0
 
 
+def _joined(taken: Ranges, ahead: Ranges | None) -> Ranges:
+    """The finished ranges read so far, then those still ahead (merged where they touch)."""
+    if ahead is None or not len(ahead):
+        return taken
+    bounds, counts = taken.bounds + ahead.bounds, taken.counts + ahead.counts
+    n = len(taken.bounds)
+    if n and bounds[n - 1] == bounds[n]:
+        del bounds[n - 1:n + 1], counts[n - 1:n + 1]
+    return Ranges(bounds, counts)
+
+
 class SavedWindow:
     """What a checkpoint saved of the window beyond `confirmed` (a restart reads it back):
     `ahead`, the finished ranges (the cursor skips them); `next_read`, where the window
@@ -196,22 +207,31 @@ class Channel:
         """The state to store: the cursor (`confirmed`; `next_read`; `finished`, the first
         MAX_SAVED_RANGES finished ranges beyond `confirmed` as packed u64s, re-encoded only
         when they changed), `attempts` of unfinished messages not delivered exactly once
-        (at most MAX_SAVED_ATTEMPTS, the highest), and the channel's flags."""
+        (at most MAX_SAVED_ATTEMPTS, the highest), and the channel's flags. What a restart
+        brought back and reading has not passed yet is saved again with it."""
         self.dirty = False
         d = self.delay
         c = self.cursor
+        if c.ahead is not None and not c.window_size:
+            c.take_finished()  # when it starts at `confirmed`, it is confirmed (reading skips it)
         ranges = c.ranges()
-        if self._saved_finished[0] != c.changes:
-            self._saved_finished = (c.changes, ranges.encode(MAX_SAVED_RANGES))
+        saved = self.saved
+        if saved is not None:
+            finished = _joined(ranges, c.ahead).encode(MAX_SAVED_RANGES)
+            next_read = max(c.next_read, saved.next_read)
+        else:
+            if self._saved_finished[0] != c.changes:
+                self._saved_finished = (c.changes, ranges.encode(MAX_SAVED_RANGES))
+            finished, next_read = self._saved_finished[1], c.next_read
         return {"confirmed": c.confirmed, "confirmed_count": c.confirmed_count,
-                "next_read": c.next_read, "finished": self._saved_finished[1],
+                "next_read": next_read, "finished": finished,
                 "attempts": self._saved_attempts(), "paused": self.paused,
                 "delay_store": d is not None and (d.store is not None or d.expected)}
 
     def _saved_attempts(self) -> bytes:
         """Offsets, then attempts, of the unfinished log messages whose attempts are not 1:
-        put back ones (REQ, timeout, disconnect) and ones read but never delivered. A message
-        in flight that is not listed was delivered once."""
+        put back ones (REQ, timeout, disconnect), ones read but never delivered, and saved
+        ones not read again yet. A message in flight that is not listed was delivered once."""
         put_back = self.put_back
         if any(m.done for m in put_back.values()):
             put_back = self.put_back = {o: m for o, m in put_back.items() if not m.done}
@@ -219,6 +239,9 @@ class Channel:
         for m in self.requeued:
             if m.attempts == 0 and not m.delayed:
                 saved[m.offset] = 0
+        if self.saved is not None:
+            next_read = self.cursor.next_read
+            saved.update((o, a) for o, a in self.saved.attempts.items() if o >= next_read)
         if not saved:
             return b""
         items = (sorted(saved.items()) if len(saved) <= MAX_SAVED_ATTEMPTS else
@@ -328,8 +351,8 @@ class Channel:
                         held += 1
                         continue
                     msgs.append(msg)
-                if saved is not None and cursor.ahead is None and (
-                        cursor.next_read >= saved.next_read):
+                if saved is not None and cursor.ahead is None and (  # past the saved window
+                        self._reader.offset >= cursor.next_read >= saved.next_read):
                     self.saved = None
                 self.dirty = True
             if msgs:
