@@ -130,3 +130,41 @@ async def test_a_checkpoint_without_a_window_is_read_as_no_finished_ranges(tmp_p
         await conn.close()
     finally:
         proc.kill()
+
+
+async def test_a_dpub_not_due_keeps_attempts_0_across_kill_9(tmp_path):
+    """A deferred message read into the window but never delivered is not counted as
+    delivered after a crash; the in-flight message before it is (attempts 2)."""
+    proc = NsqdProcess(str(tmp_path / "n"), "--checkpoint-interval", "100ms").start()
+    try:
+        consumer = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await consumer.sub("t", "c", rdy=10)
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await pub.pub("t", b"head")
+        await pub.dpub("t", 4000, b"later")
+        await pub.pub("t", b"done")
+        await pub.close()
+        got = {}
+        while len(got) < 2:
+            msg = await asyncio.wait_for(consumer.messages.get(), 10)
+            got[msg.body] = msg
+        assert set(got) == {b"head", b"done"}
+        got[b"done"].fin()  # "head" stays in flight; "later" waits in memory
+        await asyncio.sleep(0.5)
+        proc.kill()
+        await consumer.close()
+        proc.start()
+        again = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await again.sub("t", "c", rdy=10)
+        back = []
+        try:
+            while True:
+                msg = await asyncio.wait_for(again.messages.get(), 6)
+                back.append((msg.body, msg.attempts))
+                msg.fin()
+        except asyncio.TimeoutError:
+            pass
+        assert back == [(b"head", 2), (b"later", 1)]
+        await again.close()
+    finally:
+        proc.kill()
