@@ -1,0 +1,47 @@
+"""MetaStore: changes noted on the loop, written in order by one flush (one transaction)."""
+
+import asyncio
+
+from nsqd.metastore import MetaStore
+
+
+async def test_a_flush_writes_the_changes_in_the_order_they_were_made(tmp_path):
+    path = str(tmp_path / "meta.sqlite")
+    meta = MetaStore(path)
+    meta.put("topic/t", {"partitions": [0]})
+    meta.put("channel/t/0/old", {"confirmed": 1})
+    await meta.flush()
+    meta.put("channel/t/0/a", {"confirmed": 2})
+    meta.delete_prefix("channel/t/")  # removes old and a
+    meta.put("channel/t/0/b", {"confirmed": 3, "finished": b"\x01" * 32})  # made after: kept
+    meta.put("channel/t/0/b", {"confirmed": 4, "finished": b"\x02" * 32})  # the last one wins
+    assert meta.channels("t") == {(0, "b"): {"confirmed": 4, "finished": b"\x02" * 32}}
+    await asyncio.gather(meta.flush(), meta.flush())  # one at a time
+    meta.close()
+    again = MetaStore(path)
+    assert again.topics() == {"t": {"partitions": [0]}}
+    assert again.channels("t") == {(0, "b"): {"confirmed": 4, "finished": b"\x02" * 32}}
+    again.close()
+
+
+async def test_a_failed_flush_keeps_its_changes_under_newer_ones(tmp_path):
+    meta = MetaStore(str(tmp_path / "meta.sqlite"))
+    meta.put("channel/t/0/c", {"confirmed": 1})
+    meta.put("channel/t/0/d", {"confirmed": 1})
+    real = meta._write
+
+    def failing(batch, prefixes):
+        meta.put("channel/t/0/c", {"confirmed": 2})  # made while the flush ran
+        raise OSError("disk full")
+
+    meta._write = failing
+    try:
+        await meta.flush()
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the failure must reach the caller")
+    meta._write = real
+    await meta.flush()
+    assert meta.channels("t") == {(0, "c"): {"confirmed": 2}, (0, "d"): {"confirmed": 1}}
+    meta.close()
