@@ -139,8 +139,8 @@ class Channel:
         self._task = asyncio.get_running_loop().create_task(self._pump())
         self.queue.commit_listeners.append(self.wake)
 
-    async def close(self, delete: bool = False) -> None:
-        """Stop delivering; write what the delay store still has pending (or delete it)."""
+    async def close(self) -> None:
+        """Stop delivering; write what the delay store still has pending."""
         self._closed = True
         self._wake.set()
         if self.wake in self.queue.commit_listeners:
@@ -149,7 +149,7 @@ class Channel:
             await self._task
         self._reader.close()
         if self.delay is not None:
-            await self.delay.close(delete)
+            await self.delay.close()
 
     def wake(self) -> None:
         self._wake.set()
