@@ -23,7 +23,8 @@ from .channel import Channel
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
-from .topic import TOMBSTONE, Topic, buried_path, remove_grave, sync_policy, topic_folder
+from .topic import (TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy,
+                    topic_folder)
 
 log = structlog.get_logger("nsqd")
 
@@ -226,9 +227,13 @@ class NSQD:
             if p is None or channel_name not in p.channels:
                 return False
             self._disconnect_clients(p.channels[channel_name])
-            grave = await p.remove_channel(channel_name)
-            self.meta.delete(channel_key(topic_name, p.number, channel_name))
+            folder = await p.remove_channel(channel_name)
+            # The partition's new floor first (unused while the channel is stored), so a
+            # delete finished by start() leaves the floor a normal delete would.
             self._store_topic(topic)
+            await self.meta.flush()
+            grave = await asyncio.to_thread(bury, folder)
+            self.meta.delete(channel_key(topic_name, p.number, channel_name))
             await self.meta.flush()
             # Within the lock: a channel made again may have no store folder, and start()
             # must not take it for the one this tombstone was.

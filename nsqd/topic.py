@@ -110,14 +110,14 @@ class Partition:
         channel.start()
         return channel
 
-    async def remove_channel(self, name: str) -> str | None:
-        """Close a channel and bury its delay store folder; return the tombstone (None: it had
-        no store). The caller forgets the channel's metadata, then removes the tombstone."""
+    async def remove_channel(self, name: str) -> str:
+        """Close a channel and forget it; return its delay store folder, which the caller
+        buries (see bury) once the partition's new floor is stored."""
         channel = self.channels.pop(name)
         await channel.close()
         if not self.channels:
             self._floor = (self.queue.committed_end, self.queue.committed_count)
-        return await asyncio.to_thread(bury, delay_folder(self.queue.path, name))
+        return delay_folder(self.queue.path, name)
 
     async def empty(self) -> None:
         """Classic topic empty: drop what the partition holds for channels that do not exist
