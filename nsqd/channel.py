@@ -122,6 +122,7 @@ class Channel:
         self.delay = (ChannelDelay(delay_path, self._stored, self._given_back,
                                    expected=delay_expected) if delay_path else None)
         self._rr = 0
+        self._undeferred_at = -1  # offset of a record known not to be a deferred publish
         self._wake = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
@@ -180,6 +181,7 @@ class Channel:
         if self.delay is not None:
             await self.delay.open()
             self.dirty = True  # the checkpoint now records that the channel has a store
+        self._wake.set()  # deferred publishes at the head count as deferred from the start
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -213,6 +215,7 @@ class Channel:
                 if room > 0 and c.writable:
                     capacity += room
             if not capacity:
+                await self._hold_deferred_ahead()
                 return
             msgs = []
             requeued = self.requeued
@@ -233,28 +236,57 @@ class Channel:
             held = 0
             if room > 0:
                 self.error = None
-                records = await self._reader.read(room)
-                delay = self.delay
-                in_store = (await delay.holding(records)  # only after a restart, briefly
-                            if delay is not None and records
-                            and records[0].offset <= delay.max_origin else ())
-                take = self.cursor.take
-                for rec in records:
-                    msg = Message(rec)
-                    take(msg)
-                    if in_store and msg.msg_id in in_store:  # moved there before a crash
-                        self.cursor.finish(msg)
-                        held += 1
-                        continue
-                    if rec.ext and self._defer_if_due_later(msg):
-                        held += 1
-                        continue
-                    msgs.append(msg)
-                self.dirty = True
+                held = await self._take(await self._reader.read(room), msgs)
             if msgs:
                 self._distribute(msgs)
             elif not held:  # nothing to hand out, and nothing read that was kept back
                 return
+
+    async def _take(self, records, out: list) -> int:
+        """Take records read from the log: to `out` the ones to deliver now; the rest are
+        held (deferred, or already in the delay store). Returns how many were held."""
+        held = 0
+        delay = self.delay
+        in_store = (await delay.holding(records)  # only after a restart, briefly
+                    if delay is not None and records
+                    and records[0].offset <= delay.max_origin else ())
+        take = self.cursor.take
+        for rec in records:
+            msg = Message(rec)
+            take(msg)
+            if in_store and msg.msg_id in in_store:  # moved there before a crash
+                self.cursor.finish(msg)
+                held += 1
+                continue
+            if rec.ext and self._defer_if_due_later(msg):
+                held += 1
+                continue
+            out.append(msg)
+        self.dirty = True
+        return held
+
+    async def _hold_deferred_ahead(self) -> None:
+        """No client has room: still take the deferred publishes (DPUB) at the head of the
+        unread log that are not due yet, as classic nsqd defers a DPUB in its channels at
+        once, so they count in `deferred_count`, not in `depth`. It stops at the first
+        other record and leaves it unread (`_undeferred_at`): a message that waits for a
+        client is never held in memory for it."""
+        reader = self._reader
+        while reader.offset != self._undeferred_at and not self.topic.paused:
+            room = min(self.read_batch, self.max_window - self.cursor.window_size)
+            records = await reader.read(room) if room > 0 else []
+            if not records:
+                return
+            now_ms = self.clock() * 1000
+            k = 0
+            while k < len(records) and records[k].ext and defer_until_ms(records[k].ext) > now_ms:
+                k += 1
+            if k < len(records):
+                self._undeferred_at = records[k].offset
+                reader.seek(self._undeferred_at)
+            due_now: list[Message] = []  # came due since the check above
+            await self._take(records[:k], due_now)
+            self.requeued.extend(due_now)
 
     def _defer_if_due_later(self, msg: Message) -> bool:
         """A DPUB's message read before it is due: held in memory when due soon, moved to
