@@ -141,8 +141,11 @@ async def test_kill_during_channel_delete_leaves_it_gone_or_whole(tmp_path):
             slow = channel_stats(proc, "t", "slow")
             if slow is None:
                 deleted += 1
-            else:
-                part = slow["partitions"][0]
+            else:  # its delay store opens in the background: give it a moment
+                deadline = time.monotonic() + 5
+                while (part := channel_stats(proc, "t", "slow")["partitions"][0])[
+                        "delayed_count"] != 20 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
                 assert part["delayed_count"] == 20 and not part["error"], (trial, part)
             delay = os.path.join(proc.data_path, "t.topic", "0", "delay")
             leftovers = [n for n in os.listdir(delay) if not n.endswith(".channel")]
