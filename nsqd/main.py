@@ -47,8 +47,8 @@ async def serve(options) -> None:
     try:
         await nsqd.start()
     except OSError as e:
-        if e.errno not in _LISTEN_ERRORS:
-            raise
+        if e.errno not in _LISTEN_ERRORS or "bind" not in str(e):
+            raise  # not a listener (a data path we may not write is its own error)
         flag, address = (("--tcp-address", options.tcp_address) if nsqd.tcp_server is None
                          else ("--http-address", options.http_address))
         raise StartError(f"cannot listen on {address} ({flag}): "
