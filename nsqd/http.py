@@ -32,12 +32,8 @@ Ours, beyond classic:
   when a body exceeds what one record can hold.
 - A body that cannot be read (truncated chunked body) is 400 `BAD_BODY` (classic:
   500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
-- A half-close ends what the client sends, not what it reads (`_Connection`): a body
-  cut short by it is 400 `BAD_BODY`, and the request in progress (or the next one
-  already received) is answered before the connection closes; requests pipelined
-  behind that one are not. A malformed request (aiohttp's parser refuses it with a
-  plain-text 400, as Go's net/http does) costs one log line, `http_bad_request`,
-  never a traceback.
+- A half-close ends what the client sends, not what it reads, and a malformed request
+  costs one log line, never a traceback (httpconn.py).
 - /mpub parses the body before it creates the topic (classic creates it first), so
   a refused /mpub leaves no new topic behind; the errors and their order are classic.
 - /topic/empty empties what the topic holds for channels that do not exist yet
@@ -62,12 +58,12 @@ from urllib.parse import unquote_to_bytes
 
 import structlog
 from aiohttp import ClientError, web
-from aiohttp.http_exceptions import HttpProcessingError, PayloadEncodingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import HttpProcessingError
 
 from diskqueue.queue import QueueClosedError
 
 from . import metrics, stats
+from .httpconn import Server
 from .channel import defer_ext
 from .nsqd import NameError_
 from .options import _DURATIONS, parse_duration_ms
@@ -670,58 +666,9 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
     return respond(200, data)
 
 
-class _Connection(RequestHandler):
-    """aiohttp's HTTP/1.1 connection, with a client's half-close and malformed requests
-    handled as the module docstring says. (It leans on aiohttp 3's connection internals,
-    `_messages` and `_close`; tests/test_http.py pins the behaviour.)"""
-
-    received: web.BaseRequest | None = None  # the request made last (see _Server)
-    answered = True  # ... and whether its answer went out
-
-    def eof_received(self) -> bool:
-        waiting = [payload for _, payload in self._messages]
-        if not self.answered:
-            waiting.append(self.received.content)
-        if not waiting:
-            return False  # nothing to answer: close
-        for payload in waiting:
-            if not payload.is_eof():
-                payload.set_exception(PayloadEncodingError(
-                    "the client closed its side before the end of the body"))
-        self._close = True  # answer, then close (aiohttp's close() would drop the answer)
-        return True  # keep the transport open for writing
-
-    async def finish_response(self, request, resp, start_time):
-        try:
-            return await super().finish_response(request, resp, start_time)
-        finally:
-            self.answered = True
-
-    def log_exception(self, message: str, *args, exc_info=None, **kw) -> None:
-        """aiohttp's own reports, above all a parser's refusal: one line, no traceback."""
-        event = ("http_bad_request" if isinstance(exc_info, HttpProcessingError)
-                 else "http_server_error")
-        if isinstance(exc_info, BaseException):
-            text = getattr(exc_info, "message", None) or str(exc_info)
-            error = f"{type(exc_info).__name__}: {' '.join(str(text).split())}"[:200]
-        else:
-            error = message % args
-        log.warning(event, error=error)
-
-
-class _Server(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _Connection(self, loop=self._loop, **self._kwargs)
-
-    def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
-        request = super()._make_request(message, payload, protocol, writer, task)
-        protocol.received, protocol.answered = request, False
-        return request
-
-
 async def start_http(nsqd):
     stats.install_gc_timer()
-    runner = web.ServerRunner(_Server(functools.partial(dispatch, nsqd), access_log=None))
+    runner = web.ServerRunner(Server(functools.partial(dispatch, nsqd), access_log=None))
     await runner.setup()
     host, port = nsqd.options.http_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True)
