@@ -175,7 +175,8 @@ async def test_start_finishes_a_half_done_delete(tmp_path):
         data = proc.data_path
         os.rename(os.path.join(data, "doomed.topic"), os.path.join(data, "doomed.topic.1.deleted"))
         delay = os.path.join(data, "t.topic", "0", "delay")
-        os.rename(os.path.join(delay, "slow.channel"), os.path.join(delay, "slow.channel.1.deleted"))
+        os.rename(os.path.join(delay, "slow.channel"),
+                  os.path.join(delay, "slow.channel.1.deleted"))
         proc.start()
         assert "doomed" not in stats(proc)
         assert channel_stats(proc, "t", "slow") is None
