@@ -91,7 +91,7 @@ async def test_kill_during_topic_delete_never_stops_the_node(tmp_path):
         deleted = kept = 0
         for trial in range(10):
             if "doomed" not in stats(proc):
-                await fill(proc, "doomed", 40)  # about 4 MB: 120 segments
+                await fill(proc, "doomed", 24)  # about 2.4 MB: 75 segments
                 conn = await Connection("127.0.0.1", proc.tcp_port).connect()
                 await conn.sub("doomed", "c", rdy=0)
                 await conn.close()
