@@ -171,6 +171,7 @@ class Channel:
         self.delay = (ChannelDelay(delay_path, self._stored, self._given_back,
                                    expected=delay_expected) if delay_path else None)
         self._rr = 0
+        self._undeferred_at = -1  # offset of a record known not to be a deferred publish
         self._wake = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
@@ -188,8 +189,8 @@ class Channel:
         self._task = asyncio.get_running_loop().create_task(self._pump())
         self.queue.commit_listeners.append(self.wake)
 
-    async def close(self, delete: bool = False) -> None:
-        """Stop delivering; write what the delay store still has pending (or delete it)."""
+    async def close(self) -> None:
+        """Stop delivering; write what the delay store still has pending."""
         self._closed = True
         self._wake.set()
         if self.wake in self.queue.commit_listeners:
@@ -198,7 +199,7 @@ class Channel:
             await self._task
         self._reader.close()
         if self.delay is not None:
-            await self.delay.close(delete)
+            await self.delay.close()
 
     def wake(self) -> None:
         self._wake.set()
@@ -267,6 +268,7 @@ class Channel:
         if self.delay is not None:
             await self.delay.open()
             self.dirty = True  # the checkpoint now records that the channel has a store
+        self._wake.set()  # deferred publishes at the head count as deferred from the start
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -300,6 +302,7 @@ class Channel:
                 if room > 0 and c.writable:
                     capacity += room
             if not capacity:
+                await self._hold_deferred_ahead()
                 return
             msgs = []
             requeued = self.requeued
@@ -320,45 +323,74 @@ class Channel:
             held = 0
             if room > 0:
                 self.error = None
-                records = await self._reader.read(room)
-                delay = self.delay
-                in_store = (await delay.holding(records)  # only after a restart, briefly
-                            if delay is not None and records
-                            and records[0].offset <= delay.max_origin else ())
-                cursor = self.cursor
-                take = cursor.take
-                saved = self.saved
-                for rec in records:
-                    if saved is not None:  # after a restart: skip, or carry attempts on
-                        if rec.offset < cursor.next_read or (
-                                cursor.ahead is not None and cursor.take_finished()):
-                            held += 1  # in a finished range the checkpoint saved
-                            continue
-                        msg = Message(rec)
-                        take(msg)
-                        if self._resume(msg, in_store):
-                            held += 1
-                        else:
-                            msgs.append(msg)
-                        continue
-                    msg = Message(rec)
-                    take(msg)
-                    if in_store and msg.msg_id in in_store:  # moved there before a crash
-                        cursor.finish(msg)
-                        held += 1
-                        continue
-                    if rec.ext and self._defer_if_due_later(msg):
-                        held += 1
-                        continue
-                    msgs.append(msg)
-                if saved is not None and cursor.ahead is None and (  # past the saved window
-                        self._reader.offset >= cursor.next_read >= saved.next_read):
-                    self.saved = None
-                self.dirty = True
+                held = await self._take(await self._reader.read(room), msgs)
             if msgs:
                 self._distribute(msgs)
             elif not held:  # nothing to hand out, and nothing read that was kept back
                 return
+
+    async def _take(self, records, out: list) -> int:
+        """Take records read from the log: to `out` the ones to deliver now; the rest are
+        held (deferred, or already in the delay store). Returns how many were held."""
+        held = 0
+        delay = self.delay
+        in_store = (await delay.holding(records)  # only after a restart, briefly
+                    if delay is not None and records
+                    and records[0].offset <= delay.max_origin else ())
+        cursor = self.cursor
+        take = cursor.take
+        saved = self.saved
+        for rec in records:
+            if saved is not None:  # after a restart: skip, or carry attempts on
+                if rec.offset < cursor.next_read or (
+                        cursor.ahead is not None and cursor.take_finished()):
+                    held += 1  # in a finished range the checkpoint saved
+                    continue
+                msg = Message(rec)
+                take(msg)
+                if self._resume(msg, in_store):
+                    held += 1
+                else:
+                    out.append(msg)
+                continue
+            msg = Message(rec)
+            take(msg)
+            if in_store and msg.msg_id in in_store:  # moved there before a crash
+                cursor.finish(msg)
+                held += 1
+                continue
+            if rec.ext and self._defer_if_due_later(msg):
+                held += 1
+                continue
+            out.append(msg)
+        if saved is not None and cursor.ahead is None and (  # past the saved window
+                self._reader.offset >= cursor.next_read >= saved.next_read):
+            self.saved = None
+        self.dirty = True
+        return held
+
+    async def _hold_deferred_ahead(self) -> None:
+        """No client has room: still take the deferred publishes (DPUB) at the head of the
+        unread log that are not due yet, as classic nsqd defers a DPUB in its channels at
+        once, so they count in `deferred_count`, not in `depth`. It stops at the first
+        other record and leaves it unread (`_undeferred_at`): a message that waits for a
+        client is never held in memory for it."""
+        reader = self._reader
+        while reader.offset != self._undeferred_at and not self.topic.paused:
+            room = min(self.read_batch, self.max_window - self.cursor.window_size)
+            records = await reader.read(room) if room > 0 else []
+            if not records:
+                return
+            now_ms = self.clock() * 1000
+            k = 0
+            while k < len(records) and records[k].ext and defer_until_ms(records[k].ext) > now_ms:
+                k += 1
+            if k < len(records):
+                self._undeferred_at = records[k].offset
+                reader.seek(self._undeferred_at)
+            due_now: list[Message] = []  # came due since the check above
+            await self._take(records[:k], due_now)
+            self.requeued.extend(due_now)
 
     def _resume(self, msg: Message, in_store) -> bool:
         """A message read again after a restart, not in a saved finished range: give it the

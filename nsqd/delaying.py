@@ -190,20 +190,13 @@ class ChannelDelay:
         self._refresh(*await asyncio.to_thread(self.store.stats))
         return moved
 
-    async def close(self, delete: bool = False) -> None:
-        """Write what is pending, then close (and remove the folder when `delete`)."""
+    async def close(self) -> None:
+        """Write what is pending, then close. (Deleting a channel buries the closed store's
+        folder: Partition.remove_channel.)"""
         self._closed = True
         self._pending.set()
         if self._flusher is not None:
             await self._flusher
         if self.store is not None:
-            await asyncio.to_thread(self.store.delete if delete else self.store.close)
+            await asyncio.to_thread(self.store.close)
             self.store = None
-        elif delete and os.path.isdir(self.path):
-            await asyncio.to_thread(_remove_tree, self.path)
-
-
-def _remove_tree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

@@ -32,6 +32,8 @@ Ours, beyond classic:
   when a body exceeds what one record can hold.
 - A body that cannot be read (truncated chunked body) is 400 `BAD_BODY` (classic:
   500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
+- A half-close ends what the client sends, not what it reads, and a malformed request
+  costs one log line, never a traceback (httpconn.py).
 - /mpub parses the body before it creates the topic (classic creates it first), so
   a refused /mpub leaves no new topic behind; the errors and their order are classic.
 - /topic/empty empties what the topic holds for channels that do not exist yet
@@ -49,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import functools
 import re
 import socket
 from urllib.parse import unquote_to_bytes
@@ -60,6 +63,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from diskqueue.queue import QueueClosedError
 
 from . import metrics, stats
+from .httpconn import Server
 from .channel import defer_ext
 from .nsqd import NameError_
 from .options import _DURATIONS, parse_duration_ms
@@ -68,7 +72,6 @@ from .topic import PartitionNotFound
 
 log = structlog.get_logger("nsqd.http")
 
-NSQD_KEY = web.AppKey("nsqd", object)
 _V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _BAD_ESCAPE = re.compile(r"%(?![0-9a-fA-F]{2})")
@@ -630,8 +633,7 @@ def _allowed(path: str) -> tuple[str, ...] | None:
     return tuple(methods) if methods else None
 
 
-async def dispatch(request: web.Request) -> web.StreamResponse:
-    nsqd = request.app[NSQD_KEY]
+async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
     respond = respond_v1
     if nsqd.options.http_legacy_envelope and "version=1.0" not in request.headers.get(
             "Accept", ""):
@@ -666,10 +668,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
 async def start_http(nsqd):
     stats.install_gc_timer()
-    app = web.Application()
-    app[NSQD_KEY] = nsqd
-    app.router.add_route("*", "/{tail:.*}", dispatch)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.ServerRunner(Server(functools.partial(dispatch, nsqd), access_log=None))
     await runner.setup()
     host, port = nsqd.options.http_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True)

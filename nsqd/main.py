@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import os
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from .logs import configure
-from .nsqd import NSQD
+from .nsqd import NSQD, VERSION
 from .options import from_args
+
+_LISTEN_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+
+
+class StartError(Exception):
+    """A start-up failure the operator fixes (a port in use): one line, no traceback."""
+
+
+def version_line() -> str:
+    """What `nsqd --version` prints: the classic version we speak, then ours."""
+    try:
+        ours = version("durable-nsq")
+    except PackageNotFoundError:
+        ours = "unknown"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return f"nsqd v{VERSION} (durable-nsq {ours}, python {python})"
 
 
 def tune_gc() -> None:
@@ -25,7 +44,15 @@ def tune_gc() -> None:
 
 async def serve(options) -> None:
     nsqd = NSQD(options)
-    await nsqd.start()
+    try:
+        await nsqd.start()
+    except OSError as e:
+        if e.errno not in _LISTEN_ERRORS or "bind" not in str(e):
+            raise  # not a listener (a data path we may not write is its own error)
+        flag, address = (("--tcp-address", options.tcp_address) if nsqd.tcp_server is None
+                         else ("--http-address", options.http_address))
+        raise StartError(f"cannot listen on {address} ({flag}): "
+                         f"{os.strerror(e.errno).lower()}") from None
     tune_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -37,7 +64,7 @@ async def serve(options) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        options = from_args(argv)
+        options = from_args(argv, version_line())
     except ValueError as e:
         print(f"nsqd: {e}", file=sys.stderr)
         return 2
@@ -45,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(options))
+        run = asyncio.run
     else:
-        uvloop.run(serve(options))
+        run = uvloop.run
+    try:
+        run(serve(options))
+    except StartError as e:
+        print(f"nsqd: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,7 +23,8 @@ from .channel import Channel
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
-from .topic import Topic, sync_policy, topic_folder
+from .topic import (TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy,
+                    topic_folder)
 
 log = structlog.get_logger("nsqd")
 
@@ -33,6 +34,28 @@ SCAN_INTERVAL = 0.1
 
 class NameError_(ValueError):
     """A topic or channel name that NSQ refuses."""
+
+
+def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | None]]:
+    """(tombstone, topic, partition, channel) of every buried topic folder and channel delay
+    store under `data_path` (see topic.bury); partition and channel are None for a topic."""
+    out = []
+    for entry in os.scandir(data_path):
+        if entry.name.endswith(TOMBSTONE):
+            name = os.path.basename(buried_path(entry.path))
+            if name.endswith(".topic"):
+                out.append((entry.path, name[:-len(".topic")], None, None))
+        elif entry.name.endswith(".topic") and entry.is_dir():
+            for part in os.scandir(entry.path):
+                delay = os.path.join(part.path, "delay")
+                if not part.name.isdigit() or not os.path.isdir(delay):
+                    continue
+                for store in os.scandir(delay):
+                    name = os.path.basename(buried_path(store.path))
+                    if store.name.endswith(TOMBSTONE) and name.endswith(".channel"):
+                        out.append((store.path, entry.name[:-len(".topic")], int(part.name),
+                                    name[:-len(".channel")]))
+    return out
 
 
 class NSQD:
@@ -75,6 +98,7 @@ class NSQD:
     async def start(self) -> None:
         os.makedirs(self.options.data_path, exist_ok=True)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
+        await self._finish_deletes()
         for name, state in (await asyncio.to_thread(self.meta.topics)).items():
             await self._open_topic(name, state)
         from .http import start_http
@@ -147,53 +171,98 @@ class NSQD:
 
     async def get_channel(self, topic_name: str, channel_name: str,
                           partition: int | None = None, create: bool = True) -> Channel | None:
-        topic = await self.get_topic(topic_name, create)
-        if topic is None:
-            return None
-        p = topic.partition(partition)
-        if p is None:
-            return None
-        channel = p.channels.get(channel_name)
-        if channel is None and create:
+        while True:
+            topic = await self.get_topic(topic_name, create)
+            if topic is None:
+                return None
+            p = topic.partition(partition)
+            if p is None:
+                return None
+            channel = p.channels.get(channel_name)
+            if channel is not None or not create:
+                return channel
             if not valid_channel_name(channel_name):
                 raise NameError_(channel_name)
-            channel = p.add_channel(channel_name, None, **self.channel_settings())
-            self._store_channel(channel)
-            # On disk before SUB's OK: a channel lost in a crash would come back starting at
-            # the topic's end, past what was published for it in between.
-            await self.meta.flush()
-            log.info("channel_created", topic=topic_name, partition=p.number,
-                     channel=channel_name)
-        return channel
+            async with self._create_lock:  # waits for a delete of this channel or topic
+                if self.topics.get(topic_name) is not topic:
+                    continue  # deleted meanwhile: the channel goes to its successor
+                channel = p.channels.get(channel_name)
+                if channel is None:
+                    channel = p.add_channel(channel_name, None, **self.channel_settings())
+                    self._store_channel(channel)
+                    # On disk before SUB's OK: a channel lost in a crash would come back
+                    # starting at the topic's end, past what was published for it in between.
+                    await self.meta.flush()
+                    log.info("channel_created", topic=topic_name, partition=p.number,
+                             channel=channel_name)
+                return channel
+
+    # A delete is crash-safe at every point and never shares files with what is made after
+    # it: under the create lock, close, bury the folder (rename to a tombstone, fsync the
+    # parent), forget the metadata (flushed), then remove the tombstone. A crash before the
+    # rename leaves it whole; after it, start() finishes it (_finish_deletes). A topic or
+    # channel of the same name made later waits for the lock and gets a fresh folder.
 
     async def delete_topic(self, name: str) -> bool:
-        topic = self.topics.pop(name, None)
-        if topic is None:
-            return False
-        for c in topic.channels():
-            self._disconnect_clients(c)
-        await topic.delete_files()
-        self.meta.delete(topic_key(name))
-        self.meta.delete_prefix(f"channel/{name}/")
-        await self.meta.flush()
+        async with self._create_lock:
+            topic = self.topics.pop(name, None)
+            if topic is None:
+                return False
+            for c in topic.channels():
+                self._disconnect_clients(c)
+            grave = await topic.close_and_bury()
+            self.meta.delete(topic_key(name))
+            self.meta.delete_prefix(f"channel/{name}/")
+            await self.meta.flush()
         log.info("topic_deleted", topic=name)
+        if grave is not None:  # a big topic: after the lock, so publishers need not wait
+            await asyncio.to_thread(remove_grave, grave)
         return True
 
     async def delete_channel(self, topic_name: str, channel_name: str,
                              partition: int | None = None) -> bool:
-        topic = self.topics.get(topic_name)
-        p = topic.partition(partition) if topic else None
-        if p is None or channel_name not in p.channels:
-            return False
-        self._disconnect_clients(p.channels[channel_name])
-        await p.remove_channel(channel_name)
-        self.meta.delete(channel_key(topic_name, p.number, channel_name))
-        self._store_topic(topic)
-        await self.meta.flush()
+        async with self._create_lock:
+            topic = self.topics.get(topic_name)
+            p = topic.partition(partition) if topic else None
+            if p is None or channel_name not in p.channels:
+                return False
+            self._disconnect_clients(p.channels[channel_name])
+            folder = await p.remove_channel(channel_name)
+            # The partition's new floor first (unused while the channel is stored), so a
+            # delete finished by start() leaves the floor a normal delete would.
+            self._store_topic(topic)
+            await self.meta.flush()
+            grave = await asyncio.to_thread(bury, folder)
+            self.meta.delete(channel_key(topic_name, p.number, channel_name))
+            await self.meta.flush()
+            # Within the lock: a channel made again may have no store folder, and start()
+            # must not take it for the one this tombstone was.
+            if grave is not None:
+                await asyncio.to_thread(remove_grave, grave)
         log.info("channel_deleted", topic=topic_name, partition=p.number, channel=channel_name)
         if topic.ephemeral and not any(True for _ in topic.channels()):
             await self.delete_topic(topic_name)
         return True
+
+    async def _finish_deletes(self) -> None:
+        """At start, before any topic opens: a tombstone whose topic or channel is still in
+        the metadata while nothing is under its name is a delete a crash interrupted:
+        forget the metadata (flushed); then remove every tombstone."""
+        graves = await asyncio.to_thread(find_tombstones, self.options.data_path)
+        if not graves:
+            return
+        for grave, topic, partition, channel in graves:
+            if os.path.exists(buried_path(grave)):
+                continue  # made again after the delete: the tombstone is all that is left
+            if channel is not None:
+                self.meta.delete(channel_key(topic, partition, channel))
+            else:
+                self.meta.delete(topic_key(topic))
+                self.meta.delete_prefix(f"channel/{topic}/")
+            log.warning("delete_finished", topic=topic, partition=partition, channel=channel)
+        await self.meta.flush()
+        for grave, *_ in graves:
+            await asyncio.to_thread(remove_grave, grave)
 
     def client_left(self, channel: Channel) -> None:
         """An ephemeral channel goes when its last client does."""

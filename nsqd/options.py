@@ -3,6 +3,16 @@
 Durations take Go's forms ("60s", "100ms", "1h30m") or plain milliseconds.
 A `--config` TOML file uses the flag names with underscores (as classic nsqd's
 config file does); flags given on the command line win over the file.
+
+Flags are spelled as Go's flag package takes them: `-flag` or `--flag`, with `=value`
+or the value as the next argument (which is then a value even when it starts with a
+dash); a flag with an optional value (`--snappy`, `--tls-required`) takes it only
+after `=` or, ours, as the next argument when that is not a flag. Prefixes of flag
+names are refused, as Go does. `--help` shows each default as Go prints it.
+
+A flag the node cannot honour yet is refused, never accepted and ignored:
+`--lookupd-tcp-address` (config key `nsqlookupd_tcp_addresses`) until nsqd
+registers with nsqlookupd.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import argparse
 import dataclasses
 import re
 import socket
+import sys
 import tomllib
 from dataclasses import dataclass, field
 
@@ -109,6 +120,7 @@ _DURATIONS = {
     "retention_max_age": "retention_max_age_ms",
     "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
+    "retention_check_interval": "how often retention looks for segments to drop",
     "checkpoint_interval": "checkpoint_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
@@ -116,29 +128,36 @@ _BOOLS = {"snappy", "deflate", "http_legacy_envelope"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
+# Options the node cannot honour yet: refused with this reason when given a value.
+_REFUSED = {"lookupd_tcp_address": "not supported yet (this nsqd does not register with "
+                                   "nsqlookupd); remove it"}
 TLS_VERSIONS = ("ssl3.0", "tls1.0", "tls1.1", "tls1.2", "tls1.3")
 
 _HELP = {
     "tcp_address": "<addr>:<port> to listen on for TCP clients",
     "http_address": "<addr>:<port> to listen on for HTTP clients",
     "broadcast_address": "address this node is known by (default: the host name)",
-    "lookupd_tcp_address": "nsqlookupd TCP address (may be given several times)",
+    "broadcast_tcp_port": "TCP port this node is known by (0: the port it listens on)",
+    "broadcast_http_port": "HTTP port this node is known by (0: the port it listens on)",
+    "lookupd_tcp_address": "nsqlookupd TCP address: refused until nsqd registers with "
+                           "nsqlookupd",
     "data_path": "folder for topics, channels and their delay queues",
     "segment_bytes": "size of one data segment file (bytes)",
-    "sync_every": "messages per fdatasync; 1 (default) syncs every batch before its OK",
+    "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
     "sync_timeout": "with --sync-every > 1, also sync data this old (duration)",
     "mem_queue_size": "accepted for compatibility and ignored: every message goes to disk "
                       "before its OK, and the page cache is the memory queue",
     "retention_max_age": "drop segments older than this even if a channel still needs them "
                          "(0: never)",
     "retention_max_bytes": "drop the oldest segments beyond this size per partition (0: never)",
+    "retention_check_interval": "how often retention looks for segments to drop",
     "checkpoint_interval": "how often channel cursors are saved (after a crash a channel "
                            "redelivers what was finished since)",
     "max_msg_size": "largest message body (bytes)",
     "max_body_size": "largest MPUB body (bytes)",
     "msg_timeout": "default time a client has to FIN, REQ or TOUCH a message",
     "max_msg_timeout": "longest msg_timeout a client may ask for, and TOUCH limit",
-    "max_req_timeout": "longest REQ and DPUB delay (default 72h, at most 168h)",
+    "max_req_timeout": "longest REQ and DPUB delay (at most 168h)",
     "delay_threshold": "delays at least this long wait in the channel's disk delay queue",
     "delay_after_attempts": "a message delivered this many times waits on disk between tries",
     "max_rdy_count": "largest RDY a client may send",
@@ -165,36 +184,90 @@ def parse_tls_required(text: str | int | bool) -> int:
     raise ValueError(f"invalid --tls-required {text!r} (false, true or tcp-https)")
 
 
-def parser() -> argparse.ArgumentParser:
+def _default_text(f: dataclasses.Field, name: str) -> str:
+    """` (default ...)` as Go's flag package prints it: strings quoted, durations as
+    time.Duration, nothing for a zero value (or one computed at start)."""
+    from .stats import go_duration
+
+    value = f.default
+    if value is dataclasses.MISSING or not value:
+        return ""
+    if name in _DURATIONS:
+        return f" (default {go_duration(value * 1_000_000)})"
+    if isinstance(value, bool):
+        return " (default true)"
+    if isinstance(value, str):
+        return f' (default "{value}")'
+    return f" (default {value})"
+
+
+def parser(version: str | None = None) -> argparse.ArgumentParser:
+    """The flags; `version` is what `--version` prints (main.version_line)."""
     p = argparse.ArgumentParser(prog="nsqd", description="durable NSQ-compatible daemon",
-                                argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="TOML config file (flag names with underscores)")
+                                argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p.add_argument("--config", metavar="file",
+                   help="TOML config file (flag names with underscores)")
+    if version is not None:
+        p.add_argument("--version", action="version", version=version,
+                       help="print the version and exit")
     for f in dataclasses.fields(Options):
         name = f.name
         if name.endswith("_ms") and name[:-3] in _DURATIONS:
             name = name[:-3]
         flag = "--" + name.replace("_", "-")
-        kw = {"dest": name, "help": _HELP.get(name)}
+        kw = {"dest": name, "help": (_HELP.get(name) or "") + _default_text(f, name)}
         if name in _LISTS:
-            p.add_argument(flag, action="append", **kw)
+            p.add_argument(flag, action="append", metavar="string", **kw)
         elif name in _BOOLS:
             p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"),
-                           nargs="?", const=True, **kw)
+                           nargs="?", const=True, metavar="bool", **kw)
         elif name in _DURATIONS:
-            p.add_argument(flag, type=parse_duration_ms, **kw)
+            p.add_argument(flag, type=parse_duration_ms, metavar="duration", **kw)
         elif name == "tls_required":
-            p.add_argument(flag, type=parse_tls_required, nargs="?", const=1, **kw)
+            p.add_argument(flag, type=parse_tls_required, nargs="?", const=1, metavar="value",
+                           **kw)
         elif name == "tls_min_version":
-            p.add_argument(flag, choices=TLS_VERSIONS, **kw)
+            p.add_argument(flag, choices=TLS_VERSIONS, metavar="string", **kw)
         elif f.type in ("int", int):
-            p.add_argument(flag, type=int, **kw)
+            p.add_argument(flag, type=int, metavar="int", **kw)
         else:
-            p.add_argument(flag, **kw)
+            p.add_argument(flag, metavar="string", **kw)
     return p
 
 
-def from_args(argv: list[str] | None = None) -> Options:
-    args = vars(parser().parse_args(argv))
+_GO_FLAG = re.compile(r"--?([A-Za-z][A-Za-z0-9_-]*)(=.*)?", re.S)
+
+
+def go_style(argv: list[str], p: argparse.ArgumentParser) -> list[str]:
+    """`argv` with Go's spellings made argparse's: `-flag` is `--flag`, and a flag that
+    needs a value takes the next argument whatever it looks like (`--flag=value`).
+    What names no flag is left as it is, for argparse to refuse."""
+    needs_value, known = set(), set()
+    for action in p._actions:
+        for option in action.option_strings:
+            known.add(option)
+            if action.nargs is None:
+                needs_value.add(option)
+    out = []
+    args = iter(argv)
+    for arg in args:
+        m = _GO_FLAG.fullmatch(arg)
+        flag = "--" + m.group(1) if m else None
+        if flag not in known:
+            out.append(arg)
+        elif m.group(2) is not None:
+            out.append(flag + m.group(2))
+        elif flag in needs_value:
+            value = next(args, None)
+            out.append(flag if value is None else f"{flag}={value}")
+        else:
+            out.append(flag)
+    return out
+
+
+def from_args(argv: list[str] | None = None, version: str | None = None) -> Options:
+    p = parser(version)
+    args = vars(p.parse_args(go_style(sys.argv[1:] if argv is None else argv, p)))
     values: dict = {}
     config = args.pop("config", None)
     if config:
@@ -207,7 +280,10 @@ def from_args(argv: list[str] | None = None) -> Options:
             raise ValueError(f"--config {config} is not valid TOML: {e}") from None
         for key, value in loaded.items():
             key = key.replace("-", "_")
-            values[_CONFIG_ALIASES.get(key, key)] = value
+            name = _CONFIG_ALIASES.get(key, key)
+            if value and name in _REFUSED:
+                raise ValueError(f"{key} in --config {config}: {_REFUSED[name]}")
+            values[name] = value
     values.update(args)
     return build(values)
 
@@ -228,6 +304,9 @@ def build(values: dict) -> Options:
     for key in _LISTS:
         if isinstance(kwargs.get(key), str):
             kwargs[key] = [kwargs[key]]
+    for key, reason in _REFUSED.items():
+        if kwargs.get(key):
+            raise ValueError(f"--{key.replace('_', '-')}: {reason}")
     options = Options(**kwargs)
     if options.tls_min_version not in TLS_VERSIONS:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")

@@ -24,6 +24,12 @@ What the classic numbers mean here (channels are cursors over the partition's lo
   equals `depth`: everything is on disk.
 - channel `depth`: messages not yet delivered (unread in the log plus requeued);
   `backend_depth`: the unread part, still on disk only.
+- channel `deferred_count`: messages waiting for their due time (DPUB, REQ with a
+  delay), in memory or in the disk delay queue. As in classic nsqd a DPUB counts
+  there from its publish, also in a channel no client reads: the channel takes the
+  DPUBs at the head of its unread log without a client (Channel._hold_deferred_ahead).
+  One behind a message still unread counts in `depth` until that message is read,
+  and a paused channel takes none ahead.
 - channel `message_count`: messages that reached the channel since this process
   opened it (committed count minus the count it was opened at); `requeue_count`,
   `timeout_count`: since start, as classic.

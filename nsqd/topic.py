@@ -14,12 +14,15 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
+import time
 
 import structlog
 
+from commitlog.log import fsync_dir
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
 from .channel import Channel, SavedWindow
@@ -42,6 +45,34 @@ def topic_folder(data_path: str, name: str) -> str:
 def delay_folder(partition_path: str, channel: str) -> str:
     """A channel's delay queue: `<partition folder>/delay/<channel>.channel` (same reason)."""
     return os.path.join(partition_path, "delay", f"{channel}.channel")
+
+
+TOMBSTONE = ".deleted"
+
+
+def bury(path: str) -> str | None:
+    """Rename the folder `path` to a tombstone beside it, `<path>.<ns>.deleted`, and sync
+    the parent: one atomic, durable step after which nothing under the old name is the
+    old files, so a topic or channel made again gets a fresh folder. Returns the tombstone,
+    or None when there is no folder. Blocking."""
+    grave = f"{path}.{time.time_ns()}{TOMBSTONE}"
+    try:
+        os.rename(path, grave)
+    except FileNotFoundError:
+        return None
+    fsync_dir(os.path.dirname(path))
+    return grave
+
+
+def buried_path(grave: str) -> str:
+    """The path a tombstone was renamed from (see bury)."""
+    return grave[:-len(TOMBSTONE)].rpartition(".")[0]
+
+
+def remove_grave(grave: str) -> None:
+    """Remove a tombstone and sync its parent, so it cannot come back. Blocking."""
+    shutil.rmtree(grave, ignore_errors=True)
+    fsync_dir(os.path.dirname(grave))
 
 
 class PartitionNotFound(LookupError):
@@ -89,11 +120,14 @@ class Partition:
                         channel=name, reason=str(e))
             return None
 
-    async def remove_channel(self, name: str) -> None:
+    async def remove_channel(self, name: str) -> str:
+        """Close a channel and forget it; return its delay store folder, which the caller
+        buries (see bury) once the partition's new floor is stored."""
         channel = self.channels.pop(name)
-        await channel.close(delete=True)
+        await channel.close()
         if not self.channels:
             self._floor = (self.queue.committed_end, self.queue.committed_count)
+        return delay_folder(self.queue.path, name)
 
     async def empty(self) -> None:
         """Classic topic empty: drop what the partition holds for channels that do not exist
@@ -156,9 +190,10 @@ class Topic:
                 await c.close()
             await p.queue.close()
 
-    async def delete_files(self) -> None:
+    async def close_and_bury(self) -> str | None:
+        """Close, then bury the topic's folder (see bury); return the tombstone."""
         await self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        return await asyncio.to_thread(bury, self.path)
 
     async def publish(self, bodies: list[bytes], partition: int | None = None,
                       ext: bytes = b"") -> None:

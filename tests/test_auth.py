@@ -19,12 +19,15 @@ class ChangingAuthServer:
         self.permissions = ["publish", "subscribe"]
         self.calls = 0
         self.fail = False
+        self.answer = None  # when set: the raw JSON answered instead of the grants
 
     async def start(self) -> str:
         async def auth(request):
             self.calls += 1
             if self.fail:
                 return web.json_response({"message": "DOWN"}, status=500)
+            if self.answer is not None:
+                return web.Response(text=self.answer, content_type="application/json")
             return web.json_response({
                 "ttl": self.ttl, "identity": "who", "identity_url": "",
                 "authorizations": [{"topic": "t", "channels": [".*"],
@@ -79,3 +82,36 @@ async def test_an_unreachable_auth_server_after_the_ttl_fails_the_command(node, 
     server.fail = True
     with pytest.raises(NSQError, match="E_AUTH_FAILED"):
         await c.pub("t", b"no answer")
+
+
+MALFORMED_ANSWERS = [
+    '{"ttl": 60, "authorizations": "everything"}',
+    '{"ttl": 60, "authorizations": {"topic": "t"}}',
+    '{"ttl": 60, "authorizations": ["t"]}',
+    '{"ttl": 60, "authorizations": [{"topic": 7, "channels": [".*"], "permissions": ["publish"]}]}',
+    '{"ttl": 60, "authorizations": [{"topic": "t", "channels": ".*", "permissions": ["publish"]}]}',
+    '{"ttl": 60, "authorizations": [{"topic": "t", "channels": [".*"], "permissions": "publish"}]}',
+    '{"ttl": "soon", "authorizations": [{"topic": "t", "channels": [], "permissions": []}]}',
+    '{"ttl": 60, "identity": {"name": "x"}, "authorizations": []}',
+    '[{"topic": "t"}]',
+    '"granted"',
+    'not json',
+]
+
+
+@pytest.mark.parametrize("answer", MALFORMED_ANSWERS)
+async def test_a_malformed_auth_answer_is_a_failed_auth(node, auth_server, capfd, answer):
+    """Classic nsqd decodes the answer into typed fields, and any mismatch fails AUTH: here
+    too, with E_AUTH_FAILED and one log line, never `E_INVALID internal error` and a
+    traceback. The connection then still works for a later, good answer."""
+    server, address = await auth_server(ttl=60)
+    server.answer = answer
+    n = await node(auth_http_address=[address])
+    c = await connect(n)
+    with pytest.raises(NSQError, match="E_AUTH_FAILED"):
+        await c.command(b"AUTH\n" + len(b"s3cret").to_bytes(4, "big") + b"s3cret")
+    await c.close()
+    out = capfd.readouterr()
+    log = out.out + out.err
+    assert "Traceback" not in log, log
+    assert log.count("auth_server_failed") == 1, log

@@ -828,15 +828,40 @@ async def raw_http(nsqd, data: bytes, half_close: bool = False) -> bytes:
 async def test_broken_bodies_never_500(nsqd):
     cut = await raw_http(nsqd, b"POST /pub?topic=cut HTTP/1.1\r\nHost: x\r\n"
                                b"Content-Length: 10\r\n\r\nabc", half_close=True)
-    assert not cut.startswith(b"HTTP/1.1 5")
-    if cut:  # the peer may still read: it is told why
-        assert cut.startswith(b"HTTP/1.1 400") and b'{"message":"BAD_BODY"}' in cut
+    # a half-close ends what the client sends, not what it reads: it is told why
+    assert cut.startswith(b"HTTP/1.1 400") and b'{"message":"BAD_BODY"}' in cut, cut
+    cut_chunked = await raw_http(nsqd, b"POST /pub?topic=cut HTTP/1.1\r\nHost: x\r\n"
+                                       b"Transfer-Encoding: chunked\r\n\r\n5\r\nab",
+                                 half_close=True)
+    assert cut_chunked.startswith(b"HTTP/1.1 400") and b"BAD_BODY" in cut_chunked, cut_chunked
+    whole = await raw_http(nsqd, b"POST /pub?topic=whole HTTP/1.1\r\nHost: x\r\n"
+                                 b"Content-Length: 3\r\n\r\nabc", half_close=True)
+    assert whole.startswith(b"HTTP/1.1 200") and whole.endswith(b"OK"), whole
     bad_chunk = await raw_http(nsqd, b"POST /mpub?topic=cut HTTP/1.1\r\nHost: x\r\n"
                                      b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")
     # broken framing is refused by aiohttp's parser itself (plain text, as Go's net/http)
     assert re.match(rb"HTTP/1\.[01] 400 ", bad_chunk), bad_chunk
     assert find_topic(await stats(nsqd), "cut") is None
     await ok(nsqd, "GET", "/ping")
+
+
+async def test_malformed_requests_log_one_line_each(nsqd):
+    """A client's malformed request costs one log line, never a traceback (which would let
+    a client fill the log cheaply), and is answered 400."""
+    bad = [b"GARBAGE\r\n\r\n",
+           b"POST /pub?topic=t HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+           b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"zz\r\n",
+           b"GET /ping HTTP/1.1\r\nBad Header\r\n\r\n"]
+    for request in bad:
+        for half_close in (False, True):
+            answer = await raw_http(nsqd, request, half_close)
+            assert re.match(rb"HTTP/1\.[01] 400 ", answer), (request, half_close, answer)
+    await ok(nsqd, "GET", "/ping")
+    log = nsqd.log()
+    assert "Traceback" not in log, log
+    assert 0 < log.count("http_bad_request") <= 2 * len(bad), log
+    assert len(log.splitlines()) <= 2 * len(bad) + 1, log  # + the start line
 
 
 async def test_config_lookupd_addresses(nsqd):

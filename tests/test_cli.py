@@ -1,0 +1,107 @@
+"""The `nsqd` command as a new user meets it: --version, classic single-dash flags, --help
+with defaults, one clear line (never a traceback) for a port in use or a flag we refuse."""
+
+import platform
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from nsqd.options import from_args
+from servers import ROOT, free_port
+
+
+def run(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nsqd.main", *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--version", "-version"])
+def test_version(flag):
+    r = run(flag)
+    python = ".".join(platform.python_version_tuple()[:2])
+    assert (r.returncode, r.stdout) == (0, f"nsqd v1.3.0 (durable-nsq 0.1.0, python {python})\n")
+
+
+def test_single_and_double_dash_flags_with_equals_or_space():
+    """Go's flag package: -flag and --flag, each with =value or a separate value."""
+    o = from_args(["-tcp-address=127.0.0.1:1", "-http-address", "127.0.0.1:2",
+                   "--msg-timeout=30s", "--max-rdy-count", "7", "-snappy=false",
+                   "-tls-required", "-data-path", "-odd-folder-name"])
+    assert (o.tcp_address, o.http_address) == ("127.0.0.1:1", "127.0.0.1:2")
+    assert (o.msg_timeout_ms, o.max_rdy_count, o.snappy, o.tls_required) == (30_000, 7, False, 1)
+    assert o.data_path == "-odd-folder-name", "a value is never taken for a flag"
+
+
+def test_a_node_starts_with_single_dash_flags(tmp_path):
+    tcp, http = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nsqd.main", f"-tcp-address=127.0.0.1:{tcp}",
+                             "-http-address", f"127.0.0.1:{http}", f"-data-path={tmp_path}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/ping", timeout=1) as r:
+                    assert r.read() == b"OK"
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                subprocess.run(["sleep", "0.05"])
+        else:
+            raise AssertionError("nsqd did not start")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_unknown_flags_are_refused_in_either_form():
+    for argv in (["-no-such-flag=1"], ["--no-such-flag", "1"], ["--tcp", "127.0.0.1:1"]):
+        r = run(*argv)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r
+        assert "unrecognized arguments" in r.stderr, r.stderr
+
+
+def test_help_shows_defaults():
+    r = run("--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for expected in ("(default \"0.0.0.0:4150\")", "(default \"0.0.0.0:4151\")", "(default 1m0s)",
+                     "(default 72h0m0s)", "(default 2500)", "(default true)", "(default 1)",
+                     "--version"):
+        assert expected in text, expected
+
+
+@pytest.mark.parametrize("listener", ["tcp", "http"])
+def test_a_port_in_use_is_one_line(tmp_path, listener):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        free = f"127.0.0.1:{free_port()}"
+        tcp, http = (taken, free) if listener == "tcp" else (free, taken)
+        r = run("--tcp-address", tcp, "--http-address", http, "--data-path", str(tmp_path))
+    one_line_error(r, 1, taken, f"--{listener}-address", "address already in use")
+
+
+def test_lookupd_address_is_refused_until_it_works(tmp_path):
+    """Registration with nsqlookupd is not built yet: the flag, and the classic config key,
+    are refused with one line rather than accepted and ignored."""
+    one_line_error(run("--lookupd-tcp-address", "127.0.0.1:4160"), 2, "--lookupd-tcp-address",
+                   "not supported")
+    one_line_error(run("-lookupd-tcp-address=127.0.0.1:4160"), 2, "--lookupd-tcp-address")
+    config = tmp_path / "nsqd.toml"
+    config.write_text('nsqlookupd_tcp_addresses = ["127.0.0.1:4160"]\n')
+    one_line_error(run("--config", str(config)), 2, "nsqlookupd_tcp_addresses", "not supported")
+    config.write_text("nsqlookupd_tcp_addresses = []\n")  # none given: nothing to refuse
+    assert from_args(["--config", str(config)]).lookupd_tcp_address == []
