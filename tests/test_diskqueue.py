@@ -412,6 +412,80 @@ async def test_close_writes_what_is_pending(tmp_path, queues):
     assert [r.body for r in await read_all(q)] == [body(i) for i in range(50)]
 
 
+# ---- partitions apart: each queue's own workers -------------------------------
+
+async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queues):
+    """Eight partitions whose data sync takes a second (more partitions than a shared
+    thread pool of 2 cores has threads) and one healthy partition: the healthy one's
+    appends and reads finish long before any slow sync does.
+
+    The slowness is a test hook on the slow queues' data files (their `Segments.sync`
+    sleeps, then runs the real fdatasync): this machine's kernel has no device-mapper
+    (no dm-delay), and no FUSE binding is installed for a slow file system."""
+    slow = [await queues(tmp_path / f"slow{i}") for i in range(8)]
+    healthy = await queues(tmp_path / "healthy")
+    await healthy.append([b"before"])
+    for q in slow:
+        def sleepy_sync(real=q._segments.sync):
+            time.sleep(1.0)
+            real()
+        q._segments.sync = sleepy_sync
+    stuck = [q.append([b"waits for a slow disk"]) for q in slow]
+    await asyncio.sleep(0.1)  # every slow partition is in its sync now
+    t0 = time.monotonic()
+    for i in range(20):
+        await healthy.append([body(i)])
+    records = await read_all(healthy, read_ahead=4096)
+    elapsed = time.monotonic() - t0
+    assert [r.body for r in records] == [b"before"] + [body(i) for i in range(20)]
+    assert not any(f.done() for f in stuck)
+    assert elapsed < 0.5, f"the healthy partition took {elapsed:.2f} s"
+    await asyncio.gather(*stuck)
+    for q in slow:
+        del q._segments.sync  # the real one again, for close
+
+
+def queue_threads(q) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(q.thread_prefix + ":")]
+
+
+async def test_each_queue_has_its_own_workers_from_open_to_close(tmp_path, queues):
+    q = await queues(tmp_path / "a")
+    other = await queues(tmp_path / "b")
+    await q.append([b"x"])
+    await read_all(q)
+    assert sorted(n.rsplit("_", 1)[0] for n in queue_threads(q)) == [
+        q.thread_prefix + ":read", q.thread_prefix + ":write"]
+    assert not set(queue_threads(q)) & set(queue_threads(other))
+    await q.close()
+    deadline = time.monotonic() + 2
+    while queue_threads(q) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert queue_threads(q) == [], "close left the queue's threads running"
+    with pytest.raises(QueueClosedError):
+        await q.find("offset", 0)
+    assert (await other.append([b"y"])).first_id == 0  # the other queue is untouched
+
+
+async def test_a_failed_open_leaves_no_thread(tmp_path):
+    path = tmp_path / "q"
+    q = await DiskQueue.open(str(path), QueueOptions(segment_bytes=1024))
+    await append_singles(q, 30, size=100)
+    await q.close()
+    os.unlink(segment_files(path)[1])  # a gap: open refuses
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(MissingSegmentError):
+        await DiskQueue.open(str(path), QueueOptions(segment_bytes=1024))
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        left = [n for n in {t.name for t in threading.enumerate()} - before
+                if n.startswith("diskqueue:")]
+        if not left:
+            break
+        await asyncio.sleep(0.01)
+    assert not left
+
+
 # ---- sync policies -----------------------------------------------------------
 
 async def test_durable_policy_syncs_every_batch(tmp_path, queues):
