@@ -40,7 +40,6 @@ import errno
 import os
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Sequence
 
 import aiofiles.os
@@ -56,6 +55,7 @@ from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
 from .reader import Reader, SharedChunks
 from .recovery import recover
 from .segments import MissingSegmentError, Segments
+from .worker import Worker
 
 log = structlog.get_logger("diskqueue")
 
@@ -172,8 +172,8 @@ class DiskQueue:
         # This queue's own workers, made by open() and shut down by close(): one thread for
         # writes, syncs and exclusive jobs, one for its readers' read-ahead.
         self.thread_prefix = f"diskqueue:{path}"
-        self._write_worker: ThreadPoolExecutor | None = None
-        self.read_worker: ThreadPoolExecutor | None = None
+        self._write_worker: Worker | None = None
+        self.read_worker: Worker | None = None
         self._busy = False  # the writer slot is taken (see _write_next)
         self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot
         self._idle: asyncio.Future | None = None  # close() waits on it for the writer to drain
@@ -201,8 +201,8 @@ class DiskQueue:
     async def open(cls, path: str, options: QueueOptions = QueueOptions()) -> "DiskQueue":
         q = cls(path, options)
         q._loop = asyncio.get_running_loop()
-        q._write_worker = ThreadPoolExecutor(1, thread_name_prefix=q.thread_prefix + ":write")
-        q.read_worker = ThreadPoolExecutor(1, thread_name_prefix=q.thread_prefix + ":read")
+        q._write_worker = Worker(q.thread_prefix + ":write")
+        q.read_worker = Worker(q.thread_prefix + ":read")
         try:
             await q._exclusive(q._open_sync)
         except BaseException:
@@ -350,8 +350,8 @@ class DiskQueue:
                 ts = max(time.time_ns(), self._last_ts)
                 data, clog, results, seq = self._encode(batch.requests, ts)
                 sync = self._should_sync(batch.count)
-                self._write_worker.submit(self._write_job, batch, data, clog, results, seq, ts,
-                                          sync)
+                self._write_worker.call(self._write_job, batch, data, clog, results, seq, ts,
+                                        sync)
                 return
             except Exception as e:  # a bug, or a request the encoder cannot take: one batch
                 log.exception("write_batch_failed", path=self.path, partition=self.partition)
@@ -360,7 +360,7 @@ class DiskQueue:
             return
         due = self._sync_due_in()
         if due is not None and due <= 0:
-            self._write_worker.submit(self._sync_job)
+            self._write_worker.call(self._sync_job)
             return
         self._busy = False
         if self._sync_timer is not None:
