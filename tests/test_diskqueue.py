@@ -493,6 +493,26 @@ async def test_durable_policy_syncs_every_batch(tmp_path, queues):
     assert q.stats["batches"] == q.stats["syncs"] == 12
 
 
+async def test_one_fdatasync_per_durable_batch(tmp_path, queues, monkeypatch):
+    """A durable batch syncs its data file only: the commitlog is synced at close (or every
+    `clog_sync_every` entries, or at a data rotation), not once per batch."""
+    q = await queues(tmp_path)
+    synced = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        synced.append(os.path.basename(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}"))))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    await append_singles(q, 30)
+    await asyncio.gather(*(q.append([body(100 + i)]) for i in range(20)))
+    assert q.stats["batches"] == q.stats["syncs"] == 31
+    assert synced == ["data"] * 31
+    await q.close()
+    assert synced[31:] == ["commitlog"]
+
+
 async def test_sync_every_n_messages(tmp_path, queues):
     q = await queues(tmp_path, QueueOptions(sync=SyncPolicy(every_messages=10)))
     await append_singles(q, 25)
