@@ -33,7 +33,8 @@ def cpu_seconds() -> float:
 
 class ProduceJob:
     """Connections that each send `cmd` (a PUB or an MPUB), wait for OK, and send again:
-    for a time window (`warm_s` unmeasured, then `dur_s` measured) or `batches` times."""
+    for a time window (`warm_s` unmeasured, then `dur_s` measured) or `batches` times.
+    With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics)."""
 
     def __init__(self, spec: dict):
         self.spec = spec
@@ -56,6 +57,8 @@ class ProduceJob:
             _, proto = await loop.create_connection(lambda: Producer(self), self.spec["host"],
                                                     self.spec["port"])
             proto.left = batches[i]
+            if self.spec.get("cmds"):
+                proto.cmd = self.spec["cmds"][i % len(self.spec["cmds"])]
             self.conns.append(proto)
 
     async def run(self, t0: float) -> dict:
@@ -87,6 +90,7 @@ class Producer(asyncio.Protocol):
         self.job = job
         self.frames = FrameParser()
         self.transport = None
+        self.cmd = job.cmd
         self.t_sent = 0.0
         self.left = 0
         self.finished = False
@@ -97,7 +101,7 @@ class Producer(asyncio.Protocol):
 
     def send(self) -> None:
         self.t_sent = time.monotonic()
-        self.transport.write(self.job.cmd)
+        self.transport.write(self.cmd)
 
     def data_received(self, data: bytes) -> None:
         f = self.frames
@@ -121,7 +125,7 @@ class Producer(asyncio.Protocol):
                 job.lat.append(now - self.t_sent)
             if now < job.m_end:
                 self.t_sent = now
-                self.transport.write(job.cmd)
+                self.transport.write(self.cmd)
             else:
                 job.finished(self)
         else:
@@ -131,7 +135,7 @@ class Producer(asyncio.Protocol):
             self.left -= 1
             if self.left > 0:
                 self.t_sent = now
-                self.transport.write(job.cmd)
+                self.transport.write(self.cmd)
             else:
                 job.finished(self)
 

@@ -18,8 +18,17 @@ used. Messages have 200-byte bodies.
   (d) channels20: the same backlog on a topic with 20 channels (created before publishing),
                   --channel-consumers consumers per channel at RDY 200, for a bounded time:
                   total msgs/s over the 20 channels, and its ratio to (c)
+  (e) mpub200x2:  MPUB 200 x 200 B on 2 connections, one request in flight each (Go's
+                  bench_writer): msgs/s, p50/p99: the round trip of one durable batch
+  (f) pubconns:   one PUB at a time on 1, 10 and 100 connections: p50/p99 and msgs/s
+  (g) isolation:  16 topics at once (100 connections spread over them, one PUB at a time
+                  each): total msgs/s and its ratio to (a); then a light topic (1 connection,
+                  one PUB at a time) beside a saturated one (100 connections): its p99
 and all of it twice: nsqd's defaults (durable: every batch synced before OK), then
-`--sync-every 10000`. Prints readable lines, then ONE line of JSON with every figure.
+`--sync-every 10000`. Every part gives the server's CPU per message (`*_server_cpu_us_per_msg`,
+from /proc/PID/stat of the server over the measured span). Prints readable lines, then ONE
+line of JSON with every figure. `--nsqd-root DIR` runs the nsqd of another checkout (a git
+worktree of the previous commit): run both, back to back, for before/after pairs.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ if ROOT not in sys.path:
 from bench import common  # noqa: E402
 from bench.common import MB, Report, percentile  # noqa: E402
 from bench.loadgen import Workers, cpu_seconds  # noqa: E402
+from bench import nsqd_server  # noqa: E402
 from bench.nsqd_server import Profiler, Server, pid_cpu_seconds, summarize_profile  # noqa: E402
 from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
 
@@ -53,10 +63,10 @@ RDY = 200
 
 FULL = dict(pub_conns=100, pub_warm_s=1.0, pub_s=10.0, mpub_conns=4, mpub_warm_s=1.0,
             mpub_s=10.0, backlog=1_000_000, backlog_conns=4, consumers=4, channels=20,
-            channels_max_s=25.0, fsync_s=1.0)
+            channels_max_s=25.0, fsync_s=1.0, conns_s=5.0)
 QUICK = dict(pub_conns=100, pub_warm_s=0.5, pub_s=3.0, mpub_conns=4, mpub_warm_s=0.5,
              mpub_s=3.0, backlog=100_000, backlog_conns=4, consumers=4, channels=20,
-             channels_max_s=5.0, fsync_s=0.5)
+             channels_max_s=5.0, fsync_s=0.5, conns_s=2.0)
 
 CONFIGS = {"durable": [], "sync10000": ["--sync-every", "10000"]}
 
@@ -161,6 +171,8 @@ def cpu_note(report: Report, key: str, phase: Phase, clients: str, rate: float) 
     if phase.server_cpus > 0:
         report.add(f"{key}_msgs_per_server_cpu_s", rate / phase.server_cpus,
                    "msgs per server CPU-second", fmt=",.0f")
+        report.add(f"{key}_server_cpu_us_per_msg", phase.server_cpus / rate * 1e6,
+                   "server CPU per message (us)", fmt=",.1f")
     report.figures[f"{key}_server_cpus"] = round(phase.server_cpus, 2)
     report.figures[f"{key}_client_cpus"] = round(phase.client_cpus, 2)
     report.figures[f"{key}_other_cpus"] = round(phase.other_cpus, 2)
@@ -386,12 +398,114 @@ def part_channels20(report: Report, cfg: str, flags: list[str], P: dict, args,
     print_profile(report, prof)
 
 
+def timed_produce(srv: Server, cmd, per_cmd: int, conns: int, warm_s: float, dur_s: float,
+                  args, profile: str | None = None, cmds: list[bytes] | None = None):
+    """`conns` connections, one request in flight each, for `dur_s` after `warm_s`:
+    (msgs/s, sorted latencies in s, phase)."""
+    specs = produce_specs(cmd, per_cmd, conns, min(args.procs, conns), warm_s=warm_s,
+                          dur_s=dur_s)
+    if cmds:
+        for s in specs:
+            s["cmds"] = cmds
+    results, _, phase = run_load(srv, specs, profile, args.py_spy_rate, args.py_spy_native)
+    lat = array.array("d")
+    for r in results:
+        lat.frombytes(r["lat"])
+    return sum(r["count"] for r in results) / dur_s, sorted(lat), phase
+
+
+def latency_figures(report: Report, key: str, lat, what: str) -> None:
+    report.add(f"{key}_p50_ms", percentile(lat, 50) * 1000, f"{what} latency p50 (ms)", fmt=",.2f")
+    report.add(f"{key}_p99_ms", percentile(lat, 99) * 1000, f"{what} latency p99 (ms)", fmt=",.2f")
+
+
+def part_mpub2(report: Report, cfg: str, flags: list[str], P: dict, args) -> None:
+    key = f"{cfg}_mpub200x2"
+    report.section(f"[{cfg}] (e) 2 connections, MPUB of {MPUB_BATCH} x {BODY_LEN} bytes, one in "
+                   f"flight each (Go's bench_writer; {P['mpub_s']:g} s measured)")
+    with Server(flags, args.dir) as srv:
+        srv.command(cmd_pub(TOPIC, b"x" * BODY_LEN))
+        prof = profile_path(args, cfg, "mpub200x2")
+        rate, lat, phase = timed_produce(srv, cmd_mpub(TOPIC, bodies(MPUB_BATCH)), MPUB_BATCH, 2,
+                                         P["mpub_warm_s"], P["mpub_s"], args, prof)
+        report.add(f"{key}_msgs_per_s", rate, "MPUB msgs/s", fmt=",.0f")
+        latency_figures(report, key, lat, "MPUB")
+        cpu_note(report, key, phase, "1 process, 2 connections", rate)
+    print_profile(report, prof)
+
+
+def part_pubconns(report: Report, cfg: str, flags: list[str], P: dict, args) -> None:
+    report.section(f"[{cfg}] (f) one {BODY_LEN}-byte PUB at a time on 1, 10 and 100 connections "
+                   f"({P['conns_s']:g} s each)")
+    with Server(flags, args.dir) as srv:
+        srv.command(cmd_pub(TOPIC, b"x" * BODY_LEN))
+        for conns in (1, 10, 100):
+            key = f"{cfg}_pub1_c{conns}"
+            rate, lat, phase = timed_produce(srv, cmd_pub(TOPIC, bodies(1)[0]), 1, conns,
+                                             P["pub_warm_s"], P["conns_s"], args)
+            report.add(f"{key}_msgs_per_s", rate, f"{conns} connection(s): PUB msgs/s", fmt=",.0f")
+            latency_figures(report, key, lat, "PUB")
+            cpu_note(report, key, phase, f"{conns} connection(s)", rate)
+
+
+ISOLATION_TOPICS = 16
+TARGET_ISOLATION_RATIO = 0.9
+TARGET_LIGHT_P99_MS = 10.0
+
+
+def part_isolation(report: Report, cfg: str, flags: list[str], P: dict, args) -> None:
+    key = f"{cfg}_isolation"
+    n = ISOLATION_TOPICS
+    conns = P["pub_conns"]
+    report.section(f"[{cfg}] (g) partitions apart: {conns} connections on 1 topic, then spread "
+                   f"over {n} topics, one PUB at a time each; then 1 light connection on its "
+                   f"own topic beside {conns} on a saturated one ({P['conns_s']:g} s each)")
+    with Server(flags, args.dir) as srv:
+        topics = [f"iso{i:02d}" for i in range(n)]
+        for t in topics:
+            srv.command(cmd_pub(t, b"x" * BODY_LEN))
+        body = bodies(1)[0]
+        one, _, phase1 = timed_produce(srv, cmd_pub(topics[0], body), 1, conns, P["pub_warm_s"],
+                                       P["conns_s"], args)
+        report.add(f"{key}_one_topic_msgs_per_s", one, f"1 topic, {conns} connections: msgs/s",
+                   fmt=",.0f")
+        cpu_note(report, f"{key}_one_topic", phase1, f"{conns} connections", one)
+        many, _, phase = timed_produce(srv, cmd_pub(topics[0], body), 1, conns, P["pub_warm_s"],
+                                       P["conns_s"], args,
+                                       cmds=[cmd_pub(t, body) for t in topics])
+        report.add(f"{key}_{n}_topics_msgs_per_s", many,
+                   f"{n} topics, {conns} connections: total msgs/s", fmt=",.0f")
+        ratio = many / one if one else float("nan")
+        report.add(f"{key}_ratio_{n}_to_1", ratio, f"{n} topics / 1 topic", fmt=",.2f",
+                   target=(f">= {TARGET_ISOLATION_RATIO:g}", ratio >= TARGET_ISOLATION_RATIO))
+        cpu_note(report, f"{key}_{n}_topics", phase, f"{conns} connections", many)
+
+        light_topic, busy_topic = topics[1], topics[2]
+        specs = produce_specs(cmd_pub(busy_topic, body), 1, conns, 1, warm_s=P["pub_warm_s"],
+                              dur_s=P["conns_s"])
+        specs += produce_specs(cmd_pub(light_topic, body), 1, 1, 1, warm_s=P["pub_warm_s"],
+                               dur_s=P["conns_s"])
+        results, _, _ = run_load(srv, specs, None, 0)
+        busy, light = results
+        lat = sorted(array.array("d", light["lat"]))
+        report.add(f"{key}_busy_msgs_per_s", busy["count"] / P["conns_s"],
+                   "saturated topic: msgs/s", fmt=",.0f")
+        report.add(f"{key}_light_msgs_per_s", light["count"] / P["conns_s"],
+                   "light topic: msgs/s", fmt=",.0f")
+        p99 = percentile(lat, 99) * 1000
+        report.add(f"{key}_light_p50_ms", percentile(lat, 50) * 1000, "light topic: PUB p50 (ms)",
+                   fmt=",.2f")
+        report.add(f"{key}_light_p99_ms", p99, "light topic: PUB p99 (ms)", fmt=",.2f",
+                   target=(f"< {TARGET_LIGHT_P99_MS:g}", p99 < TARGET_LIGHT_P99_MS))
+
+
 # =============================================================================
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller: under a minute")
-    ap.add_argument("--only", default="a,b,c,d", help="parts to run, e.g. a,c (d needs c for its ratio)")
+    ap.add_argument("--only", default="a,b,c,d,e,f,g",
+                    help="parts to run, e.g. a,c (d needs c for its ratio)")
     ap.add_argument("--configs", default="durable,sync10000",
                     help="server configurations: durable (defaults), sync10000 (--sync-every 10000)")
     ap.add_argument("--procs", type=int, default=1,
@@ -401,6 +515,9 @@ def main() -> int:
                     help="consumers per channel in (d) (default 1)")
     ap.add_argument("--backlog", type=int, help="backlog messages for (c) and (d)")
     ap.add_argument("--dir", help="temporary data paths inside DIR (default: the system temp dir)")
+    ap.add_argument("--nsqd-root", metavar="DIR",
+                    help="run the nsqd of the checkout in DIR (e.g. `git worktree add /tmp/base "
+                         "main`), for before/after pairs; the load generators stay this one's")
     ap.add_argument("--py-spy", metavar="DIR", help="record the server with py-spy during each "
                     "measured phase into DIR/<config>_<part>.txt and print a summary")
     ap.add_argument("--py-spy-rate", type=int, default=100, help="py-spy samples per second")
@@ -411,6 +528,8 @@ def main() -> int:
     if args.backlog:
         P["backlog"] = args.backlog
     parts = set(args.only.split(","))
+    if args.nsqd_root:
+        nsqd_server.ROOT = os.path.abspath(args.nsqd_root)  # Server loads its tests/servers.py
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS:
@@ -420,6 +539,7 @@ def main() -> int:
     load0 = os.getloadavg()
     t_start = time.monotonic()
     info = common.machine_info()
+    report.figures["nsqd_root"] = nsqd_server.ROOT
     report.figures.update(python=info["python"], cpus=info["cpus"], quick=args.quick,
                           loadavg_1m_start=round(load0[0], 2))
     print(f"nsqd benchmark{' (quick)' if args.quick else ''}: Python {info['python']}, "
@@ -450,6 +570,12 @@ def main() -> int:
             c_rate = part_consume1(report, cfg, flags, P, args)
         if "d" in parts:
             part_channels20(report, cfg, flags, P, args, c_rate)
+        if "e" in parts:
+            part_mpub2(report, cfg, flags, P, args)
+        if "f" in parts:
+            part_pubconns(report, cfg, flags, P, args)
+        if "g" in parts:
+            part_isolation(report, cfg, flags, P, args)
 
     report.section("end")
     report.add("fsync_bound_end_syncs_per_s", fsync_bound(args.dir, P["fsync_s"]),

@@ -8,6 +8,12 @@ Invariants:
   timestamps never decrease (the writer makes them monotonic), so every
   search is a binary search.
 
+- at most `sync_every` entries are ever unsynced: `append` syncs by itself, and a
+  writer using `append_encoded` calls `sync()` whenever `sync_due` says so; a
+  rotation syncs the segment it leaves. So after a power loss only the last
+  `sync_every` entries can be lost, torn or stale, and `open` checks each of them
+  (checksum, place, and that it follows the one before) and cuts at the first bad one.
+
 The API is synchronous: it does blocking file calls, so async callers run
 it off the event loop. Nothing here decides what is durable; `sync()` does.
 """
@@ -21,6 +27,7 @@ from .entry import ENTRY_SIZE, CorruptEntryError, Entry, decode, encode
 
 SUFFIX = ".clog"
 DEFAULT_ENTRIES_PER_SEGMENT = 1 << 20  # 64 MiB per segment
+DEFAULT_SYNC_EVERY = 4096  # entries (256 KiB): the most ever unsynced, checked at open
 
 
 class CommitLogError(Exception):
@@ -42,14 +49,16 @@ def fsync_dir(path: str) -> None:
 class CommitLog:
     """The commitlog of one partition, in folder `path`."""
 
-    def __init__(self, path: str, entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT):
+    def __init__(self, path: str, entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT,
+                 sync_every: int = DEFAULT_SYNC_EVERY):
         self.path = path
         self.entries_per_segment = entries_per_segment
+        self.sync_every = sync_every
         self._bases: list[int] = []
         self._fds: dict[int, int] = {}
         self.first_log_id = 0
         self.next_log_id = 0
-        self._unsynced = False
+        self._unsynced = 0  # entries written since the last sync
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -77,21 +86,26 @@ class CommitLog:
         last = self._bases[-1]
         self.first_log_id = self._bases[0]
         self.next_log_id = last + counts[-1]
-        self._cut_torn_tail()
+        self._cut_bad_tail()
 
-    def _cut_torn_tail(self) -> None:
-        """Drop trailing entries that are partial, fail their checksum or sit at the wrong place."""
+    def _cut_bad_tail(self) -> None:
+        """Cut the log at the first bad entry among the last `sync_every` (the only ones a
+        power loss can have lost, torn or left stale): one that is partial, fails its
+        checksum, sits at the wrong place, or does not follow the entry before it."""
         keep = self.next_log_id
-        while keep > self.first_log_id:
+        prev = None
+        for log_id in range(max(self.first_log_id, self.next_log_id - self.sync_every),
+                            self.next_log_id):
             try:
-                entry = self._read(keep - 1)
+                entry = self._read(log_id)
             except CorruptEntryError:
-                keep -= 1
-                continue
-            if entry.log_id != keep - 1:
-                keep -= 1
-                continue
-            break
+                keep = log_id
+                break
+            if entry.log_id != log_id or (prev is not None and (
+                    entry.offset != prev.end_offset or entry.count_before != prev.count_after)):
+                keep = log_id
+                break
+            prev = entry
         self._truncate_to(keep)
 
     def close(self) -> None:
@@ -103,14 +117,15 @@ class CommitLog:
 
     def append(self, entries: list[Entry]) -> None:
         """Append entries; their log ids must continue the log exactly."""
-        if not entries:
-            return
         for i, entry in enumerate(entries):
             if entry.log_id != self.next_log_id + i:
                 raise ValueError(
                     f"log id {entry.log_id} does not follow {self.next_log_id + i - 1}")
-        data = b"".join(map(encode, entries))
-        self.append_encoded(data, len(entries))
+        for i in range(0, len(entries), self.sync_every):
+            chunk = entries[i:i + self.sync_every]
+            self.append_encoded(b"".join(map(encode, chunk)), len(chunk))
+            if self.sync_due:
+                self.sync()
 
     def append_encoded(self, data: bytes, count: int) -> None:
         """Append `count` already-encoded entries starting at `next_log_id`.
@@ -130,8 +145,8 @@ class CommitLog:
                 chunk = data[pos:pos + n * ENTRY_SIZE]
                 _pwrite_all(self._fd(base), chunk, (self.next_log_id - base) * ENTRY_SIZE)
                 self.next_log_id += n
+                self._unsynced += n
                 pos += n * ENTRY_SIZE
-            self._unsynced = True
         except BaseException:
             self._truncate_to(before)
             raise
@@ -144,13 +159,18 @@ class CommitLog:
         self._fd(base)
         fsync_dir(self.path)
 
+    @property
+    def sync_due(self) -> bool:
+        """`sync_every` entries are unsynced: sync before appending more."""
+        return self._unsynced >= self.sync_every
+
     def sync(self) -> None:
         if self._unsynced:
             self._sync_active()
 
     def _sync_active(self) -> None:
         os.fdatasync(self._fd(self._bases[-1]))
-        self._unsynced = False
+        self._unsynced = 0
 
     def truncate_after(self, log_id: int) -> None:
         """Keep entries up to and including `log_id`."""
@@ -164,7 +184,7 @@ class CommitLog:
             next_log_id = base
         os.ftruncate(self._fd(base), (next_log_id - base) * ENTRY_SIZE)
         self.next_log_id = next_log_id
-        os.fdatasync(self._fd(base))
+        self._sync_active()
 
     def reset(self, next_log_id: int) -> None:
         """Drop every entry; the log continues at `next_log_id`."""
@@ -176,6 +196,7 @@ class CommitLog:
         fd = self._fd(next_log_id)
         os.ftruncate(fd, 0)
         os.fdatasync(fd)
+        self._unsynced = 0
         fsync_dir(self.path)
         self.first_log_id = self.next_log_id = next_log_id
 

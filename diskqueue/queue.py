@@ -1,11 +1,21 @@
 """DiskQueue: one partition's durable log, written by group commit.
 
-Write path: every `append` joins the open batch and waits on its own future.
-One writer task takes a whole batch, encodes it into one buffer (records plus
-one commitlog entry per request), and hands it to a worker thread that does
-one data write, one commitlog write and, as the sync policy says, one sync of
-each. Then every future of the batch resolves together, with its ids and
-offsets, or with the same error.
+Write path: every `append` joins the open batch and waits on its own future (or
+callback). The writer is a slot, not a task: when it is free, the next turn of the
+loop encodes the whole batch into one buffer (records plus one commitlog entry per
+request) and hands it to the queue's own write worker (one thread), which does one
+data write, one commitlog write and, as the sync policy says, one sync of the data
+file, then hands the outcome back with one `call_soon_threadsafe`. The loop starts
+the next batch first (the disk works while the loop answers), then resolves every
+future of the batch together, with its ids and offsets, or with the same error.
+
+The commitlog is not synced per batch: it is an index that recovery rebuilds from the
+data (see diskqueue/README.md, "The commitlog lags the data"). It is synced at least
+every `clog_sync_every` entries, when the data rotates to a new segment, and at close.
+
+Each queue has its own two workers (created at open, shut down at close): one thread
+for writes, syncs and the exclusive jobs (retain, empty, find, open, close), and one
+for its readers' read-ahead; a slow disk call of one partition never delays another.
 
 Invariants:
 - `committed_end <= written_end`; readers never see past `committed_end`;
@@ -13,7 +23,10 @@ Invariants:
   says so, and (with `auto_commit`) committed;
 - a failed batch leaves data and commitlog exactly as before it; a failed sync (or
   a failed undo) fails the queue: no append is taken again until it is reopened;
-- the writer task never dies: a batch that fails in any way fails its own waiters;
+- at most one piece of work holds the writer slot (`_busy`): a batch, a sync, or an
+  exclusive job; the loop's view (`written_end` ...) matches the files whenever an
+  exclusive job runs;
+- the writer never stops: a batch that fails in any way fails its own waiters;
 - message ids are `partition << 50 | sequence`, the sequence being the
   message's 0-based place in the partition's history.
 """
@@ -22,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import concurrent.futures
 import dataclasses
 import errno
 import os
@@ -34,7 +46,7 @@ import aiofiles.os
 import structlog
 
 from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
-from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, CommitLog
+from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import read_json, write_json_atomic
 from nsqwire.ids import PARTITION_SHIFT
@@ -43,6 +55,7 @@ from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
 from .reader import Reader, SharedChunks
 from .recovery import recover
 from .segments import MissingSegmentError, Segments
+from .worker import Worker
 
 log = structlog.get_logger("diskqueue")
 
@@ -97,6 +110,7 @@ class QueueOptions:
     max_batch_bytes: int = 4 * 1024 * 1024
     max_batch_count: int = 20_000
     clog_entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT
+    clog_sync_every: int = DEFAULT_SYNC_EVERY  # the most commitlog entries ever unsynced
     auto_commit: bool = True  # commit as soon as written; replication turns this off
 
 
@@ -121,11 +135,9 @@ class _Batch:
         self.count = 0
 
 
-# The commitlog's sync runs here while the writer's thread syncs the data.
-_SYNC_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="clog-sync")
-
-# Every blocking file call of the queue runs through this: aiofiles' thread-pool wrapper.
-_write_off_loop = aiofiles.os.wrap(lambda fn, *args: fn(*args))
+# Blocking calls that await their result (open, close, retain, empty, find, reads) run
+# through aiofiles' wrapper, on the queue's own executor (`executor=`).
+_off_loop = aiofiles.os.wrap(lambda fn, *args: fn(*args))
 
 
 def _settle(waiter, result, error) -> None:
@@ -152,14 +164,22 @@ class DiskQueue:
         self.partition = options.partition
         self.epoch = 0
         self._segments = Segments(os.path.join(path, "data"), options.segment_bytes)
-        self.commitlog = CommitLog(os.path.join(path, "commitlog"), options.clog_entries_per_segment)
+        self.commitlog = CommitLog(os.path.join(path, "commitlog"), options.clog_entries_per_segment,
+                                   options.clog_sync_every)
         self._batches: deque[_Batch] = deque()
         self._open: _Batch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set by open()
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task | None = None
-        self._io_lock = asyncio.Lock()
+        # This queue's own workers, made by open() and shut down by close(): one thread for
+        # writes, syncs and exclusive jobs, one for its readers' read-ahead.
+        self.thread_prefix = f"diskqueue:{path}"
+        self._write_worker: Worker | None = None
+        self.read_worker: Worker | None = None
+        self._busy = False  # the writer slot is taken (see _write_next)
+        self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot
+        self._idle: asyncio.Future | None = None  # close() waits on it for the writer to drain
+        self._sync_timer: asyncio.TimerHandle | None = None
         self._closing = False
+        self._shut = False  # the files are closed and the workers shut down
         self.failed: QueueFailedError | None = None
         self._committed_waiters: list[asyncio.Future] = []
         self.commit_listeners: list = []  # plain callables, called when committed_end moves
@@ -181,8 +201,13 @@ class DiskQueue:
     async def open(cls, path: str, options: QueueOptions = QueueOptions()) -> "DiskQueue":
         q = cls(path, options)
         q._loop = asyncio.get_running_loop()
-        await _write_off_loop(q._open_sync)
-        q._writer = asyncio.get_running_loop().create_task(q._run_writer())
+        q._write_worker = Worker(q.thread_prefix + ":write")
+        q.read_worker = Worker(q.thread_prefix + ":read")
+        try:
+            await q._exclusive(q._open_sync)
+        except BaseException:
+            q._shut_down()
+            raise
         return q
 
     def _open_sync(self) -> None:
@@ -229,12 +254,23 @@ class DiskQueue:
         if self._closing:
             return
         self._closing = True
-        self._wake.set()
-        if self._writer is not None:
-            await self._writer
-        async with self._io_lock:
-            await _write_off_loop(self._close_sync)
-        self._wake_readers()
+        if self._busy or self._batches:  # write what is pending first
+            self._idle = self._loop.create_future()
+            self._kick()
+            await self._idle
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+        try:
+            await self._exclusive(self._close_sync)
+        finally:
+            self._shut_down()
+            self._wake_readers()
+
+    def _shut_down(self) -> None:
+        """Let the workers' threads end (each after the job it is doing)."""
+        self._shut = True
+        for worker in (self._write_worker, self.read_worker):
+            worker.shutdown(wait=False)
 
     def _close_sync(self) -> None:
         self._segments.sync()
@@ -280,25 +316,30 @@ class DiskQueue:
         batch.requests.append((fut or callback, bodies, trace_id, ext, attempts))
         batch.bytes += size
         batch.count += len(bodies)
-        self._wake.set()
+        self._kick()
         return fut
 
     @property
     def pending_bytes(self) -> int:
         return sum(b.bytes for b in self._batches)
 
-    async def _run_writer(self) -> None:
-        while True:
-            if not self._batches:
-                if self._closing:
-                    return
-                self._wake.clear()
-                timeout = self._sync_due_in()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    await self._sync_now()
-                continue
+    # ---- the writer --------------------------------------------------------
+    # All on the loop, except the `*_job` methods: they run in the write worker and hand
+    # their outcome back with one call_soon_threadsafe.
+
+    def _kick(self) -> None:
+        """Have the writer look at its work on the next turn of the loop (so the appends of
+        this turn join the batch)."""
+        if not self._busy:
+            self._busy = True
+            self._loop.call_soon(self._write_next)
+
+    def _write_next(self, turns_first: bool = True) -> None:
+        """Give the writer slot (held by the caller) to the next work: an exclusive job
+        waiting its turn, the next batch, a sync that is due; or free it. Never raises."""
+        if turns_first and self._give_turn():
+            return
+        while self._batches:
             batch = self._batches.popleft()
             if batch is self._open:
                 self._open = None
@@ -306,10 +347,58 @@ class DiskQueue:
                 self._fail_batch(batch, self.failed)
                 continue
             try:
-                await self._write_batch(batch)
-            except Exception as e:  # a bug here must fail one batch, never stop the writer
+                ts = max(time.time_ns(), self._last_ts)
+                data, clog, results, seq = self._encode(batch.requests, ts)
+                sync = self._should_sync(batch.count)
+                self._write_worker.call(self._write_job, batch, data, clog, results, seq, ts,
+                                        sync)
+                return
+            except Exception as e:  # a bug, or a request the encoder cannot take: one batch
                 log.exception("write_batch_failed", path=self.path, partition=self.partition)
                 self._fail_batch(batch, AppendError(f"writing {self.path} failed: {e!r}"))
+        if self._give_turn():
+            return
+        due = self._sync_due_in()
+        if due is not None and due <= 0:
+            self._write_worker.call(self._sync_job)
+            return
+        self._busy = False
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+        if due is not None and not self._closing:
+            self._sync_timer = self._loop.call_later(due, self._kick)
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _give_turn(self) -> bool:
+        while self._turns:
+            turn = self._turns.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return True
+        return False
+
+    async def _exclusive(self, fn, *args):
+        """Run fn(*args) in the write worker while the writer is stopped: no batch in flight,
+        and `written_end` & co. match the files (open, close, retain, empty, find)."""
+        if self._shut:
+            raise QueueClosedError(self.path)
+        if self._busy:
+            turn = self._loop.create_future()
+            self._turns.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():  # it was ours: pass it on
+                    self._write_next(turns_first=False)
+                raise
+        else:
+            self._busy = True
+        try:
+            return await _off_loop(fn, *args, executor=self._write_worker)
+        finally:
+            self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
 
     def _fail_batch(self, batch: _Batch, err: Exception) -> None:
         for waiter, *_ in batch.requests:
@@ -336,64 +425,64 @@ class DiskQueue:
         """Change the sync policy from the next batch on; what is unsynced is synced as the
         new policy says (at once, when it is durable)."""
         self.options = dataclasses.replace(self.options, sync=policy)
-        self._wake.set()
+        if not self._closing:
+            self._kick()
 
-    async def _sync_now(self) -> None:
+    def _sync_job(self) -> None:
+        """Sync the data (write worker): what the time rule or set_sync asked for."""
         t0 = time.perf_counter()
+        error = None
         try:
-            async with self._io_lock:
-                await _write_off_loop(self._sync_both)
-        except OSError as e:
-            self._fail_queue(f"sync failed: {e}")
-            return
-        elapsed = time.perf_counter() - t0
+            self._segments.sync()
+        except BaseException as e:
+            error = e
+        self._loop.call_soon_threadsafe(self._synced, time.perf_counter() - t0, error)
+
+    def _synced(self, elapsed: float, error: BaseException | None) -> None:
+        if error is not None:
+            self._fail_queue(f"sync failed: {error}")
+        else:
+            self._count_sync(elapsed)
+            self._unsynced_messages = 0
+            if self.options.auto_commit:
+                self._commit(self.written_end, self.written_count)
+        self._write_next()
+
+    def _count_sync(self, elapsed: float) -> None:
         self.stats["syncs"] += 1
         self.stats["sync_seconds_total"] += elapsed
         self.histograms["sync_seconds"][bisect.bisect_left(SYNC_SECONDS_BUCKETS, elapsed)] += 1
-        self._unsynced_messages = 0
-        if not self.options.auto_commit:
-            return
-        self._commit(self.written_end, self.written_count)
 
-    def _sync_both(self) -> None:
-        """Sync data and commitlog at the same time (worker thread); both are done on return.
-
-        Safe in any order: recovery cuts the commitlog to the data."""
-        clog_synced = _SYNC_POOL.submit(self.commitlog.sync)
-        try:
-            self._segments.sync()
-        finally:
-            clog_synced.result()
-
-    async def _write_batch(self, batch: _Batch) -> None:
-        ts = max(time.time_ns(), self._last_ts)
-        data, clog, results, seq = self._encode(batch.requests, ts)
-        sync_now = self._should_sync(batch.count)
+    def _write_job(self, batch: _Batch, data, clog, results, seq: int, ts: int,
+                   sync: bool) -> None:
+        """Write (and sync) one batch (write worker), then hand it back to the loop."""
         t0 = time.perf_counter()
+        error = None
         try:
-            async with self._io_lock:
-                await _write_off_loop(self._write_sync, data, clog, len(results), sync_now)
-        except _Unrecoverable as e:
-            self._fail_batch(batch, self._fail_queue(str(e)))
-            return
-        except OSError as e:
-            err = self._append_error(e)
-            log.error("append_failed", path=self.path, partition=self.partition, error=str(err))
-            self._fail_batch(batch, err)
+            self._write_sync(data, clog, len(results), sync)
+        except BaseException as e:
+            error = e
+        self._loop.call_soon_threadsafe(self._written, batch, len(data), results, seq, ts, sync,
+                                        time.perf_counter() - t0, error)
+
+    def _written(self, batch: _Batch, size: int, results, seq: int, ts: int, synced: bool,
+                 elapsed: float, error: BaseException | None) -> None:
+        """A batch came back from the worker (loop): account for it, start the next batch,
+        then resolve this one."""
+        if error is not None:
+            self._fail_batch(batch, self._batch_error(error))
+            self._write_next()
             return
         self.stats["batches"] += 1
         self.stats["batch_messages_total"] += batch.count
         self.histograms["batch_messages"][
             bisect.bisect_left(BATCH_MESSAGES_BUCKETS, batch.count)] += 1
-        if sync_now:
-            elapsed = time.perf_counter() - t0
-            self.stats["syncs"] += 1
-            self.stats["sync_seconds_total"] += elapsed
-            self.histograms["sync_seconds"][bisect.bisect_left(SYNC_SECONDS_BUCKETS, elapsed)] += 1
+        if synced:
+            self._count_sync(elapsed)
         self._last_ts = ts
-        self.written_end += len(data)
+        self.written_end += size
         self.written_count = seq
-        if sync_now:
+        if synced:
             self._unsynced_messages = 0
         else:
             if not self._unsynced_messages:
@@ -401,8 +490,20 @@ class DiskQueue:
             self._unsynced_messages += batch.count
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
+        self._write_next()  # the disk works on the next batch while the loop answers this one
         for (waiter, *_), result in zip(batch.requests, results):
             _settle(waiter, result, None)
+
+    def _batch_error(self, error: BaseException) -> AppendError:
+        if isinstance(error, _Unrecoverable):
+            return self._fail_queue(str(error))
+        if isinstance(error, OSError):
+            err = self._append_error(error)
+            log.error("append_failed", path=self.path, partition=self.partition, error=str(err))
+            return err
+        log.error("write_batch_failed", path=self.path, partition=self.partition,
+                  error=repr(error))
+        return AppendError(f"writing {self.path} failed: {error!r}")
 
     def _encode(self, requests, ts: int):
         """Encode a batch: (data bytes, commitlog bytes, one Appended per request, next sequence).
@@ -442,10 +543,15 @@ class DiskQueue:
                     and time.monotonic() - self._unsynced_since >= policy.every_ms / 1000)
 
     def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
-        """Write one batch (worker thread), and sync it if `sync`. A failed write is undone
-        (both files cut back) and re-raised; a failed undo or a failed sync raises
-        _Unrecoverable."""
+        """Write one batch (write worker), and sync its data if `sync`. A failed write is
+        undone (both files cut back) and re-raised; a failed undo or a failed sync raises
+        _Unrecoverable.
+
+        The commitlog is synced only when `clog_sync_every` entries are unsynced or the data
+        moved to a new segment (so its lag never spans a data segment); recovery rebuilds
+        what a power loss took of it from the data."""
         data_before = self._segments.end
+        base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id
         try:
             self._segments.write(data)
@@ -457,11 +563,13 @@ class DiskQueue:
             except OSError as undo:
                 raise _Unrecoverable(f"undoing a failed write failed: {undo}") from undo
             raise
-        if sync:
-            try:
-                self._sync_both()
-            except OSError as e:
-                raise _Unrecoverable(f"sync failed: {e}") from e
+        try:
+            if sync:
+                self._segments.sync()
+            if self.commitlog.sync_due or self._segments.active_base != base_before:
+                self.commitlog.sync()
+        except OSError as e:
+            raise _Unrecoverable(f"sync failed: {e}") from e
 
     def _append_error(self, e: OSError) -> AppendError:
         if e.errno == errno.ENOSPC:
@@ -527,10 +635,9 @@ class DiskQueue:
 
     async def find(self, method: str, value: int) -> Entry | None:
         """Commitlog search off the loop: method is offset, msg_id, count or timestamp.
-        Holds the I/O lock, so retention never drops the segment it reads."""
+        An exclusive job, so retention never drops the segment it reads."""
         fn = getattr(self.commitlog, f"find_by_{method}")
-        async with self._io_lock:
-            return await _write_off_loop(fn, value)
+        return await self._exclusive(fn, value)
 
     # ---- retention and emptying ------------------------------------------
 
@@ -540,8 +647,7 @@ class DiskQueue:
         `max_age_s`, or beyond `max_bytes` in total (oldest first). Never the active one.
         Returns the new start offset."""
         before = self.start_offset
-        async with self._io_lock:
-            start = await _write_off_loop(self._retain_sync, before_offset, max_age_s, max_bytes)
+        start = await self._exclusive(self._retain_sync, before_offset, max_age_s, max_bytes)
         if start != before:
             self.shared_chunks.clear()  # what was dropped is served from nowhere
         return start
@@ -574,8 +680,7 @@ class DiskQueue:
 
     async def empty(self) -> None:
         """Drop every message; offsets, counts and ids continue where they were."""
-        async with self._io_lock:
-            await _write_off_loop(self._empty_sync)
+        await self._exclusive(self._empty_sync)
         self.shared_chunks.clear()
 
     def _empty_sync(self) -> None:

@@ -4,8 +4,9 @@ Invariants:
 - it never returns a record past the queue's `committed_end`;
 - it never skips a record: a corrupt one raises CorruptRecordError with its
   offset, each time it is reached, after the good records before it are returned;
-- one blocking `pread` of up to `read_ahead` bytes, off the event loop,
-  serves many records;
+- one blocking `pread` of up to `read_ahead` bytes, off the event loop on the
+  queue's own read worker (never a pool shared with other partitions), serves many
+  records;
 - records it decoded are shared with the queue's other Readers (SharedChunks), so
   channels reading near each other decode and checksum each record once.
 """
@@ -165,7 +166,8 @@ class Reader:
             if have:  # a record that should be whole is not: the segment was cut
                 raise CorruptRecordError(self.offset, "record cut short", path)
             return
-        self._fd, data = await _pread_off_loop(self._fd, path, want, self.offset - base)
+        self._fd, data = await _pread_off_loop(self._fd, path, want, self.offset - base,
+                                               executor=self.queue.read_worker)
         if len(data) <= have:
             raise CorruptRecordError(self.offset, "segment ends before its committed data", path)
         self._buf = data

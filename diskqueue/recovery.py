@@ -14,8 +14,15 @@ Run once at open, before any write. The rules:
   acknowledged under the durable policy: the tail from it is cut;
 - otherwise the data is cut at the first bad record;
 - the commitlog is then cut to the data (entries past the data's end go), and
-  records past its last entry get one regenerated entry each (their request
-  boundaries were lost with the crash; nothing about them was acknowledged);
+  records past its last entry get one regenerated entry each. They may have been
+  acknowledged: the commitlog is synced lazily (CommitLog.open has already cut it at
+  its first bad entry among the ones that can be unsynced), so after a power loss it
+  can lag the synced data. Ids, offsets, counts and timestamps come from the records;
+  only the grouping of records into requests (and so the log ids from there on) is
+  lost, and the epoch is the last surviving entry's. A bad record in that lagging part
+  has no SYNCED_BEFORE entry after it and is cut as a torn tail: under the durable
+  policy it was synced, so that takes a second fault (the power loss, plus corruption
+  of synced data);
 - a commitlog entry that fails its checksum makes the whole commitlog be rebuilt
   from the data, one entry per record (`index_rebuilt` says why). The tail check
   then has no entry to resume at, so a bad record in the active segment is cut
