@@ -5,6 +5,11 @@ Keys: `topic/<topic>` -> {"partitions": [...], "paused": bool, "floors": {partit
 All keys live in one table, so one `flush` is one SQLite transaction: a crash
 leaves the previous state or the new one, never a mix. Ephemeral topics and
 channels are never stored.
+
+Durable at `flush`: sqlitedict turns SQLite's syncing off (`synchronous=OFF`), so the
+store turns it back on at EXTRA: FULL syncs the journal and the database, and EXTRA also
+syncs the folder once the journal is deleted, without which a power cut brings the
+journal back and rolls the last transaction back (tests/test_power_loss.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ def channel_key(topic: str, partition: int, channel: str) -> str:
 class MetaStore:
     def __init__(self, path: str):
         self._db = SqliteDict(path, tablename="meta", autocommit=False)
+        self._db.conn.execute("PRAGMA synchronous=EXTRA")  # its one connection, before any write
 
     def topics(self) -> dict[str, dict]:
         """Stored topics by name (read once at start)."""
