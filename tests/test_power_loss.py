@@ -21,6 +21,13 @@ DOES find losses):
 - PowerFS with `--no-dir-sync` (a folder's fsync syncs nothing): a new topic's folder,
   the folders inside it, its segment files, its delay store's folder never reach the disk.
 
+Found by it (each makes this test fail again when undone):
+- nsqd.meta.sqlite was never synced (sqlitedict sets `synchronous=OFF`): every topic and
+  channel made since the start was gone after a cut. MetaStore now sets EXTRA.
+- no folder was synced into its parent: the messages of every new topic (its folder, the
+  partition's folder, `data/`, `commitlog/`) and the deferred messages of new channels
+  (`delay/`) were gone after a cut. Folders are now made with `diskqueue.atomic.make_dirs`.
+
 Each round prints one line (acknowledged messages, topics, channels, what was checked).
 """
 
