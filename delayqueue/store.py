@@ -29,6 +29,7 @@ from typing import Iterator
 
 import lmdb
 
+from diskqueue.atomic import make_dirs
 from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, check_taken,
                               check_waiting, decode_value, encode_value, pack_due_key, pack_id,
                               tail_due_ms, with_due)
@@ -237,7 +238,7 @@ class DelayStore:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
         parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
+        make_dirs(parent)  # the rename below makes the store durable only in a durable parent
         os.mkdir(tmp)
         env = lmdb.open(tmp, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=True,
                         metasync=True, readahead=False)

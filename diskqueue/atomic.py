@@ -1,7 +1,13 @@
-"""Atomic metadata files: a reader sees the old content or the new, never a mix.
+"""Durable file-system steps: atomic metadata files and folders made durably.
 
-Write to a temporary file in the same folder, fsync it, rename it over the
-target, fsync the folder. Blocking: async callers run it off the event loop.
+An atomic write: a reader sees the old content or the new, never a mix. Write to a
+temporary file in the same folder, fsync it, rename it over the target, fsync the folder.
+
+A folder is durable once its entry in its parent is synced: `make_dirs` syncs the parent
+of every folder it creates, so a power cut cannot lose a folder that was there when it
+returned (what is put in it later needs a sync of the folder itself).
+
+Blocking: async callers run these off the event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +31,21 @@ def write_atomic(path: str, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(folder)
+
+
+def make_dirs(path: str) -> None:
+    """Create folder `path` and its missing parents, each synced into its parent. If `path`
+    already exists its parent is synced too: a crash may have left it made but not synced."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        make_dirs(parent)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    fsync_dir(parent)
 
 
 def write_json_atomic(path: str, value) -> None:

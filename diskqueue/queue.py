@@ -48,7 +48,7 @@ import structlog
 from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
-from .atomic import read_json, write_json_atomic
+from .atomic import make_dirs, read_json, write_json_atomic
 from nsqwire.ids import PARTITION_SHIFT
 
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
@@ -211,7 +211,8 @@ class DiskQueue:
         return q
 
     def _open_sync(self) -> None:
-        os.makedirs(self.path, exist_ok=True)
+        for folder in (self.path, self._segments.path, self.commitlog.path):
+            make_dirs(folder)  # on disk before anything in them is acknowledged
         meta_path = os.path.join(self.path, META_FILE)
         meta = read_json(meta_path)
         if meta is None:

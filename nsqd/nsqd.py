@@ -17,6 +17,7 @@ import time
 
 import structlog
 
+from diskqueue.atomic import make_dirs
 from diskqueue.queue import QueueOptions
 
 from .channel import Channel
@@ -96,7 +97,7 @@ class NSQD:
                 "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock}
 
     async def start(self) -> None:
-        os.makedirs(self.options.data_path, exist_ok=True)
+        await asyncio.to_thread(make_dirs, self.options.data_path)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         for name, state in (await asyncio.to_thread(self.meta.topics)).items():

@@ -23,6 +23,7 @@ import time
 import structlog
 
 from commitlog.log import fsync_dir
+from diskqueue.atomic import make_dirs
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
 from .channel import Channel, SavedWindow
@@ -165,6 +166,7 @@ class Topic:
         self.message_bytes = 0
 
     async def open(self, partitions: list[int], floors: dict[str, list[int]]) -> None:
+        await asyncio.to_thread(make_dirs, self.path)  # its partitions' folders go in it
         for number in partitions:
             opts = dataclasses.replace(self.queue_options, partition=number)
             queue = await DiskQueue.open(os.path.join(self.path, str(number)), opts)

@@ -11,6 +11,8 @@ python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2
   || need_apt+=(python3 python3-venv)
 command -v node >/dev/null || need_apt+=(nodejs)  # tests/compat runs nsqjs under node
 command -v npm >/dev/null || need_apt+=(npm)
+# tests/powerfs.py (power-loss tests): fusermount3 and libfuse3, used through mfusepy
+command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
