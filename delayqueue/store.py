@@ -29,7 +29,7 @@ from typing import Iterator
 
 import lmdb
 
-from diskqueue.atomic import make_dirs
+from diskqueue.atomic import fsync_dir, make_dirs
 from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, check_taken,
                               check_waiting, decode_value, encode_value, pack_due_key, pack_id,
                               tail_due_ms, with_due)
@@ -85,14 +85,6 @@ def _first_rows(cur, start: bytes | None, limit: int) -> list[tuple[bytes, bytes
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _libc = None
@@ -249,11 +241,11 @@ class DelayStore:
                 txn.put(b"format", FORMAT, db=env.open_db(b"meta", txn=txn))
         finally:
             env.close()
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if os.path.isdir(path):
             os.rmdir(path)  # empty (checked by the caller)
         os.rename(tmp, path)
-        _fsync_dir(parent)
+        fsync_dir(parent)
 
     def _recover(self, now_ms: int) -> int:
         moved = 0
@@ -668,9 +660,9 @@ class DelayStore:
             shutil.rmtree(gone)
         os.rename(self.path, gone)
         parent = os.path.dirname(self.path)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         shutil.rmtree(gone)
-        _fsync_dir(parent)
+        fsync_dir(parent)
 
     def __enter__(self) -> "DelayStore":
         return self

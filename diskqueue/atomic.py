@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from commitlog.log import fsync_dir
+from commitlog.log import fsync_dir  # noqa: F401  (one home for it, re-exported here)
 
 
 def write_atomic(path: str, data: bytes) -> None:

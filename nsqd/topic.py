@@ -22,8 +22,7 @@ import time
 
 import structlog
 
-from commitlog.log import fsync_dir
-from diskqueue.atomic import make_dirs
+from diskqueue.atomic import fsync_dir, make_dirs
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
 from .channel import Channel, SavedWindow
