@@ -32,6 +32,15 @@ Ours, beyond classic:
   when a body exceeds what one record can hold.
 - A body that cannot be read (truncated chunked body) is 400 `BAD_BODY` (classic:
   500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
+- A topic or channel that cannot be made (a full disk) is 503 `TOPIC_CREATE_FAILED` /
+  `CHANNEL_CREATE_FAILED` (/pub and /mpub: `PUB_FAILED` / `MPUB_FAILED`); a partition that
+  does not serve (failed to open, or its log failed) refuses /pub and /mpub with 503
+  `PUB_FAILED` / `MPUB_FAILED` and /channel/create with 503 `CHANNEL_CREATE_FAILED`.
+- POST /topic/reopen?topic=T[&partition=N] opens a partition again without a restart
+  (NSQD.reopen): partition N, or every partition of T that does not serve. 200 when all
+  serve again; 503 `REOPEN_FAILED` if one still fails (the reason: /stats, /ping, log).
+- GET /ping answers 500 with the health text (`NOK - <reasons>`, health.py) when a
+  partition does not serve or the checkpoint keeps failing, as classic does when unhealthy.
 - /mpub parses the body before it creates the topic (classic creates it first), so
   a refused /mpub leaves no new topic behind; the errors and their order are classic.
 - /topic/empty empties what the topic holds for channels that do not exist yet
@@ -64,7 +73,7 @@ from .channel import defer_ext
 from .nsqd import NameError_
 from .options import _DURATIONS, parse_duration_ms
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
-from .topic import PartitionNotFound
+from .topic import PartitionNotFound, StorageError
 
 log = structlog.get_logger("nsqd.http")
 
@@ -272,11 +281,13 @@ def parse_mpub_text(body: bytes, max_msg_size: int) -> list[bytes]:
 # ---- the node's operations ------------------------------------------------------
 
 
-async def _get_topic(nsqd, name: str):
+async def _get_topic(nsqd, name: str, failed_code: str = "TOPIC_CREATE_FAILED"):
     try:
         return await nsqd.get_topic(name)
     except NameError_:
         raise HTTPError(400, "INVALID_TOPIC") from None
+    except StorageError:  # logged by the node
+        raise HTTPError(503, failed_code) from None
 
 
 async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
@@ -285,7 +296,7 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
     if partition is not None and (partition != 0 if existing is None
                                   else existing.partition(partition) is None):
         raise HTTPError(400, "BAD_PARTITION")  # checked before a new topic is made
-    topic = await _get_topic(nsqd, name)
+    topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return
     try:
@@ -316,6 +327,16 @@ def _partitions(topic, params) -> list:
     if p is None:
         raise HTTPError(400, "BAD_PARTITION")
     return [p]
+
+
+def _held_partitions(topic, params, default: list[int]) -> list[int]:
+    """`partition=` if this node holds it (serving or not), else `default` when absent."""
+    number = partition_arg(params)
+    if number is None:
+        return default
+    if number not in topic.partitions and number not in topic.failed:
+        raise HTTPError(400, "BAD_PARTITION")
+    return [number]
 
 
 def _existing_channels(topic, params, channel_name: str) -> list:
@@ -485,11 +506,24 @@ def _topic_channel(nsqd, request):
 
 async def do_channel_create(nsqd, request):
     params, topic, channel_name = _topic_channel(nsqd, request)
-    for p in _partitions(topic, params):
+    for n in _held_partitions(topic, params, sorted({*topic.partitions, *topic.failed})):
         try:
-            await nsqd.get_channel(topic.name, channel_name, p.number)
+            await nsqd.get_channel(topic.name, channel_name, n)
         except NameError_:
             raise HTTPError(400, "INVALID_ARG_CHANNEL") from None
+        except StorageError:  # logged by the node
+            raise HTTPError(503, "CHANNEL_CREATE_FAILED") from None
+    return None
+
+
+async def do_topic_reopen(nsqd, request):
+    """Ours: open a topic's partition again without a restart (see the module docstring)."""
+    params = query(request)
+    topic = _existing_topic(nsqd, topic_arg(params))
+    numbers = _held_partitions(topic, params, sorted(topic.errors()))
+    failed = [n for n in numbers if await nsqd.reopen(topic, n) is not None]
+    if failed:
+        raise HTTPError(503, "REOPEN_FAILED")
     return None
 
 
@@ -602,6 +636,7 @@ ROUTES = {
     "/topic/empty": {"POST": do_topic_empty},
     "/topic/pause": {"POST": do_topic_pause},
     "/topic/unpause": {"POST": do_topic_unpause},
+    "/topic/reopen": {"POST": do_topic_reopen},
     "/channel/create": {"POST": do_channel_create},
     "/channel/delete": {"POST": do_channel_delete},
     "/channel/empty": {"POST": do_channel_empty},

@@ -10,7 +10,8 @@ Families (labels: topic, partition, channel):
   nsqd_clients (TCP connections), nsqd_producers, nsqd_topics;
 - topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
   nsqd_topic_message_bytes_total;
-- partition: nsqd_partition_depth, nsqd_partition_start_offset,
+- partition: nsqd_partition_up (1 while it serves, 0 when it failed to open or its log
+  failed; the others only for partitions that opened), nsqd_partition_depth, nsqd_partition_start_offset,
   nsqd_partition_committed_offset, nsqd_partition_committed_count,
   nsqd_partition_written_offset, group commit histograms
   nsqd_group_commit_batch_messages (messages per written batch) and
@@ -83,7 +84,8 @@ def render(stats: dict) -> str:
     """Prometheus text for a node_stats() dict (clients and memory may be left out of it)."""
     out = _Exposition()
     topics = stats["topics"]
-    partitions = [(t, p) for t in topics for p in t.get("partitions", [])]
+    held = [(t, p) for t in topics for p in t.get("partitions", [])]
+    partitions = [(t, p) for t, p in held if "committed_offset" in p]  # opened
     channels = [(t, c, cp) for t in topics for c in t["channels"] for cp in c.get("partitions", [])]
 
     def tl(t):
@@ -119,6 +121,9 @@ def render(stats: dict) -> str:
                "Body bytes published to the topic on this node since start.",
                [(tl(t), t["message_bytes"]) for t in topics])
 
+    out.family("nsqd_partition_up", "gauge",
+               "1 while the partition serves; 0 when it failed to open or its log failed.",
+               [(pl(t, p), p.get("error") is None) for t, p in held])
     out.family("nsqd_partition_depth", "gauge",
                "Messages of the partition held for channels that do not exist yet.",
                [(pl(t, p), p["depth"]) for t, p in partitions])

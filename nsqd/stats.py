@@ -11,7 +11,9 @@ them; ours are additive:
 - topic: `partitions` [{partition, depth, start_offset, start_count, committed_offset,
   committed_count, written_offset, written_count, group_commit{batches, syncs,
   batch_messages_total, sync_seconds_total, batch_messages_histogram,
-  sync_seconds_histogram}}];
+  sync_seconds_histogram}, error}]: `error` is null while the partition serves, else why
+  it does not (its log failed); a partition that failed to open has only `partition`,
+  `depth` (0) and `error`;
 - channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
   deferred_count, requeued_count, message_count, requeue_count, timeout_count,
   finish_count, client_count, paused, confirmed, confirmed_count, next_read,
@@ -102,7 +104,9 @@ def topic_stats(topic, channel_filter: str, include_clients: bool, conns: dict) 
         if channel_filter not in by_name:
             return None
         by_name = {channel_filter: by_name[channel_filter]}
-    partitions = [partition_stats(topic.partitions[n]) for n in sorted(topic.partitions)]
+    partitions = [partition_stats(topic.partitions[n]) if n in topic.partitions
+                  else {"partition": n, "depth": 0, "error": topic.failed[n]}
+                  for n in sorted({*topic.partitions, *topic.failed})]
     depth = sum(p["depth"] for p in partitions)
     return {
         "topic_name": topic.name,
@@ -147,6 +151,7 @@ def partition_stats(partition) -> dict:
                                                    h.get("batch_messages")),
             "sync_seconds_histogram": _histogram(SYNC_SECONDS_BUCKETS, h.get("sync_seconds")),
         },
+        "error": str(q.failed) if q.failed is not None else None,
     }
 
 
