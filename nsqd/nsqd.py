@@ -249,7 +249,7 @@ class NSQD:
                 for c in p.channels.values():
                     self._disconnect_clients(c)
                 try:
-                    self.checkpoint_channels(p)
+                    self._save_cursors(p)
                     await self.meta.flush()
                 except Exception as e:  # the cursors of the last checkpoint are used
                     log.warning("reopen_checkpoint_failed", topic=topic.name, partition=number,
@@ -261,7 +261,7 @@ class NSQD:
                 log.info("partition_reopened", topic=topic.name, partition=number)
             return error
 
-    def checkpoint_channels(self, p) -> None:
+    def _save_cursors(self, p) -> None:
         for channel in p.channels.values():
             self._store_channel(channel)
         self._store_topic(p.topic)

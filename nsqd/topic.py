@@ -92,6 +92,21 @@ class Partition:
         channel.start()
         return channel
 
+    async def close(self) -> None:
+        """Close the channels, then the log. What fails is logged, never raised: the node
+        is stopping, or the partition is about to be opened again."""
+        for c in list(self.channels.values()):
+            try:
+                await c.close()
+            except Exception as e:
+                log.error("channel_close_failed", topic=self.topic.name, partition=self.number,
+                          channel=c.name, error=f"{type(e).__name__}: {e}")
+        try:
+            await self.queue.close()
+        except Exception as e:
+            log.error("partition_close_failed", topic=self.topic.name, partition=self.number,
+                      error=f"{type(e).__name__}: {e}")
+
     async def remove_channel(self, name: str) -> None:
         channel = self.channels.pop(name)
         await channel.close(delete=True)
@@ -176,17 +191,7 @@ class Topic:
             return
         self.failed[number] = reason
         self._failed_floors[number] = p._floor
-        for c in list(p.channels.values()):
-            try:
-                await c.close()
-            except Exception as e:
-                log.error("channel_close_failed", topic=self.name, partition=number,
-                          channel=c.name, error=f"{type(e).__name__}: {e}")
-        try:
-            await p.queue.close()
-        except Exception as e:
-            log.error("partition_close_failed", topic=self.name, partition=number,
-                      error=f"{type(e).__name__}: {e}")
+        await p.close()
 
     def errors(self) -> dict[int, str]:
         """Partitions that do not serve, and why: failed to open, or their log failed."""
@@ -212,9 +217,10 @@ class Topic:
             p.queue.set_sync(sync_policy(*sync))
 
     async def close(self) -> None:
-        """Close every partition, each as far as it can (see close_partition)."""
-        for number in list(self.partitions):
-            await self.close_partition(number, "closed")
+        """Close every partition, each as far as it can (Partition.close); they stay in
+        `partitions`, so a last checkpoint saves their channels' final cursors."""
+        for p in list(self.partitions.values()):
+            await p.close()
 
     async def delete_files(self) -> None:
         await self.close()

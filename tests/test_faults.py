@@ -224,9 +224,10 @@ async def test_sigterm_on_a_full_disk_closes_what_it_can_and_says_so(disk, tmp_p
     await asyncio.sleep(1.5)
     assert proc.stop() == 1
     lines = log_lines(proc)
-    assert any("stopped_with_errors" in line for line in lines), lines[-5:]
+    assert "stopped_with_errors" in lines[-1] and "disk is full" in lines[-1], lines[-5:]
     assert not any("partition_close_failed" in line for line in lines)
-    assert not any(line.startswith("Traceback") for line in lines[-30:])
+    # at most the first checkpoint failure's traceback (if one ran before the SIGTERM)
+    assert sum(line.startswith("Traceback") for line in lines) <= 1
     free(disk)
     proc.start()
     c = await connect(proc)
