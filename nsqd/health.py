@@ -2,9 +2,11 @@
 
 `node_health(nsqd)` is the node's health text in classic nsqd's shape: `OK`, or
 `NOK - <reason>` (what /ping answers with a 500, and /stats' `health`). The reasons are
-the partitions that do not serve (failed to open, or their log failed while running) and
-a checkpoint that keeps failing (cursors then lag: more duplicates after a crash, nothing
-lost).
+the partitions that do not serve (failed to open, or their log failed while running), a
+full disk under the data path (less than DISK_FULL_BYTES free: publishes fail with
+E_PUB_FAILED until there is space again; classic says NOK after a failed write, we say
+it while the disk is full), and a checkpoint that keeps failing (cursors then lag: more
+duplicates after a crash, nothing lost).
 
 `FailureLog` reports a failure that repeats (a checkpoint every second on a full disk, a
 delay store's writes) without flooding the log: the first failure of a run with its
@@ -14,9 +16,20 @@ when it works again.
 
 from __future__ import annotations
 
+import os
 import time
 
 MAX_REASONS = 3  # in the health text; the rest are counted
+DISK_FULL_BYTES = 1 << 20  # less free than this under the data path: the disk is full
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def node_health(nsqd) -> str:
@@ -25,6 +38,9 @@ def node_health(nsqd) -> str:
         topic = nsqd.topics[name]
         for number, error in sorted(topic.errors().items()):
             reasons.append(f"topic {name} partition {number}: {error}")
+    free = free_bytes(nsqd.options.data_path)
+    if free is not None and free < DISK_FULL_BYTES:
+        reasons.append(f"disk full: {free} bytes free under {nsqd.options.data_path}")
     if nsqd.checkpoint_failures.error is not None:
         reasons.append(f"checkpoint failing: {nsqd.checkpoint_failures.error}")
     if not reasons:

@@ -7,7 +7,8 @@ one consistent snapshot; `render_text` prints it like nsqd v1.3.0's text format.
 
 Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
-- top level: `client_count` (TCP connections);
+- top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
+  path's file system; under 1 MiB the node's health says the disk is full);
 - topic: `partitions` [{partition, depth, start_offset, start_count, committed_offset,
   committed_count, written_offset, written_count, group_commit{batches, syncs,
   batch_messages_total, sync_seconds_total, batch_messages_histogram,
@@ -51,6 +52,8 @@ from datetime import datetime, timezone
 
 from diskqueue.queue import BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS
 
+from .health import free_bytes
+
 E2E_NONE = {"count": 0, "percentiles": None}
 # Classic client states (clientV2): init 0, disconnected 1, connected 2, subscribed 3, closing 4.
 _STATE_INIT, _STATE_SUBSCRIBED, _STATE_CLOSING = 0, 3, 4
@@ -78,6 +81,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
         out["memory"] = memory_stats()
     out["producers"] = (producer_stats(conns, topic) if include_clients else [])
     out["client_count"] = len(conns)
+    out["data_free_bytes"] = free_bytes(nsqd.options.data_path)
     return out
 
 

@@ -191,10 +191,14 @@ async def test_publishing_on_a_full_disk_is_refused_then_works_once_space_is_bac
     assert http(proc, "POST", "/pub?topic=viahttp", b"x") == (503, b'{"message":"PUB_FAILED"}')
     names = [t["topic_name"] for t in stats(proc)["topics"]]
     assert names == ["t"], "nothing half-made stays"
+    status, body = http(proc, "GET", "/ping")
+    assert status == 500 and body.startswith(b"NOK - disk full: "), body
+    assert stats(proc)["data_free_bytes"] < 1 << 20
+    assert b"nsqd_up 0" in http(proc, "GET", "/metrics")[1]
     assert not os.path.exists(os.path.join(proc.data_path, "new.topic"))
     assert "Traceback" not in "\n".join(log_lines(proc))
 
-    free(disk)
+    free(disk)  # a little: the acknowledged messages still fill most of it
     again = await connect(proc)
     await again.pub("t", b"after")
     acked.append(b"after")
@@ -242,8 +246,8 @@ async def test_sigterm_on_a_full_disk_closes_what_it_can_and_says_so(disk, tmp_p
 async def test_a_failing_checkpoint_logs_a_line_not_a_flood_and_ping_tells(disk, tmp_path):
     """Before: the failing checkpoint logged ~80 lines of traceback a second (sqlitedict's
     own error log plus ours) and /ping said OK. Now: the first failure with its
-    traceback, then at most one line a minute; /ping answers 500 `NOK - checkpoint
-    failing: ...` while it fails and OK once it works again."""
+    traceback, then at most one line a minute; /ping answers 500 `NOK - disk full: ...;
+    checkpoint failing: ...` while it fails and OK once it works again."""
     proc = start_on(disk, tmp_path)
     pub = await connect(proc)
     await pub.pub("t", b"x")
@@ -255,8 +259,9 @@ async def test_a_failing_checkpoint_logs_a_line_not_a_flood_and_ping_tells(disk,
     await asyncio.sleep(3)
     assert len(log_lines(proc)) - before <= 2, log_lines(proc)[before:]
     status, body = http(proc, "GET", "/ping")
-    assert status == 500 and body.startswith(b"NOK - checkpoint failing: "), body
-    assert stats(proc)["health"].startswith("NOK - checkpoint failing")
+    assert status == 500 and body.startswith(b"NOK - disk full: "), body
+    assert b"; checkpoint failing: database or disk is full" in body
+    assert "checkpoint failing" in stats(proc)["health"]
     assert b"nsqd_up 0" in http(proc, "GET", "/metrics")[1]
     free(disk)
     await until_true(lambda: http(proc, "GET", "/ping") == (200, b"OK"))
