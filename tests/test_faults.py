@@ -182,7 +182,7 @@ async def test_publishing_on_a_full_disk_is_refused_then_works_once_space_is_bac
             error = str(e)
             break
         acked.append(body)
-    assert error is not None and error.startswith("E_PUB_FAILED"), error
+    assert error is not None and error.startswith("E_PUB_FAILED PUB failed no space left"), error
     fill(disk)  # every last block
     assert (await refused((await connect(proc)).pub("new", b"x"))).startswith(
         "E_PUB_FAILED PUB failed topic new could not be created")
@@ -438,3 +438,36 @@ async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatc
     while got[-1] != b"after":  # "lost" was written, its sync failed: it may be there
         got.append((await take(c))[0].body)
     assert got[0] == b"kept" and got[1:-1] in ([], [b"lost"])
+
+
+# ---- the log of a repeating failure -------------------------------------------------
+
+
+def test_a_repeating_failure_is_one_line_a_minute_with_its_count():
+    """health.FailureLog, with an injected clock: the first failure with its traceback,
+    then one `_again` line a minute at most (with the count), one line when it works."""
+    from nsqd.health import FailureLog
+
+    class Recorder:
+        def __init__(self):
+            self.lines = []
+
+        def error(self, event, **kw):
+            self.lines.append((event, kw))
+
+        info = error
+
+    now = [0.0]
+    rec = Recorder()
+    failures = FailureLog(rec, "checkpoint_failed", every_s=60, clock=lambda: now[0])
+    for _ in range(120):  # two minutes of a failure a second
+        failures.failed(OSError(28, "No space left on device"))
+        now[0] += 1
+    assert failures.error == "[Errno 28] No space left on device"
+    events = [(e, kw.get("failures"), "exc_info" in kw) for e, kw in rec.lines]
+    # t=0 with its traceback; t=60 counts the 60 since; t=61..119 wait for t=120
+    assert events == [("checkpoint_failed", None, True), ("checkpoint_failed_again", 60, False)]
+    failures.ok()
+    failures.ok()
+    assert rec.lines[-1] == ("checkpoint_recovered", {"failures_total": 120})
+    assert len(rec.lines) == 3 and failures.error is None
