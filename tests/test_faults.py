@@ -440,6 +440,38 @@ async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatc
     assert got[0] == b"kept" and got[1:-1] in ([], [b"lost"])
 
 
+def test_a_delay_store_made_on_a_full_disk_is_an_error_not_a_sigbus(disk):
+    """The store alone, in a child process (a SIGBUS would kill pytest): before, LMDB's
+    lock file, sized by ftruncate and written through its map, killed the process
+    (-SIGBUS) on a full tmpfs. Now its blocks are allocated first: DelayStoreError."""
+    import sys
+
+    path, _ = disk
+    fill(disk)
+    code = ("import sys\nfrom delayqueue.store import DelayStore, DelayStoreError\n"
+            "try:\n    DelayStore.open(sys.argv[1])\nexcept DelayStoreError as e:\n"
+            "    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path / "store")],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert "cannot create the delay store" in done.stdout
+    assert not os.path.exists(path / "store") and not os.path.exists(path / "store.creating")
+    # an existing store whose lock file is gone, opened on a full disk: LMDB would make
+    # the lock file again (ftruncate, then writes through its map): an error, no fault
+    free(disk)
+    from delayqueue.store import DelayStore
+
+    DelayStore.open(str(path / "old")).close()
+    os.unlink(path / "old" / "lock.mdb")
+    fill(disk)
+    done = subprocess.run([sys.executable, "-c", code, str(path / "old")],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert "lock.mdb: cannot allocate" in done.stdout
+
+
 # ---- the log of a repeating failure -------------------------------------------------
 
 
