@@ -32,15 +32,10 @@ Ours, beyond classic:
   when a body exceeds what one record can hold.
 - A body that cannot be read (truncated chunked body) is 400 `BAD_BODY` (classic:
   500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
-- A topic or channel that cannot be made (a full disk) is 503 `TOPIC_CREATE_FAILED` /
-  `CHANNEL_CREATE_FAILED` (/pub and /mpub: `PUB_FAILED` / `MPUB_FAILED`); a partition that
-  does not serve (failed to open, or its log failed) refuses /pub and /mpub with 503
-  `PUB_FAILED` / `MPUB_FAILED` and /channel/create with 503 `CHANNEL_CREATE_FAILED`.
-- POST /topic/reopen?topic=T[&partition=N] opens a partition again without a restart
-  (NSQD.reopen): partition N, or every partition of T that does not serve. 200 when all
-  serve again; 503 `REOPEN_FAILED` if one still fails (the reason: /stats, /ping, log).
-- GET /ping answers 500 with the health text (`NOK - <reasons>`, health.py) when a
-  partition does not serve or the checkpoint keeps failing, as classic does when unhealthy.
+- Storage faults (nsqd/README.md, "Faults stay inside their partition"): 503
+  `TOPIC_CREATE_FAILED` / `CHANNEL_CREATE_FAILED` / `PUB_FAILED` / `MPUB_FAILED`; /ping is
+  500 with the health text when unhealthy; POST /topic/reopen?topic=T[&partition=N] (503
+  `REOPEN_FAILED` while a partition still fails).
 - /mpub parses the body before it creates the topic (classic creates it first), so
   a refused /mpub leaves no new topic behind; the errors and their order are classic.
 - /topic/empty empties what the topic holds for channels that do not exist yet
