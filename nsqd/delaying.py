@@ -193,8 +193,9 @@ class ChannelDelay:
     # ---- bringing due messages back ----------------------------------------
 
     def due(self, now_ms: int) -> bool:
-        return (self.available and self.store is not None and not self._taking and self.waiting > 0
-                and self.oldest_due_ms is not None and self.oldest_due_ms <= now_ms)
+        return (self.available and self.store is not None and not self._taking
+                and self.waiting > 0 and self.oldest_due_ms is not None
+                and self.oldest_due_ms <= now_ms)
 
     async def take_due(self, now_ms: int, limit: int):
         """Due messages, moved to "taken" in the store (one transaction)."""

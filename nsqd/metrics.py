@@ -11,7 +11,8 @@ Families (labels: topic, partition, channel):
 - topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
   nsqd_topic_message_bytes_total;
 - partition: nsqd_partition_up (1 while it serves, 0 when it failed to open or its log
-  failed; the others only for partitions that opened), nsqd_partition_depth, nsqd_partition_start_offset,
+  failed; the others only for partitions that opened), nsqd_partition_depth,
+  nsqd_partition_start_offset,
   nsqd_partition_committed_offset, nsqd_partition_committed_count,
   nsqd_partition_written_offset, group commit histograms
   nsqd_group_commit_batch_messages (messages per written batch) and
