@@ -38,6 +38,14 @@ FORMAT = b"delaystore-1"
 MAX_ORIGIN_KEY = b"max_origin"
 I64 = struct.Struct(">q")
 DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
+# LMDB sizes its lock file (126 reader slots: 8 KiB) with ftruncate and writes it through a
+# shared map: a page the disk cannot back is SIGBUS, which kills the process. The store
+# allocates these bytes itself first (posix_fallocate), so a full disk is an error instead.
+LOCK_BYTES = 8192
+# A new store is not made with less free space than this on its file system: it would fail
+# at its first writes anyway, and the error then names the cause.
+MIN_FREE_BYTES = 1 << 20
 MAX_DBS = 8
 # Entries moved per write transaction by the whole-store operations (recovery at open,
 # requeue_all_now): bounds the dirty pages LMDB holds in memory during one transaction.
@@ -85,6 +93,24 @@ def _first_rows(cur, start: bytes | None, limit: int) -> list[tuple[bytes, bytes
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _preallocate_lock(folder: str) -> None:
+    """Give LMDB's lock file (created if missing) real blocks before LMDB maps it (see
+    LOCK_BYTES). Raises OSError (ENOSPC on a full disk) instead of a later SIGBUS."""
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, max(LOCK_BYTES, os.fstat(fd).st_size))
+    finally:
+        os.close(fd)
+
+
+def _check_free_space(folder: str) -> None:
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise OSError(28, f"only {free} bytes free on the file system of {folder}, a new "
+                          f"delay store needs at least {MIN_FREE_BYTES}")
 
 
 _libc = None
@@ -181,6 +207,11 @@ class DelayStore:
         env = None
         try:
             try:
+                _preallocate_lock(path)
+            except OSError as e:
+                raise DelayStoreError(f"{path}/{LOCK_FILE}: cannot allocate LMDB's lock file "
+                                      f"(a full disk?): {e}") from e
+            try:
                 # Room to grow past what the file already holds (it is address space only).
                 map_size = max(map_size, 2 * size)
                 env = lmdb.open(path, map_size=map_size, subdir=True, max_dbs=MAX_DBS,
@@ -225,23 +256,29 @@ class DelayStore:
     @staticmethod
     def _create(path: str, map_size: int) -> None:
         """Create the environment in a side folder and rename it into place, so a folder
-        named `path` always holds a whole, initialized store."""
+        named `path` always holds a whole, initialized store. On failure nothing is left."""
         tmp = path + ".creating"
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
         parent = os.path.dirname(path)
         make_dirs(parent)  # the rename below makes the store durable only in a durable parent
+        _check_free_space(parent)
         os.mkdir(tmp)
-        env = lmdb.open(tmp, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=True,
-                        metasync=True, readahead=False)
         try:
-            with env.begin(write=True) as txn:
-                for name in ("waiting", "taken", "due_of", "corrupt"):
-                    env.open_db(name.encode(), txn=txn)
-                txn.put(b"format", FORMAT, db=env.open_db(b"meta", txn=txn))
-        finally:
-            env.close()
-        fsync_dir(tmp)
+            _preallocate_lock(tmp)
+            env = lmdb.open(tmp, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=True,
+                            metasync=True, readahead=False)
+            try:
+                with env.begin(write=True) as txn:
+                    for name in ("waiting", "taken", "due_of", "corrupt"):
+                        env.open_db(name.encode(), txn=txn)
+                    txn.put(b"format", FORMAT, db=env.open_db(b"meta", txn=txn))
+            finally:
+                env.close()
+            fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if os.path.isdir(path):
             os.rmdir(path)  # empty (checked by the caller)
         os.rename(tmp, path)

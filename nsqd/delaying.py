@@ -9,10 +9,15 @@ Invariants:
   holds it in the store is committed (`on_stored` is called then);
 - a message brought back from the store stays in it ("taken") until its FIN
   is written, so a crash at any moment brings it back (at-least-once);
+- a store is made only when a message first needs it (the first move), never when the
+  channel is made: an LMDB store costs a folder, two files and a map, and making one on a
+  full disk must cost one error, not the process (delayqueue preallocates its files). A
+  store that exists (or that the checkpoint says existed) is opened with the channel;
 - when the store cannot be opened, or its writes keep failing (GIVE_UP_AFTER
   flushes in a row), `error` names the file and the channel keeps its deferred
   messages in memory, as classic nsqd does: moves not yet written are given back
-  (`give_back`), so nothing waits on a broken store;
+  (`give_back`), so nothing waits on a broken store. A store that could not be made is
+  tried again, at most every CREATE_RETRY_S, by a later move;
 - a log record the store already holds (moved there, then a crash before the cursor
   was saved) is the store's: `holding` tells the channel, which confirms it unsent.
 """
@@ -21,12 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import structlog
+
+from .health import FailureLog
 
 log = structlog.get_logger("nsqd.delay")
 
 GIVE_UP_AFTER = 3  # failed store writes in a row before moves stop going to the store
+CREATE_RETRY_S = 30.0  # after a store could not be made, moves wait in memory this long
 
 
 class ChannelDelay:
@@ -50,30 +59,48 @@ class ChannelDelay:
         self._flusher: asyncio.Task | None = None
         self._taking = False
         self._closed = False
-        self._failed = False  # writes kept failing: no more moves in
+        self._failed = False  # writes kept failing, or a store that exists did not open
+        self._create_after = 0.0  # monotonic time before which no store is made
+        self._write_failures = FailureLog(log, "delay_store_write_failed")
         self.flushes = 0  # store writes done: many moves share one
 
     @property
     def available(self) -> bool:
-        return self.store is not None and not self._closed and not self._failed
+        """Moves may go to the store: it is open, or it may be made on the first move."""
+        if self._closed or self._failed:
+            return False
+        return self.store is not None or time.monotonic() >= self._create_after
 
     async def open(self) -> None:
-        from delayqueue.store import DelayStore, DelayStoreError
-
+        """Open the channel's store if it has one; a new one is made by the first move."""
         if self.expected and not os.path.isdir(self.path):
             self.error = (f"{self.path}: the channel's delay store is missing (what it held "
                           "counts as confirmed in the log): deferred messages wait in memory")
+            self._failed = True  # never an empty store in its place
             log.error("delay_store_missing", path=self.path)
             return
+        if os.path.isdir(self.path) and not await self._open_store():
+            self._failed = True
+            return
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    async def _open_store(self) -> bool:
+        """Open (or make) the store; False, with `error` set and one log line, if it fails."""
+        from delayqueue.store import DelayStore, DelayStoreError
+
         try:
             self.store = await asyncio.to_thread(DelayStore.open, self.path)
+            self._refresh(*await asyncio.to_thread(self.store.stats))
+            self.max_origin = await asyncio.to_thread(self.store.max_origin_offset)
         except (DelayStoreError, OSError) as e:
+            if self.store is not None:
+                await asyncio.to_thread(self.store.close)
+                self.store = None
             self.error = str(e)
             log.error("delay_store_unavailable", path=self.path, error=self.error)
-            return
-        self._refresh(*await asyncio.to_thread(self.store.stats))
-        self.max_origin = await asyncio.to_thread(self.store.max_origin_offset)
-        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+            return False
+        self.error = None
+        return True
 
     async def holding(self, records) -> set[int]:
         """Ids of the log `records` that the store held when it was opened (checked only
@@ -111,6 +138,16 @@ class ChannelDelay:
                 await self._pending.wait()
                 self._pending.clear()
                 continue
+            if self.store is None and not await self._open_store():
+                # No store could be made (a full disk?): the moves wait in memory, and a
+                # later move tries again after CREATE_RETRY_S. Only log messages can be
+                # here: nothing was ever taken from a store that does not exist.
+                self._create_after = time.monotonic() + CREATE_RETRY_S
+                puts, self._puts = self._puts, []
+                self.give_back([(m, d.due_ms) for d, m in puts if m is not None])
+                self._finishes.clear()
+                self._requeues.clear()
+                continue
             puts, self._puts = self._puts, []
             finishes, self._finishes = self._finishes, []
             requeues, self._requeues = self._requeues, []
@@ -118,7 +155,7 @@ class ChannelDelay:
                 stats = await asyncio.to_thread(self._apply, [d for d, _ in puts], finishes,
                                                 requeues)
             except Exception as e:  # the messages stay where they were: in the log, or taken
-                log.exception("delay_store_write_failed", path=self.path)
+                self._write_failures.failed(e, path=self.path)
                 self.error = str(e)
                 if self._closed:
                     return
@@ -133,6 +170,7 @@ class ChannelDelay:
                 self._puts[:0], self._finishes[:0], self._requeues[:0] = puts, finishes, requeues
                 continue
             failures = 0
+            self._write_failures.ok(path=self.path)
             self.flushes += 1
             self._refresh(*stats)
             stored = [m for _, m in puts if m is not None]
@@ -155,8 +193,9 @@ class ChannelDelay:
     # ---- bringing due messages back ----------------------------------------
 
     def due(self, now_ms: int) -> bool:
-        return (self.available and not self._taking and self.waiting > 0
-                and self.oldest_due_ms is not None and self.oldest_due_ms <= now_ms)
+        return (self.available and self.store is not None and not self._taking
+                and self.waiting > 0 and self.oldest_due_ms is not None
+                and self.oldest_due_ms <= now_ms)
 
     async def take_due(self, now_ms: int, limit: int):
         """Due messages, moved to "taken" in the store (one transaction)."""
@@ -177,14 +216,14 @@ class ChannelDelay:
     # ---- operations --------------------------------------------------------
 
     async def empty(self) -> int:
-        if not self.available:
+        if not self.available or self.store is None:
             return 0
         dropped = await asyncio.to_thread(self.store.empty)
         self._refresh(*await asyncio.to_thread(self.store.stats))
         return dropped
 
     async def requeue_all_now(self, now_ms: int) -> int:
-        if not self.available:
+        if not self.available or self.store is None:
             return 0
         moved = await asyncio.to_thread(self.store.requeue_all_now, now_ms)
         self._refresh(*await asyncio.to_thread(self.store.stats))

@@ -34,6 +34,10 @@ Ours, beyond classic:
   500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
 - A half-close ends what the client sends, not what it reads, and a malformed request
   costs one log line, never a traceback (httpconn.py).
+- Storage faults (nsqd/README.md, "Faults stay inside their partition"): 503
+  `TOPIC_CREATE_FAILED` / `CHANNEL_CREATE_FAILED` / `PUB_FAILED` / `MPUB_FAILED`; /ping is
+  500 with the health text when unhealthy; POST /topic/reopen?topic=T[&partition=N] (503
+  `REOPEN_FAILED` while a partition still fails).
 - /mpub parses the body before it creates the topic (classic creates it first), so
   a refused /mpub leaves no new topic behind; the errors and their order are classic.
 - /topic/empty empties what the topic holds for channels that do not exist yet
@@ -68,7 +72,7 @@ from .channel import defer_ext
 from .nsqd import NameError_
 from .options import _DURATIONS, parse_duration_ms
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
-from .topic import PartitionNotFound
+from .topic import PartitionNotFound, StorageError
 
 log = structlog.get_logger("nsqd.http")
 
@@ -275,11 +279,13 @@ def parse_mpub_text(body: bytes, max_msg_size: int) -> list[bytes]:
 # ---- the node's operations ------------------------------------------------------
 
 
-async def _get_topic(nsqd, name: str):
+async def _get_topic(nsqd, name: str, failed_code: str = "TOPIC_CREATE_FAILED"):
     try:
         return await nsqd.get_topic(name)
     except NameError_:
         raise HTTPError(400, "INVALID_TOPIC") from None
+    except StorageError:  # logged by the node
+        raise HTTPError(503, failed_code) from None
 
 
 async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
@@ -288,7 +294,7 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
     if partition is not None and (partition != 0 if existing is None
                                   else existing.partition(partition) is None):
         raise HTTPError(400, "BAD_PARTITION")  # checked before a new topic is made
-    topic = await _get_topic(nsqd, name)
+    topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return
     try:
@@ -319,6 +325,16 @@ def _partitions(topic, params) -> list:
     if p is None:
         raise HTTPError(400, "BAD_PARTITION")
     return [p]
+
+
+def _held_partitions(topic, params, default: list[int]) -> list[int]:
+    """`partition=` if this node holds it (serving or not), else `default` when absent."""
+    number = partition_arg(params)
+    if number is None:
+        return default
+    if number not in topic.partitions and number not in topic.failed:
+        raise HTTPError(400, "BAD_PARTITION")
+    return [number]
 
 
 def _existing_channels(topic, params, channel_name: str) -> list:
@@ -488,11 +504,24 @@ def _topic_channel(nsqd, request):
 
 async def do_channel_create(nsqd, request):
     params, topic, channel_name = _topic_channel(nsqd, request)
-    for p in _partitions(topic, params):
+    for n in _held_partitions(topic, params, sorted({*topic.partitions, *topic.failed})):
         try:
-            await nsqd.get_channel(topic.name, channel_name, p.number)
+            await nsqd.get_channel(topic.name, channel_name, n)
         except NameError_:
             raise HTTPError(400, "INVALID_ARG_CHANNEL") from None
+        except StorageError:  # logged by the node
+            raise HTTPError(503, "CHANNEL_CREATE_FAILED") from None
+    return None
+
+
+async def do_topic_reopen(nsqd, request):
+    """Ours: open a topic's partition again without a restart (see the module docstring)."""
+    params = query(request)
+    topic = _existing_topic(nsqd, topic_arg(params))
+    numbers = _held_partitions(topic, params, sorted(topic.errors()))
+    failed = [n for n in numbers if await nsqd.reopen(topic, n) is not None]
+    if failed:
+        raise HTTPError(503, "REOPEN_FAILED")
     return None
 
 
@@ -605,6 +634,7 @@ ROUTES = {
     "/topic/empty": {"POST": do_topic_empty},
     "/topic/pause": {"POST": do_topic_pause},
     "/topic/unpause": {"POST": do_topic_unpause},
+    "/topic/reopen": {"POST": do_topic_reopen},
     "/channel/create": {"POST": do_channel_create},
     "/channel/delete": {"POST": do_channel_delete},
     "/channel/empty": {"POST": do_channel_empty},

@@ -1,4 +1,8 @@
-"""The `nsqd` console script: parse flags, run until SIGTERM/SIGINT, then drain and exit 0."""
+"""The `nsqd` console script: parse flags, run until SIGTERM/SIGINT, then drain and exit.
+
+Exit codes: 0 after a clean stop; 1 when the stop closed what it could but something
+could not be persisted (a full disk: the `stopped_with_errors` line names it; every
+acknowledged message is on disk, the cursors may lag); 2 for bad flags."""
 
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def tune_gc() -> None:
     gc.freeze()
 
 
-async def serve(options) -> None:
+async def serve(options) -> bool:
+    """Run a node until SIGTERM/SIGINT; True when it stopped cleanly (NSQD.stop)."""
     nsqd = NSQD(options)
     try:
         await nsqd.start()
@@ -59,7 +64,7 @@ async def serve(options) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await nsqd.stop()
+    return await nsqd.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = uvloop.run
     try:
-        run(serve(options))
+        clean = run(serve(options))
     except StartError as e:
         print(f"nsqd: {e}", file=sys.stderr)
         return 1
-    return 0
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

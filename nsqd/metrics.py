@@ -7,10 +7,12 @@ at `+Inf`, then `_sum` and `_count`.
 
 Families (labels: topic, partition, channel):
 - node: nsqd_info{version}, nsqd_up (1 when health is OK), nsqd_start_time_seconds,
-  nsqd_clients (TCP connections), nsqd_producers, nsqd_topics;
+  nsqd_clients (TCP connections), nsqd_producers, nsqd_topics, nsqd_data_free_bytes;
 - topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
   nsqd_topic_message_bytes_total;
-- partition: nsqd_partition_depth, nsqd_partition_start_offset,
+- partition: nsqd_partition_up (1 while it serves, 0 when it failed to open or its log
+  failed; the others only for partitions that opened), nsqd_partition_depth,
+  nsqd_partition_start_offset,
   nsqd_partition_committed_offset, nsqd_partition_committed_count,
   nsqd_partition_written_offset, group commit histograms
   nsqd_group_commit_batch_messages (messages per written batch) and
@@ -18,7 +20,8 @@ Families (labels: topic, partition, channel):
 - channel (per partition): nsqd_channel_depth, nsqd_channel_backend_depth,
   nsqd_channel_in_flight, nsqd_channel_deferred, nsqd_channel_requeued (waiting for
   redelivery now), nsqd_channel_clients, nsqd_channel_paused, nsqd_channel_window,
-  nsqd_channel_confirmed_offset, and the counters nsqd_channel_messages_total,
+  nsqd_channel_confirmed_offset, nsqd_channel_delay_store_up (0 when its delay store
+  failed: deferred messages wait in memory), and the counters nsqd_channel_messages_total,
   nsqd_channel_requeues_total, nsqd_channel_timeouts_total, nsqd_channel_finishes_total.
 """
 
@@ -83,7 +86,8 @@ def render(stats: dict) -> str:
     """Prometheus text for a node_stats() dict (clients and memory may be left out of it)."""
     out = _Exposition()
     topics = stats["topics"]
-    partitions = [(t, p) for t in topics for p in t.get("partitions", [])]
+    held = [(t, p) for t in topics for p in t.get("partitions", [])]
+    partitions = [(t, p) for t, p in held if "committed_offset" in p]  # opened
     channels = [(t, c, cp) for t in topics for c in t["channels"] for cp in c.get("partitions", [])]
 
     def tl(t):
@@ -106,6 +110,10 @@ def render(stats: dict) -> str:
     out.family("nsqd_producers", "gauge", "TCP connections that have published.",
                [({}, len(stats.get("producers") or []))])
     out.family("nsqd_topics", "gauge", "Topics on this node.", [({}, len(topics))])
+    if stats.get("data_free_bytes") is not None:
+        out.family("nsqd_data_free_bytes", "gauge",
+                   "Bytes free on the file system of the data path.",
+                   [({}, stats["data_free_bytes"])])
 
     out.family("nsqd_topic_depth", "gauge",
                "Messages held for channels that do not exist yet.",
@@ -119,6 +127,9 @@ def render(stats: dict) -> str:
                "Body bytes published to the topic on this node since start.",
                [(tl(t), t["message_bytes"]) for t in topics])
 
+    out.family("nsqd_partition_up", "gauge",
+               "1 while the partition serves; 0 when it failed to open or its log failed.",
+               [(pl(t, p), p.get("error") is None) for t, p in held])
     out.family("nsqd_partition_depth", "gauge",
                "Messages of the partition held for channels that do not exist yet.",
                [(pl(t, p), p["depth"]) for t, p in partitions])
@@ -160,6 +171,9 @@ def render(stats: dict) -> str:
     ]
     for name, key, help_text in gauges:
         out.family(name, "gauge", help_text, [(cl(*x), x[2][key]) for x in channels])
+    out.family("nsqd_channel_delay_store_up", "gauge",
+               "0 when the channel's delay store failed (deferred messages wait in memory).",
+               [(cl(*x), x[2].get("delay_error") is None) for x in channels])
     out.family("nsqd_channel_delay_oldest_due_seconds", "gauge",
                "Unix time at which the oldest message of the disk delay queue is due.",
                [(cl(*x), x[2]["delay_oldest_due_ms"] / 1000) for x in channels

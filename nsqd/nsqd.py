@@ -6,11 +6,17 @@ Lifecycle: `await start()` opens every stored topic and channel and listens;
 `await stop()` stops accepting, closes client connections (their in-flight
 messages go back to their channels), writes what is pending, persists every
 cursor, and closes the logs.
+
+Faults stay inside their partition (topic.py): a partition that does not open is
+reported (log, /stats, /metrics, /ping) and refuses publishes while the rest of the
+node serves; `reopen` tries it again without a restart. A topic or channel that cannot
+be made (a full disk) is not made at all: StorageError, and nothing half-made remains.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import time
@@ -21,16 +27,20 @@ from diskqueue.atomic import make_dirs
 from diskqueue.queue import QueueOptions
 
 from .channel import Channel
+from .health import FailureLog, node_health
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
-from .topic import (TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy,
-                    topic_folder)
+from .topic import (TOMBSTONE, StorageError, Topic, bury, buried_path, remove_grave,
+                    sync_policy, topic_folder)
 
 log = structlog.get_logger("nsqd")
 
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
+# sqlitedict logs each failed statement itself, as a multi-line traceback, then raises it
+# to us: on a full disk that was ~80 lines a second. Its errors reach us; we log them.
+logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
 
 
 class NameError_(ValueError):
@@ -64,7 +74,7 @@ class NSQD:
         self.options = options
         self.topics: dict[str, Topic] = {}
         self.start_time = time.time()
-        self.health = "OK"
+        self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -81,6 +91,11 @@ class NSQD:
 
         self.tls_context = tls_context(options)
         self.identify_limits = identify_limits(self)
+
+    @property
+    def health(self) -> str:
+        """`OK`, or `NOK - <reasons>` (health.node_health)."""
+        return node_health(self)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -101,7 +116,7 @@ class NSQD:
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         for name, state in (await asyncio.to_thread(self.meta.topics)).items():
-            await self._open_topic(name, state)
+            self.topics[name] = await self._open_topic(name, state)
         from .http import start_http
         from .tcp import start_tcp
 
@@ -114,9 +129,13 @@ class NSQD:
         log.info("started", tcp_port=self.tcp_port, http_port=self.http_port,
                  data_path=self.options.data_path, topics=len(self.topics))
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
+        """Stop as cleanly as the disk allows: every step is tried even when one before it
+        failed (a full disk fails the checkpoints, not the closing of the logs). Returns
+        False, after one `stopped_with_errors` line naming what failed, when something
+        could not be persisted (the cursors then lag: duplicates after the restart)."""
         if self._stopping:
-            return
+            return True
         self._stopping = True
         self.tcp_server.close()
         for conn in list(self.connections):
@@ -125,12 +144,24 @@ class NSQD:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.checkpoint()
+        failed = []
+
+        async def attempt(step: str, fn) -> None:
+            try:
+                await fn()
+            except Exception as e:
+                failed.append(f"{step}: {type(e).__name__}: {e}")
+
+        await attempt("checkpoint", self.checkpoint)
         for topic in list(self.topics.values()):
-            await topic.close()
-        await self.checkpoint()
-        self.meta.close()
+            await topic.close()  # never raises: what fails is logged per partition
+        await attempt("checkpoint", self.checkpoint)
+        await attempt("metadata close", lambda: asyncio.to_thread(self.meta.close))
+        if failed:
+            log.error("stopped_with_errors", errors=failed)
+            return False
         log.info("stopped")
+        return True
 
     def next_client_id(self) -> int:
         self._next_client_id += 1
@@ -138,22 +169,28 @@ class NSQD:
 
     # ---- topics and channels ---------------------------------------------
 
-    async def _open_topic(self, name: str, state: dict) -> Topic:
+    async def _open_topic(self, name: str, state: dict, create: bool = False) -> Topic:
+        """Open a topic and its channels (not yet in `self.topics`); a partition that fails
+        is held in `topic.failed` (see topic.py)."""
         path = topic_folder(self.options.data_path, name)
         sync = state.get("sync")
         topic = Topic(name, path, self.queue_options(tuple(sync) if sync else None))
         topic.sync = tuple(sync) if sync else None
         if topic.ephemeral:  # never stored: what a run before this one left is not ours
             await asyncio.to_thread(shutil.rmtree, path, True)
+            create = True
         topic.paused = state.get("paused", False)
-        await topic.open(state.get("partitions", [0]), state.get("floors", {}))
-        channels = await asyncio.to_thread(self.meta.channels, name)
+        await topic.open(state.get("partitions", [0]), state.get("floors", {}), create)
+        await self._add_channels(topic, list(topic.partitions))
+        return topic
+
+    async def _add_channels(self, topic: Topic, partitions: list[int]) -> None:
+        """Open the stored channels of these (open) partitions at their saved cursors."""
+        channels = await asyncio.to_thread(self.meta.channels, topic.name)
         for (partition, channel_name), cstate in channels.items():
             p = topic.partitions.get(partition)
-            if p is not None:
+            if p is not None and partition in partitions:
                 p.add_channel(channel_name, cstate, **self.channel_settings())
-        self.topics[name] = topic
-        return topic
 
     async def get_topic(self, name: str, create: bool = True) -> Topic | None:
         topic = self.topics.get(name)
@@ -164,10 +201,28 @@ class NSQD:
         async with self._create_lock:
             topic = self.topics.get(name)
             if topic is None:
-                topic = await self._open_topic(name, {"partitions": [0]})
+                topic = await self._create_topic(name)
+        return topic
+
+    async def _create_topic(self, name: str) -> Topic:
+        """Make a topic: on disk and in the metadata (flushed) before anyone may publish
+        to it (it joins `self.topics` last), or not at all (StorageError, nothing left)."""
+        topic = await self._open_topic(name, {"partitions": [0]}, create=True)
+        error = topic.failed.get(0)
+        if error is None:
+            try:
                 self._store_topic(topic)
-                await self.meta.flush()  # on disk before the PUB or SUB that made it is answered
-                log.info("topic_created", topic=name)
+                await self.meta.flush()
+            except Exception as e:
+                self.meta.delete(topic_key(name))
+                error = f"storing its metadata failed: {type(e).__name__}: {e}"
+        if error is not None:
+            await topic.close()
+            await asyncio.to_thread(shutil.rmtree, topic.path, True)
+            log.error("topic_create_failed", topic=name, error=error)
+            raise StorageError(f"topic {name} could not be created: {error}")
+        self.topics[name] = topic
+        log.info("topic_created", topic=name)
         return topic
 
     async def get_channel(self, topic_name: str, channel_name: str,
@@ -178,6 +233,10 @@ class NSQD:
                 return None
             p = topic.partition(partition)
             if p is None:
+                number = 0 if partition is None else partition
+                if number in topic.failed:
+                    raise StorageError(f"topic {topic_name} partition {number} does not serve: "
+                                       f"{topic.failed[number]}")
                 return None
             channel = p.channels.get(channel_name)
             if channel is not None or not create:
@@ -189,20 +248,65 @@ class NSQD:
                     continue  # deleted meanwhile: the channel goes to its successor
                 channel = p.channels.get(channel_name)
                 if channel is None:
-                    channel = p.add_channel(channel_name, None, **self.channel_settings())
-                    self._store_channel(channel)
-                    # On disk before SUB's OK: a channel lost in a crash would come back
-                    # starting at the topic's end, past what was published for it in between.
-                    await self.meta.flush()
-                    log.info("channel_created", topic=topic_name, partition=p.number,
-                             channel=channel_name)
+                    channel = await self._create_channel(topic, p, channel_name)
                 return channel
+
+    async def _create_channel(self, topic: Topic, p, name: str) -> Channel:
+        """Make a channel: its metadata on disk before SUB's OK (a channel lost in a crash
+        would come back starting at the topic's end, past what was published for it in
+        between), or not at all (StorageError)."""
+        channel = p.add_channel(name, None, **self.channel_settings())
+        try:
+            self._store_channel(channel)
+            await self.meta.flush()
+        except Exception as e:  # not made at all: the SUB gets an error, not a channel
+            await self._forget_new_channel(topic, p, channel)
+            error = f"storing its metadata failed: {type(e).__name__}: {e}"
+            log.error("channel_create_failed", topic=topic.name, partition=p.number,
+                      channel=name, error=error)
+            raise StorageError(f"channel {name} could not be created: {error}")
+        log.info("channel_created", topic=topic.name, partition=p.number, channel=name)
+        return channel
 
     # A delete is crash-safe at every point and never shares files with what is made after
     # it: under the create lock, close, bury the folder (rename to a tombstone, fsync the
     # parent), forget the metadata (flushed), then remove the tombstone. A crash before the
     # rename leaves it whole; after it, start() finishes it (_finish_deletes). A topic or
     # channel of the same name made later waits for the lock and gets a fresh folder.
+
+    async def _forget_new_channel(self, topic: Topic, p, channel: Channel) -> None:
+        if p.channels.get(channel.name) is channel:
+            del p.channels[channel.name]
+        self.meta.delete(channel_key(topic.name, p.number, channel.name))
+        await channel.close()
+
+    async def reopen(self, topic: Topic, number: int) -> str | None:
+        """Open a partition again without restarting the node (POST /topic/reopen): its
+        consumers are disconnected, the cursors saved (if the disk takes them), channels and
+        log closed, the log opened again with recovery, the channels re-made at their saved
+        cursors. Returns None when it serves again, else the reason (also in /stats)."""
+        async with self._create_lock:
+            p = topic.partitions.get(number)
+            if p is not None:
+                for c in p.channels.values():
+                    self._disconnect_clients(c)
+                try:
+                    self._save_cursors(p)
+                    await self.meta.flush()
+                except Exception as e:  # the cursors of the last checkpoint are used
+                    log.warning("reopen_checkpoint_failed", topic=topic.name, partition=number,
+                                error=f"{type(e).__name__}: {e}")
+                await topic.close_partition(number, "reopening")
+            error = await topic.open_partition(number, None)
+            if error is None:
+                await self._add_channels(topic, [number])
+                log.info("partition_reopened", topic=topic.name, partition=number)
+            return error
+
+    def _save_cursors(self, p) -> None:
+        for channel in p.channels.values():
+            self._store_channel(channel)
+        self._store_topic(p.topic)
 
     async def delete_topic(self, name: str) -> bool:
         async with self._create_lock:
@@ -312,15 +416,19 @@ class NSQD:
             await asyncio.sleep(self.options.checkpoint_interval_ms / 1000)
             try:
                 await self.checkpoint()
-            except Exception:  # a failed checkpoint is retried; the cursor only lags
-                log.exception("checkpoint_failed")
+            except Exception as e:  # retried next time; the cursors only lag (and /ping says so)
+                self.checkpoint_failures.failed(e)
+            else:
+                self.checkpoint_failures.ok()
 
     async def _retention_loop(self) -> None:
         o = self.options
         while True:
             await asyncio.sleep(o.retention_check_interval_ms / 1000)
             for topic in list(self.topics.values()):
-                for p in topic.partitions.values():
+                for p in list(topic.partitions.values()):
+                    if p.queue.failed is not None:  # a failed log waits for its reopen
+                        continue
                     try:
                         await p.queue.retain(
                             before_offset=p.retention_floor(),

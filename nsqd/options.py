@@ -120,7 +120,6 @@ _DURATIONS = {
     "retention_max_age": "retention_max_age_ms",
     "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
-    "retention_check_interval": "how often retention looks for segments to drop",
     "checkpoint_interval": "checkpoint_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
@@ -150,7 +149,6 @@ _HELP = {
     "retention_max_age": "drop segments older than this even if a channel still needs them "
                          "(0: never)",
     "retention_max_bytes": "drop the oldest segments beyond this size per partition (0: never)",
-    "retention_check_interval": "how often retention looks for segments to drop",
     "checkpoint_interval": "how often channel cursors are saved (after a crash a channel "
                            "redelivers what was finished since)",
     "max_msg_size": "largest message body (bytes)",

@@ -7,11 +7,14 @@ one consistent snapshot; `render_text` prints it like nsqd v1.3.0's text format.
 
 Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
-- top level: `client_count` (TCP connections);
+- top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
+  path's file system; under 1 MiB the node's health says the disk is full);
 - topic: `partitions` [{partition, depth, start_offset, start_count, committed_offset,
   committed_count, written_offset, written_count, group_commit{batches, syncs,
   batch_messages_total, sync_seconds_total, batch_messages_histogram,
-  sync_seconds_histogram}}];
+  sync_seconds_histogram}, error}]: `error` is null while the partition serves, else why
+  it does not (its log failed); a partition that failed to open has only `partition`,
+  `depth` (0) and `error`;
 - channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
   deferred_count, requeued_count, message_count, requeue_count, timeout_count,
   finish_count, client_count, paused, confirmed, confirmed_count, next_read,
@@ -55,6 +58,8 @@ from datetime import datetime, timezone
 
 from diskqueue.queue import BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS
 
+from .health import free_bytes
+
 E2E_NONE = {"count": 0, "percentiles": None}
 # Classic client states (clientV2): init 0, disconnected 1, connected 2, subscribed 3, closing 4.
 _STATE_INIT, _STATE_SUBSCRIBED, _STATE_CLOSING = 0, 3, 4
@@ -82,6 +87,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
         out["memory"] = memory_stats()
     out["producers"] = (producer_stats(conns, topic) if include_clients else [])
     out["client_count"] = len(conns)
+    out["data_free_bytes"] = free_bytes(nsqd.options.data_path)
     return out
 
 
@@ -108,7 +114,9 @@ def topic_stats(topic, channel_filter: str, include_clients: bool, conns: dict) 
         if channel_filter not in by_name:
             return None
         by_name = {channel_filter: by_name[channel_filter]}
-    partitions = [partition_stats(topic.partitions[n]) for n in sorted(topic.partitions)]
+    partitions = [partition_stats(topic.partitions[n]) if n in topic.partitions
+                  else {"partition": n, "depth": 0, "error": topic.failed[n]}
+                  for n in sorted({*topic.partitions, *topic.failed})]
     depth = sum(p["depth"] for p in partitions)
     return {
         "topic_name": topic.name,
@@ -153,6 +161,7 @@ def partition_stats(partition) -> dict:
                                                    h.get("batch_messages")),
             "sync_seconds_histogram": _histogram(SYNC_SECONDS_BUCKETS, h.get("sync_seconds")),
         },
+        "error": str(q.failed) if q.failed is not None else None,
     }
 
 

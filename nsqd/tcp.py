@@ -24,7 +24,7 @@ from nsqwire import errors, protocol as p
 from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
-from .topic import PartitionNotFound
+from .topic import PartitionNotFound, StorageError
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -319,7 +319,7 @@ class ClientConnection(asyncio.Protocol):
         if topic is None or o.tls_required or o.auth_http_address:
             return False
         part = topic.partition(cmd.partition)
-        if part is None or part.queue.closed:
+        if part is None or part.queue.closed or part.queue.failed is not None:
             return False
         kind = type(cmd)
         bodies = cmd.bodies if kind is p.Mpub else [cmd.body]
@@ -539,7 +539,10 @@ class ClientConnection(asyncio.Protocol):
             raise errors.heartbeats_disabled()
         self._check_tls("SUB")
         await self._check_auth("SUB", cmd.topic, cmd.channel)
-        channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
+        try:
+            channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
+        except StorageError as e:  # a full disk, or a partition that does not serve
+            raise errors.sub_failed(str(e)) from None
         if channel is None:
             raise errors.bad_partition("SUB", str(cmd.partition))
         self.client.channel = channel
@@ -552,8 +555,8 @@ class ClientConnection(asyncio.Protocol):
                        partition: int | None, ext: bytes = b"", reply: bool = True) -> None:
         self._check_tls(command)
         await self._check_auth(command, topic_name)
-        topic = await self.nsqd.get_topic(topic_name)
         try:
+            topic = await self.nsqd.get_topic(topic_name)
             await topic.publish(bodies, partition, ext)
         except PartitionNotFound:
             raise errors.bad_partition(command, str(partition)) from None

@@ -9,7 +9,13 @@ Invariants:
 - the first channel of a partition starts at `floor`: what was published
   while the partition had no channel (the oldest retained message at first);
   later channels start at the partition's end;
-- retention never drops a segment some channel has not confirmed past.
+- retention never drops a segment some channel has not confirmed past;
+- a fault stays inside its partition: a partition that does not open (corrupt beyond
+  repair, its folder or a segment missing, EIO) is held in `failed` with the reason, kept
+  in the topic's stored state, and refuses publishes (StorageError) until a reopen
+  succeeds; the topic's other partitions, and every other topic, serve. A partition whose
+  log failed while running (`queue.failed`, after a failed sync) stays in `partitions`
+  (its channels still deliver what it holds) and refuses publishes the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 
 import structlog
 
-from diskqueue.atomic import fsync_dir, make_dirs
+from diskqueue.atomic import fsync_dir
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
 from .channel import Channel, SavedWindow
@@ -79,6 +85,12 @@ class PartitionNotFound(LookupError):
     """A partition number this node does not hold for the topic."""
 
 
+class StorageError(Exception):
+    """The node's storage refused: a partition does not serve (see the module invariants),
+    or a topic or channel could not be made (a full disk). The text says which and why;
+    TCP answers E_PUB_FAILED / E_SUB_FAILED with it, HTTP 503."""
+
+
 class Partition:
     def __init__(self, topic: "Topic", number: int, queue: DiskQueue, floor: tuple[int, int]):
         self.topic = topic
@@ -119,6 +131,21 @@ class Partition:
             log.warning("saved_window_dropped", topic=self.topic.name, partition=self.number,
                         channel=name, reason=str(e))
             return None
+
+    async def close(self) -> None:
+        """Close the channels, then the log. What fails is logged, never raised: the node
+        is stopping, or the partition is about to be opened again."""
+        for c in list(self.channels.values()):
+            try:
+                await c.close()
+            except Exception as e:
+                log.error("channel_close_failed", topic=self.topic.name, partition=self.number,
+                          channel=c.name, error=f"{type(e).__name__}: {e}")
+        try:
+            await self.queue.close()
+        except Exception as e:
+            log.error("partition_close_failed", topic=self.topic.name, partition=self.number,
+                      error=f"{type(e).__name__}: {e}")
 
     async def remove_channel(self, name: str) -> str:
         """Close a channel and forget it; return its delay store folder, which the caller
@@ -161,20 +188,67 @@ class Topic:
         self.paused = False
         self.sync: tuple[int, int] | None = None  # its own (sync_every, sync_timeout_ms)
         self.partitions: dict[int, Partition] = {}
+        self.failed: dict[int, str] = {}  # partitions held here that did not open: why
+        self._failed_floors: dict[int, tuple[int, int]] = {}  # their stored floors
         self.message_count = 0  # messages published through this node since start
         self.message_bytes = 0
 
-    async def open(self, partitions: list[int], floors: dict[str, list[int]]) -> None:
-        await asyncio.to_thread(make_dirs, self.path)  # its partitions' folders go in it
+    async def open(self, partitions: list[int], floors: dict[str, list[int]],
+                   create: bool = False) -> None:
+        """Open the partitions; one that fails goes to `failed` (never raises for a
+        partition's fault). `create`: a new topic, whose folders may be made; a stored
+        partition's folder must exist (a missing one is a fault, not a new empty log)."""
         for number in partitions:
-            opts = dataclasses.replace(self.queue_options, partition=number)
-            queue = await DiskQueue.open(os.path.join(self.path, str(number)), opts)
-            floor = floors.get(str(number)) or (queue.start_offset, queue.start_count)
-            self.partitions[number] = Partition(self, number, queue, tuple(floor))
+            floor = floors.get(str(number))
+            await self.open_partition(number, tuple(floor) if floor else None, create)
+
+    async def open_partition(self, number: int, floor: tuple[int, int] | None,
+                             create: bool = False) -> str | None:
+        """Open one partition (again): None when it serves, else the reason (in `failed`)."""
+        path = os.path.join(self.path, str(number))
+        opts = dataclasses.replace(self.queue_options, partition=number)
+        try:
+            if not create and not await asyncio.to_thread(os.path.isdir, path):
+                raise FileNotFoundError(f"{path}: the partition's folder is missing")
+            queue = await DiskQueue.open(path, opts)
+        except Exception as e:  # whatever it is, it stays inside this partition
+            reason = f"open failed: {type(e).__name__}: {e}"
+            self.failed[number] = reason
+            if floor is not None:
+                self._failed_floors[number] = floor
+            log.error("partition_open_failed", topic=self.name, partition=number,
+                      error=reason)
+            return reason
+        self.failed.pop(number, None)
+        floor = floor or self._failed_floors.pop(number, None) or (queue.start_offset,
+                                                                   queue.start_count)
+        self.partitions[number] = Partition(self, number, queue, tuple(floor))
+        return None
+
+    async def close_partition(self, number: int, reason: str) -> None:
+        """Take a partition out of service (it refuses publishes as `failed` with `reason`),
+        then close its channels and its log. What fails in closing is logged, not raised:
+        the partition is about to be opened again, or the node is stopping."""
+        p = self.partitions.pop(number, None)
+        if p is None:
+            return
+        self.failed[number] = reason
+        self._failed_floors[number] = p._floor
+        await p.close()
+
+    def errors(self) -> dict[int, str]:
+        """Partitions that do not serve, and why: failed to open, or their log failed."""
+        out = dict(self.failed)
+        for number, p in self.partitions.items():
+            if p.queue.failed is not None:
+                out[number] = str(p.queue.failed)
+        return out
 
     def state(self) -> dict:
-        state = {"partitions": sorted(self.partitions), "paused": self.paused,
-                 "floors": {str(n): list(p._floor) for n, p in self.partitions.items()}}
+        floors = {str(n): list(f) for n, f in self._failed_floors.items() if n in self.failed}
+        floors.update({str(n): list(p._floor) for n, p in self.partitions.items()})
+        state = {"partitions": sorted({*self.partitions, *self.failed}), "paused": self.paused,
+                 "floors": floors}
         if self.sync is not None:
             state["sync"] = list(self.sync)
         return state
@@ -186,10 +260,10 @@ class Topic:
             p.queue.set_sync(sync_policy(*sync))
 
     async def close(self) -> None:
-        for p in self.partitions.values():
-            for c in p.channels.values():
-                await c.close()
-            await p.queue.close()
+        """Close every partition, each as far as it can (Partition.close); they stay in
+        `partitions`, so a last checkpoint saves their channels' final cursors."""
+        for p in list(self.partitions.values()):
+            await p.close()
 
     async def close_and_bury(self) -> str | None:
         """Close, then bury the topic's folder (see bury); return the tombstone."""
@@ -202,6 +276,10 @@ class Topic:
         log acknowledged it. Raises PartitionNotFound, or what DiskQueue.append raises."""
         part = self.partition(partition)
         if part is None:
+            number = 0 if partition is None else partition
+            if number in self.failed:
+                raise StorageError(f"topic {self.name} partition {number} does not serve: "
+                                   f"{self.failed[number]}")
             raise PartitionNotFound(partition)
         await part.queue.append(bodies, ext=ext)
         self.count_published(bodies)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,8 @@ class NsqdProcess:
                 with urllib.request.urlopen(f"http://{self.http_address}/ping", timeout=1) as r:
                     if r.status == 200:
                         return self
+            except urllib.error.HTTPError:
+                return self  # it answers, unhealthy (a partition did not open): it is up
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError(f"nsqd did not start: {self.log()}")

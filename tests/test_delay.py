@@ -243,12 +243,12 @@ async def stopped_node_with_a_delayed_message(tmp_path):
     proc = NsqdProcess(str(tmp_path / "n")).start()
     try:
         c = await Connection("127.0.0.1", proc.tcp_port).connect()
-        await c.sub("t", "c")
-        await c.close()
+        await c.sub("t", "c", rdy=1)  # a consumer makes the channel read (and defer) it
         pub = await Connection("127.0.0.1", proc.tcp_port).connect()
         await pub.dpub("t", DAY_MS, b"later")
         await pub.close()
         await asyncio.sleep(0.5)
+        await c.close()
         assert proc.stop() == 0
     except BaseException:
         proc.kill()

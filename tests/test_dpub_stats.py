@@ -12,7 +12,7 @@ import json
 
 import aiohttp
 
-from nodes import connect, take, until
+from nodes import connect, take
 from nsqclient.conn import Connection
 from servers import NsqdProcess
 

@@ -1,0 +1,88 @@
+"""Health: what is failing on this node, said once and kept short.
+
+`node_health(nsqd)` is the node's health text in classic nsqd's shape: `OK`, or
+`NOK - <reason>` (what /ping answers with a 500, and /stats' `health`). The reasons are
+the partitions that do not serve (failed to open, or their log failed while running), a
+full disk under the data path (less than DISK_FULL_BYTES free: publishes fail with
+E_PUB_FAILED until there is space again; classic says NOK after a failed write, we say
+it while the disk is full), and a checkpoint that keeps failing (cursors then lag: more
+duplicates after a crash, nothing lost).
+
+`FailureLog` reports a failure that repeats (a checkpoint every second on a full disk, a
+delay store's writes) without flooding the log: the first failure of a run with its
+traceback, then at most one line every `every_s` seconds with the count, and one line
+when it works again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+MAX_REASONS = 3  # in the health text; the rest are counted
+DISK_FULL_BYTES = 1 << 20  # less free than this under the data path: the disk is full
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def node_health(nsqd) -> str:
+    reasons = []
+    for name in sorted(nsqd.topics):
+        topic = nsqd.topics[name]
+        for number, error in sorted(topic.errors().items()):
+            reasons.append(f"topic {name} partition {number}: {error}")
+    free = free_bytes(nsqd.options.data_path)
+    if free is not None and free < DISK_FULL_BYTES:
+        reasons.append(f"disk full: {free} bytes free under {nsqd.options.data_path}")
+    if nsqd.checkpoint_failures.error is not None:
+        reasons.append(f"checkpoint failing: {nsqd.checkpoint_failures.error}")
+    if not reasons:
+        return "OK"
+    more = len(reasons) - MAX_REASONS
+    text = "; ".join(reasons[:MAX_REASONS])
+    return f"NOK - {text}" + (f" (and {more} more)" if more > 0 else "")
+
+
+class FailureLog:
+    """One kind of repeating failure (`event`), logged as the module docstring says."""
+
+    def __init__(self, log, event: str, every_s: float = 60.0, clock=time.monotonic):
+        self.log = log
+        self.event = event
+        self.every_s = every_s
+        self.clock = clock
+        self.error: str | None = None  # the last failure's text while failing, else None
+        self.count = 0  # failures in the current run
+        self._unreported = 0
+        self._last_line = 0.0
+
+    def failed(self, exc: BaseException, **fields) -> None:
+        self.error = str(exc) or type(exc).__name__
+        self.count += 1
+        now = self.clock()
+        if self.count == 1:
+            self.log.error(self.event, error=self.error, exc_info=exc, **fields)
+            self._last_line = now
+            self._unreported = 0
+            return
+        self._unreported += 1
+        if now - self._last_line >= self.every_s:
+            self.log.error(f"{self.event}_again", error=self.error, failures=self._unreported,
+                           failures_total=self.count, **fields)
+            self._last_line = now
+            self._unreported = 0
+
+    def ok(self, **fields) -> None:
+        if self.count:
+            self.log.info(f"{self.event.removesuffix('_failed')}_recovered",
+                          failures_total=self.count, **fields)
+        self.error = None
+        self.count = 0
+        self._unreported = 0
