@@ -217,10 +217,16 @@ async def check(proc, ledger: Ledger) -> tuple[list[str], int]:
                 if t not in now]
     problems += [f"channel {t}/{c} (acknowledged as created) is gone"
                  for t, c in sorted(ledger.channels) if c not in now.get(t, ())]
+    problems += [f"topic {t['topic_name']} partition {p['partition']} does not serve: {p['error']}"
+                 for t in stats["topics"] for p in t.get("partitions", ()) if p.get("error")]
     expected = ledger.expected()
     seen = await asyncio.gather(*(drain(proc.tcp_port, t, c, want, idle=5)
-                                  for (t, c), want in expected.items()))
+                                  for (t, c), want in expected.items()), return_exceptions=True)
     for ((t, c), want), got in zip(expected.items(), seen):
+        if isinstance(got, NSQError):  # a partition that does not serve: all of it is lost
+            got = {}
+        elif isinstance(got, BaseException):
+            raise got
         lost = want - got.keys()
         if lost:
             problems.append(f"{t}/{c}: {len(lost)} of {len(want)} acknowledged messages lost, "
