@@ -18,6 +18,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .ext import RESERVED_HEADER_KEYS, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
                      MAGIC_V2, OK, encode_error, encode_messages, encode_response, pub_trace_reply)
 from .ids import (MAX_PARTITION, MAX_SEQUENCE, MSG_ID_LENGTH, PARTITION_SHIFT,  # noqa: F401
@@ -38,8 +39,6 @@ _U16 = struct.Struct(">H")
 
 _NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
-# Keys beginning "##" are the server's: only these may come from a client.
-RESERVED_HEADER_KEYS = frozenset({"##trace_id", "##partition_key", "##tag"})
 _START = re.compile(r"(timestamp|offset|count):([0-9]{1,19})")
 
 
@@ -272,6 +271,10 @@ def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
             raise invalid_json_header(command, f"key {_go_quote(key)} is not valid")
         if key.startswith("##") and key not in RESERVED_HEADER_KEYS:
             raise invalid_json_header(command, f"key {_go_quote(key)} is reserved")
+    try:
+        trace_id_of(header)
+    except ValueError as e:
+        raise invalid_json_header(command, str(e)) from None
     return header, raw[end:]
 
 
@@ -330,11 +333,15 @@ class CommandParser:
 
     def commands(self) -> Iterator[Command]:
         """Yield each whole command buffered; stop when the rest is incomplete."""
+        while (command := self.next_command()) is not None:
+            yield command
+
+    def next_command(self) -> Command | None:
+        """The next whole command buffered, or None while the rest is incomplete."""
         if self._error is not None:
             raise self._error
         try:
-            while (command := self._next()) is not None:
-                yield command
+            return self._next()
         except ProtocolError as exc:
             if exc.fatal:
                 self._error = exc
@@ -391,6 +398,12 @@ class CommandParser:
         return bytes(buf[pos:nl])
 
     def _dispatch(self, line: bytes) -> Command | None:
+        if len(line) == 20 and line.startswith(b"FIN ") and line.find(b" ", 4) < 0:
+            # The commonest line (a consumer sends one per message): what the general
+            # steps below would make of it, without splitting and dispatching.
+            if self._state_check is not None:
+                self._state_check("FIN")
+            return Fin(line[4:])
         params = line.split(b" ")
         name = _raw(params[0])
         if self._state_check is not None:
