@@ -267,6 +267,12 @@ class ClientConnection(asyncio.Protocol):
                     self._again()
                     break
                 try:
+                    if self.state != self.INIT and not self._publishing:
+                        ids = self.parser.next_fins(budget)  # a run of FIN lines, read at once
+                        if ids:
+                            budget -= len(ids)
+                            self._finish(ids)
+                            continue
                     cmd = self.parser.next_command()
                 except errors.ProtocolError as e:
                     cmd = e
@@ -409,7 +415,8 @@ class ClientConnection(asyncio.Protocol):
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
             self.client.write(p.OK)
-        self._work()
+        if self._backlog or self._eof:  # else the parser waits for bytes: nothing to run
+            self._work()
 
     def _count_published(self, topic, count: int) -> None:
         counts = self.client.pub_counts
@@ -484,11 +491,22 @@ class ClientConnection(asyncio.Protocol):
         return msg
 
     def _fin(self, cmd: p.Fin) -> None:
-        """The one FIN path: the message leaves the client's in-flight table now; the
-        channel takes every message FIN'd in a run at once, at the end of `_work`."""
-        msg = self._in_flight("FIN", cmd.msg_id, errors.fin_failed)
-        del self.client.in_flight[msg.wire_id]
-        self._finished.append(msg)
+        self._finish((cmd.msg_id,))
+
+    def _finish(self, ids) -> None:
+        """FIN, the one path for one id or a run of them: each message leaves the client's
+        in-flight table now (an id not in it gets E_FIN_FAILED, not fatal); the channel
+        takes every message finished in a turn at once, at the end of `_work`."""
+        if self.state not in (self.SUBSCRIBED, self.CLOSING):
+            raise errors.invalid_state("FIN")
+        in_flight = self.client.in_flight  # keyed by the id bytes we sent
+        finished = self._finished
+        for raw_id in ids:
+            msg = in_flight.pop(raw_id, None)
+            if msg is None:
+                self._fail(errors.fin_failed(raw_id))
+            else:
+                finished.append(msg)
 
     def _req(self, cmd: p.Req) -> None:
         msg = self._in_flight("REQ", cmd.msg_id, errors.req_failed)

@@ -347,6 +347,34 @@ class CommandParser:
                 self._error = exc
             raise
 
+    def next_fins(self, limit: int) -> list[bytes]:
+        """The ids of the `FIN <id>\\n` lines next in the buffer, at most `limit`, when their
+        ids are 16 ASCII letters or digits (every id our server sends); [] when the next
+        command is any other (next_command reads it). The same FIN commands next_command
+        would give one at a time, read in one step: a consumer sends one per message."""
+        if self._state != _LINE or self._error is not None:
+            return []
+        buf, pos = self._buf, self._pos
+        end = len(buf)
+        ids = []
+        while (end - pos >= 21 and buf[pos + 20] == 10 and buf.startswith(b"FIN ", pos)
+               and len(ids) < limit):
+            msg_id = bytes(buf[pos + 4:pos + 20])
+            if not msg_id.isalnum():
+                break
+            ids.append(msg_id)
+            pos += 21
+        if ids:
+            if self._state_check is not None:
+                try:
+                    self._state_check("FIN")
+                except ProtocolError as exc:
+                    if exc.fatal:
+                        self._error = exc
+                    raise
+            self._pos = pos
+        return ids
+
     def _next(self) -> Command | None:
         buf = self._buf
         while True:
@@ -398,12 +426,6 @@ class CommandParser:
         return bytes(buf[pos:nl])
 
     def _dispatch(self, line: bytes) -> Command | None:
-        if len(line) == 20 and line.startswith(b"FIN ") and line.find(b" ", 4) < 0:
-            # The commonest line (a consumer sends one per message): what the general
-            # steps below would make of it, without splitting and dispatching.
-            if self._state_check is not None:
-                self._state_check("FIN")
-            return Fin(line[4:])
         params = line.split(b" ")
         name = _raw(params[0])
         if self._state_check is not None:
