@@ -352,7 +352,9 @@ class CommandParser:
         ids are 16 ASCII letters or digits (every id our server sends); [] when the next
         command is any other (next_command reads it). The same FIN commands next_command
         would give one at a time, read in one step: a consumer sends one per message."""
-        if self._state != _LINE or self._error is not None:
+        if self._error is not None:
+            raise self._error
+        if self._state != _LINE:
             return []
         buf, pos = self._buf, self._pos
         end = len(buf)
