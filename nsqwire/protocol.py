@@ -40,6 +40,7 @@ _U16 = struct.Struct(">H")
 _NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
 _START = re.compile(r"(timestamp|offset|count):([0-9]{1,19})")
+_FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
 
 
 def valid_topic_name(name: str) -> bool:
@@ -356,26 +357,19 @@ class CommandParser:
             raise self._error
         if self._state != _LINE:
             return []
-        buf, pos = self._buf, self._pos
-        end = len(buf)
-        ids = []
-        while (end - pos >= 21 and buf[pos + 20] == 10 and buf.startswith(b"FIN ", pos)
-               and len(ids) < limit):
-            msg_id = bytes(buf[pos + 4:pos + 20])
-            if not msg_id.isalnum():
-                break
-            ids.append(msg_id)
-            pos += 21
-        if ids:
-            if self._state_check is not None:
-                try:
-                    self._state_check("FIN")
-                except ProtocolError as exc:
-                    if exc.fatal:
-                        self._error = exc
-                    raise
-            self._pos = pos
-        return ids
+        run = _FIN_RUN.match(self._buf, self._pos, self._pos + 21 * limit)
+        if run is None:
+            return []
+        if self._state_check is not None:
+            try:
+                self._state_check("FIN")
+            except ProtocolError as exc:
+                if exc.fatal:
+                    self._error = exc
+                raise
+        lines = bytes(run[0])
+        self._pos = run.end()
+        return [lines[i:i + 16] for i in range(4, len(lines), 21)]
 
     def _next(self) -> Command | None:
         buf = self._buf
