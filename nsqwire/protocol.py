@@ -2,12 +2,13 @@
 
 No sockets, no event loop, no timers. The connection handler feeds what it
 reads into a CommandParser, acts on each command, and writes the frames that
-frames.py encodes. Here too: the rules for names, extension headers and JSON.
+frames.py encodes. Here too: the rules for names and JSON, and the checks of a
+client's extension header (what the header means is ext.py).
 
 The errors the parser raises, like every error the server sends, are built in
 errors.py; message ids are ids.py. The frame encoders and the id helpers are
 imported here too, so that `protocol` is the one name a user of the wire needs.
-The client half (cmd_* encoders, FrameParser) is nsqclient/commands.py.
+The client half (cmd_* encoders, FrameParser) is commands.py.
 """
 
 from __future__ import annotations
