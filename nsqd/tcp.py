@@ -318,7 +318,7 @@ class ClientConnection(asyncio.Protocol):
             self.client.channel.finish_many(done)
         self._backlog = self.busy or self._held is not None or self._turn is not None
         self._update_reading()
-        if (self._eof and not self._backlog and not self._publishing
+        if (self._eof and not self._backlog and not self._publishing and not self._deflated
                 and not transport.is_closing()):
             transport.close()
 
