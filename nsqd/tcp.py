@@ -31,6 +31,7 @@ from nsqwire import errors, ext, protocol as p
 from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
+from .topic import PartitionNotFound
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -316,8 +317,9 @@ class ClientConnection(asyncio.Protocol):
             done, self._finished = self._finished, []
             self.client.finish_count += len(done)
             self.client.channel.finish_many(done)
-        self._backlog = self.busy or self._held is not None or self._turn is not None
-        self._update_reading()
+        backlog = self._backlog = self.busy or self._held is not None or self._turn is not None
+        if (backlog or self._write_blocked) == self._reading:  # reading is not as it should be
+            self._update_reading()
         if (self._eof and not self._backlog and not self._publishing and not self._deflated
                 and not transport.is_closing()):
             transport.close()
@@ -342,9 +344,9 @@ class ClientConnection(asyncio.Protocol):
     # ---- publishing: one path for PUB, MPUB, DPUB, PUB_EXT, MPUB_EXT -----
 
     def _publish(self, cmd, fresh_auth: bool = False) -> bool:
-        """Every publish: the rules (TLS, auth, the topic and its partition), then one
-        append to the partition's log, written whole or not at all; its callback answers,
-        in command order. Returns False, having appended nothing, when an await must come
+        """Every publish: the rules (TLS, auth, the topic), then one write request to the
+        partition's log through Topic.publish (HTTP's too), written whole or not at all;
+        its callback answers, in command order. Returns False, having appended nothing, when an await must come
         first (a missing topic, an authorization whose ttl passed): see `_publish_after`."""
         command = _PUBLISH[type(cmd)]
         nsqd = self.nsqd
@@ -356,9 +358,6 @@ class ClientConnection(asyncio.Protocol):
         topic = nsqd.topics.get(cmd.topic)
         if topic is None:
             return False
-        part = topic.partition(cmd.partition)
-        if part is None:
-            raise errors.bad_partition(command, str(cmd.partition))
         kind = type(cmd)
         trace_id, extension, trace_ids, exts = 0, b"", None, None
         if kind is p.Mpub:
@@ -374,10 +373,12 @@ class ClientConnection(asyncio.Protocol):
                 trace_id, extension = ext.stored(cmd.header)
         slot = [False, None, topic, bodies, command]
         try:
-            part.queue.append(bodies, trace_id, extension,
-                              callback=functools.partial(self._published, slot),
-                              trace_ids=trace_ids, exts=exts)
-        except Exception as e:
+            topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
+                          trace_ids=trace_ids, exts=exts,
+                          callback=functools.partial(self._published, slot))
+        except PartitionNotFound:
+            raise errors.bad_partition(command, str(cmd.partition)) from None
+        except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
         self._publishing.append(slot)
         return True
