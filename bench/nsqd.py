@@ -172,7 +172,7 @@ def cpu_note(report: Report, key: str, phase: Phase, clients: str, rate: float) 
         report.add(f"{key}_msgs_per_server_cpu_s", rate / phase.server_cpus,
                    "msgs per server CPU-second", fmt=",.0f")
         report.add(f"{key}_server_cpu_us_per_msg", phase.server_cpus / rate * 1e6,
-                   "server CPU per message (us)", fmt=",.1f")
+                   "server CPU per message (µs)", fmt=",.2f")
     report.figures[f"{key}_server_cpus"] = round(phase.server_cpus, 2)
     report.figures[f"{key}_client_cpus"] = round(phase.client_cpus, 2)
     report.figures[f"{key}_other_cpus"] = round(phase.other_cpus, 2)

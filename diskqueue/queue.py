@@ -130,7 +130,7 @@ class _Batch:
     __slots__ = ("requests", "bytes", "count")
 
     def __init__(self):
-        self.requests: list = []  # (future, bodies, trace_id, ext, attempts)
+        self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
         self.bytes = 0
         self.count = 0
 
@@ -286,10 +286,13 @@ class DiskQueue:
     # ---- appending -------------------------------------------------------
 
     def append(self, bodies: Sequence[bytes], trace_id: int = 0, ext: bytes = b"",
-               attempts: int = 0, callback=None) -> asyncio.Future | None:
+               attempts: int = 0, callback=None, *, trace_ids: Sequence[int] | None = None,
+               exts: Sequence[bytes] | None = None) -> asyncio.Future | None:
         """Queue one write request (one commitlog entry); await the result for an `Appended`.
 
-        All bodies of one call are contiguous and share trace id, ext header and attempts.
+        All bodies of one call are contiguous and share trace id, ext header and attempts;
+        or, given `trace_ids` and `exts` (one of each per body, as MPUB_EXT has), each
+        record gets its own. Either way the request is written whole or not at all.
         With `callback`, no future is made: the writer calls `callback(appended, error)`
         (one of the two is None) and `append` returns None; the hot path of TCP publishing.
         """
@@ -299,14 +302,25 @@ class DiskQueue:
             raise self.failed
         if not bodies:
             raise ValueError("a write request needs at least one message")
-        if len(ext) > MAX_EXT or not 0 <= attempts <= 0xFFFF or not 0 <= trace_id < 1 << 64:
+        if exts is not None:  # one (trace id, ext) per record: kept in the request as lists
+            trace_id, ext = list(trace_ids), list(exts)
+            if len(ext) != len(bodies) or len(trace_id) != len(bodies):
+                raise ValueError("one trace id and one ext header per message")
+            ext_len = max(map(len, ext))
+            ext_bytes = sum(map(len, ext))
+            traces_ok = all(0 <= t < 1 << 64 for t in trace_id)
+        else:
+            ext_len = len(ext)
+            ext_bytes = ext_len * len(bodies)
+            traces_ok = 0 <= trace_id < 1 << 64
+        if ext_len > MAX_EXT or not 0 <= attempts <= 0xFFFF or not traces_ok:
             raise ValueError("ext longer than 65535 bytes, or attempts or trace_id out of range")
         body_bytes = sum(map(len, bodies))
         # The largest body is at most the sum of all: look for it only when the sum is big.
-        if (FIXED_LENGTH + len(ext) + body_bytes > MAX_RECORD
-                and FIXED_LENGTH + len(ext) + max(map(len, bodies)) > MAX_RECORD):
-            raise ValueError(f"a body may hold at most {MAX_RECORD - FIXED_LENGTH - len(ext)} bytes")
-        size = (HEAD_SIZE + len(ext)) * len(bodies) + body_bytes
+        if (FIXED_LENGTH + ext_len + body_bytes > MAX_RECORD
+                and FIXED_LENGTH + ext_len + max(map(len, bodies)) > MAX_RECORD):
+            raise ValueError(f"a body may hold at most {MAX_RECORD - FIXED_LENGTH - ext_len} bytes")
+        size = HEAD_SIZE * len(bodies) + ext_bytes + body_bytes
         batch = self._open
         if batch is None or (batch.count and (
                 batch.bytes + size > self.options.max_batch_bytes
@@ -525,8 +539,13 @@ class DiskQueue:
             start = offset
             first_id = prefix | seq
             offsets = []
-            offset = encode_records(add, offsets, offset, first_id, trace_id, ts, attempts, ext,
-                                    bodies)
+            if ext.__class__ is bytes:
+                offset = encode_records(add, offsets, offset, first_id, trace_id, ts, attempts,
+                                        ext, bodies)
+            else:  # a trace id and an ext header per record (append's trace_ids, exts)
+                for i, body in enumerate(bodies):
+                    offset = encode_records(add, offsets, offset, first_id + i, trace_id[i], ts,
+                                            attempts, ext[i], (body,))
             n = len(bodies)
             clog.append(encode_fields(log_id, epoch, first_id, start, seq, ts, offset - start, n,
                                       flags))

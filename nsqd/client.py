@@ -119,7 +119,7 @@ class Client:
             in_flight[wire_id] = m
         self.message_count += len(msgs)
         if msgs:
-            self._buffer_messages(encode_messages(msgs))
+            self._buffer_messages(encode_messages(msgs, self.settings.extend_support))
 
     def _buffer_messages(self, data: bytes) -> None:
         timeout_ms = self.settings.output_buffer_timeout_ms

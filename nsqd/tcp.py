@@ -2,10 +2,17 @@
 
 Bytes in go to the sans-I/O CommandParser; commands run in arrival order, one
 at a time per connection, so responses keep the order of their commands.
-Commands that need no waiting (RDY, FIN, REQ, TOUCH, NOP) run inline from
-`data_received`; the others (IDENTIFY upgrades, AUTH, SUB, PUB, MPUB, DPUB)
-run in a task while later commands wait in `pending`. Errors are sent as
-E_* frames; fatal ones close the connection after the frame is written.
+Each command has one path: RDY, FIN, REQ, TOUCH, NOP and CLS run inline;
+every publish (PUB, MPUB, DPUB, PUB_EXT, MPUB_EXT) runs `_publish`, which
+checks, appends with a callback and is answered from it, up to MAX_PIPELINE
+of them in flight, answered in order; IDENTIFY, AUTH and SUB run in a task
+while later commands wait. Errors are sent as E_* frames; fatal ones close
+the connection after the frame is written.
+
+One connection runs at most TURN_BUDGET commands (and inflates at most one
+INFLATE_STEP) per turn of the event loop, then yields with its reading
+paused, so a flood of commands, compressed or not, costs other clients one
+budget per turn. Reading is paused whenever whole commands may wait unrun.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections import deque
 
 import structlog
 
-from nsqwire import errors, protocol as p
+from nsqwire import errors, ext, protocol as p
 from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
@@ -28,11 +35,11 @@ from .topic import PartitionNotFound, StorageError
 
 log = structlog.get_logger("nsqd.tcp")
 
-_PUB_COMMANDS = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB"}
+_PUBLISH = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB", p.PubExt: "PUB_EXT",
+            p.MpubExt: "MPUB_EXT"}
 MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
-
-MAX_PENDING = 256  # commands queued behind a slow one before reading pauses
-INFLATE_STEP = 256 * 1024  # deflate output taken per step: a small read may inflate a lot
+TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
+INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
 
 
 def identify_limits(nsqd) -> IdentifyLimits:
@@ -63,26 +70,27 @@ class ClientConnection(asyncio.Protocol):
     def __init__(self, nsqd):
         self.nsqd = nsqd
         o = nsqd.options
-        # DPUB's limit (ours) is --max-req-timeout, checked by the parser and again in _dpub.
+        # DPUB's limit (ours) is --max-req-timeout, checked by the parser.
         self.parser = p.CommandParser(max_msg_size=o.max_msg_size, max_body_size=o.max_body_size,
                                       max_defer_ms=o.max_req_timeout_ms,
                                       state_check=self._state_check)
-        self._parse_state = self.INIT  # the state the next parsed command will run in
-        self.pending: deque = deque()
-        self.busy = False  # an awaited command runs
+        self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
+        self._held = None  # a command (or parser error) that answers after the publishes
         self._publishing: deque[list] = deque()  # [done, error, topic, bodies, command] in order
+        self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
+        self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
         self.state = self.INIT
         self.transport = None
         self.client: Client | None = None
         self.limits = nsqd.identify_limits
         self._decompress = None  # snappy: a stream's decompress(data)
         self._inflater = None  # deflate: a zlib decompressobj, inflated in bounded steps
-        self._deflated = b""  # deflate input not inflated yet (waits while reading is paused)
+        self._deflated = b""  # deflate input not inflated yet
         self._last_read = time.monotonic()
         self._heartbeat = None
         self._read_deadline = None  # nsqd's read deadline: 2 heartbeat intervals of silence
-        self._parser_dead = False
-        self._paused = False  # too many commands queued: reading paused until they run
+        self._parser_dead = False  # no more commands run (a fatal error was met)
+        self._backlog = False  # whole commands may wait unrun: reading paused until they run
         self._write_blocked = False  # the client reads slower than we write: reading paused
         self._reading = True
         self._eof = False  # the client half-closed: close once its commands are answered
@@ -103,22 +111,20 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.nsqd.connections.discard(self)
         self.client.flush()  # nothing can go out now; this stops its flush timer
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        if self._read_deadline is not None:
-            self._read_deadline.cancel()
-        if self._write_watch is not None:
-            self._write_watch.cancel()
+        for handle in (self._heartbeat, self._read_deadline, self._write_watch, self._turn):
+            if handle is not None:
+                handle.cancel()
+        self._turn = None
         channel = self.client.channel
         if channel is not None:
             channel.remove_client(self.client)
             self.nsqd.client_left(channel)
-        self.pending.clear()
+        self._held = None
 
     def pause_writing(self) -> None:
         self.client.writable = False  # the channel hands it nothing more until it drains
         # A client that does not read must not make us buffer answers to what it keeps
-        # sending: stop reading it until it reads.
+        # sending: stop reading it (and inflating what it sent) until it reads.
         self._write_blocked = True
         self._update_reading()
         # nsqd drops a client whose write makes no progress for one heartbeat interval
@@ -130,6 +136,8 @@ class ClientConnection(asyncio.Protocol):
         self.client.writable = True
         self._write_blocked = False
         self._update_reading()
+        if self._deflated:
+            self._again()
         if self.client.channel is not None:
             self.client.channel.wake()
         if self._write_watch is not None:
@@ -137,13 +145,12 @@ class ClientConnection(asyncio.Protocol):
             self._write_watch = None
 
     def _update_reading(self) -> None:
-        want = not (self._paused or self._write_blocked)
+        want = not (self._backlog or self._write_blocked)
         if want == self._reading or self.transport.is_closing():
             return
         self._reading = want
         if want:
             self.transport.resume_reading()
-            self._inflate()
         else:
             self.transport.pause_reading()
 
@@ -161,9 +168,9 @@ class ClientConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         # Like nsqd, a client that half-closes still gets the answer to every command
-        # it sent; _drain closes the connection once the last one has run.
+        # it sent; _work closes the connection once the last one has run.
         self._eof = True
-        self._drain()
+        self._work()
         return not self.client.tls  # an SSL transport cannot stay half-open
 
     def data_received(self, data: bytes) -> None:
@@ -171,86 +178,35 @@ class ClientConnection(asyncio.Protocol):
         if self._parser_dead:
             return
         if self._inflater is not None:
-            self._deflated += data
-            self._inflate()
-            return
-        if self._decompress is not None:
+            self._deflated += data  # inflated in steps by _work
+        elif self._decompress is not None:
             try:
-                data = self._decompress(data)
+                self.parser.feed(self._decompress(data))
             except Exception:
                 self._fail(errors.ProtocolError("E_BAD_BODY", "failed to decompress"))
                 return
-        self._receive(data)
+        else:
+            self.parser.feed(data)
+        self._work()
 
-    def _inflate(self) -> None:
-        """Inflate what waits, INFLATE_STEP bytes at a time, while reading is not paused:
-        a few KiB of deflate can hold gigabytes of commands."""
-        while self._deflated and self._reading and not self._parser_dead:
-            try:
-                data = self._inflater.decompress(self._deflated, INFLATE_STEP)
-            except zlib.error:
-                self._fail(errors.ProtocolError("E_BAD_BODY", "failed to decompress"))
-                return
-            self._deflated = self._inflater.unconsumed_tail
-            if not data:
-                return
-            self._receive(data)
-
-    def _receive(self, data: bytes) -> None:
-        """Plain bytes from the client: parse them and run what can run."""
-        if (data.startswith(b"FIN ") and self.state == self.SUBSCRIBED and not self.busy
-                and not self.pending and not self._publishing and not self.parser.buffered):
-            data = self._finish_run(data)
-            if not data:
-                return
+    def _inflate_step(self) -> bool:
+        """Inflate at most INFLATE_STEP bytes of what waits into the parser (a few KiB of
+        deflate can hold gigabytes of commands); False if the stream is bad."""
+        try:
+            data = self._inflater.decompress(self._deflated, INFLATE_STEP)
+        except zlib.error:
+            self._fail(errors.ProtocolError("E_BAD_BODY", "failed to decompress"))
+            return False
+        self._deflated = self._inflater.unconsumed_tail
         self.parser.feed(data)
-        self._parse()
-        self._drain()
-
-    def _finish_run(self, data: bytes) -> bytes:
-        """Finish a run of well-formed `FIN <id>\n` lines for in-flight ids at once and return
-        the bytes after it; the first other line, and all that follows, is the parser's.
-
-        A consumer sends thousands of FINs a second: this skips a command object and a
-        dispatch per line, and wakes the channel once per run. In-flight messages are keyed
-        by the id bytes we sent, so a line names one exactly when it echoes them."""
-        in_flight = self.client.in_flight
-        done = []
-        pos = 0
-        end = len(data)
-        while end - pos >= 21 and data[pos + 20] == 10 and data.startswith(b"FIN ", pos):
-            msg = in_flight.pop(data[pos + 4:pos + 20], None)
-            if msg is None:  # not in flight here: the parser answers it
-                break
-            done.append(msg)
-            pos += 21
-        if done:
-            self.client.finish_count += len(done)
-            self.client.channel.finish_many(done)
-        return data[pos:] if pos else data
-
-    def _parse(self) -> None:
-        while True:
-            try:
-                for cmd in self.parser.commands():
-                    self.pending.append(cmd)
-                    if isinstance(cmd, (p.Sub, p.SubOrdered, p.SubAdvanced)):
-                        self._parse_state = self.SUBSCRIBED
-                    elif isinstance(cmd, p.Cls):
-                        self._parse_state = self.CLOSING
-                return
-            except errors.ProtocolError as e:
-                self.pending.append(e)
-                if e.fatal:
-                    self._parser_dead = True
-                    return
+        return True
 
     def _state_check(self, name: str) -> None:
         """nsqd checks the state before the arguments: "RDY abc" before SUB is "cannot RDY
-        in current state". Runs at parse time against the state the command will run in:
-        SUB and CLS either succeed or fail fatally, so predicting their effect is exact.
-        The handlers check the state again when the command runs."""
-        state = self._parse_state
+        in current state". Runs at parse time; a command is parsed only once every command
+        before it that can change the state (IDENTIFY, AUTH, SUB, CLS) has run. The
+        handlers check the state again when the command runs."""
+        state = self.state
         if name in ("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"):
             ok = state == self.INIT
         elif name in ("RDY", "FIN", "REQ", "TOUCH"):
@@ -270,64 +226,179 @@ class ClientConnection(asyncio.Protocol):
         self.client.write(err.frame)
         if err.fatal:
             self._parser_dead = True
-            self.pending.clear()
+            self._held = None
             self.transport.close()
+
+    def _fail_in_order(self, err: errors.ProtocolError) -> None:
+        """Send an error after the answers of the publishes still in flight; a fatal one
+        stops every later command at once."""
+        if not self._publishing:
+            self._fail(err)
+            return
+        self._publishing.append([True, err, None, None, None])
+        if err.fatal:
+            self._parser_dead = True
+            self._held = None
 
     # ---- running commands ------------------------------------------------
 
-    def _drain(self) -> None:
-        while self.pending and not self.busy:
-            if self.transport.is_closing():
-                self.pending.clear()
-                return
-            cmd = self.pending[0]
-            if (type(cmd) in _PUB_COMMANDS and len(self._publishing) < MAX_PIPELINE
-                    and self._publish_now(cmd)):
-                self.pending.popleft()
+    def _again(self) -> None:
+        if self._turn is None:
+            self._turn = asyncio.get_running_loop().call_soon(self._work)
+
+    def _work(self) -> None:
+        """Run the client's commands in order: at most TURN_BUDGET, then yield the loop.
+
+        Stops while an awaited step runs, and holds a command that must answer after the
+        publishes in flight (or waits for room in the pipeline). Reading stays paused
+        while whole commands may wait in the parser, so the parser holds at most a read's
+        worth (or one INFLATE_STEP) beyond what runs."""
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
+        budget = TURN_BUDGET
+        inflated = False
+        transport = self.transport
+        while not self.busy and not self._parser_dead and not transport.is_closing():
+            cmd = self._held
+            if cmd is not None:
+                self._held = None
+            else:
+                if budget <= 0:
+                    self._again()
+                    break
+                try:
+                    if self.state != self.INIT and not self._publishing:
+                        ids = self.parser.next_fins(budget)  # a run of FIN lines, read at once
+                        if ids:
+                            budget -= len(ids)
+                            self._finish(ids)
+                            continue
+                    cmd = self.parser.next_command()
+                except errors.ProtocolError as e:
+                    cmd = e
+                if cmd is None:
+                    if not self._deflated or self._write_blocked:
+                        break  # the parser needs more bytes
+                    if inflated:
+                        self._again()
+                        break
+                    inflated = True
+                    if not self._inflate_step():
+                        break
+                    continue
+                budget -= 1
+            kind = type(cmd)
+            if kind in _PUBLISH:
+                if len(self._publishing) >= MAX_PIPELINE:
+                    self._held = cmd
+                    break
+                try:
+                    if not self._publish(cmd):
+                        self._run_async(self._publish_after(cmd))
+                except errors.ProtocolError as e:
+                    self._fail_in_order(e)
                 continue
             if self._publishing:
-                break  # its reply must follow the replies of the publishes before it
-            self.pending.popleft()
-            if isinstance(cmd, errors.ProtocolError):
+                self._held = cmd  # its answer must follow the answers of the publishes
+                break
+            if kind is errors.ProtocolError:
                 self._fail(cmd)
                 continue
-            handler = self._sync_handlers.get(type(cmd))
+            handler = self._inline_handlers.get(kind)
             if handler is not None:
                 try:
                     handler(self, cmd)
                 except errors.ProtocolError as e:
                     self._fail(e)
                 continue
-            self.busy = True
-            asyncio.get_running_loop().create_task(self._run_async(cmd))
-        if len(self.pending) > MAX_PENDING and not self._paused:
-            self._paused = True
+            self._run_async(self._async_handlers[kind](self, cmd))
+        if self._finished:
+            done, self._finished = self._finished, []
+            self.client.finish_count += len(done)
+            self.client.channel.finish_many(done)
+        backlog = self._backlog = self.busy or self._held is not None or self._turn is not None
+        if (backlog or self._write_blocked) == self._reading:  # reading is not as it should be
             self._update_reading()
-        elif self._paused and len(self.pending) < MAX_PENDING // 2:
-            self._paused = False
-            self._update_reading()
-        if self._eof and not self.busy and not self.pending and not self._publishing:
-            self.transport.close()
+        if (self._eof and not self._backlog and not self._publishing and not self._deflated
+                and not transport.is_closing()):
+            transport.close()
 
-    def _publish_now(self, cmd) -> bool:
-        """PUB/MPUB/DPUB to an existing topic, answered from the append's callback: no task.
-        Several may be in flight (a pipelining client); replies go out in command order.
+    def _run_async(self, step) -> None:
+        """Run an awaited step (a coroutine) while later commands wait, then go on."""
+        self.busy = True
+        asyncio.get_running_loop().create_task(self._awaited(step))
 
-        Returns False to leave the command to the general (awaited) path."""
-        topic = self.nsqd.topics.get(cmd.topic)
-        o = self.nsqd.options
-        if topic is None or o.tls_required or o.auth_http_address:
+    async def _awaited(self, step) -> None:
+        try:
+            await step
+        except errors.ProtocolError as e:
+            self._fail_in_order(e)
+        except Exception as e:  # a bug must cost one connection, never the server
+            log.exception("command_failed")
+            self._fail_in_order(errors.ProtocolError("E_INVALID", f"internal error: {e}"))
+        finally:
+            self.busy = False
+        self._work()
+
+    # ---- publishing: one path for PUB, MPUB, DPUB, PUB_EXT, MPUB_EXT -----
+
+    def _publish(self, cmd, fresh_auth: bool = False) -> bool:
+        """Every publish: the rules (TLS, auth, the topic), then one write request to the
+        partition's log through Topic.publish (HTTP's too), written whole or not at all;
+        its callback answers, in command order. Returns False, having appended nothing, when an await must come
+        first (a missing topic, an authorization whose ttl passed): see `_publish_after`."""
+        command = _PUBLISH[type(cmd)]
+        nsqd = self.nsqd
+        o = nsqd.options
+        if o.tls_required and not self.client.tls:
+            raise errors.tls_required(command)
+        if o.auth_http_address and not self._authorized(command, cmd.topic, "", fresh_auth):
             return False
-        part = topic.partition(cmd.partition)
-        if part is None or part.queue.closed or part.queue.failed is not None:
+        topic = nsqd.topics.get(cmd.topic)
+        if topic is None:
             return False
         kind = type(cmd)
-        bodies = cmd.bodies if kind is p.Mpub else [cmd.body]
-        ext = defer_ext(cmd.defer_ms, self.nsqd.clock()) if kind is p.Dpub else b""
-        slot = [False, None, topic, bodies, _PUB_COMMANDS[kind]]
+        trace_id, extension, trace_ids, exts = 0, b"", None, None
+        if kind is p.Mpub:
+            bodies = cmd.bodies
+        elif kind is p.MpubExt:
+            bodies = [body for _, body in cmd.messages]
+            trace_ids, exts = zip(*[ext.stored(header) for header, _ in cmd.messages])
+        else:
+            bodies = [cmd.body]
+            if kind is p.Dpub:
+                extension = defer_ext(cmd.defer_ms, nsqd.clock())
+            elif kind is p.PubExt:
+                trace_id, extension = ext.stored(cmd.header)
+        slot = [False, None, topic, bodies, command]
+        try:
+            topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
+                          trace_ids=trace_ids, exts=exts,
+                          callback=functools.partial(self._published, slot))
+        except PartitionNotFound:
+            raise errors.bad_partition(command, str(cmd.partition)) from None
+        except Exception as e:  # a closed or failed log, a message too big for a record
+            raise errors.publish_failed(command, str(e)) from None
         self._publishing.append(slot)
-        part.queue.append(bodies, ext=ext, callback=functools.partial(self._published, slot))
         return True
+
+    async def _publish_after(self, cmd) -> None:
+        """What a publish awaits before `_publish` can take it: the auth server asked again,
+        the topic made. Later commands wait meanwhile."""
+        fresh_auth = False
+        while True:
+            if self.nsqd.options.auth_http_address and not fresh_auth and self._auth_expired():
+                await self._ask_auth_server(self.client.auth_secret)
+                fresh_auth = True
+            elif cmd.topic not in self.nsqd.topics:
+                try:
+                    await self.nsqd.get_topic(cmd.topic)
+                except Exception as e:  # the topic could not be made (disk full, ...)
+                    log.error("topic_create_failed", topic=cmd.topic, error=str(e))
+                    raise errors.publish_failed(_PUBLISH[type(cmd)], str(e)) from None
+            if self._publish(cmd, fresh_auth):
+                return
 
     def _published(self, slot: list, appended, exc) -> None:
         slot[0], slot[1] = True, exc
@@ -335,29 +406,22 @@ class ClientConnection(asyncio.Protocol):
         while publishing and publishing[0][0]:
             _, exc, topic, bodies, command = publishing.popleft()
             if exc is not None:
-                publishing.clear()
-                self._fail(errors.publish_failed(command, str(exc)))
-                return
+                err = (exc if isinstance(exc, errors.ProtocolError)
+                       else errors.publish_failed(command, str(exc)))
+                self._fail(err)
+                if err.fatal:
+                    publishing.clear()
+                    return
+                continue
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
             self.client.write(p.OK)
-        self._drain()
+        if self._backlog or self._eof:  # else the parser waits for bytes: nothing to run
+            self._work()
 
     def _count_published(self, topic, count: int) -> None:
         counts = self.client.pub_counts
         counts[topic.name] = counts.get(topic.name, 0) + count
-
-    async def _run_async(self, cmd) -> None:
-        try:
-            await self._async_handlers[type(cmd)](self, cmd)
-        except errors.ProtocolError as e:
-            self._fail(e)
-        except Exception as e:  # a bug must cost one connection, never the server
-            log.exception("command_failed", command=type(cmd).__name__)
-            self._fail(errors.ProtocolError("E_INVALID", f"internal error: {e}"))
-        finally:
-            self.busy = False
-        self._drain()
 
     # ---- heartbeats ------------------------------------------------------
 
@@ -428,10 +492,22 @@ class ClientConnection(asyncio.Protocol):
         return msg
 
     def _fin(self, cmd: p.Fin) -> None:
-        msg = self._in_flight("FIN", cmd.msg_id, errors.fin_failed)
-        del self.client.in_flight[msg.wire_id]
-        self.client.finish_count += 1
-        self.client.channel.finish(msg)
+        self._finish((cmd.msg_id,))
+
+    def _finish(self, ids) -> None:
+        """FIN, the one path for one id or a run of them: each message leaves the client's
+        in-flight table now (an id not in it gets E_FIN_FAILED, not fatal); the channel
+        takes every message finished in a turn at once, at the end of `_work`."""
+        if self.state not in (self.SUBSCRIBED, self.CLOSING):
+            raise errors.invalid_state("FIN")
+        in_flight = self.client.in_flight  # keyed by the id bytes we sent
+        finished = self._finished
+        for raw_id in ids:
+            msg = in_flight.pop(raw_id, None)
+            if msg is None:
+                self._fail(errors.fin_failed(raw_id))
+            else:
+                finished.append(msg)
 
     def _req(self, cmd: p.Req) -> None:
         msg = self._in_flight("REQ", cmd.msg_id, errors.req_failed)
@@ -454,10 +530,10 @@ class ClientConnection(asyncio.Protocol):
     def _nop(self, cmd: p.Nop) -> None:
         pass
 
-    _sync_handlers = {p.Rdy: _rdy, p.Fin: _fin, p.Req: _req, p.Touch: _touch, p.Cls: _cls,
+    _inline_handlers = {p.Rdy: _rdy, p.Fin: _fin, p.Req: _req, p.Touch: _touch, p.Cls: _cls,
                       p.Nop: _nop}
 
-    # ---- commands: identify, auth, subscribe, publish (awaited) -----------
+    # ---- commands: identify, auth, subscribe (awaited) --------------------
 
     async def _identify(self, cmd: p.Identify) -> None:
         if self.state != self.INIT:
@@ -515,30 +591,37 @@ class ClientConnection(asyncio.Protocol):
         c.auth_secret, c.auth_expires = secret, time.monotonic() + result.ttl_s
         return result
 
-    async def _check_auth(self, command: str, topic: str, channel: str = "") -> None:
-        if not self.nsqd.options.auth_http_address:
-            return
-        if self.client.authorizations is None:
+    def _auth_expired(self) -> bool:
+        return time.monotonic() >= self.client.auth_expires
+
+    def _authorized(self, command: str, topic: str, channel: str = "",
+                    fresh: bool = False) -> bool:
+        """The auth rules (with --auth-http-address): raises when refused; False when the
+        authorization's ttl passed (unless `fresh`: just asked) and the auth server must
+        be asked again first."""
+        c = self.client
+        if c.authorizations is None:
             raise errors.auth_first(command)
-        if time.monotonic() >= self.client.auth_expires:  # its ttl passed: ask again
-            await self._ask_auth_server(self.client.auth_secret)
+        if not fresh and self._auth_expired():
+            return False
         from .auth import allowed
 
         permission = "subscribe" if channel else "publish"
-        if not allowed(self.client.authorizations, topic, channel, permission):
+        if not allowed(c.authorizations, topic, channel, permission):
             raise errors.unauthorized(command, topic, channel)
-
-    def _check_tls(self, command: str) -> None:
-        if self.nsqd.options.tls_required and not self.client.tls:
-            raise errors.tls_required(command)
+        return True
 
     async def _sub(self, cmd: p.Sub) -> None:
         if self.state != self.INIT:
             raise errors.invalid_state("SUB")
         if self.client.settings.heartbeat_interval_ms <= 0:  # as nsqd: no SUB without heartbeats
             raise errors.heartbeats_disabled()
-        self._check_tls("SUB")
-        await self._check_auth("SUB", cmd.topic, cmd.channel)
+        if self.nsqd.options.tls_required and not self.client.tls:
+            raise errors.tls_required("SUB")
+        if (self.nsqd.options.auth_http_address
+                and not self._authorized("SUB", cmd.topic, cmd.channel)):
+            await self._ask_auth_server(self.client.auth_secret)
+            self._authorized("SUB", cmd.topic, cmd.channel, fresh=True)
         try:
             channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
         except StorageError as e:  # a full disk, or a partition that does not serve
@@ -551,52 +634,12 @@ class ClientConnection(asyncio.Protocol):
         self.state = self.SUBSCRIBED
         self.client.write(p.OK)
 
-    async def _publish(self, command: str, topic_name: str, bodies: list[bytes],
-                       partition: int | None, ext: bytes = b"", reply: bool = True) -> None:
-        self._check_tls(command)
-        await self._check_auth(command, topic_name)
-        try:
-            topic = await self.nsqd.get_topic(topic_name)
-            await topic.publish(bodies, partition, ext)
-        except PartitionNotFound:
-            raise errors.bad_partition(command, str(partition)) from None
-        except Exception as e:
-            raise errors.publish_failed(command, str(e)) from None
-        self._count_published(topic, len(bodies))
-        if reply:
-            self.client.write(p.OK)
-
-    async def _pub(self, cmd: p.Pub) -> None:
-        await self._publish("PUB", cmd.topic, [cmd.body], cmd.partition)
-
-    async def _mpub(self, cmd: p.Mpub) -> None:
-        await self._publish("MPUB", cmd.topic, cmd.bodies, cmd.partition)
-
-    async def _pub_ext(self, cmd: p.PubExt) -> None:
-        await self._publish("PUB_EXT", cmd.topic, [cmd.body], cmd.partition,
-                            json.dumps(cmd.header).encode() if cmd.header else b"")
-
-    async def _mpub_ext(self, cmd: p.MpubExt) -> None:
-        for header, body in cmd.messages[:-1]:
-            await self._publish("MPUB_EXT", cmd.topic, [body], cmd.partition,
-                                json.dumps(header).encode() if header else b"", reply=False)
-        header, body = cmd.messages[-1]
-        await self._publish("MPUB_EXT", cmd.topic, [body], cmd.partition,
-                            json.dumps(header).encode() if header else b"")
-
     async def _not_yet(self, cmd) -> None:
         name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED",
                 p.PubTrace: "PUB_TRACE"}[type(cmd)]
         raise errors.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
 
-    async def _dpub(self, cmd: p.Dpub) -> None:
-        max_ms = self.nsqd.options.max_req_timeout_ms
-        if not 0 <= cmd.defer_ms <= max_ms:
-            raise errors.dpub_timeout_out_of_range(cmd.defer_ms, max_ms)
-        await self._publish("DPUB", cmd.topic, [cmd.body], cmd.partition, defer_ext(cmd.defer_ms, self.nsqd.clock()))
-
-    _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub, p.Pub: _pub,
-                       p.Mpub: _mpub, p.Dpub: _dpub, p.PubExt: _pub_ext, p.MpubExt: _mpub_ext,
+    _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
                        p.SubOrdered: _not_yet, p.SubAdvanced: _not_yet, p.PubTrace: _not_yet}
 
 

@@ -270,10 +270,14 @@ class Topic:
         await self.close()
         return await asyncio.to_thread(bury, self.path)
 
-    async def publish(self, bodies: list[bytes], partition: int | None = None,
-                      ext: bytes = b"") -> None:
-        """One write request (PUB, MPUB, DPUB, HTTP /pub, /mpub): return once the partition's
-        log acknowledged it. Raises PartitionNotFound, or what DiskQueue.append raises."""
+    def publish(self, bodies: list[bytes], partition: int | None = None, ext: bytes = b"", *,
+                trace_id: int = 0, trace_ids=None, exts=None, callback=None):
+        """One write request (every TCP publish, HTTP /pub and /mpub) to a partition's log,
+        written whole or not at all (DiskQueue.append's arguments). Raises PartitionNotFound,
+        or what DiskQueue.append raises, at once. Without `callback`, returns an awaitable
+        that ends (and counts the messages) once the log acknowledged the request; with one,
+        the log calls `callback(appended, error)` and the caller counts them
+        (`count_published`) when it answers: TCP's path, with no task per publish."""
         part = self.partition(partition)
         if part is None:
             number = 0 if partition is None else partition
@@ -281,7 +285,13 @@ class Topic:
                 raise StorageError(f"topic {self.name} partition {number} does not serve: "
                                    f"{self.failed[number]}")
             raise PartitionNotFound(partition)
-        await part.queue.append(bodies, ext=ext)
+        appended = part.queue.append(bodies, trace_id, ext, callback=callback,
+                                     trace_ids=trace_ids, exts=exts)
+        if callback is None:
+            return self._counted(appended, bodies)
+
+    async def _counted(self, appended, bodies: list[bytes]) -> None:
+        await appended
         self.count_published(bodies)
 
     def count_published(self, bodies: list[bytes]) -> None:

@@ -1,14 +1,18 @@
 """Server frames of protocol V2, sans-I/O: `[4-byte size][4-byte type][data]`.
 
 `size` counts the type and the data. Type 0 is a response, 1 an error, 2 a
-message, whose data is `[8-byte timestamp ns][2-byte attempts][16-byte id][body]`.
-All integers big-endian. The server builds every frame it sends here.
+message, whose data is `[8-byte timestamp ns][2-byte attempts][16-byte id][body]`;
+to a client that negotiated `extend_support`, `[1-byte ext version][2-byte length][header]`
+follows the id in every message frame (version 2 and a JSON header, or 0 and length 0;
+see ext.py). All integers big-endian. The server builds every frame it sends here.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+
+from .ext import EXT_VERSION_JSON, EXT_VERSION_NONE, delivered
 
 MAGIC_V2 = b"  V2"  # what a client sends first
 
@@ -21,6 +25,8 @@ MAX_ATTEMPTS = 0xFFFF  # the wire field is 16 bits: more attempts are sent as th
 _FRAME_HEADER = struct.Struct(">ii")  # size (type + data), type
 _MESSAGE_HEAD = struct.Struct(">iiqH")  # size, type, timestamp ns, attempts; then the id
 _MESSAGE_OVERHEAD = _MESSAGE_HEAD.size - 4 + 16  # what the size field counts besides the body
+_EXT_HEAD = struct.Struct(">BH")  # ext version, header length
+_NO_EXT = _EXT_HEAD.pack(EXT_VERSION_NONE, 0)
 _TRACE_REPLY = struct.Struct(">2sQQqI")
 
 
@@ -35,18 +41,28 @@ def encode_error(text: bytes | str) -> bytes:
     return _FRAME_HEADER.pack(len(text) + 4, FRAME_ERROR) + text
 
 
-def encode_messages(messages: Iterable) -> bytes:
+def encode_messages(messages: Iterable, extended: bool = False) -> bytes:
     """Message frames for objects with `timestamp`, `attempts`, `wire_id` (the 16 id bytes)
-    and `body`, in one join."""
+    and `body`, in one join; `extended` (an extend_support client): with the extension
+    header made from their `ext` and `trace_id` (ext.delivered)."""
     pack = _MESSAGE_HEAD.pack
     parts = []
     add = parts.append
     for m in messages:
         body = m.body
         attempts = m.attempts
-        add(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, m.timestamp,
-                 attempts if attempts < MAX_ATTEMPTS else MAX_ATTEMPTS))
-        add(m.wire_id)
+        if attempts > MAX_ATTEMPTS:
+            attempts = MAX_ATTEMPTS
+        if not extended:
+            add(pack(len(body) + _MESSAGE_OVERHEAD, FRAME_MESSAGE, m.timestamp, attempts))
+            add(m.wire_id)
+        else:
+            header = delivered(m.ext, m.trace_id) if m.ext or m.trace_id else b""
+            add(pack(len(body) + len(header) + _MESSAGE_OVERHEAD + 3, FRAME_MESSAGE, m.timestamp,
+                     attempts))
+            add(m.wire_id)
+            add(_EXT_HEAD.pack(EXT_VERSION_JSON, len(header)) if header else _NO_EXT)
+            add(header)
         add(body)
     return b"".join(parts)
 

@@ -2,12 +2,13 @@
 
 No sockets, no event loop, no timers. The connection handler feeds what it
 reads into a CommandParser, acts on each command, and writes the frames that
-frames.py encodes. Here too: the rules for names, extension headers and JSON.
+frames.py encodes. Here too: the rules for names and JSON, and the checks of a
+client's extension header (what the header means is ext.py).
 
 The errors the parser raises, like every error the server sends, are built in
 errors.py; message ids are ids.py. The frame encoders and the id helpers are
 imported here too, so that `protocol` is the one name a user of the wire needs.
-The client half (cmd_* encoders, FrameParser) is nsqclient/commands.py.
+The client half (cmd_* encoders, FrameParser) is commands.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .ext import RESERVED_HEADER_KEYS, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
                      MAGIC_V2, OK, encode_error, encode_messages, encode_response, pub_trace_reply)
 from .ids import (MAX_PARTITION, MAX_SEQUENCE, MSG_ID_LENGTH, PARTITION_SHIFT,  # noqa: F401
@@ -38,9 +40,8 @@ _U16 = struct.Struct(">H")
 
 _NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
-# Keys beginning "##" are the server's: only these may come from a client.
-RESERVED_HEADER_KEYS = frozenset({"##trace_id", "##partition_key", "##tag"})
 _START = re.compile(r"(timestamp|offset|count):([0-9]{1,19})")
+_FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
 
 
 def valid_topic_name(name: str) -> bool:
@@ -272,6 +273,10 @@ def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
             raise invalid_json_header(command, f"key {_go_quote(key)} is not valid")
         if key.startswith("##") and key not in RESERVED_HEADER_KEYS:
             raise invalid_json_header(command, f"key {_go_quote(key)} is reserved")
+    try:
+        trace_id_of(header)
+    except ValueError as e:
+        raise invalid_json_header(command, str(e)) from None
     return header, raw[end:]
 
 
@@ -330,15 +335,42 @@ class CommandParser:
 
     def commands(self) -> Iterator[Command]:
         """Yield each whole command buffered; stop when the rest is incomplete."""
+        while (command := self.next_command()) is not None:
+            yield command
+
+    def next_command(self) -> Command | None:
+        """The next whole command buffered, or None while the rest is incomplete."""
         if self._error is not None:
             raise self._error
         try:
-            while (command := self._next()) is not None:
-                yield command
+            return self._next()
         except ProtocolError as exc:
             if exc.fatal:
                 self._error = exc
             raise
+
+    def next_fins(self, limit: int) -> list[bytes]:
+        """The ids of the `FIN <id>\\n` lines next in the buffer, at most `limit`, when their
+        ids are 16 ASCII letters or digits (every id our server sends); [] when the next
+        command is any other (next_command reads it). The same FIN commands next_command
+        would give one at a time, read in one step: a consumer sends one per message."""
+        if self._error is not None:
+            raise self._error
+        if self._state != _LINE:
+            return []
+        run = _FIN_RUN.match(self._buf, self._pos, self._pos + 21 * limit)
+        if run is None:
+            return []
+        if self._state_check is not None:
+            try:
+                self._state_check("FIN")
+            except ProtocolError as exc:
+                if exc.fatal:
+                    self._error = exc
+                raise
+        lines = bytes(run[0])
+        self._pos = run.end()
+        return [lines[i:i + 16] for i in range(4, len(lines), 21)]
 
     def _next(self) -> Command | None:
         buf = self._buf

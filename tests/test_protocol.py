@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nsqwire import commands as c
-from nsqwire import errors as e, protocol as p
+from nsqwire import errors as e, ext, protocol as p
 from nsqd.identify import IdentifyLimits, negotiate
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())
@@ -514,3 +514,93 @@ def test_frame_parser_refuses_bad_sizes():
             list(parser.frames())
     with pytest.raises(ValueError):
         c.parse_message(bytes(25))
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(commands | st.builds(lambda i: (c.cmd_fin(i), p.Fin(i)), msg_ids), min_size=1,
+                max_size=12), st.integers(1, 4), st.data())
+def test_fin_runs_read_at_once_are_the_commands_read_one_by_one(pairs, limit, data):
+    """next_fins (what the server tries first once subscribed) and next_command together
+    give exactly the commands that commands() gives."""
+    stream = p.MAGIC_V2 + b"".join(encoded for encoded, _ in pairs)
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=12))
+    parser = p.CommandParser()
+    parsed = []
+    for chunk in chunked(stream, cuts):
+        parser.feed(chunk)
+        while True:
+            ids = parser.next_fins(limit)
+            assert len(ids) <= limit
+            if ids:
+                parsed += [p.Fin(i) for i in ids]
+                continue
+            command = parser.next_command()
+            if command is None:
+                break
+            parsed.append(command)
+    assert parsed == [expected for _, expected in pairs]
+
+
+def test_fin_runs_leave_odd_ids_and_state_errors_to_the_general_path():
+    parser = p.CommandParser()
+    parser.feed(p.MAGIC_V2)
+    assert parser.next_command() is None  # reads the magic; next_fins reads only commands
+    parser.feed(c.cmd_fin(b"0123456789abcdef") + c.cmd_fin(b"0123456789abcde ")
+                + b"FIN 0123456789abcde\r\n")
+    assert parser.next_fins(10) == [b"0123456789abcdef"]
+    assert parser.next_fins(10) == []  # a space in the id: the general path's error
+    with pytest.raises(e.ProtocolError, match="invalid message ID"):
+        parser.next_command()
+
+    def refuse(name):
+        raise e.invalid_state(name)
+
+    parser = p.CommandParser(state_check=refuse)
+    parser.feed(p.MAGIC_V2)
+    parser.next_command()
+    parser.feed(c.cmd_fin(b"0123456789abcdef"))
+    for _ in range(2):  # fatal, and sticky
+        with pytest.raises(e.ProtocolError, match="cannot FIN in current state"):
+            parser.next_fins(10)
+        assert parser.buffered == 21  # nothing consumed
+
+
+class ExtMsg(NamedTuple):
+    timestamp: int
+    attempts: int
+    wire_id: bytes
+    body: bytes
+    ext: bytes
+    trace_id: int
+
+
+def test_ext_header_has_one_home_for_the_trace_id():
+    assert ext.stored({"##trace_id": "42", "k": 1}) == (42, b'{"k":1}')
+    assert ext.stored({"##trace_id": 2**64 - 1}) == (2**64 - 1, b"")
+    assert ext.stored({}) == (0, b"")
+    for bad in ("-1", "1e3", " 1", "", str(2**64), True, 1.5, -1, 2**64, [1]):
+        with pytest.raises(ValueError):
+            ext.trace_id_of({"##trace_id": bad})
+    assert error_of(c.cmd_pub_ext("t", {"##trace_id": "x"}, b"m")).code == "E_INVALID_JSON_HEADER"
+    # Delivered: the client's keys, the trace id from the field, never the server's own keys.
+    assert json.loads(ext.delivered(b'{"k":1,"##defer_until_ms":5,"##tag":"a"}', 7)) == {
+        "k": 1, "##tag": "a", "##trace_id": "7"}
+    assert ext.delivered(b'{"##defer_until_ms":5}', 0) == b""
+    assert ext.delivered(b"", 0) == b""
+
+
+@given(st.lists(st.tuples(st.integers(0, 65535), msg_ids, st.binary(max_size=20),
+                          st.sampled_from([b"", b'{"k":"v"}', b'{"##defer_until_ms":1}']),
+                          st.integers(0, 2**64 - 1)), max_size=5))
+def test_extended_message_frames_round_trip(messages):
+    msgs = [ExtMsg(123, a, i, b, x, t) for a, i, b, x, t in messages]
+    assert p.encode_messages(msgs, extended=False) == p.encode_messages(
+        [Msg(123, a, i, b) for a, i, b, _, _ in messages])
+    parser = c.FrameParser()
+    parser.feed(p.encode_messages(msgs, extended=True))
+    for (kind, data), m in zip(parser.frames(), msgs, strict=True):
+        assert kind == p.FRAME_MESSAGE
+        ts, attempts, msg_id, version, header, body = c.parse_ext_message(data)
+        assert (ts, attempts, msg_id, body) == (123, m.attempts, m.wire_id, m.body)
+        assert header == ext.delivered(m.ext, m.trace_id)
+        assert version == (ext.EXT_VERSION_JSON if header else ext.EXT_VERSION_NONE)

@@ -1,0 +1,73 @@
+"""The extension header of a message, sans-I/O: what a client sends, what is stored, what
+an `extend_support` client receives.
+
+A client sends a JSON object (PUB_EXT, MPUB_EXT); keys beginning `##` are reserved and
+only RESERVED_HEADER_KEYS may come from a client. The trace id has ONE home, the record's
+own trace-id field: `stored` takes `##trace_id` out of the header before it is stored,
+and `delivered` puts it back, from the field, for an `extend_support` client (as a
+decimal string, the form Youzan's clients send and read), so a consumer sees what the
+producer sent. Every other `##` key is the server's own (a DPUB's due time
+`##defer_until_ms`) and is never delivered.
+"""
+
+from __future__ import annotations
+
+import json
+
+TRACE_ID_KEY = "##trace_id"
+# Keys beginning "##" are the server's: only these may come from a client.
+RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##tag"})
+
+# The 1-byte version before an extension header in a message frame sent to an
+# extend_support client: 2 is a JSON header (as Youzan's), 0 none (length 0).
+EXT_VERSION_NONE = 0
+EXT_VERSION_JSON = 2
+
+_MAX_TRACE_ID = (1 << 64) - 1
+
+
+def trace_id_of(header: dict) -> int:
+    """The `##trace_id` of a client's header (an integer or a decimal string, 0..2**64-1),
+    0 when absent. Raises ValueError for anything else."""
+    value = header.get(TRACE_ID_KEY)
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        raise ValueError("##trace_id is not a number")
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit() and len(value) <= 20):
+            raise ValueError("##trace_id is not a decimal number")
+        value = int(value)
+    if not isinstance(value, int) or not 0 <= value <= _MAX_TRACE_ID:
+        raise ValueError("##trace_id is not a number in 0..2**64-1")
+    return value
+
+
+def stored(header: dict) -> tuple[int, bytes]:
+    """A client's header (already checked) as stored: (trace id, compact JSON without
+    `##trace_id`, or b"" when nothing else is left)."""
+    trace_id = trace_id_of(header)
+    if TRACE_ID_KEY in header:
+        header = {k: v for k, v in header.items() if k != TRACE_ID_KEY}
+    if not header:
+        return trace_id, b""
+    return trace_id, json.dumps(header, separators=(",", ":")).encode()
+
+
+def delivered(ext: bytes, trace_id: int) -> bytes:
+    """The header an extend_support client receives for a stored record: its client keys,
+    plus `##trace_id` from the record's field when it is not 0; b"" when none is left."""
+    header = {}
+    if ext:
+        try:
+            stored_header = json.loads(ext)
+        except ValueError:
+            stored_header = None
+        if isinstance(stored_header, dict):
+            header = {k: v for k, v in stored_header.items()
+                      if not k.startswith("##") or k in RESERVED_HEADER_KEYS}
+    if trace_id:
+        header[TRACE_ID_KEY] = str(trace_id)
+    if not header:
+        return b""
+    return json.dumps(header, separators=(",", ":")).encode()
