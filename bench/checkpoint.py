@@ -142,7 +142,8 @@ async def checkpoints(report: Report, channels: int, data: str) -> None:
     t0 = time.perf_counter()
     topics = max(1, channels // 100)
     for t in range(topics):
-        topic = await nsqd._open_topic(f"t{t}", {"partitions": [0]})
+        topic = await nsqd._open_topic(f"t{t}", {"partitions": [0]}, create=True)
+        nsqd.topics[topic.name] = topic
         part = topic.partitions[0]
         for n in range(channels // topics):
             ch = Channel(topic, f"c{n}", part.queue, 0, 0)
