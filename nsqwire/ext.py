@@ -16,7 +16,7 @@ import json
 
 TRACE_ID_KEY = "##trace_id"
 # Keys beginning "##" are the server's: only these may come from a client.
-RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##tag"})
+RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##client_dispatch_tag"})
 
 # The 1-byte version before an extension header in a message frame sent to an
 # extend_support client: 2 is a JSON header (as Youzan's), 0 none (length 0).

@@ -319,8 +319,9 @@ def test_unknown_reserved_header_keys_are_refused():
         'E_INVALID_JSON_HEADER PUB_EXT json header key "##defer_until_ms" is reserved'
     assert error_of(c.cmd_mpub_ext("t", [({"##x": 1}, b"x")])).code == "E_INVALID_JSON_HEADER"
     parser = p.CommandParser()
-    parser.feed(p.MAGIC_V2 + c.cmd_pub_ext("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x"))
-    assert list(parser.commands()) == [p.PubExt("t", {"##trace_id": 7, "##tag": "a", "#own": 1}, b"x", None)]
+    header = {"##trace_id": 7, "##client_dispatch_tag": "a", "#own": 1}
+    parser.feed(p.MAGIC_V2 + c.cmd_pub_ext("t", header, b"x"))
+    assert list(parser.commands()) == [p.PubExt("t", header, b"x", None)]
 
 
 def test_json_nested_too_deeply_is_a_value_error():
@@ -583,8 +584,8 @@ def test_ext_header_has_one_home_for_the_trace_id():
             ext.trace_id_of({"##trace_id": bad})
     assert error_of(c.cmd_pub_ext("t", {"##trace_id": "x"}, b"m")).code == "E_INVALID_JSON_HEADER"
     # Delivered: the client's keys, the trace id from the field, never the server's own keys.
-    assert json.loads(ext.delivered(b'{"k":1,"##defer_until_ms":5,"##tag":"a"}', 7)) == {
-        "k": 1, "##tag": "a", "##trace_id": "7"}
+    assert json.loads(ext.delivered(b'{"k":1,"##defer_until_ms":5,"##client_dispatch_tag":"a"}', 7)) == {
+        "k": 1, "##client_dispatch_tag": "a", "##trace_id": "7"}
     assert ext.delivered(b'{"##defer_until_ms":5}', 0) == b""
     assert ext.delivered(b"", 0) == b""
 

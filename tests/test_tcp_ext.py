@@ -80,11 +80,11 @@ async def test_mpub_ext_is_one_atomic_request(node):
     log_before, count_before = q.commitlog.next_log_id, q.committed_count
     await pub.command(c.cmd_mpub_ext("t", [({"##trace_id": "11", "a": "1"}, b"m1"),
                                            ({}, b"m2"),
-                                           ({"##trace_id": 12, "##tag": "x"}, b"m3")]))
+                                           ({"##trace_id": 12, "##client_dispatch_tag": "x"}, b"m3")]))
     assert (q.commitlog.next_log_id, q.committed_count) == (log_before + 1, count_before + 3)
     recs = (await read_records(q))[1:]
     assert [(r.body, r.trace_id, r.ext) for r in recs] == [
-        (b"m1", 11, b'{"a":"1"}'), (b"m2", 0, b""), (b"m3", 12, b'{"##tag":"x"}')]
+        (b"m1", 11, b'{"a":"1"}'), (b"m2", 0, b""), (b"m3", 12, b'{"##client_dispatch_tag":"x"}')]
     # One bad header refuses the whole request: nothing of it is stored.
     bad = c.encode_command(b"MPUB_EXT", "t", body=c._mpub_body(
         [c._ext_body({"a": 1}, b"ok"), c._ext_body({"##trace_id": "x1"}, b"bad")]))
