@@ -335,6 +335,8 @@ def _detail(e: gw.Etcd3Exception) -> str:
 
 
 _END = object()
+_JSON = json.JSONDecoder()
+_MAX_MESSAGE = 64 << 20
 
 
 class _Compacted(Exception):
@@ -410,7 +412,9 @@ class Watch:
             except _Compacted as e:
                 self._deliver(WatchLost(f"watch of {self._key}: {e}"))
                 return
-            except (requests.RequestException, ValueError, KeyError, OSError) as e:
+            except (requests.RequestException, ValueError, KeyError, TypeError, OSError) as e:
+                if self._closed.is_set():
+                    break
                 if self.connected:  # a stream that was up (idle timeout, etcd gone): reopen
                     log.info("etcd_watch_interrupted", key=self._key, error=str(e)[:200])
                     backoff = 0.05
@@ -448,21 +452,30 @@ class Watch:
                 self._response = response
             try:
                 response.raise_for_status()
-                buffer = b""
+                buffer = ""
                 for chunk in response.iter_content(chunk_size=None):
-                    buffer += chunk
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            self._on_message(json.loads(line))
+                    buffer = self._on_data(buffer + chunk.decode("utf-8", "replace"))
                     if self._closed.is_set() or self._lost:
                         return
-                if buffer.strip():
-                    self._on_message(json.loads(buffer))
+                    if len(buffer) > _MAX_MESSAGE:
+                        raise ValueError(f"watch message over {_MAX_MESSAGE} bytes")
             finally:
                 with self._lock:
                     self._response = None
                 response.close()
+
+    def _on_data(self, buffer: str) -> str:
+        """Handle every whole JSON message at the start of `buffer`: the rest."""
+        while True:
+            buffer = buffer.lstrip()
+            if not buffer:
+                return buffer
+            try:
+                message, end = _JSON.raw_decode(buffer)
+            except ValueError:
+                return buffer  # not whole yet
+            self._on_message(message)
+            buffer = buffer[end:]
 
     def _on_message(self, message: dict) -> None:
         if "error" in message:
