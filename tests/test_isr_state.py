@@ -112,7 +112,8 @@ def test_malformed_partition_state(raw, reason):
 @pytest.mark.parametrize("changes, reason", [
     ({"partitions": 0}, "bad partitions"), ({"partitions": 1025}, "bad partitions"),
     ({"replicas": 0}, "bad replicas"), ({"replicas": 6}, "bad replicas"),
-    ({"min_isr": 3, "replicas": 2}, "min_isr 3 > replicas 2"), ({"sync_every": 0}, "bad sync_every"),
+    ({"min_isr": 3, "replicas": 2}, "min_isr 3 > replicas 2"),
+    ({"sync_every": 0}, "bad sync_every"),
     ({"ordered": 1}, "bad ordered"), ({"retention_ms": -1}, "bad retention_ms"),
 ])
 def test_malformed_topic_meta(changes, reason):
