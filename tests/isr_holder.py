@@ -8,6 +8,8 @@ key, prints `ready` once it holds it (or runs), then waits to be killed.
 import asyncio
 import sys
 
+import structlog
+
 from isr.election import Election
 from isr.etcd import Etcd
 from isr.registry import Registration
@@ -27,4 +29,5 @@ async def main(mode: str, endpoint: str, key: str, value: str, ttl: str) -> None
 
 
 if __name__ == "__main__":
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     asyncio.run(main(*sys.argv[1:]))

@@ -237,7 +237,7 @@ async def test_malformed_values_are_reported_not_fatal(etcd):
         await md.read_partition("t", 1)
 
 
-async def test_mirror_follows_and_resyncs(tmp_path):
+async def test_mirror_follows_across_an_etcd_restart(tmp_path):
     server = EtcdProcess(str(tmp_path / "etcd")).start()
     etcd = Etcd(server.endpoint, timeout=1)
     md = Metadata(etcd, "c")
