@@ -56,11 +56,39 @@ class ClusterView:
                 for n, s in sorted(t.partitions.items()) if s.leader not in self.nodes]
 
 
-def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int) -> ClusterView:
-    """Decode a read of the cluster prefix; what does not decode goes to `problems`."""
+def decode_kv(cluster: str, kv: KeyValue) -> tuple[str, str | None, object, object] | None:
+    """One key of the cluster prefix -> (kind, topic, detail, value), None if not ours.
+
+    kind: node, lookupd, master, meta, channel, state, leader. Raises BadValue."""
     nodes_prefix = keys.nodes_prefix(cluster)
     lookupd_prefix = keys.lookupd_prefix(cluster)
-    master_key = keys.lookupd_master(cluster)
+    if kv.key.startswith(nodes_prefix):
+        node_id = kv.key[len(nodes_prefix):]
+        return "node", None, node_id, NodeInfo.decode(kv.value, kv.key, node_id)
+    if kv.key.startswith(lookupd_prefix):
+        lookupd_id = kv.key[len(lookupd_prefix):]
+        return "lookupd", None, lookupd_id, LookupdInfo.decode(kv.value, kv.key)
+    if kv.key == keys.lookupd_master(cluster):
+        return "master", None, None, kv.value.decode("utf-8", "replace")
+    parsed = keys.parse_topic_key(cluster, kv.key)
+    if parsed is None:
+        return None
+    topic, kind, detail = parsed
+    if kind == "meta":
+        return kind, topic, detail, TopicMeta.decode(kv.value, kv.key)
+    if kind == "channel":
+        return kind, topic, detail, ChannelMeta.decode(kv.value, kv.key)
+    if kind == "state":
+        return kind, topic, detail, PartitionState.decode(kv.value, kv.key, kv.mod_revision)
+    return kind, topic, detail, kv.value.decode("utf-8", "replace")
+
+
+def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
+               cache: dict[str, tuple[int, object]] | None = None) -> ClusterView:
+    """Decode a read of the cluster prefix; what does not decode goes to `problems`.
+
+    `cache` (key -> (mod_revision, decode_kv's result or its BadValue)) spares decoding
+    the keys that did not change since the last call; the caller drops deleted keys."""
     nodes: dict[str, NodeInfo] = {}
     lookupds: dict[str, LookupdInfo] = {}
     master = None
@@ -70,27 +98,36 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int) -> ClusterV
     states: dict[str, dict[int, PartitionState]] = {}
     locks: dict[str, dict[int, str]] = {}
     for kv in kvs:
-        try:
-            if kv.key.startswith(nodes_prefix):
-                node_id = kv.key[len(nodes_prefix):]
-                nodes[node_id] = NodeInfo.decode(kv.value, kv.key, node_id)
-            elif kv.key.startswith(lookupd_prefix):
-                lookupds[kv.key[len(lookupd_prefix):]] = LookupdInfo.decode(kv.value, kv.key)
-            elif kv.key == master_key:
-                master = kv.value.decode("utf-8", "replace")
-            elif (parsed := keys.parse_topic_key(cluster, kv.key)) is not None:
-                topic, kind, detail = parsed
-                if kind == "meta":
-                    metas[topic] = TopicMeta.decode(kv.value, kv.key)
-                elif kind == "channel":
-                    channels.setdefault(topic, {})[detail] = ChannelMeta.decode(kv.value, kv.key)
-                elif kind == "state":
-                    states.setdefault(topic, {})[detail] = PartitionState.decode(
-                        kv.value, kv.key, kv.mod_revision)
-                else:
-                    locks.setdefault(topic, {})[detail] = kv.value.decode("utf-8", "replace")
-        except BadValue as e:
-            problems.append(str(e))
+        hit = cache.get(kv.key) if cache is not None else None
+        if hit is not None and hit[0] == kv.mod_revision:
+            decoded = hit[1]
+        else:
+            try:
+                decoded = decode_kv(cluster, kv)
+            except BadValue as e:
+                decoded = e
+            if cache is not None:
+                cache[kv.key] = (kv.mod_revision, decoded)
+        if decoded is None:
+            continue
+        if isinstance(decoded, BadValue):
+            problems.append(str(decoded))
+            continue
+        kind, topic, detail, value = decoded
+        if kind == "node":
+            nodes[detail] = value
+        elif kind == "lookupd":
+            lookupds[detail] = value
+        elif kind == "master":
+            master = value
+        elif kind == "meta":
+            metas[topic] = value
+        elif kind == "channel":
+            channels.setdefault(topic, {})[detail] = value
+        elif kind == "state":
+            states.setdefault(topic, {})[detail] = value
+        else:
+            locks.setdefault(topic, {})[detail] = value
     topics: dict[str, TopicView] = {}
     for name in sorted(metas.keys() | states.keys() | channels.keys()):
         meta = metas.get(name)

@@ -33,6 +33,7 @@ class ClusterMirror:
         self.ready = asyncio.Event()
         self.changed = asyncio.Event()
         self._kvs: dict[str, KeyValue] = {}
+        self._decoded: dict = {}  # build_view's cache
         self._watch = None
         self._task: asyncio.Task | None = None
 
@@ -58,6 +59,7 @@ class ClusterMirror:
             try:
                 kvs, revision = await self.etcd.get_prefix(self.prefix)
                 self._kvs = {kv.key: kv for kv in kvs}
+                self._decoded = {}
                 self._rebuild(revision)
                 failing = False
                 async with self.etcd.watch_prefix(self.prefix, revision + 1) as watch:
@@ -67,6 +69,7 @@ class ClusterMirror:
                             self._kvs[event.kv.key] = event.kv
                         else:
                             self._kvs.pop(event.kv.key, None)
+                            self._decoded.pop(event.kv.key, None)
                         revision = event.kv.mod_revision
                         if watch.pending() == 0:
                             self._rebuild(revision)
@@ -79,8 +82,7 @@ class ClusterMirror:
                 self._watch = None
 
     def _rebuild(self, revision: int) -> None:
-        view = build_view(self.cluster, sorted(self._kvs.values(), key=lambda kv: kv.key),
-                          revision)
+        view = build_view(self.cluster, self._kvs.values(), revision, self._decoded)
         if self.view is None or view.problems != self.view.problems:
             for problem in view.problems:
                 log.warning("bad_metadata", problem=problem)

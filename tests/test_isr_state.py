@@ -171,3 +171,20 @@ def test_build_view_reports_problems():
     assert "/nsq/c1/topics/u/meta: missing" in text
     assert view.leaderless() == []
     assert build_view(c, kvs[1:], 42).leaderless() == [("t", 0)]
+
+
+def test_build_view_cache_decodes_only_changed_keys():
+    c = "c1"
+    state = PartitionState("a:1", ("a:1",))
+    kvs = [kv(keys.topic_meta(c, "t"), TopicMeta(2).encode()),
+           kv(keys.partition_state(c, "t", 0), state.encode(), 5),
+           kv(keys.partition_state(c, "t", 1), b"bad", 5)]
+    cache = {}
+    assert build_view(c, kvs, 9, cache) == build_view(c, kvs, 9) == build_view(c, kvs, 9, cache)
+    assert len(cache) == 3
+    moved = state.evolve(leader=None, epoch=2)
+    kvs[1] = kv(keys.partition_state(c, "t", 0), moved.encode(), 6)
+    kvs[2] = kv(keys.partition_state(c, "t", 1), state.encode(), 6)
+    view = build_view(c, kvs, 10, cache)
+    assert view.topics["t"].partitions == {0: moved, 1: state} and not view.problems
+    assert view.topics["t"].partitions[0].revision == 6
