@@ -13,6 +13,8 @@ command -v node >/dev/null || need_apt+=(nodejs)  # tests/compat runs nsqjs unde
 command -v npm >/dev/null || need_apt+=(npm)
 # tests/powerfs.py (power-loss tests): fusermount3 and libfuse3, used through mfusepy
 command -v fusermount3 >/dev/null || need_apt+=(fuse3)
+# cluster mode: the real etcd server, started by tests and the run command on loopback
+command -v etcd >/dev/null || need_apt+=(etcd-server)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi

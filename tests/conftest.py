@@ -45,3 +45,13 @@ async def node(tmp_path):
     yield start
     for n in started:
         await n.stop()
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd on free loopback ports with its own data dir; SIGKILLed after the test."""
+    from etcdserver import EtcdProcess
+
+    proc = EtcdProcess(str(tmp_path / "etcd")).start()
+    yield proc
+    proc.kill()

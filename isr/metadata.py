@@ -1,0 +1,230 @@
+"""The cluster's metadata in etcd: topics, channels, partition states, and the view of it all.
+
+`build_view` is pure: raw keys in, a `ClusterView` out, with every key that does not
+decode (or contradicts its topic) listed in `problems` rather than raised. `Metadata`
+does the writes, each one etcd transaction:
+- a topic is created whole (meta and every partition's state) or not at all;
+- a partition state changes only by compare-and-swap on the revision it was read at;
+- a channel exists only under an existing topic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from . import keys
+from .etcd import Etcd, KeyValue, absent, exists, put_op, unchanged
+from .state import BadValue, ChannelMeta, LookupdInfo, NodeInfo, PartitionState, TopicMeta
+
+
+class TopicExists(Exception):
+    """create_topic: the topic is already there."""
+
+
+class TopicNotFound(Exception):
+    """The topic has no meta in etcd."""
+
+
+class Conflict(Exception):
+    """A compare-and-swap lost: the value changed since it was read. Read it again."""
+
+
+@dataclass(frozen=True)
+class TopicView:
+    name: str
+    meta: TopicMeta
+    channels: dict[str, ChannelMeta] = field(default_factory=dict)
+    partitions: dict[int, PartitionState] = field(default_factory=dict)
+    leader_locks: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Everything under /nsq/<cluster>/ at one etcd revision."""
+
+    revision: int
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    lookupds: dict[str, LookupdInfo] = field(default_factory=dict)
+    master: str | None = None
+    topics: dict[str, TopicView] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def leaderless(self) -> list[tuple[str, int]]:
+        """(topic, partition) whose leader is none or not a registered node."""
+        return [(t.name, n) for t in self.topics.values()
+                for n, s in sorted(t.partitions.items()) if s.leader not in self.nodes]
+
+
+def decode_kv(cluster: str, kv: KeyValue) -> tuple[str, str | None, object, object] | None:
+    """One key of the cluster prefix -> (kind, topic, detail, value), None if not ours.
+
+    kind: node, lookupd, master, meta, channel, state, leader. Raises BadValue."""
+    nodes_prefix = keys.nodes_prefix(cluster)
+    lookupd_prefix = keys.lookupd_prefix(cluster)
+    if kv.key.startswith(nodes_prefix):
+        node_id = kv.key[len(nodes_prefix):]
+        return "node", None, node_id, NodeInfo.decode(kv.value, kv.key, node_id)
+    if kv.key.startswith(lookupd_prefix):
+        lookupd_id = kv.key[len(lookupd_prefix):]
+        return "lookupd", None, lookupd_id, LookupdInfo.decode(kv.value, kv.key)
+    if kv.key == keys.lookupd_master(cluster):
+        return "master", None, None, kv.value.decode("utf-8", "replace")
+    parsed = keys.parse_topic_key(cluster, kv.key)
+    if parsed is None:
+        return None
+    topic, kind, detail = parsed
+    if kind == "meta":
+        return kind, topic, detail, TopicMeta.decode(kv.value, kv.key)
+    if kind == "channel":
+        return kind, topic, detail, ChannelMeta.decode(kv.value, kv.key)
+    if kind == "state":
+        return kind, topic, detail, PartitionState.decode(kv.value, kv.key, kv.mod_revision)
+    return kind, topic, detail, kv.value.decode("utf-8", "replace")
+
+
+def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
+               cache: dict[str, tuple[int, object]] | None = None) -> ClusterView:
+    """Decode a read of the cluster prefix; what does not decode goes to `problems`.
+
+    `cache` (key -> (mod_revision, decode_kv's result or its BadValue)) spares decoding
+    the keys that did not change since the last call; the caller drops deleted keys."""
+    nodes: dict[str, NodeInfo] = {}
+    lookupds: dict[str, LookupdInfo] = {}
+    master = None
+    problems: list[str] = []
+    metas: dict[str, TopicMeta] = {}
+    channels: dict[str, dict[str, ChannelMeta]] = {}
+    states: dict[str, dict[int, PartitionState]] = {}
+    locks: dict[str, dict[int, str]] = {}
+    for kv in kvs:
+        hit = cache.get(kv.key) if cache is not None else None
+        if hit is not None and hit[0] == kv.mod_revision:
+            decoded = hit[1]
+        else:
+            try:
+                decoded = decode_kv(cluster, kv)
+            except BadValue as e:
+                decoded = e
+            if cache is not None:
+                cache[kv.key] = (kv.mod_revision, decoded)
+        if decoded is None:
+            continue
+        if isinstance(decoded, BadValue):
+            problems.append(str(decoded))
+            continue
+        kind, topic, detail, value = decoded
+        if kind == "node":
+            nodes[detail] = value
+        elif kind == "lookupd":
+            lookupds[detail] = value
+        elif kind == "master":
+            master = value
+        elif kind == "meta":
+            metas[topic] = value
+        elif kind == "channel":
+            channels.setdefault(topic, {})[detail] = value
+        elif kind == "state":
+            states.setdefault(topic, {})[detail] = value
+        else:
+            locks.setdefault(topic, {})[detail] = value
+    topics: dict[str, TopicView] = {}
+    for name in sorted(metas.keys() | states.keys() | channels.keys()):
+        meta = metas.get(name)
+        if meta is None:
+            problems.append(f"{keys.topics_prefix(cluster)}{name}/: keys without a meta")
+            continue
+        parts = states.get(name, {})
+        for n in sorted(parts):
+            if n >= meta.partitions:
+                problems.append(f"{keys.partition_state(cluster, name, n)}: partition "
+                                f"{n} beyond the topic's {meta.partitions}")
+                del parts[n]
+        missing = [n for n in range(meta.partitions) if n not in parts]
+        if missing:
+            problems.append(f"{keys.topic_prefix(cluster, name)}: no state for "
+                            f"partitions {missing[:10]}")
+        topics[name] = TopicView(name, meta, channels.get(name, {}), parts,
+                                 locks.get(name, {}))
+    return ClusterView(revision, nodes, lookupds, master, topics, problems)
+
+
+def initial_states(placement: list[list[str]]) -> list[PartitionState]:
+    """A new topic's partition states: leader first in its replicas, all of them in sync."""
+    return [PartitionState(leader=replicas[0], isr=tuple(replicas), epoch=1)
+            for replicas in placement]
+
+
+class Metadata:
+    """Reads and writes the metadata of cluster `cluster` through `etcd`."""
+
+    def __init__(self, etcd: Etcd, cluster: str):
+        self.etcd = etcd
+        self.cluster = keys.check_cluster(cluster)
+
+    async def read(self) -> ClusterView:
+        """The whole cluster, from one consistent read."""
+        kvs, revision = await self.etcd.get_prefix(keys.cluster_prefix(self.cluster))
+        return build_view(self.cluster, kvs, revision)
+
+    async def create_topic(self, topic: str, meta: TopicMeta,
+                           placement: list[list[str]]) -> int:
+        """Write meta and every partition state in one transaction: the revision.
+
+        Raises TopicExists if the topic has a meta; EtcdRefused if the transaction has
+        more operations than etcd's --max-txn-ops allows (default 128: start etcd with
+        --max-txn-ops 2048 for topics of up to 1024 partitions)."""
+        if len(placement) != meta.partitions or any(len(r) != meta.replicas for r in placement):
+            raise ValueError(f"placement does not match {meta.partitions} partitions of "
+                             f"{meta.replicas} replicas")
+        meta_key = keys.topic_meta(self.cluster, topic)
+        ops = [put_op(meta_key, meta.encode())]
+        ops += [put_op(keys.partition_state(self.cluster, topic, n), state.encode())
+                for n, state in enumerate(initial_states(placement))]
+        ok, revision = await self.etcd.txn([absent(meta_key)], ops)
+        if not ok:
+            raise TopicExists(topic)
+        return revision
+
+    async def delete_topic(self, topic: str) -> bool:
+        """Delete the topic and everything under it (one revision): whether it was there."""
+        return await self.etcd.delete_prefix(keys.topic_prefix(self.cluster, topic)) > 0
+
+    async def create_channel(self, topic: str, channel: str, meta: ChannelMeta) -> bool:
+        """Add the channel to every partition of the topic: False if it was there already.
+        Raises TopicNotFound."""
+        meta_key = keys.topic_meta(self.cluster, topic)
+        key = keys.channel(self.cluster, topic, channel)
+        ok, _ = await self.etcd.txn([exists(meta_key), absent(key)],
+                                    [put_op(key, meta.encode())])
+        if ok:
+            return True
+        kv, _ = await self.etcd.get(meta_key)
+        if kv is None:
+            raise TopicNotFound(topic)
+        return False
+
+    async def delete_channel(self, topic: str, channel: str) -> bool:
+        return await self.etcd.delete(keys.channel(self.cluster, topic, channel)) > 0
+
+    async def read_partition(self, topic: str, partition: int) -> PartitionState | None:
+        """The partition's state with its revision (None if absent); BadValue if malformed."""
+        key = keys.partition_state(self.cluster, topic, partition)
+        kv, _ = await self.etcd.get(key)
+        return None if kv is None else PartitionState.decode(kv.value, key, kv.mod_revision)
+
+    async def update_partition(self, topic: str, partition: int,
+                               new: PartitionState) -> PartitionState:
+        """Write `new` if the state is still at `new.revision` (the revision it was read at):
+        the written state with its new revision. Raises Conflict if it changed, or if the
+        topic's meta is gone (a deleted topic is never brought back by a late update)."""
+        if new.revision <= 0:
+            raise ValueError("update_partition needs the revision the state was read at")
+        key = keys.partition_state(self.cluster, topic, partition)
+        meta_key = keys.topic_meta(self.cluster, topic)
+        ok, revision = await self.etcd.txn([unchanged(key, new.revision), exists(meta_key)],
+                                           [put_op(key, new.encode())])
+        if not ok:
+            raise Conflict(f"{key}: changed since revision {new.revision}")
+        return new.evolve(revision=revision)
+
