@@ -92,9 +92,9 @@ class Client:
         by_partition: dict[int, list] = {}
         for m in msgs:
             by_partition.setdefault(m.msg_id >> PARTITION_SHIFT, []).append(m)
+        self.wake_channels()  # first, in turn: the channel of these FINs is not always first
         for number, done in by_partition.items():
             self.channels[number].finish_many(done)
-        self.wake_channels()
 
     def wake_channels(self) -> None:
         """Room freed: every channel consumed may deliver (in turn, so none is always first)."""
