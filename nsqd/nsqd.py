@@ -434,13 +434,16 @@ class NSQD:
         """The channels a SUB consumes (made when missing): of `partition`, or of every
         partition of the topic this node leads (None). The caller attaches the client
         before its next await: what is returned is current at return. Raises
-        TopicNotFound, NameError_, what Topic.check_partition raises, StorageError."""
+        TopicNotFound, StorageError when no led partition serves but one failed, NameError_, what Topic.check_partition raises, StorageError."""
         while True:
             topic = await self.get_topic(topic_name)
             if topic is None:
                 raise TopicNotFound(topic_name)
             if partition is not None:
                 topic.check_partition(partition)
+            elif not topic.writable:  # a led partition that does not serve says why
+                for n in sorted(topic.assignment.leading):
+                    topic.check_partition(n)
             numbers = sorted(topic.writable) if partition is None else [partition]
             channels = {}
             for n in numbers:
