@@ -32,7 +32,7 @@ import structlog
 from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
-from nsqwire.ids import SEQUENCE_MASK
+from nsqwire.ids import PARTITION_SHIFT, SEQUENCE_MASK
 
 from .cursor import Cursor, Ranges, pack_u64, unpack_u64
 from .delaying import ChannelDelay
@@ -256,11 +256,16 @@ class Channel:
         self._wake.set()
 
     def remove_client(self, client) -> None:
-        """Detach a client; its in-flight messages are requeued at once."""
+        """Detach a client; its in-flight messages of this channel are requeued at once."""
         if client in self.clients:
             self.clients.remove(client)
-        self._requeue_all(list(client.in_flight.values()))
-        client.in_flight.clear()
+        mine = client.in_flight_of(self.partition)
+        if len(mine) == len(client.in_flight):
+            client.in_flight.clear()
+        else:
+            for m in mine:
+                del client.in_flight[m.wire_id]
+        self._requeue_all(mine)
 
     # ---- delivery --------------------------------------------------------
 
@@ -299,6 +304,8 @@ class Channel:
             capacity = 0
             for c in self.clients:
                 room = c.ready_count - len(c.in_flight)
+                if c.channel is None:  # it consumes several partitions: its share
+                    room = c.room_in(self, room)
                 if room > 0 and c.writable:
                     capacity += room
             if not capacity:
@@ -470,6 +477,8 @@ class Channel:
                 break
             client = clients[(self._rr + k) % n]
             room = client.ready_count - len(client.in_flight)
+            if client.channel is None:
+                room = client.room_in(self, room)
             if room <= 0 or not client.writable:
                 continue
             chunk = msgs[i:i + room]
@@ -523,12 +532,14 @@ class Channel:
     def process_timeouts(self, now: float) -> int:
         """Requeue expired in-flight messages and release due deferred ones; return how many."""
         moved = 0
+        partition = self.partition
         for client in self.clients:
             expired = []
             for m in client.in_flight.values():
                 if m.deadline > now:
                     break
-                expired.append(m)
+                if m.msg_id >> PARTITION_SHIFT == partition:  # else another channel's
+                    expired.append(m)
             for m in expired:
                 del client.in_flight[m.wire_id]
                 self.timeout_count += 1
@@ -570,13 +581,14 @@ class Channel:
         delay = self.delay
         if delay is not None and delay.available:
             now_ms = int(self.clock() * 1000)
-            held = [m for c in self.clients for m in c.in_flight.values()]
+            held = [m for c in self.clients for m in c.in_flight_of(self.partition)]
             held += [*self.requeued, *self.from_delay, *(entry[2] for entry in self.deferred)]
             for m in held:
                 if m.delayed:
                     delay.move(m, now_ms)
         for client in self.clients:
-            client.in_flight.clear()
+            for m in client.in_flight_of(self.partition):
+                del client.in_flight[m.wire_id]
         self.requeued.clear()
         self.from_delay.clear()
         self.deferred.clear()
@@ -622,4 +634,5 @@ class Channel:
 
     @property
     def in_flight_count(self) -> int:
-        return sum(len(c.in_flight) for c in self.clients)
+        return sum(len(c.in_flight) if c.channel is self else len(c.in_flight_of(self.partition))
+                   for c in self.clients)

@@ -5,6 +5,14 @@ the 16 id bytes sent on the wire, in delivery order, which is deadline order sin
 one client has one msg_timeout; TOUCH moves a message to the end), counters for /stats, and the outgoing
 byte stream, compressed when negotiated.
 
+A client consumes one channel per partition it subscribed to (`channels`, partition ->
+channel): one for `SUB topic ch n`; for `SUB topic ch` (`all_partitions`), the channel on
+every partition of the topic this node leads, joined and left as the assignment changes.
+A message's partition is in its id's top bits (nsqwire/ids.py): FIN, REQ and TOUCH are
+routed by it. With several channels, RDY is shared fairly: while another of its channels
+has messages waiting, a channel takes at most ceil(RDY / channels) of the client's
+in-flight room (`room_in`); alone with messages, it takes all of it.
+
 Output buffering, as classic nsqd negotiates it: message frames wait in a buffer
 until it holds output_buffer_size bytes, the client can take no more (in flight
 reached RDY), or output_buffer_timeout passes; any other frame goes out at once,
@@ -20,7 +28,7 @@ import time
 import zlib
 
 from nsqwire.frames import encode_messages
-from nsqwire.ids import encode_msg_id
+from nsqwire.ids import PARTITION_SHIFT, encode_msg_id
 
 from .identify import ClientSettings
 
@@ -33,8 +41,12 @@ class Client:
         self.ready_count = 0
         self.writable = True  # False while the transport's buffer is above its high mark
         self.in_flight: dict = {}
-        self.channel = None
+        self.channels: dict = {}  # partition -> Channel consumed
+        self.channel = None  # the one channel when it consumes exactly one, else None
+        self.all_partitions = False  # SUB without a partition: follows the led partitions
         self.topic_name = ""
+        self.channel_name = ""
+        self._wake_turn = 0
         self.connect_ts = time.time()
         self.message_count = 0
         self.finish_count = 0
@@ -51,6 +63,69 @@ class Client:
         self._buffered_bytes = 0
         self._flush_timer: asyncio.TimerHandle | None = None
         self.bytes_out = 0  # handed to the transport; minus its buffer: what the kernel took
+
+    # ---- subscriptions ---------------------------------------------------
+
+    def subscribe(self, channel) -> None:
+        self.channels[channel.partition] = channel
+        self.channel = channel if len(self.channels) == 1 else None
+        channel.add_client(self)
+
+    def unsubscribe(self, channel) -> None:
+        """Leave one partition's channel; its messages in flight here go back to it."""
+        if self.channels.get(channel.partition) is channel:
+            del self.channels[channel.partition]
+        self.channel = next(iter(self.channels.values())) if len(self.channels) == 1 else None
+        channel.remove_client(self)
+        self.wake_channels()
+
+    def channel_of(self, msg):
+        """The channel a message in flight here came from (by its id's partition)."""
+        return self.channel or self.channels[msg.msg_id >> PARTITION_SHIFT]
+
+    def finish(self, msgs: list) -> None:
+        """FIN'd messages (taken out of `in_flight`) to their channels."""
+        channel = self.channel
+        if channel is not None:
+            channel.finish_many(msgs)
+            return
+        by_partition: dict[int, list] = {}
+        for m in msgs:
+            by_partition.setdefault(m.msg_id >> PARTITION_SHIFT, []).append(m)
+        self.wake_channels()  # first, in turn: the channel of these FINs is not always first
+        for number, done in by_partition.items():
+            self.channels[number].finish_many(done)
+
+    def wake_channels(self) -> None:
+        """Room freed: every channel consumed may deliver (in turn, so none is always first)."""
+        channel = self.channel
+        if channel is not None:
+            channel.wake()
+            return
+        channels = list(self.channels.values())
+        if channels:
+            k = self._wake_turn = (self._wake_turn + 1) % len(channels)
+            for c in channels[k:] + channels[:k]:
+                c.wake()
+
+    def room_in(self, channel, room: int) -> int:
+        """The in-flight room `channel` may fill, of the client's `room`, with several
+        channels (see the module docstring)."""
+        if room <= 0:
+            return room
+        if not any(c is not channel and not c.paused and c.depth > 0
+                   for c in self.channels.values()):
+            return room
+        share = -(-self.ready_count // len(self.channels))
+        number = channel.partition
+        mine = sum(1 for m in self.in_flight.values() if m.msg_id >> PARTITION_SHIFT == number)
+        return min(room, share - mine)
+
+    def in_flight_of(self, partition: int) -> list:
+        """Messages in flight here from `partition`."""
+        if self.channel is not None and self.channel.partition == partition:
+            return list(self.in_flight.values())
+        return [m for m in self.in_flight.values() if m.msg_id >> PARTITION_SHIFT == partition]
 
     @property
     def msg_timeout(self) -> float:

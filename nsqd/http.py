@@ -24,9 +24,15 @@ the partition's DiskQueue.append is awaited before `OK`); `defer=` uses the same
 ext header as DPUB (channel.defer_ext), with DPUB's limit (--max-req-timeout).
 
 Ours, beyond classic:
-- `partition=` on /pub, /mpub and the /channel/* actions (default: partition 0
-  for publishing, every partition for channel actions); an unparsable or unknown
-  partition is 400 `BAD_PARTITION` (TCP: E_BAD_PARTITION).
+- `partition=` on /pub, /mpub and the /channel/* actions (default: round-robin over
+  the partitions led here for publishing, every partition for channel actions); an
+  unparsable partition, or one outside the topic's 0..partition_num-1, is 400
+  `BAD_PARTITION` (TCP: E_BAD_PARTITION); one in range that this node does not lead is
+  400 `E_FAILED_ON_NOT_LEADER` (TCP's code). With --disable-auto-create, /pub and /mpub
+  of a missing topic are 404 `E_TOPIC_NOT_EXIST`.
+- `POST /topic/create?topic=&partition_num=N` (1..1024, else 400 `INVALID_PARTITION_NUM`)
+  makes a topic of N partitions, all led here; an existing topic with another count is
+  409 `TOPIC_PARTITION_NUM_CONFLICT` (the log line gives both counts).
 - Storage failures: 503 `EXITING` when the log is closing (as classic), 503
   `PUB_FAILED`/`MPUB_FAILED` for other write errors (disk full), 413 `MSG_TOO_BIG`
   when a body exceeds what one record can hold.
@@ -69,10 +75,11 @@ from diskqueue.queue import QueueClosedError
 from . import metrics, stats
 from .httpconn import Server
 from .channel import defer_ext
-from .nsqd import NameError_
+from .assignment import MAX_PARTITIONS
+from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, parse_duration_ms
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
-from .topic import PartitionNotFound, StorageError
+from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.http")
 
@@ -281,19 +288,20 @@ def parse_mpub_text(body: bytes, max_msg_size: int) -> list[bytes]:
 
 async def _get_topic(nsqd, name: str, failed_code: str = "TOPIC_CREATE_FAILED"):
     try:
-        return await nsqd.get_topic(name)
+        topic = await nsqd.get_topic(name)
     except NameError_:
         raise HTTPError(400, "INVALID_TOPIC") from None
     except StorageError:  # logged by the node
         raise HTTPError(503, failed_code) from None
+    if topic is None:  # --disable-auto-create
+        raise HTTPError(404, "E_TOPIC_NOT_EXIST")
+    return topic
 
 
 async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
                   ext: bytes = b"") -> None:
-    existing = nsqd.topics.get(name)
-    if partition is not None and (partition != 0 if existing is None
-                                  else existing.partition(partition) is None):
-        raise HTTPError(400, "BAD_PARTITION")  # checked before a new topic is made
+    if partition is not None and name not in nsqd.topics and partition != 0:
+        raise HTTPError(400, "BAD_PARTITION")  # a new topic has one: before it is made
     topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return
@@ -301,6 +309,8 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
         await topic.publish(bodies, partition, ext)
     except PartitionNotFound:
         raise HTTPError(400, "BAD_PARTITION") from None
+    except PartitionNotLed:
+        raise HTTPError(400, "E_FAILED_ON_NOT_LEADER") from None
     except QueueClosedError:
         raise HTTPError(503, "EXITING") from None
     except ValueError:
@@ -421,12 +431,23 @@ async def do_mpub(nsqd, request):
 
 
 async def do_topic_create(nsqd, request):
-    """Classic create; ours: `sync_every` (messages per sync; 1 = every batch, durable) and
-    `sync_timeout` (a duration) give the topic its own sync policy (`syncdisk` is taken
-    for `sync_every`, as nsqlookupd's partitioned /topic/create spells it)."""
+    """Classic create; ours: `partition_num` (the module docstring), `sync_every`
+    (messages per sync; 1 = every batch, durable) and `sync_timeout` (a duration) give the
+    topic its own sync policy (`syncdisk` is taken for `sync_every`, as nsqlookupd's
+    partitioned /topic/create spells it). Made even with --disable-auto-create."""
     q = query(request)
     sync = _sync_args(nsqd, q)
-    topic = await _get_topic(nsqd, topic_arg(q))
+    name = topic_arg(q)
+    raw = arg(q, "partition_num")
+    partition_num = (None if raw is None
+                     else _bounded(raw, int, 1, MAX_PARTITIONS, "INVALID_PARTITION_NUM"))
+    try:
+        topic = await nsqd.create_topic(name, partition_num)
+    except TopicConflict as e:
+        log.info("topic_create_conflict", topic=name, error=str(e))
+        raise HTTPError(409, "TOPIC_PARTITION_NUM_CONFLICT") from None
+    except StorageError:  # logged by the node
+        raise HTTPError(503, "TOPIC_CREATE_FAILED") from None
     if sync is not None:
         topic.set_sync(sync)
         await _persist_topic(nsqd, topic)

@@ -9,9 +9,11 @@ Families (labels: topic, partition, channel):
 - node: nsqd_info{version}, nsqd_up (1 when health is OK), nsqd_start_time_seconds,
   nsqd_clients (TCP connections), nsqd_producers, nsqd_topics, nsqd_data_free_bytes;
 - topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
-  nsqd_topic_message_bytes_total;
-- partition: nsqd_partition_up (1 while it serves, 0 when it failed to open or its log
-  failed; the others only for partitions that opened), nsqd_partition_depth,
+  nsqd_topic_message_bytes_total, nsqd_topic_partitions (its partition_num);
+- partition: nsqd_partition_leader (1 for each partition this node leads, 0 for the
+  topic's others), nsqd_partition_up (1 while it serves, 0 when it failed to open or its log
+  failed; only partitions led or failed here; the others only for partitions that opened),
+  nsqd_partition_depth,
   nsqd_partition_start_offset,
   nsqd_partition_committed_offset, nsqd_partition_committed_count,
   nsqd_partition_written_offset, group commit histograms
@@ -86,7 +88,8 @@ def render(stats: dict) -> str:
     """Prometheus text for a node_stats() dict (clients and memory may be left out of it)."""
     out = _Exposition()
     topics = stats["topics"]
-    held = [(t, p) for t in topics for p in t.get("partitions", [])]
+    held = [(t, p) for t in topics for p in t.get("partitions", [])
+            if p.get("leader", True) or p.get("error")]  # served here, or failed here
     partitions = [(t, p) for t, p in held if "committed_offset" in p]  # opened
     channels = [(t, c, cp) for t in topics for c in t["channels"] for cp in c.get("partitions", [])]
 
@@ -127,6 +130,11 @@ def render(stats: dict) -> str:
                "Body bytes published to the topic on this node since start.",
                [(tl(t), t["message_bytes"]) for t in topics])
 
+    out.family("nsqd_topic_partitions", "gauge", "Partitions of the topic (partition_num).",
+               [(tl(t), t["partition_num"]) for t in topics if "partition_num" in t])
+    out.family("nsqd_partition_leader", "gauge", "1 when this node leads the partition.",
+               [(pl(t, p), p.get("leader", True)) for t in topics
+                for p in t.get("partitions", [])])
     out.family("nsqd_partition_up", "gauge",
                "1 while the partition serves; 0 when it failed to open or its log failed.",
                [(pl(t, p), p.get("error") is None) for t, p in held])

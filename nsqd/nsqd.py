@@ -26,6 +26,7 @@ import structlog
 from diskqueue.atomic import make_dirs
 from diskqueue.queue import QueueOptions
 
+from .assignment import Assignment
 from .channel import Channel
 from .health import FailureLog, node_health
 from .metastore import MetaStore, channel_key, topic_key
@@ -45,6 +46,14 @@ logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
 
 class NameError_(ValueError):
     """A topic or channel name that NSQ refuses."""
+
+
+class TopicNotFound(LookupError):
+    """A topic this node does not have, with auto-create off (E_TOPIC_NOT_EXIST)."""
+
+
+class TopicConflict(ValueError):
+    """A topic created again with another partition count."""
 
 
 def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | None]]:
@@ -180,7 +189,9 @@ class NSQD:
             await asyncio.to_thread(shutil.rmtree, path, True)
             create = True
         topic.paused = state.get("paused", False)
-        await topic.open(state.get("partitions", [0]), state.get("floors", {}), create)
+        assignment = Assignment.from_state(state.get("assignment"))
+        topic.set_assignment(assignment)
+        await topic.open(sorted(assignment.leading), state.get("floors", {}), create)
         await self._add_channels(topic, list(topic.partitions))
         return topic
 
@@ -193,22 +204,42 @@ class NSQD:
                 p.add_channel(channel_name, cstate, **self.channel_settings())
 
     async def get_topic(self, name: str, create: bool = True) -> Topic | None:
+        """The topic; `create`: auto-create it (one partition, led here) when missing,
+        unless --disable-auto-create (then None, as for create=False)."""
         topic = self.topics.get(name)
-        if topic is not None or not create:
+        if topic is not None or not create or self.options.disable_auto_create:
             return topic
         if not valid_topic_name(name):
             raise NameError_(name)
         async with self._create_lock:
             topic = self.topics.get(name)
             if topic is None:
-                topic = await self._create_topic(name)
+                topic = await self._create_topic(name, Assignment.single())
         return topic
 
-    async def _create_topic(self, name: str) -> Topic:
-        """Make a topic: on disk and in the metadata (flushed) before anyone may publish
-        to it (it joins `self.topics` last), or not at all (StorageError, nothing left)."""
-        topic = await self._open_topic(name, {"partitions": [0]}, create=True)
-        error = topic.failed.get(0)
+    async def create_topic(self, name: str, partition_num: int | None = None) -> Topic:
+        """POST /topic/create: the topic with `partition_num` partitions, all led here
+        (None: an existing topic as it is, a new one with one). Raises TopicConflict when
+        it exists with another count, AssignmentError for a count out of range."""
+        if not valid_topic_name(name):
+            raise NameError_(name)
+        assignment = Assignment.all_led(partition_num or 1)
+        async with self._create_lock:
+            topic = self.topics.get(name)
+            if topic is None:
+                return await self._create_topic(name, assignment)
+        have = topic.assignment.partition_num
+        if partition_num is not None and have != partition_num:
+            raise TopicConflict(f"topic {name} exists with partition_num {have}, "
+                                f"not {partition_num}")
+        return topic
+
+    async def _create_topic(self, name: str, assignment: Assignment) -> Topic:
+        """Make a topic with its led partitions: on disk and in the metadata (flushed)
+        before anyone may publish to it (it joins `self.topics` last), or not at all
+        (StorageError, nothing left)."""
+        topic = await self._open_topic(name, {"assignment": assignment.state()}, create=True)
+        error = next(iter(topic.failed.values()), None)
         if error is None:
             try:
                 self._store_topic(topic)
@@ -303,6 +334,131 @@ class NSQD:
                 log.info("partition_reopened", topic=topic.name, partition=number)
             return error
 
+    async def apply_assignment(self, name: str, partition_num: int, leading,
+                               ordered: bool = False, ext: dict | None = None) -> Topic:
+        """Serve `leading` of the topic's `partition_num` partitions, without a restart (the
+        cluster driver's call; tests call it in-process). A missing topic is made.
+
+        Partitions taken away leave `writable` first (no publish reaches them; appends in
+        flight are written before the log closes), then their consumers lose them: a
+        subscriber of that one partition gets E_FAILED_ON_NOT_LEADER and is closed, an
+        all-partitions subscriber keeps the others; their in-flight messages are not
+        confirmed, so they come back from the checkpoint wherever the partition serves next.
+        Then the channels and log close and the cursors are stored; data stays on disk.
+        Partitions newly led open (their folders made durably), with their stored channels
+        and every channel the topic has on its other partitions; they join `writable`, and
+        every all-partitions subscription of the topic, only once the assignment is stored.
+        Runs under the create lock (no topic or channel create or delete meanwhile).
+        Raises AssignmentError (bad numbers), NameError_, or StorageError when the
+        metadata could not be stored (it stays pending: the next checkpoint retries)."""
+        assignment = Assignment(partition_num, frozenset(leading), ordered, dict(ext or {}))
+        if not valid_topic_name(name):
+            raise NameError_(name)
+        async with self._create_lock:
+            topic = self.topics.get(name)
+            if topic is None:
+                topic = await self._create_topic(name, assignment)
+                log.info("assignment_applied", topic=name, partition_num=partition_num,
+                         leading=sorted(assignment.leading), opened=sorted(topic.partitions))
+                return topic
+            held = {*topic.partitions, *topic.failed}
+            gone = sorted(n for n in held if n not in assignment.leading)
+            new = sorted(n for n in assignment.leading if n not in topic.partitions)
+            topic.set_assignment(assignment.with_(leading=assignment.leading - set(new)))
+            for n in gone:
+                self._drop_consumers(topic, n)
+            for n in gone:
+                p = await topic.release_partition(n)
+                if p is not None:
+                    for channel in p.channels.values():
+                        self._store_channel(channel)
+            names = {c.name for c in topic.channels()} | {
+                conn.client.channel_name for conn in self.connections
+                if conn.client.all_partitions and conn.client.topic_name == name}
+            for n in new:
+                if n in topic.failed:  # held, but it did not open: try again
+                    del topic.failed[n]
+                error = await topic.open_partition(n, None, create=not topic.known_floor(n))
+                if error is None:
+                    await self._add_channels(topic, [n])
+                    p = topic.partitions[n]
+                    for channel_name in sorted(names - set(p.channels)):
+                        self._store_channel(p.add_channel(channel_name, None,
+                                                          **self.channel_settings()))
+            topic.set_assignment(topic.assignment)  # still without `new`: stored first
+            self._store_topic_as(topic, assignment)
+            try:
+                await self.meta.flush()
+            finally:  # in memory as asked, even when the disk refused (it is retried)
+                topic.set_assignment(assignment)
+                self._join_subscriptions(topic, new)
+            log.info("assignment_applied", topic=name, partition_num=partition_num,
+                     leading=sorted(assignment.leading), opened=new, closed=gone)
+            return topic
+
+    def _store_topic_as(self, topic: Topic, assignment: Assignment) -> None:
+        if not topic.ephemeral:
+            self.meta.put(topic_key(topic.name), {**topic.state(),
+                                                  "assignment": assignment.state()})
+
+    def _drop_consumers(self, topic: Topic, number: int) -> None:
+        """A partition is taken away: every consumer of it loses it now (see
+        apply_assignment); its in-flight messages of it go back to the channel."""
+        p = topic.partitions.get(number)
+        if p is None:
+            return
+        for conn in list(self.connections):
+            client = conn.client
+            channel = client.channels.get(number)
+            if channel is None or channel.topic is not topic:
+                continue
+            client.unsubscribe(channel)
+            if not client.all_partitions:
+                conn.lose_partition()
+
+    def _join_subscriptions(self, topic: Topic, numbers: list[int]) -> None:
+        """Partitions newly led: every all-partitions subscriber of the topic consumes them
+        too (their channels were made by apply_assignment)."""
+        for conn in list(self.connections):
+            client = conn.client
+            if not client.all_partitions or client.topic_name != topic.name:
+                continue
+            for n in numbers:
+                p = topic.writable.get(n)
+                channel = p.channels.get(client.channel_name) if p is not None else None
+                if channel is not None and n not in client.channels:
+                    client.subscribe(channel)
+
+    async def subscription(self, topic_name: str, channel_name: str,
+                           partition: int | None) -> dict[int, Channel]:
+        """The channels a SUB consumes (made when missing): of `partition`, or of every
+        partition of the topic this node leads (None). The caller attaches the client
+        before its next await: what is returned is current at return. Raises
+        TopicNotFound, StorageError when no led partition serves but one failed, NameError_, what Topic.check_partition raises, StorageError."""
+        while True:
+            topic = await self.get_topic(topic_name)
+            if topic is None:
+                raise TopicNotFound(topic_name)
+            if partition is not None:
+                topic.check_partition(partition)
+            elif not topic.writable:  # a led partition that does not serve says why
+                for n in sorted(topic.assignment.leading):
+                    topic.check_partition(n)
+            numbers = sorted(topic.writable) if partition is None else [partition]
+            channels = {}
+            for n in numbers:
+                channel = await self.get_channel(topic_name, channel_name, n)
+                if channel is not None:
+                    channels[n] = channel
+            if self.topics.get(topic_name) is not topic:
+                continue  # deleted meanwhile
+            if partition is not None:
+                topic.check_partition(partition)  # taken away meanwhile?
+            current = {n: p.channels.get(channel_name) for n, p in topic.writable.items()
+                       if partition is None or n == partition}
+            if current == channels:
+                return channels
+
     def _save_cursors(self, p) -> None:
         for channel in p.channels.values():
             self._store_channel(channel)
@@ -377,7 +533,7 @@ class NSQD:
 
     def _disconnect_clients(self, channel: Channel) -> None:
         for conn in list(self.connections):
-            if conn.client.channel is channel:
+            if conn.client.channels.get(channel.partition) is channel:
                 conn.close()
 
     def _store_topic(self, topic: Topic) -> None:

@@ -76,6 +76,7 @@ class Options:
     delay_after_attempts: int = 10  # a message delivered this often waits on disk between tries
     max_rdy_count: int = 2500
     max_channel_window: int = 100_000  # taken-but-unconfirmed messages per channel
+    disable_auto_create: bool = False  # PUB/SUB/pub of a missing topic: E_TOPIC_NOT_EXIST
     # clients
     max_heartbeat_interval_ms: int = 60_000
     max_output_buffer_size: int = 64 * 1024
@@ -123,7 +124,7 @@ _DURATIONS = {
     "checkpoint_interval": "checkpoint_interval_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
-_BOOLS = {"snappy", "deflate", "http_legacy_envelope"}
+_BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
@@ -160,6 +161,8 @@ _HELP = {
     "delay_after_attempts": "a message delivered this many times waits on disk between tries",
     "max_rdy_count": "largest RDY a client may send",
     "max_channel_window": "messages a channel may hold taken and not confirmed past",
+    "disable_auto_create": "never make a topic on PUB, SUB or /pub (E_TOPIC_NOT_EXIST); "
+                           "POST /topic/create still makes one",
     "tls_required": "require TLS for TCP clients: false, true or tcp-https",
     "tls_min_version": "oldest TLS version accepted: " + ", ".join(TLS_VERSIONS),
     "tls_client_auth_policy": "require (a client certificate) or require-verify (one "

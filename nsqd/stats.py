@@ -9,7 +9,12 @@ Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
 - top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
   path's file system; under 1 MiB the node's health says the disk is full);
-- topic: `partitions` [{partition, depth, start_offset, start_count, committed_offset,
+- topic: `partition_num` and `ordered` (its Assignment, nsqd/assignment.py);
+  `partitions`, one entry per partition number 0..partition_num-1 and any other held
+  here, each with `leader` (this node leads it) and `channels` (the names it has here):
+  a partition not led here has only `partition`, `leader` (false), `depth` (0),
+  `channels` ([]) and `error` (null); a led one [{partition, leader, channels, depth,
+  start_offset, start_count, committed_offset,
   committed_count, written_offset, written_count, group_commit{batches, syncs,
   batch_messages_total, sync_seconds_total, batch_messages_histogram,
   sync_seconds_histogram}, error}]: `error` is null while the partition serves, else why
@@ -114,9 +119,12 @@ def topic_stats(topic, channel_filter: str, include_clients: bool, conns: dict) 
         if channel_filter not in by_name:
             return None
         by_name = {channel_filter: by_name[channel_filter]}
+    a = topic.assignment
+    numbers = sorted({*range(a.partition_num), *topic.partitions, *topic.failed})
     partitions = [partition_stats(topic.partitions[n]) if n in topic.partitions
-                  else {"partition": n, "depth": 0, "error": topic.failed[n]}
-                  for n in sorted({*topic.partitions, *topic.failed})]
+                  else {"partition": n, "leader": n in a.leading, "depth": 0, "channels": [],
+                        "error": topic.failed.get(n)}
+                  for n in numbers]
     depth = sum(p["depth"] for p in partitions)
     return {
         "topic_name": topic.name,
@@ -128,6 +136,8 @@ def topic_stats(topic, channel_filter: str, include_clients: bool, conns: dict) 
         "message_bytes": topic.message_bytes,
         "paused": topic.paused,
         "e2e_processing_latency": dict(E2E_NONE),
+        "partition_num": a.partition_num,
+        "ordered": a.ordered,
         "partitions": partitions,
     }
 
@@ -143,6 +153,8 @@ def partition_stats(partition) -> dict:
     h = getattr(q, "histograms", None) or {}
     return {
         "partition": partition.number,
+        "leader": partition.number in partition.topic.assignment.leading,
+        "channels": sorted(partition.channels),
         "depth": partition_depth(partition),
         "start_offset": q.start_offset,
         "start_count": q.start_count,
@@ -178,9 +190,12 @@ def channel_stats(name: str, channels: list, include_clients: bool, conns: dict)
     parts = [channel_partition_stats(c) for c in sorted(channels, key=lambda c: c.partition)]
     clients = []
     if include_clients:
+        seen = set()  # a client of several partitions is one client of the channel
         for c in channels:
             for client in c.clients:
-                clients.append(client_stats(client, conns.get(client), ""))
+                if client not in seen:
+                    seen.add(client)
+                    clients.append(client_stats(client, conns.get(client), ""))
 
     def total(key):
         return sum(p[key] for p in parts)
@@ -194,7 +209,7 @@ def channel_stats(name: str, channels: list, include_clients: bool, conns: dict)
         "message_count": total("message_count"),
         "requeue_count": total("requeue_count"),
         "timeout_count": total("timeout_count"),
-        "client_count": total("client_count"),
+        "client_count": len({cl for c in channels for cl in c.clients}),
         "clients": clients,
         "paused": any(p["paused"] for p in parts),
         "e2e_processing_latency": dict(E2E_NONE),

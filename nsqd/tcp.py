@@ -28,10 +28,12 @@ from collections import deque
 import structlog
 
 from nsqwire import errors, ext, protocol as p
+from nsqwire.ids import decode_msg_id, msg_id_partition
 from .channel import defer_ext
 from .client import Client
 from .identify import IdentifyLimits, initial_settings, negotiate
-from .topic import PartitionNotFound, StorageError
+from .nsqd import TopicNotFound
+from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -115,9 +117,8 @@ class ClientConnection(asyncio.Protocol):
             if handle is not None:
                 handle.cancel()
         self._turn = None
-        channel = self.client.channel
-        if channel is not None:
-            channel.remove_client(self.client)
+        for channel in list(self.client.channels.values()):
+            self.client.unsubscribe(channel)
             self.nsqd.client_left(channel)
         self._held = None
 
@@ -138,8 +139,7 @@ class ClientConnection(asyncio.Protocol):
         self._update_reading()
         if self._deflated:
             self._again()
-        if self.client.channel is not None:
-            self.client.channel.wake()
+        self.client.wake_channels()
         if self._write_watch is not None:
             self._write_watch.cancel()
             self._write_watch = None
@@ -316,7 +316,7 @@ class ClientConnection(asyncio.Protocol):
         if self._finished:
             done, self._finished = self._finished, []
             self.client.finish_count += len(done)
-            self.client.channel.finish_many(done)
+            self.client.finish(done)
         backlog = self._backlog = self.busy or self._held is not None or self._turn is not None
         if (backlog or self._write_blocked) == self._reading:  # reading is not as it should be
             self._update_reading()
@@ -378,6 +378,8 @@ class ClientConnection(asyncio.Protocol):
                           callback=functools.partial(self._published, slot))
         except PartitionNotFound:
             raise errors.bad_partition(command, str(cmd.partition)) from None
+        except PartitionNotLed:
+            raise errors.not_leader(command) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
         self._publishing.append(slot)
@@ -393,10 +395,12 @@ class ClientConnection(asyncio.Protocol):
                 fresh_auth = True
             elif cmd.topic not in self.nsqd.topics:
                 try:
-                    await self.nsqd.get_topic(cmd.topic)
+                    topic = await self.nsqd.get_topic(cmd.topic)
                 except Exception as e:  # the topic could not be made (disk full, ...)
                     log.error("topic_create_failed", topic=cmd.topic, error=str(e))
                     raise errors.publish_failed(_PUBLISH[type(cmd)], str(e)) from None
+                if topic is None:  # --disable-auto-create
+                    raise errors.topic_not_exist(cmd.topic, _PUBLISH[type(cmd)])
             if self._publish(cmd, fresh_auth):
                 return
 
@@ -481,15 +485,29 @@ class ClientConnection(asyncio.Protocol):
         self.client.ready_count = cmd.count
         if cmd.count <= len(self.client.in_flight):
             self.client.flush()  # it takes no more for now: what waits for it goes out
-        self.client.channel.wake()
+        self.client.wake_channels()
 
     def _in_flight(self, name: str, raw_id: bytes, failed):
         if self.state not in (self.SUBSCRIBED, self.CLOSING):
             raise errors.invalid_state(name)
         msg = self.client.in_flight.get(raw_id)  # keyed by the id bytes we sent
         if msg is None:
-            raise failed(raw_id)
+            raise self._not_in_flight(name, raw_id, failed)
         return msg
+
+    def _not_in_flight(self, name: str, raw_id: bytes, failed) -> errors.ProtocolError:
+        """The error for an id not in flight here: E_FAILED_ON_NOT_LEADER (fatal, as in
+        Youzan's nsqd) when its partition is one of the topic's that this node no longer
+        leads (its messages left this client when it was taken away); else `failed`."""
+        topic = self.nsqd.topics.get(self.client.topic_name)
+        try:
+            number = msg_id_partition(decode_msg_id(raw_id))
+        except ValueError:
+            return failed(raw_id)
+        if (topic is not None and topic.assignment.in_range(number)
+                and number not in topic.assignment.leading):
+            return errors.not_leader(name)
+        return failed(raw_id)
 
     def _fin(self, cmd: p.Fin) -> None:
         self._finish((cmd.msg_id,))
@@ -505,7 +523,7 @@ class ClientConnection(asyncio.Protocol):
         for raw_id in ids:
             msg = in_flight.pop(raw_id, None)
             if msg is None:
-                self._fail(errors.fin_failed(raw_id))
+                self._fail(self._not_in_flight("FIN", raw_id, errors.fin_failed))
             else:
                 finished.append(msg)
 
@@ -514,7 +532,7 @@ class ClientConnection(asyncio.Protocol):
         del self.client.in_flight[msg.wire_id]
         self.client.requeue_count += 1
         delay = min(max(cmd.timeout_ms, 0), self.nsqd.options.max_req_timeout_ms)
-        self.client.channel.requeue(msg, delay)
+        self.client.channel_of(msg).requeue(msg, delay)
 
     def _touch(self, cmd: p.Touch) -> None:
         msg = self._in_flight("TOUCH", cmd.msg_id, errors.touch_failed)
@@ -623,16 +641,28 @@ class ClientConnection(asyncio.Protocol):
             await self._ask_auth_server(self.client.auth_secret)
             self._authorized("SUB", cmd.topic, cmd.channel, fresh=True)
         try:
-            channel = await self.nsqd.get_channel(cmd.topic, cmd.channel, cmd.partition)
+            channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
+        except TopicNotFound:
+            raise errors.topic_not_exist(cmd.topic, "SUB") from None
+        except PartitionNotFound:
+            raise errors.bad_partition("SUB", str(cmd.partition)) from None
+        except PartitionNotLed:
+            raise errors.not_leader("SUB") from None
         except StorageError as e:  # a full disk, or a partition that does not serve
             raise errors.sub_failed(str(e)) from None
-        if channel is None:
-            raise errors.bad_partition("SUB", str(cmd.partition))
-        self.client.channel = channel
-        self.client.topic_name = cmd.topic
-        channel.add_client(self.client)
+        # No await from here on: `channels` is what the node serves now (NSQD.subscription).
+        client = self.client
+        client.topic_name, client.channel_name = cmd.topic, cmd.channel
+        client.all_partitions = cmd.partition is None
+        for channel in channels.values():
+            client.subscribe(channel)
         self.state = self.SUBSCRIBED
-        self.client.write(p.OK)
+        client.write(p.OK)
+
+    def lose_partition(self) -> None:
+        """The one partition this client consumed is no longer led here (NSQD's
+        apply_assignment took it out of the client): E_FAILED_ON_NOT_LEADER, then close."""
+        self._fail(errors.not_leader("SUB"))
 
     async def _not_yet(self, cmd) -> None:
         name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED",

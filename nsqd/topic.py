@@ -2,8 +2,11 @@
 
 A Partition owns one DiskQueue (the partition's log) and the channels that
 read it. Publishing appends to the log through group commit and returns only
-when the storage engine acknowledged it. A topic is one partition for now,
-but partition numbers are in every name, path and stat.
+when the storage engine acknowledged it. The topic's Assignment (assignment.py) says
+how many partitions it has and which this node leads: only those are open, and only
+open, led partitions are `writable` (a publish without a partition goes round-robin
+over them; one to another partition is refused: PartitionNotFound out of range,
+PartitionNotLed in range but not led here, StorageError when it does not serve).
 
 Invariants:
 - the first channel of a partition starts at `floor`: what was published
@@ -31,6 +34,7 @@ import structlog
 from diskqueue.atomic import fsync_dir
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
+from .assignment import Assignment
 from .channel import Channel, SavedWindow
 
 log = structlog.get_logger("nsqd.topic")
@@ -82,7 +86,12 @@ def remove_grave(grave: str) -> None:
 
 
 class PartitionNotFound(LookupError):
-    """A partition number this node does not hold for the topic."""
+    """A partition number outside the topic's 0..partition_num-1 (E_BAD_PARTITION)."""
+
+
+class PartitionNotLed(LookupError):
+    """A partition of the topic that this node does not lead (E_FAILED_ON_NOT_LEADER);
+    None: a publish without a partition, while this node leads none of the topic's."""
 
 
 class StorageError(Exception):
@@ -189,7 +198,13 @@ class Topic:
         self.sync: tuple[int, int] | None = None  # its own (sync_every, sync_timeout_ms)
         self.partitions: dict[int, Partition] = {}
         self.failed: dict[int, str] = {}  # partitions held here that did not open: why
-        self._failed_floors: dict[int, tuple[int, int]] = {}  # their stored floors
+        # Stored floors of partitions not open: failed ones, and ones no longer led here
+        # (their data stays on disk, and serves again from there when led again).
+        self._floors: dict[int, tuple[int, int]] = {}
+        self.assignment = Assignment.single()
+        self.writable: dict[int, Partition] = {}  # open and led: what takes publishes
+        self._spread: tuple[Partition, ...] = ()  # writable, in order: round-robin
+        self._next = 0
         self.message_count = 0  # messages published through this node since start
         self.message_bytes = 0
 
@@ -215,15 +230,21 @@ class Topic:
             reason = f"open failed: {type(e).__name__}: {e}"
             self.failed[number] = reason
             if floor is not None:
-                self._failed_floors[number] = floor
+                self._floors[number] = floor
             log.error("partition_open_failed", topic=self.name, partition=number,
                       error=reason)
             return reason
         self.failed.pop(number, None)
-        floor = floor or self._failed_floors.pop(number, None) or (queue.start_offset,
-                                                                   queue.start_count)
+        floor = floor or self._floors.pop(number, None) or (queue.start_offset,
+                                                            queue.start_count)
+        self._floors.pop(number, None)
         self.partitions[number] = Partition(self, number, queue, tuple(floor))
+        self._refresh()
         return None
+
+    def known_floor(self, number: int) -> bool:
+        """Whether this node ever opened the partition (its floor is stored)."""
+        return number in self._floors or number in self.partitions
 
     async def close_partition(self, number: int, reason: str) -> None:
         """Take a partition out of service (it refuses publishes as `failed` with `reason`),
@@ -233,8 +254,45 @@ class Topic:
         if p is None:
             return
         self.failed[number] = reason
-        self._failed_floors[number] = p._floor
+        self._floors[number] = p._floor
+        self._refresh()
         await p.close()
+
+    async def release_partition(self, number: int) -> Partition | None:
+        """Stop serving a partition no longer led here: out of `partitions` at once (no
+        publish reaches it), then its channels and log closed, pending appends written
+        first. Its data and floor are kept. Returns it (its channels' final cursors are
+        for the caller to store), or None when it was not open."""
+        self.failed.pop(number, None)
+        p = self.partitions.pop(number, None)
+        if p is None:
+            return None
+        self._floors[number] = p._floor
+        self._refresh()
+        await p.close()
+        return p
+
+    def set_assignment(self, assignment: Assignment) -> None:
+        """From now on, publishes go to the open partitions `assignment` leads."""
+        self.assignment = assignment
+        self._refresh()
+
+    def _refresh(self) -> None:
+        leading = self.assignment.leading
+        self.writable = {n: self.partitions[n] for n in sorted(self.partitions) if n in leading}
+        self._spread = tuple(self.writable.values())
+
+    def check_partition(self, number: int) -> None:
+        """Raise why `number` takes no publish or SUB here (see the module docstring);
+        return when it is writable."""
+        if number in self.writable:
+            return
+        if not self.assignment.in_range(number):
+            raise PartitionNotFound(number)
+        if number not in self.assignment.leading:
+            raise PartitionNotLed(number)
+        reason = self.failed.get(number, "it is being opened")
+        raise StorageError(f"topic {self.name} partition {number} does not serve: {reason}")
 
     def errors(self) -> dict[int, str]:
         """Partitions that do not serve, and why: failed to open, or their log failed."""
@@ -245,10 +303,10 @@ class Topic:
         return out
 
     def state(self) -> dict:
-        floors = {str(n): list(f) for n, f in self._failed_floors.items() if n in self.failed}
+        floors = {str(n): list(f) for n, f in self._floors.items()}
         floors.update({str(n): list(p._floor) for n, p in self.partitions.items()})
         state = {"partitions": sorted({*self.partitions, *self.failed}), "paused": self.paused,
-                 "floors": floors}
+                 "floors": floors, "assignment": self.assignment.state()}
         if self.sync is not None:
             state["sync"] = list(self.sync)
         return state
@@ -273,22 +331,33 @@ class Topic:
     def publish(self, bodies: list[bytes], partition: int | None = None, ext: bytes = b"", *,
                 trace_id: int = 0, trace_ids=None, exts=None, callback=None):
         """One write request (every TCP publish, HTTP /pub and /mpub) to a partition's log,
-        written whole or not at all (DiskQueue.append's arguments). Raises PartitionNotFound,
-        or what DiskQueue.append raises, at once. Without `callback`, returns an awaitable
+        written whole or not at all (DiskQueue.append's arguments). `partition` None: the
+        next writable partition, round-robin (one request stays whole in one partition).
+        Raises what `check_partition` raises, or what DiskQueue.append raises, at once.
+        Without `callback`, returns an awaitable
         that ends (and counts the messages) once the log acknowledged the request; with one,
         the log calls `callback(appended, error)` and the caller counts them
         (`count_published`) when it answers: TCP's path, with no task per publish."""
-        part = self.partition(partition)
-        if part is None:
-            number = 0 if partition is None else partition
-            if number in self.failed:
-                raise StorageError(f"topic {self.name} partition {number} does not serve: "
-                                   f"{self.failed[number]}")
-            raise PartitionNotFound(partition)
+        if partition is None:
+            spread = self._spread
+            if not spread:
+                self._refuse_any()
+            part = spread[self._next % len(spread)]
+            self._next += 1
+        else:
+            part = self.writable.get(partition)
+            if part is None:
+                self.check_partition(partition)
         appended = part.queue.append(bodies, trace_id, ext, callback=callback,
                                      trace_ids=trace_ids, exts=exts)
         if callback is None:
             return self._counted(appended, bodies)
+
+    def _refuse_any(self) -> None:
+        """Why a publish without a partition finds no writable partition."""
+        for number in sorted(self.assignment.leading):
+            self.check_partition(number)  # a led partition that does not serve says why
+        raise PartitionNotLed(None)
 
     async def _counted(self, appended, bodies: list[bytes]) -> None:
         await appended

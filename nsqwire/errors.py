@@ -243,8 +243,9 @@ def identify_failed(reason: str) -> ProtocolError:
 _PUBLISHING = frozenset({"PUB", "MPUB", "DPUB", "PUB_EXT", "MPUB_EXT", "PUB_TRACE"})
 
 
-def topic_not_exist(topic: str) -> ProtocolError:
-    return ProtocolError("E_TOPIC_NOT_EXIST", f"topic {_go_quote(topic)} does not exist")
+def topic_not_exist(topic: str, command: str = "SUB") -> ProtocolError:
+    return ProtocolError("E_TOPIC_NOT_EXIST", f"topic {_go_quote(topic)} does not exist",
+                         fatal=command not in _PUBLISHING)
 
 
 def not_leader(command: str) -> ProtocolError:

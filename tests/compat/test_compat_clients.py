@@ -83,6 +83,22 @@ async def test_pub_consume(client, shared_nsqd):
 
 
 @pytest.mark.parametrize("client", ALL)
+async def test_pub_consume_four_partitions(client, shared_nsqd):
+    """A topic of 4 partitions, all led by this node: the classic client's PUBs spread
+    over them, its one SUB gets every message once (nsqd/assignment.py)."""
+    import urllib.request
+
+    p = params(shared_nsqd, "pubsub", mode="pub", bodies=BODIES)
+    req = urllib.request.Request(f"http://{shared_nsqd.http_address}/topic/create?"
+                                 f"topic={p['topic']}&partition_num=4", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+    r = await run(client, p)
+    assert r["acks"] == ["OK"] * len(BODIES)
+    assert_exactly_once(r["received"], BODIES)
+
+
+@pytest.mark.parametrize("client", ALL)
 async def test_mpub(client, shared_nsqd):
     r = await run(client, params(shared_nsqd, "pubsub", mode="mpub", bodies=BODIES))
     assert r["acks"] == ["OK"]
