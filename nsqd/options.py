@@ -10,9 +10,9 @@ dash); a flag with an optional value (`--snappy`, `--tls-required`) takes it onl
 after `=` or, ours, as the next argument when that is not a flag. Prefixes of flag
 names are refused, as Go does. `--help` shows each default as Go prints it.
 
-A flag the node cannot honour yet is refused, never accepted and ignored:
-`--lookupd-tcp-address` (config key `nsqlookupd_tcp_addresses`) until nsqd
-registers with nsqlookupd.
+A flag the node cannot honour is refused, never accepted and ignored (_REFUSED).
+`--lookupd-tcp-address` (repeatable; config key `nsqlookupd_tcp_addresses`) registers
+the node with each nsqlookupd (lookup.py).
 """
 
 from __future__ import annotations
@@ -127,9 +127,8 @@ _BOOLS = {"snappy", "deflate", "http_legacy_envelope"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
-# Options the node cannot honour yet: refused with this reason when given a value.
-_REFUSED = {"lookupd_tcp_address": "not supported yet (this nsqd does not register with "
-                                   "nsqlookupd); remove it"}
+# Options the node cannot honour: refused with this reason when given a value.
+_REFUSED: dict[str, str] = {}
 TLS_VERSIONS = ("ssl3.0", "tls1.0", "tls1.1", "tls1.2", "tls1.3")
 
 _HELP = {
@@ -138,8 +137,7 @@ _HELP = {
     "broadcast_address": "address this node is known by (default: the host name)",
     "broadcast_tcp_port": "TCP port this node is known by (0: the port it listens on)",
     "broadcast_http_port": "HTTP port this node is known by (0: the port it listens on)",
-    "lookupd_tcp_address": "nsqlookupd TCP address: refused until nsqd registers with "
-                           "nsqlookupd",
+    "lookupd_tcp_address": "lookupd TCP address (may be given multiple times)",
     "data_path": "folder for topics, channels and their delay queues",
     "segment_bytes": "size of one data segment file (bytes)",
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
