@@ -1,4 +1,4 @@
-"""Real server processes for tests: start an nsqd on free loopback ports, wait until it
+"""Real server processes for tests: start an nsqd (or an nsqlookupd) on free loopback ports, wait until it
 answers, stop it (SIGTERM, or SIGKILL to simulate a crash)."""
 
 from __future__ import annotations
