@@ -4,9 +4,9 @@ One LookupPeer per lookupd keeps a connection over protocol V1 (nsqwire/lookupd.
 connect, `"  V1"`, IDENTIFY (broadcast address, TCP and HTTP ports, version, host name),
 REGISTER every topic and channel the node has, then send each REGISTER/UNREGISTER as
 topics and channels come and go, and a PING every 15 s. A lost connection (the lookupd
-closed it, answered an error, or did not answer within 5 s) is dialled again after a
-backoff (1 s doubling to 15 s), and everything is registered again: the lookupd dropped
-this node's registrations when the connection closed.
+closed it, answered an error or anything unasked, or did not answer within 5 s) is
+dialled again after a backoff (1 s doubling to 15 s), and everything is registered
+again: the lookupd dropped this node's registrations when the connection closed.
 
 A lookupd never slows publishing: the node only appends commands to an in-memory queue
 (no await). While a peer is not connected its queue is not kept (the registration on
@@ -136,11 +136,23 @@ class LookupPeer:
                 v1.check_response(await self._answer(reader, responses))
                 next_ping = time.monotonic() + PING_INTERVAL
                 continue
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), next_ping - time.monotonic())
-            except asyncio.TimeoutError:
-                pass
+            await self._idle(reader, next_ping - time.monotonic())
+
+    async def _idle(self, reader: asyncio.StreamReader, timeout: float) -> None:
+        """Wait for a queued command or the timeout, watching the connection: a lookupd
+        that closes it (or sends what was not asked for) ends the session at once."""
+        self._wake.clear()
+        wake = asyncio.ensure_future(self._wake.wait())
+        unasked = asyncio.ensure_future(reader.read(1))
+        try:
+            await asyncio.wait({wake, unasked}, timeout=max(0.0, timeout),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+            unasked.cancel()
+        if unasked.done() and not unasked.cancelled():
+            unasked.result()  # a connection error raises here
+            raise ConnectionError("closed by the lookupd")
 
     async def _answer(self, reader: asyncio.StreamReader, responses: v1.ResponseReader) -> bytes:
         """The next answer, within TIMEOUT; ConnectionError when the lookupd closed."""
