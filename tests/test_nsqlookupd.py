@@ -5,7 +5,6 @@ producers with short lifetimes, bad input on both ports, and the CLI."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import struct
