@@ -32,6 +32,8 @@ import time
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from nsqwire.httpapi import go_json, parse_query, utf8
 from nsqwire.protocol import valid_channel_name, valid_topic_name
@@ -190,9 +192,27 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
     return respond(200, data)
 
 
+class _Connection(RequestHandler):
+    """aiohttp's connection, whose own reports (above all a parser's refusal of a malformed
+    request, answered 400) are one log line, never a traceback: a client must not be able
+    to fill the log cheaply."""
+
+    def log_exception(self, message: str, *args, exc_info=None, **kw) -> None:
+        if isinstance(exc_info, BaseException):
+            error = f"{type(exc_info).__name__}: {' '.join(str(exc_info).split())}"[:200]
+        else:
+            error = message % args
+        log.warning("http_bad_request" if isinstance(exc_info, HttpProcessingError)
+                    else "http_server_error", error=error)
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
 async def start_http(lookupd):
-    runner = web.ServerRunner(web.Server(functools.partial(dispatch, lookupd),
-                                         access_log=None))
+    runner = web.ServerRunner(_Server(functools.partial(dispatch, lookupd), access_log=None))
     await runner.setup()
     host, port = lookupd.options.http_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True)
