@@ -240,7 +240,9 @@ def test_garbage_never_kills_the_server(lookupd):
         s.close()
     with socket.create_connection(("127.0.0.1", lookupd.http_port), timeout=5) as s:
         s.sendall(b"GARBAGE \x00\xff\r\n\r\n")
-        assert s.recv(100).startswith(b"HTTP/1.1 400")
+        # aiohttp answers a request line it cannot parse as HTTP/1.0; the status counts
+        assert s.recv(100).split(b"\r\n")[0] in (b"HTTP/1.0 400 Bad Request",
+                                                   b"HTTP/1.1 400 Bad Request")
     assert get(lookupd, "/ping") == (200, b"OK")
 
 

@@ -20,19 +20,21 @@ from gevent import monkey
 monkey.patch_all()
 import json, sys, gevent, gnsq
 p = json.load(sys.stdin)
-got = []
+got, connected = [], []
 c = gnsq.Consumer(p["topic"], p["channel"], lookupd_http_addresses=[p["lookupd"]],
                   lookupd_poll_interval=1, max_in_flight=10)
 @c.on_message.connect
 def handler(consumer, message):
-    got.append([message.body.decode(), "%s:%d" % (message.conn.address, message.conn.port)])
+    got.append(message.body.decode())
     if len(got) >= p["count"]:
+        # a gnsq Message does not name its connection: the consumer's connections do
+        connected.extend("%s:%d" % (conn.address, conn.port) for conn in consumer._connections)
         consumer.close()
 gevent.spawn(c.start)
 with gevent.Timeout(p["wait"], False):
     while len(got) < p["count"]:
         gevent.sleep(0.05)
-print(json.dumps({"result": {"received": got}}), flush=True)
+print(json.dumps({"result": {"received": got, "connected": connected}}), flush=True)
 """
 
 NSQJS_CONSUMER = r"""
@@ -42,15 +44,18 @@ process.stdin.on('data', (d) => { input += d })
 process.stdin.on('end', () => {
   const p = JSON.parse(input)
   const got = []
+  const connected = []
   const r = new nsq.Reader(p.topic, p.channel, {lookupdHTTPAddresses: [p.lookupd],
                                                 lookupdPollInterval: 1, maxInFlight: 10})
   const done = () => {
-    process.stdout.write(JSON.stringify({result: {received: got}}) + '\n')
+    process.stdout.write(JSON.stringify({result: {received: got, connected}}) + '\n')
     r.close()
     setTimeout(() => process.exit(0), 100)
   }
+  // an nsqjs Message does not name its nsqd: the reader's connect events do
+  r.on('nsqd_connected', (host, port) => connected.push(`${host}:${port}`))
   r.on('message', (m) => {
-    got.push([m.body.toString(), `${m.nsqdAddress}:${m.nsqdPort}`])
+    got.push(m.body.toString())
     m.finish()
     if (got.length >= p.count) done()
   })
@@ -100,9 +105,11 @@ async def registered(lookupd, topic: str, count: int) -> None:
     raise AssertionError(f"{topic} not registered by {count} nodes")
 
 
-def check(received, bodies, nodes):
-    assert {b for b, _ in received} == bodies
-    assert {a for _, a in received} == {f"127.0.0.1:{n.tcp_port}" for n in nodes}
+def check(result, bodies, nodes):
+    """Every body once (each node published its own), and connections to exactly the
+    addresses the lookupd gave (broadcast address and TCP port of both nodes)."""
+    assert sorted(result["received"]) == sorted(bodies)
+    assert set(result["connected"]) == {f"127.0.0.1:{n.tcp_port}" for n in nodes}
 
 
 async def test_pynsq_reader_finds_nodes_through_lookupd(two_nodes):
@@ -144,7 +151,7 @@ async def test_gnsq_consumer_finds_nodes_through_lookupd(two_nodes):
     result = await run_process([PYTHON, "-c", GNSQ_CONSUMER],
                                {"topic": topic, "channel": "ch", "count": len(bodies),
                                 "lookupd": lookupd.http_address, "wait": 20}, timeout=40)
-    check(result["received"], bodies, nodes)
+    check(result, bodies, nodes)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
@@ -157,4 +164,4 @@ async def test_nsqjs_reader_finds_nodes_through_lookupd(two_nodes):
                                {"topic": topic, "channel": "ch", "count": len(bodies),
                                 "lookupd": lookupd.http_address, "wait": 20},
                                timeout=40, cwd=JS_DIR)
-    check(result["received"], bodies, nodes)
+    check(result, bodies, nodes)
