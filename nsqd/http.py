@@ -69,7 +69,7 @@ from . import metrics, stats
 from .httpconn import Server
 from .channel import defer_ext
 from .nsqd import NameError_
-from .options import _DURATIONS, parse_duration_ms
+from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from nsqwire.httpapi import go_json, parse_query, utf8
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 from .topic import PartitionNotFound, StorageError
@@ -575,6 +575,11 @@ async def do_config(nsqd, request, name: str):
             value = []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise HTTPError(400, "INVALID_VALUE")
+        try:
+            for address in value:
+                lookupd_host_port(address)
+        except ValueError:
+            raise HTTPError(400, "INVALID_VALUE") from None
         o.lookupd_tcp_address = value
         nsqd.lookup.set_addresses(value)
         log.info("config_changed", option=name, value=value)

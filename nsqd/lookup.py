@@ -26,6 +26,8 @@ import structlog
 
 from nsqwire import lookupd as v1
 
+from .options import lookupd_host_port
+
 log = structlog.get_logger("nsqd.lookup")
 
 PING_INTERVAL = 15.0
@@ -53,8 +55,7 @@ class LookupPeer:
     def __init__(self, nsqd, address: str) -> None:
         self.nsqd = nsqd
         self.address = address
-        host, _, port = address.rpartition(":")
-        self.host, self.port = host.strip("[]") or "127.0.0.1", int(port)
+        self.host, self.port = lookupd_host_port(address)
         self.queue: deque[bytes] = deque()
         self.connected = False
         self.info: dict = {}  # the lookupd's IDENTIFY answer

@@ -111,6 +111,19 @@ def _split(address: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+_HOST_PORT = re.compile(r"(?:\[([^\[\]]+)\]|([^:\[\]]*)):([0-9]{1,5})")
+
+
+def lookupd_host_port(address: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` of an nsqlookupd (an empty host is this machine, as
+    Go dials it). ValueError for anything else, so a typo is refused when given, not
+    dialled in vain forever."""
+    m = _HOST_PORT.fullmatch(address)
+    if m is None or not 0 < int(m[3]) < 65536:
+        raise ValueError(f"invalid nsqlookupd address {address!r} (want host:port)")
+    return m[1] or m[2] or "127.0.0.1", int(m[3])
+
+
 _DURATIONS = {
     "sync_timeout": "sync_timeout_ms", "msg_timeout": "msg_timeout_ms",
     "max_msg_timeout": "max_msg_timeout_ms", "max_req_timeout": "max_req_timeout_ms",
@@ -304,6 +317,8 @@ def build(values: dict) -> Options:
         if kwargs.get(key):
             raise ValueError(f"--{key.replace('_', '-')}: {reason}")
     options = Options(**kwargs)
+    for address in options.lookupd_tcp_address:
+        lookupd_host_port(address)
     if options.tls_min_version not in TLS_VERSIONS:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:

@@ -104,3 +104,13 @@ def test_lookupd_address_is_repeatable_as_classic(tmp_path):
     assert from_args(["--config", str(config)]).lookupd_tcp_address == ["127.0.0.1:4160"]
     r = run("--help")
     assert "lookupd TCP address (may be given multiple times)" in " ".join(r.stdout.split())
+    o = from_args(["--lookupd-tcp-address=[::1]:4160", "--lookupd-tcp-address=lookupd1:4160"])
+    assert o.lookupd_tcp_address == ["[::1]:4160", "lookupd1:4160"]
+
+
+@pytest.mark.parametrize("address", ["foo", "foo:", "foo:bar", "foo:70000", "[::1", "::1:4160"])
+def test_a_bad_lookupd_address_is_refused_at_start(tmp_path, address):
+    """A typo in an nsqlookupd address is one line and exit 2, not a traceback, nor a
+    node that dials it in vain."""
+    r = run("--lookupd-tcp-address", address, "--data-path", str(tmp_path))
+    one_line_error(r, 2, "invalid nsqlookupd address", repr(address))

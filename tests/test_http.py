@@ -745,6 +745,8 @@ BAD_REQUESTS = [
     ("PUT", "/config/nsqlookupd_tcp_addresses", b"", 413, "INVALID_VALUE"),
     ("PUT", "/config/nsqlookupd_tcp_addresses", b"{not json", 400, "INVALID_VALUE"),
     ("PUT", "/config/nsqlookupd_tcp_addresses", b'[1, 2]', 400, "INVALID_VALUE"),
+    ("PUT", "/config/nsqlookupd_tcp_addresses", b'["127.0.0.1:4160", "nohost"]', 400,
+     "INVALID_VALUE"),
     ("PUT", "/config/max_msg_size", b"5", 400, "INVALID_OPTION"),
     ("PUT", "/pub?topic=x", b"x", 405, "METHOD_NOT_ALLOWED"),
     ("GET", "/topic/create?topic=x", b"", 405, "METHOD_NOT_ALLOWED"),
