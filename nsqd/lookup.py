@@ -5,8 +5,10 @@ connect, `"  V1"`, IDENTIFY (broadcast address, TCP and HTTP ports, version, hos
 REGISTER every topic and channel the node has, then send each REGISTER/UNREGISTER as
 topics and channels come and go, and a PING every 15 s. A lost connection (the lookupd
 closed it, answered an error or anything unasked, or did not answer within 5 s) is
-dialled again after a backoff (1 s doubling to 15 s), and everything is registered
-again: the lookupd dropped this node's registrations when the connection closed.
+dialled again after a backoff (1 s doubling to 15 s; back to 1 s only after a session
+that lasted 15 s, so a lookupd that drops every session is dialled at most every 15 s),
+and everything is registered again: the lookupd dropped this node's registrations when
+the connection closed.
 
 A lookupd never slows publishing: the node only appends commands to an in-memory queue
 (no await). While a peer is not connected its queue is not kept (the registration on
@@ -61,6 +63,7 @@ class LookupPeer:
         self.info: dict = {}  # the lookupd's IDENTIFY answer
         self.last_error = ""
         self.connects = 0
+        self._connected_at = 0.0  # monotonic
         self._wake = asyncio.Event()
         self._writer: asyncio.StreamWriter | None = None
         self.task: asyncio.Task | None = None
@@ -103,7 +106,7 @@ class LookupPeer:
                     log.warning("lookupd_disconnected" if self.connected else
                                 "lookupd_connect_failed", lookupd=self.address, error=error)
                 self.last_error = error
-                if self.connected:
+                if self.connected and time.monotonic() - self._connected_at >= BACKOFF_MAX:
                     backoff = BACKOFF_MIN
             finally:
                 self.connected = False
@@ -120,11 +123,15 @@ class LookupPeer:
         self._writer = writer
         responses = v1.ResponseReader()
         writer.write(v1.MAGIC_V1 + v1.cmd_identify(self._identity()))
-        self.info = json.loads(v1.check_response(await self._answer(reader, responses)))
+        info = json.loads(v1.check_response(await self._answer(reader, responses)))
+        if not isinstance(info, dict):
+            raise ValueError(f"IDENTIFY answered {type(info).__name__}, not a JSON object")
+        self.info = info
         # Snapshot and connect in one step (no await between): every later change is
         # queued behind the snapshot.
         self.queue.extend(registrations(self.nsqd))
         self.connected = True
+        self._connected_at = time.monotonic()
         self.connects += 1
         log.info("lookupd_connected", lookupd=self.address, registrations=len(self.queue))
         next_ping = time.monotonic() + PING_INTERVAL
@@ -137,11 +144,14 @@ class LookupPeer:
                 v1.check_response(await self._answer(reader, responses))
                 next_ping = time.monotonic() + PING_INTERVAL
                 continue
-            await self._idle(reader, next_ping - time.monotonic())
+            await self._idle(reader, responses, next_ping - time.monotonic())
 
-    async def _idle(self, reader: asyncio.StreamReader, timeout: float) -> None:
+    async def _idle(self, reader: asyncio.StreamReader, responses: v1.ResponseReader,
+                    timeout: float) -> None:
         """Wait for a queued command or the timeout, watching the connection: a lookupd
         that closes it (or sends what was not asked for) ends the session at once."""
+        if responses.buffered:  # read along with an answer, but nothing asked for it
+            raise ConnectionError("the lookupd sent what was not asked for")
         self._wake.clear()
         wake = asyncio.ensure_future(self._wake.wait())
         unasked = asyncio.ensure_future(reader.read(1))
@@ -152,7 +162,8 @@ class LookupPeer:
             wake.cancel()
             unasked.cancel()
         if unasked.done() and not unasked.cancelled():
-            unasked.result()  # a connection error raises here
+            if unasked.result():  # a connection error raises here
+                raise ConnectionError("the lookupd sent what was not asked for")
             raise ConnectionError("closed by the lookupd")
 
     async def _answer(self, reader: asyncio.StreamReader, responses: v1.ResponseReader) -> bytes:

@@ -254,6 +254,11 @@ class ResponseReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read but not yet returned as an answer."""
+        return len(self._buf)
+
     def next_response(self) -> bytes | None:
         buf = self._buf
         if len(buf) < 4:

@@ -134,3 +134,127 @@ def test_every_lookupd_sees_a_subscribers_ephemeral_channel_come_and_go(tmp_path
         nsqd.kill()
         for l in lookupds:
             l.kill()
+
+
+def test_a_node_killed_9_is_gone_from_the_lookupd_at_once(cluster):
+    """kill -9: the node sends nothing, but its connection closes with it, and the
+    lookupd drops everything the node registered (not after the inactivity timeout)."""
+    lookupd, nsqd = cluster
+    post(nsqd.http_address, "/pub?topic=k9_t", b"x")
+    post(nsqd.http_address, "/channel/create?topic=k9_t&channel=k9_c")
+    until(lambda: lookup(lookupd, "k9_t")[1]["channels"] == ["k9_c"], what="registered")
+    nsqd.kill()
+    until(lambda: producers(lookupd, "k9_t") == [], timeout=2, what="the node's topic gone")
+    assert get(lookupd.http_address, "/nodes")[1]["producers"] == []
+    nsqd.start()
+    until(lambda: producers(lookupd, "k9_t"), what="back after the restart")
+
+
+class Publisher:
+    """Publishes to the node over HTTP in a thread, recording each request's latency and
+    every failure."""
+
+    def __init__(self, nsqd, topics: int = 10):
+        import threading
+
+        self.nsqd, self.topics = nsqd, topics
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        i = 0
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                post(self.nsqd.http_address, f"/pub?topic=pb_{i % self.topics}", b"m")
+            except OSError as e:
+                self.errors.append(repr(e))
+            self.latencies.append(time.monotonic() - t)
+            i += 1
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_publishing_never_waits_for_a_crashed_or_frozen_lookupd(cluster):
+    """A lookupd killed -9 and restarted, then one frozen (SIGSTOP: the connection stays
+    open, nothing is answered), while the node publishes all along: no publish fails or
+    waits for the lookupd (the node's answer timeout is 5 s), and afterwards the lookupd
+    knows every topic again."""
+    import signal
+
+    lookupd, nsqd = cluster
+    pub = Publisher(nsqd)
+    try:
+        until(lambda: len(get(lookupd.http_address, "/topics")[1]["topics"]) == 10,
+              what="the topics")
+        lookupd.kill()
+        time.sleep(0.5)
+        lookupd.start()
+        until(lambda: len(get(lookupd.http_address, "/topics")[1]["topics"]) == 10,
+              timeout=20, what="the topics again after kill -9")
+        pub.topics = 20  # new topics are registered while the lookupd is frozen
+        lookupd.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2)
+        finally:
+            lookupd.proc.send_signal(signal.SIGCONT)
+        until(lambda: len(get(lookupd.http_address, "/topics")[1]["topics"]) == 20,
+              timeout=20, what="the topics made while the lookupd was frozen")
+    finally:
+        pub.stop()
+    assert pub.errors == []
+    assert len(pub.latencies) > 50
+    assert max(pub.latencies) < 2.5, sorted(pub.latencies)[-5:]
+
+
+def fake_lookupd(answer: bytes):
+    """A TCP server that answers whatever comes with `answer`, then holds the
+    connection: what a broken or hostile lookupd does to the node."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            try:
+                conn.sendall(answer)
+            except OSError:
+                pass
+            threading.Timer(30, conn.close).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize("answer, error", [
+    (b"\x00\x00\x00\x03[1]", "IDENTIFY answered list, not a JSON object"),
+    (b"\x7f\xff\xff\xff", "invalid lookupd response size 2147483647"),
+    (b"\x00\x00\x00\x02{}" + b"\x00\x00\x00\x02OK" * 1000, "sent what was not asked for"),
+    (b"\x00\x00\x00\x0eE_INVALID nope", "E_INVALID nope"),
+])
+def test_a_broken_lookupd_costs_the_node_nothing(tmp_path, answer, error):
+    srv = fake_lookupd(answer)
+    address = f"127.0.0.1:{srv.getsockname()[1]}"
+    nsqd = NsqdProcess(str(tmp_path / "nsqd"), "--lookupd-tcp-address", address).start()
+    try:
+        for i in range(20):
+            assert post(nsqd.http_address, f"/pub?topic=bl_{i}", b"x") == 200
+        [peer] = until(lambda: [p for p in get(nsqd.http_address, "/stats?format=json")[1]
+                                ["lookupd"] if error in p["last_error"]],
+                       what=f"the node noticing {error!r}")
+        assert peer["address"] == address
+    finally:
+        nsqd.kill()
+        srv.close()
+    assert "Traceback" not in nsqd.log()

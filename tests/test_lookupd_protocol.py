@@ -149,6 +149,10 @@ def test_client_half_reads_size_prefixed_answers():
         while (r := reader.next_response()) is not None:
             out.append(r)
     assert out[0] == b"OK" and json.loads(out[1]) == {"version": "1.3.0"}
+    assert reader.buffered == 0
+    reader.feed(v1.encode_response(b"OK") + b"\x00")  # an answer and a byte of the next
+    assert reader.next_response() == b"OK" and reader.next_response() is None
+    assert reader.buffered == 1
     assert v1.check_response(out[0]) == b"OK"
     with pytest.raises(v1.LookupdError, match="E_INVALID client must IDENTIFY"):
         v1.check_response(out[2])
