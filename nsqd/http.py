@@ -49,8 +49,8 @@ Ours, beyond classic:
 - /topic/empty empties what the topic holds for channels that do not exist yet
   (Partition.empty); a channel keeps its messages, as in classic nsqd.
 - GET /config/<option> answers any option by its flag name (durations in ns as Go
-  prints time.Duration); PUT accepts nsqlookupd_tcp_addresses (stored in
-  options.lookupd_tcp_address). PUT log_level is refused with INVALID_OPTION:
+  prints time.Duration); PUT accepts nsqlookupd_tcp_addresses (the node dials the new
+  lookupds and drops the others, as classic). PUT log_level is refused with INVALID_OPTION:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
 - GET /metrics: Prometheus text (metrics.py).
@@ -64,7 +64,6 @@ import json
 import functools
 import re
 import socket
-from urllib.parse import unquote_to_bytes
 
 import structlog
 from aiohttp import ClientError, web
@@ -77,7 +76,8 @@ from .httpconn import Server
 from .channel import defer_ext
 from .assignment import MAX_PARTITIONS
 from .nsqd import NameError_, TopicConflict
-from .options import _DURATIONS, parse_duration_ms
+from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
+from nsqwire.httpapi import go_json, parse_query, utf8
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
@@ -85,9 +85,7 @@ log = structlog.get_logger("nsqd.http")
 
 _V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
-_BAD_ESCAPE = re.compile(r"%(?![0-9a-fA-F]{2})")
 _INT = re.compile(r"[+-]?[0-9]+")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.IncompleteReadError,
                 OSError)
 
@@ -102,22 +100,6 @@ class HTTPError(Exception):
 
 
 # ---- encoding ----------------------------------------------------------------
-
-
-def go_json(data) -> bytes:
-    """JSON as Go's encoding/json writes it: compact, UTF-8, with <, >, & escaped and
-    what is not valid UTF-8 (lone surrogates, e.g. from a client's IDENTIFY) as U+FFFD."""
-    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    text = (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
-    return utf8(text)
-
-
-def utf8(text: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return _SURROGATE.sub("\ufffd", text).encode("utf-8")
 
 
 def respond_legacy(status: int, data) -> web.Response:
@@ -146,25 +128,6 @@ def respond_v1(status: int, data) -> web.Response:
 
 
 # ---- request arguments --------------------------------------------------------
-
-
-def parse_query(raw: str) -> dict[str, list[str]]:
-    """Go's url.ParseQuery: `+` is a space, a bad %-escape or a `;` is an error (ValueError)."""
-    out: dict[str, list[str]] = {}
-    for part in raw.split("&"):
-        if not part:
-            continue
-        if ";" in part:
-            raise ValueError("invalid semicolon separator in query")
-        key, _, value = part.partition("=")
-        out.setdefault(_unescape(key), []).append(_unescape(value))
-    return out
-
-
-def _unescape(text: str) -> str:
-    if _BAD_ESCAPE.search(text):
-        raise ValueError(f"invalid URL escape in {text!r}")
-    return unquote_to_bytes(text.replace("+", " ")).decode("utf-8", "surrogateescape")
 
 
 def query(request: web.Request) -> dict[str, list[str]]:
@@ -633,7 +596,13 @@ async def do_config(nsqd, request, name: str):
             value = []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise HTTPError(400, "INVALID_VALUE")
+        try:
+            for address in value:
+                lookupd_host_port(address)
+        except ValueError:
+            raise HTTPError(400, "INVALID_VALUE") from None
         o.lookupd_tcp_address = value
+        nsqd.lookup.set_addresses(value)
         log.info("config_changed", option=name, value=value)
     return config_value(o, name)
 

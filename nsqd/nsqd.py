@@ -29,6 +29,7 @@ from diskqueue.queue import QueueOptions
 from .assignment import Assignment
 from .channel import Channel
 from .health import FailureLog, node_health
+from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
@@ -100,6 +101,7 @@ class NSQD:
 
         self.tls_context = tls_context(options)
         self.identify_limits = identify_limits(self)
+        self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
 
     @property
     def health(self) -> str:
@@ -135,6 +137,7 @@ class NSQD:
         self._tasks = [loop.create_task(self._scan_loop()),
                        loop.create_task(self._checkpoint_loop()),
                        loop.create_task(self._retention_loop())]
+        self.lookup.set_addresses(self.options.lookupd_tcp_address)
         log.info("started", tcp_port=self.tcp_port, http_port=self.http_port,
                  data_path=self.options.data_path, topics=len(self.topics))
 
@@ -146,6 +149,7 @@ class NSQD:
         if self._stopping:
             return True
         self._stopping = True
+        await self.lookup.stop()  # lookups stop pointing consumers here while it drains
         self.tcp_server.close()
         for conn in list(self.connections):
             conn.close()
@@ -253,6 +257,7 @@ class NSQD:
             log.error("topic_create_failed", topic=name, error=error)
             raise StorageError(f"topic {name} could not be created: {error}")
         self.topics[name] = topic
+        self.lookup.topic_created(name)
         log.info("topic_created", topic=name)
         return topic
 
@@ -296,6 +301,7 @@ class NSQD:
             log.error("channel_create_failed", topic=topic.name, partition=p.number,
                       channel=name, error=error)
             raise StorageError(f"channel {name} could not be created: {error}")
+        self.lookup.channel_created(topic.name, name)
         log.info("channel_created", topic=topic.name, partition=p.number, channel=name)
         return channel
 
@@ -475,6 +481,7 @@ class NSQD:
             self.meta.delete(topic_key(name))
             self.meta.delete_prefix(f"channel/{name}/")
             await self.meta.flush()
+        self.lookup.topic_deleted(name)
         log.info("topic_deleted", topic=name)
         if grave is not None:  # a big topic: after the lock, so publishers need not wait
             await asyncio.to_thread(remove_grave, grave)
@@ -500,6 +507,7 @@ class NSQD:
             # must not take it for the one this tombstone was.
             if grave is not None:
                 await asyncio.to_thread(remove_grave, grave)
+        self.lookup.channel_deleted(topic_name, channel_name)
         log.info("channel_deleted", topic=topic_name, partition=p.number, channel=channel_name)
         if topic.ephemeral and not any(True for _ in topic.channels()):
             await self.delete_topic(topic_name)

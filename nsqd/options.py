@@ -10,9 +10,9 @@ dash); a flag with an optional value (`--snappy`, `--tls-required`) takes it onl
 after `=` or, ours, as the next argument when that is not a flag. Prefixes of flag
 names are refused, as Go does. `--help` shows each default as Go prints it.
 
-A flag the node cannot honour yet is refused, never accepted and ignored:
-`--lookupd-tcp-address` (config key `nsqlookupd_tcp_addresses`) until nsqd
-registers with nsqlookupd.
+A flag the node cannot honour is refused, never accepted and ignored (_REFUSED).
+`--lookupd-tcp-address` (repeatable; config key `nsqlookupd_tcp_addresses`) registers
+the node with each nsqlookupd (lookup.py).
 """
 
 from __future__ import annotations
@@ -112,6 +112,19 @@ def _split(address: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+_HOST_PORT = re.compile(r"(?:\[([^\[\]]+)\]|([^:\[\]]*)):([0-9]{1,5})")
+
+
+def lookupd_host_port(address: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` of an nsqlookupd (an empty host is this machine, as
+    Go dials it). ValueError for anything else, so a typo is refused when given, not
+    dialled in vain forever."""
+    m = _HOST_PORT.fullmatch(address)
+    if m is None or not 0 < int(m[3]) < 65536:
+        raise ValueError(f"invalid nsqlookupd address {address!r} (want host:port)")
+    return m[1] or m[2] or "127.0.0.1", int(m[3])
+
+
 _DURATIONS = {
     "sync_timeout": "sync_timeout_ms", "msg_timeout": "msg_timeout_ms",
     "max_msg_timeout": "max_msg_timeout_ms", "max_req_timeout": "max_req_timeout_ms",
@@ -128,9 +141,8 @@ _BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
-# Options the node cannot honour yet: refused with this reason when given a value.
-_REFUSED = {"lookupd_tcp_address": "not supported yet (this nsqd does not register with "
-                                   "nsqlookupd); remove it"}
+# Options the node cannot honour: refused with this reason when given a value.
+_REFUSED: dict[str, str] = {}
 TLS_VERSIONS = ("ssl3.0", "tls1.0", "tls1.1", "tls1.2", "tls1.3")
 
 _HELP = {
@@ -139,8 +151,7 @@ _HELP = {
     "broadcast_address": "address this node is known by (default: the host name)",
     "broadcast_tcp_port": "TCP port this node is known by (0: the port it listens on)",
     "broadcast_http_port": "HTTP port this node is known by (0: the port it listens on)",
-    "lookupd_tcp_address": "nsqlookupd TCP address: refused until nsqd registers with "
-                           "nsqlookupd",
+    "lookupd_tcp_address": "lookupd TCP address (may be given multiple times)",
     "data_path": "folder for topics, channels and their delay queues",
     "segment_bytes": "size of one data segment file (bytes)",
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
@@ -309,6 +320,8 @@ def build(values: dict) -> Options:
         if kwargs.get(key):
             raise ValueError(f"--{key.replace('_', '-')}: {reason}")
     options = Options(**kwargs)
+    for address in options.lookupd_tcp_address:
+        lookupd_host_port(address)
     if options.tls_min_version not in TLS_VERSIONS:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:

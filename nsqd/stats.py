@@ -93,6 +93,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     out["producers"] = (producer_stats(conns, topic) if include_clients else [])
     out["client_count"] = len(conns)
     out["data_free_bytes"] = free_bytes(nsqd.options.data_path)
+    out["lookupd"] = nsqd.lookup.state()  # ours: each nsqlookupd peer (lookup.py)
     return out
 
 

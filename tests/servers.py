@@ -1,4 +1,4 @@
-"""Real server processes for tests: start an nsqd on free loopback ports, wait until it
+"""Real server processes for tests: start an nsqd (or an nsqlookupd) on free loopback ports, wait until it
 answers, stop it (SIGTERM, or SIGKILL to simulate a crash)."""
 
 from __future__ import annotations
@@ -72,6 +72,63 @@ class NsqdProcess:
 
     def kill(self) -> None:
         """SIGKILL: a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+
+class NsqlookupdProcess:
+    """`nsqlookupd` in a subprocess on free loopback ports; restartable on the same ports."""
+
+    def __init__(self, log_dir: str, *extra: str, tcp_port: int = 0, http_port: int = 0):
+        self.extra = list(extra)
+        self.tcp_port = tcp_port or free_port()
+        self.http_port = http_port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(log_dir, f"nsqlookupd-{self.tcp_port}.log")
+
+    @property
+    def tcp_address(self) -> str:
+        return f"127.0.0.1:{self.tcp_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    def start(self, timeout: float = 15) -> "NsqlookupdProcess":
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nsqlookupd.main", "--tcp-address", self.tcp_address,
+             "--http-address", self.http_address, "--broadcast-address", "127.0.0.1",
+             *self.extra], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nsqlookupd exited with {self.proc.returncode}: {self.log()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.http_address}/ping", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"nsqlookupd did not start: {self.log()}")
+
+    def stop(self, timeout: float = 15) -> int:
+        """SIGTERM and wait. Returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

@@ -94,14 +94,23 @@ def test_a_port_in_use_is_one_line(tmp_path, listener):
     one_line_error(r, 1, taken, f"--{listener}-address", "address already in use")
 
 
-def test_lookupd_address_is_refused_until_it_works(tmp_path):
-    """Registration with nsqlookupd is not built yet: the flag, and the classic config key,
-    are refused with one line rather than accepted and ignored."""
-    one_line_error(run("--lookupd-tcp-address", "127.0.0.1:4160"), 2, "--lookupd-tcp-address",
-                   "not supported")
-    one_line_error(run("-lookupd-tcp-address=127.0.0.1:4160"), 2, "--lookupd-tcp-address")
+def test_lookupd_address_is_repeatable_as_classic(tmp_path):
+    """`--lookupd-tcp-address` may be given several times, in either spelling, and the
+    classic config key names the same list (the node registers with each: nsqd/lookup.py)."""
+    o = from_args(["--lookupd-tcp-address", "127.0.0.1:4160", "-lookupd-tcp-address=10.0.0.2:4160"])
+    assert o.lookupd_tcp_address == ["127.0.0.1:4160", "10.0.0.2:4160"]
     config = tmp_path / "nsqd.toml"
     config.write_text('nsqlookupd_tcp_addresses = ["127.0.0.1:4160"]\n')
-    one_line_error(run("--config", str(config)), 2, "nsqlookupd_tcp_addresses", "not supported")
-    config.write_text("nsqlookupd_tcp_addresses = []\n")  # none given: nothing to refuse
-    assert from_args(["--config", str(config)]).lookupd_tcp_address == []
+    assert from_args(["--config", str(config)]).lookupd_tcp_address == ["127.0.0.1:4160"]
+    r = run("--help")
+    assert "lookupd TCP address (may be given multiple times)" in " ".join(r.stdout.split())
+    o = from_args(["--lookupd-tcp-address=[::1]:4160", "--lookupd-tcp-address=lookupd1:4160"])
+    assert o.lookupd_tcp_address == ["[::1]:4160", "lookupd1:4160"]
+
+
+@pytest.mark.parametrize("address", ["foo", "foo:", "foo:bar", "foo:70000", "[::1", "::1:4160"])
+def test_a_bad_lookupd_address_is_refused_at_start(tmp_path, address):
+    """A typo in an nsqlookupd address is one line and exit 2, not a traceback, nor a
+    node that dials it in vain."""
+    r = run("--lookupd-tcp-address", address, "--data-path", str(tmp_path))
+    one_line_error(r, 2, "invalid nsqlookupd address", repr(address))

@@ -27,8 +27,7 @@ def test_tls_required_takes_classic_values(argv, level):
 
 def test_classic_config_file_keys(tmp_path):
     config = tmp_path / "nsqd.toml"
-    # (nsqlookupd_tcp_addresses is understood too, and refused until nsqd registers with
-    # nsqlookupd: tests/test_cli.py)
+    # (nsqlookupd_tcp_addresses is understood too: tests/test_cli.py)
     config.write_text('auth_http_addresses = ["127.0.0.1:4181", "10.0.0.2:4181"]\n'
                       'msg_timeout = "90s"\n'
                       'tls_required = "tcp-https"\n'

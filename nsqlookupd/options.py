@@ -1,0 +1,142 @@
+"""Options of nsqlookupd: one dataclass, defaults beside the flags, classic flag names.
+
+Flags are spelled as Go's flag package takes them: `-flag` or `--flag`, `=value` or the
+value as the next argument; prefixes of names are refused. Durations take Go's forms
+("5m0s", "45s", "1h30m") or plain milliseconds. (nsqd has the same rules in its own
+options.py; a daemon never imports another, so the small part needed is here.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import socket
+from dataclasses import dataclass, field
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration_s(text: str) -> float:
+    """Seconds of a Go duration string ("5m0s") or of a plain number of milliseconds."""
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text) / 1000
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT_S[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or not text:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}")
+    return total
+
+
+def go_duration(seconds: float) -> str:
+    """A duration as Go prints time.Duration for whole seconds: 5m0s, 45s, 1h0m0s."""
+    s = int(seconds)
+    if s != seconds:
+        return f"{seconds * 1000:g}ms"
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    if h:
+        return f"{h}h{m}m{s}s"
+    return f"{m}m{s}s" if m else f"{s}s"
+
+
+@dataclass
+class Options:
+    tcp_address: str = "0.0.0.0:4160"
+    http_address: str = "0.0.0.0:4161"
+    broadcast_address: str = field(default_factory=socket.gethostname)
+    inactive_producer_timeout: float = 300.0  # seconds
+    tombstone_lifetime: float = 45.0  # seconds
+    log_level: str = "info"
+    log_format: str = "console"
+
+    @property
+    def tcp_host_port(self) -> tuple[str, int]:
+        return split_address(self.tcp_address)
+
+    @property
+    def http_host_port(self) -> tuple[str, int]:
+        return split_address(self.http_address)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host or "0.0.0.0", int(port)
+
+
+def _address(text: str) -> str:
+    try:
+        split_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid address {text!r} (want <addr>:<port>)")
+    return text
+
+
+_HELP = {
+    "tcp_address": "<addr>:<port> to listen on for TCP clients",
+    "http_address": "<addr>:<port> to listen on for HTTP clients",
+    "broadcast_address": "address of this lookupd node (default: the host name)",
+    "inactive_producer_timeout": "duration of time a producer will remain in the active "
+                                 "list since its last ping",
+    "tombstone_lifetime": "duration of time a producer will remain tombstoned if "
+                          "registration remains",
+    "log_level": "debug, info, warning or error",
+    "log_format": "console or json",
+}
+_TYPES = {"tcp_address": _address, "http_address": _address,
+          "inactive_producer_timeout": parse_duration_s, "tombstone_lifetime": parse_duration_s}
+_CHOICES = {"log_level": ("debug", "info", "warning", "error"),
+            "log_format": ("console", "json")}
+
+
+def parser(version: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nsqlookupd", description="NSQ-compatible lookup daemon",
+                                allow_abbrev=False)
+    p.add_argument("--version", action="version", version=version,
+                   help="print the version and exit")
+    for f in dataclasses.fields(Options):
+        default = f.default
+        if isinstance(default, float):
+            shown = f" (default {go_duration(default)})"
+        elif isinstance(default, str):
+            shown = f' (default "{default}")'
+        else:
+            shown = ""
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=argparse.SUPPRESS,
+                       type=_TYPES.get(f.name, str), choices=_CHOICES.get(f.name),
+                       metavar="duration" if f.type in ("float", float) else "string",
+                       help=_HELP[f.name] + shown)
+    return p
+
+
+_GO_FLAG = re.compile(r"--?([A-Za-z][A-Za-z0-9_-]*)(=.*)?", re.S)
+
+
+def go_style(argv: list[str], known: set[str]) -> list[str]:
+    """`-flag` as `--flag`, and a flag's next argument as its value whatever it looks like."""
+    out = []
+    args = iter(argv)
+    for arg in args:
+        m = _GO_FLAG.fullmatch(arg)
+        flag = "--" + m.group(1) if m else None
+        if flag not in known:
+            out.append(arg)
+        elif m.group(2) is not None or flag in ("--version", "--help"):
+            out.append(flag + (m.group(2) or ""))
+        else:
+            value = next(args, None)
+            out.append(flag if value is None else f"{flag}={value}")
+    return out
+
+
+def from_args(argv: list[str], version: str) -> Options:
+    """Options from the command line; argparse exits 2 (with one line) on a bad flag."""
+    p = parser(version)
+    known = {o for a in p._actions for o in a.option_strings}
+    return Options(**vars(p.parse_args(go_style(argv, known))))

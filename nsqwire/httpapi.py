@@ -1,0 +1,47 @@
+"""The pieces of NSQ's HTTP APIs (nsqd 4151, nsqlookupd 4161) that are bytes, not I/O:
+JSON as Go's encoding/json writes it and query strings as Go's url.ParseQuery reads
+them. Both daemons' HTTP servers build their answers with these."""
+
+from __future__ import annotations
+
+import json
+import re
+from urllib.parse import unquote_to_bytes
+
+_BAD_ESCAPE = re.compile(r"%(?![0-9a-fA-F]{2})")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def go_json(data) -> bytes:
+    """JSON as Go's encoding/json writes it: compact, UTF-8, with <, >, & escaped and
+    what is not valid UTF-8 (lone surrogates, e.g. from a client's IDENTIFY) as U+FFFD."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    text = (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+    return utf8(text)
+
+
+def utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text).encode("utf-8")
+
+
+def parse_query(raw: str) -> dict[str, list[str]]:
+    """Go's url.ParseQuery: `+` is a space, a bad %-escape or a `;` is an error (ValueError)."""
+    out: dict[str, list[str]] = {}
+    for part in raw.split("&"):
+        if not part:
+            continue
+        if ";" in part:
+            raise ValueError("invalid semicolon separator in query")
+        key, _, value = part.partition("=")
+        out.setdefault(_unescape(key), []).append(_unescape(value))
+    return out
+
+
+def _unescape(text: str) -> str:
+    if _BAD_ESCAPE.search(text):
+        raise ValueError(f"invalid URL escape in {text!r}")
+    return unquote_to_bytes(text.replace("+", " ")).decode("utf-8", "surrogateescape")
