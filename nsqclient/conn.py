@@ -63,7 +63,10 @@ class Connection:
         self._writer.write(data)
 
     async def command(self, data: bytes) -> bytes:
-        """Send a command that has a response; return it, or raise NSQError."""
+        """Send a command that has a response; return it, or raise NSQError
+        (ConnectionError when the connection is closed, before or meanwhile)."""
+        if self.closed.is_set():
+            raise ConnectionError("connection closed")
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self._writer.write(data)
