@@ -89,7 +89,7 @@ def parse_lookup(topic: str, status: int, body: bytes) -> TopicMap:
         message = doc.get("message") if isinstance(doc, dict) else None
         if message == "TOPIC_NOT_FOUND":
             raise TopicNotFound(f"topic {topic!r} not found")
-        raise LookupFailed(f"HTTP {status}: {message or body[:80]!r}")
+        raise LookupFailed(f"HTTP {status}: " + (message if isinstance(message, str) else repr(body[:80])))
     if not isinstance(doc, dict):
         raise LookupFailed("the answer is not a JSON object")
     producers = doc.get("producers", [])
