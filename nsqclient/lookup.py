@@ -151,10 +151,8 @@ class LookupdSource:
                 not_found = e
             except (LookupFailed, aiohttp.ClientError, OSError, TimeoutError) as e:
                 failures.append(f"{address}: {e or type(e).__name__}")
-        if not_found is not None and not failures:
-            raise not_found
         if not_found is not None:
-            failures.append(str(not_found))
+            raise TopicNotFound("; ".join([str(not_found), *failures]))
         raise LookupFailed(f"lookup of topic {topic!r} failed: " + "; ".join(failures))
 
     async def _get(self, address: str, topic: str, access: str) -> tuple[int, bytes]:

@@ -144,8 +144,10 @@ class Producer:
             attempt += 1
             try:
                 tmap = await self._topic_map(topic, refresh)
-                turn = self._turns[topic] = self._turns.get(topic, -1) + 1
+                turn = 0 if key is not None else self._turns.get(topic, 0)
                 partition, node = route(tmap, key, turn)
+                if key is None:
+                    self._turns[topic] = turn + 1
                 conn = await self._connection(node)
                 await self._request(conn, node, encode(partition))
                 return
