@@ -101,16 +101,19 @@ async def test_keys_land_in_their_partition_and_keyless_go_round(proc):
 
 
 async def test_per_key_order_across_kill9(proc):
-    """Eight keys publish 120 messages each, one at a time per key; nsqd is killed -9
-    and restarted mid-stream. Every acknowledged message is there and each key's
-    messages are stored in order (a retry's duplicate only right after its original)."""
+    """Eight keys publish 120 messages each, all called at once; nsqd is killed -9 and
+    restarted mid-stream. Every acknowledged message is there and each key's messages
+    are stored in call order (a retry's duplicate only right after its original): the
+    producer sends a key's next message only after the previous one's answer."""
     p = Producer(lookup=static_all(proc.tcp_address), max_retry_time=30, max_attempts=100)
     acked = defaultdict(list)
 
+    async def one(key: str, j: int):
+        await p.publish("t", f"{key}|{j}".encode(), key=key)
+        acked[key].append(j)
+
     async def key_stream(key: str):
-        for j in range(120):
-            await p.publish("t", f"{key}|{j}".encode(), key=key)
-            acked[key].append(j)
+        await asyncio.gather(*(one(key, j) for j in range(120)))
 
     streams = asyncio.gather(*(key_stream(f"k{i}") for i in range(8)))
     await until(lambda: sum(map(len, acked.values())) >= 300, 20)
