@@ -1,6 +1,7 @@
 """Our nsqd registering with our nsqlookupd (classic mode, real processes): topics and
 channels appear and go in /lookup and /nodes as they are made and deleted, and after a
-restart of either side; publishing does not wait for a lookupd that is down."""
+restart or kill -9 of either side; publishing does not wait for a lookupd that is down,
+frozen or broken."""
 
 from __future__ import annotations
 
