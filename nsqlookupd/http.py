@@ -193,9 +193,28 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
 
 
 class _Connection(RequestHandler):
-    """aiohttp's connection, whose own reports (above all a parser's refusal of a malformed
-    request, answered 400) are one log line, never a traceback: a client must not be able
-    to fill the log cheaply."""
+    """aiohttp's connection, with two things Go's net/http does that aiohttp does not:
+    its own reports (above all a parser's refusal of a malformed request, answered 400)
+    are one log line, never a traceback, so a client cannot fill the log cheaply; and a
+    client's half-close ends what it sends, not what it reads (`printf 'GET /ping ...' |
+    nc` gets its answer). Leans on aiohttp 3's `_messages` and `_close`;
+    tests/test_nsqlookupd.py pins both."""
+
+    answered = True  # whether the request made last (see _Server) has been answered
+
+    def eof_received(self) -> bool:
+        """Answer the request received (the first one, when several are pipelined), then
+        close; with none received, close now."""
+        if not self._messages and self.answered:
+            return False
+        self._close = True  # aiohttp's close() would drop the answer
+        return True  # keep the transport open for writing
+
+    async def finish_response(self, request, resp, start_time):
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self.answered = True
 
     def log_exception(self, message: str, *args, exc_info=None, **kw) -> None:
         if isinstance(exc_info, BaseException):
@@ -209,6 +228,11 @@ class _Connection(RequestHandler):
 class _Server(web.Server):
     def __call__(self) -> RequestHandler:
         return _Connection(self, loop=self._loop, **self._kwargs)
+
+    def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
+        request = super()._make_request(message, payload, protocol, writer, task)
+        protocol.answered = False
+        return request
 
 
 async def start_http(lookupd):

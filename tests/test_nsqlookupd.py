@@ -246,6 +246,27 @@ def test_garbage_never_kills_the_server(lookupd):
     assert get(lookupd, "/ping") == (200, b"OK")
 
 
+def test_a_half_closed_client_gets_its_answer(lookupd):
+    """`printf 'GET /ping ...' | nc`: the client's half-close ends what it sends, not
+    what it reads (as with Go's net/http); with no request sent, the connection closes."""
+
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", lookupd.http_port), timeout=5) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    out = exchange(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"\r\n\r\nOK")
+    out = exchange(b"GET /lookup?topic=nope HTTP/1.0\r\n\r\n")
+    assert out.startswith(b"HTTP/1.0 404") and out.endswith(b'{"message":"TOPIC_NOT_FOUND"}')
+    assert exchange(b"") == b""
+    assert exchange(b"GET /ping HTTP/1.1\r\n") == b""  # half a request: nothing to answer
+
+
 # ---- CLI ----------------------------------------------------------------------------
 
 
