@@ -21,8 +21,9 @@ known path with another method 405 METHOD_NOT_ALLOWED with `Allow`. v1.3.0 has n
 forms of the POST actions (they are 405 there too). Any bug is 500 INTERNAL_ERROR, logged.
 
 The handlers read and change the registrations only through the `directory` given to
-start_http (in classic mode the RegistrationDB fed by nsqd over TCP): a directory fed
-from elsewhere (cluster mode) serves the same API through the same handlers.
+start_http (in classic mode the RegistrationDB fed by nsqd over TCP). Requests are routed
+through `lookupd.routes`: ROUTES here, or cluster_http.ROUTES in cluster mode, which keeps
+the read handlers of /topics and /channels and brings its own for the rest.
 """
 
 from __future__ import annotations

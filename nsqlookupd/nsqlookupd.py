@@ -8,8 +8,8 @@ registrations: nsqd nodes in cluster mode register in etcd.
 Lifecycle: `await start()` listens on both ports (TCP first; a port that cannot be
 bound raises OSError with nothing left listening), then starts the cluster part (which
 waits for no etcd: it retries on its own); `await stop()` resigns and unregisters from
-the cluster, then closes the listeners and every nsqd connection. Nothing is stored: an nsqd registers everything again when it
-reconnects, as with Go nsqlookupd.
+the cluster, then closes the listeners and every nsqd connection. Nothing is stored: an
+nsqd registers everything again when it reconnects, as with Go nsqlookupd.
 """
 
 from __future__ import annotations
