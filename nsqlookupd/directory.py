@@ -18,8 +18,6 @@ from isr.metadata import ClusterView, TopicView
 from isr.state import NodeInfo
 from nsqwire.httpapi import go_json
 
-ACCESS = ("r", "w")
-
 
 def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
