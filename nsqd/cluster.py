@@ -83,6 +83,7 @@ class Cluster:
         self._viewed = asyncio.Event()  # pulsed after each mirror rebuild
         self._passed = asyncio.Event()  # pulsed after each apply pass
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     @property
     def node_id(self) -> str:
@@ -107,9 +108,18 @@ class Cluster:
                  endpoints=o.etcd_endpoints, lease_ttl_s=self.ttl)
 
     async def stop(self) -> None:
-        """Leave the cluster at once (the lease is revoked), then stop watching."""
-        for task in self._tasks:
+        """Leave the cluster at once (the lease is revoked), then stop watching. A pass
+        of the apply loop under way is let finish (WAIT_S at most), not cut in half."""
+        self._stopping = True
+        self._dirty.set()
+        apply_task, *others = self._tasks or [None]
+        for task in others:
             task.cancel()
+        if apply_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(apply_task), WAIT_S)
+            except asyncio.TimeoutError:
+                apply_task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.registration is not None:
             await self.registration.close()
@@ -137,6 +147,8 @@ class Cluster:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
+            if self._stopping:
+                return
             view = self.mirror.view
             try:
                 await self._apply(view)
