@@ -1,0 +1,124 @@
+"""A real cluster for tests: one etcd, nsqlookupds and nsqds in cluster mode, each its own
+process on free loopback ports, each restartable and killable on its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+from etcdserver import EtcdProcess
+from servers import NsqdProcess, NsqlookupdProcess, free_port
+
+LEASE_TTL_S = 2
+
+
+def http_json(method: str, url: str, timeout: float = 5) -> tuple[int, dict]:
+    """(status, JSON body) of an HTTP call; an error status is returned, not raised."""
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body)
+        except ValueError:
+            return e.code, {"raw": body.decode(errors="replace")}
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    """The first truthy value of predicate() within timeout, else AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(interval)
+
+
+class Cluster:
+    """etcd + `lookupds` nsqlookupds + `nsqds` nsqds, cluster id `test`, lease TTL 2 s."""
+
+    def __init__(self, root: str, nsqds: int = 3, lookupds: int = 2, *nsqd_flags: str):
+        self.root = root
+        self.etcd = EtcdProcess(os.path.join(root, "etcd"))
+        common = ("--etcd-endpoints", self.etcd.endpoint, "--cluster-id", "test",
+                  "--etcd-lease-ttl", f"{LEASE_TTL_S}s")
+        self.lookupds = [NsqlookupdProcess(os.path.join(root, "logs"), *common)
+                         for _ in range(lookupds)]
+        self.nsqds = []
+        for i in range(nsqds):
+            rpc = f"127.0.0.1:{free_port()}"
+            self.nsqds.append(NsqdProcess(os.path.join(root, f"nsqd{i}"), *common,
+                                          "--rpc-address", rpc, *nsqd_flags))
+
+    def start(self) -> "Cluster":
+        self.etcd.start()
+        for p in self.lookupds + self.nsqds:
+            p.start()
+        wait_until(lambda: self.live_nodes() == {n.tcp_address for n in self.nsqds}, 10,
+                   "every nsqd registered in etcd, as the lookupds see it")
+        return self
+
+    def stop(self) -> None:
+        for p in self.nsqds + self.lookupds:
+            try:
+                p.stop()
+            except Exception:
+                p.kill()
+        self.etcd.kill()
+
+    # ---- views through nsqlookupd ------------------------------------------------
+
+    def lookupd_get(self, path: str, lookupd: int | None = None) -> tuple[int, dict]:
+        """GET from one lookupd (the first that answers when `lookupd` is None)."""
+        order = [lookupd] if lookupd is not None else range(len(self.lookupds))
+        last = (0, {})
+        for i in order:
+            p = self.lookupds[i]
+            if p.proc is None or p.proc.poll() is not None:
+                continue
+            try:
+                return http_json("GET", f"http://{p.http_address}{path}")
+            except OSError as e:
+                last = (0, {"error": str(e)})
+        return last
+
+    def live_nodes(self) -> set[str]:
+        status, body = self.lookupd_get("/nodes")
+        if status != 200:
+            return set()
+        return {f"{p['broadcast_address']}:{p['tcp_port']}" for p in body.get("producers", [])}
+
+    def master(self) -> int | None:
+        """Index of the master nsqlookupd, from /listlookup."""
+        status, body = self.lookupd_get("/listlookup")
+        leader = (body or {}).get("lookupdleader") or {}
+        for i, p in enumerate(self.lookupds):
+            if str(leader.get("HttpPort")) == str(p.http_port):
+                return i
+        return None
+
+    def create_topic(self, topic: str, partitions: int, replicas: int = 1) -> tuple[int, dict]:
+        master = wait_until(lambda: self.master() is not None and self.master() + 1, 10,
+                            "a master nsqlookupd") - 1
+        return http_json("POST", f"http://{self.lookupds[master].http_address}/topic/create"
+                                 f"?topic={topic}&partition_num={partitions}"
+                                 f"&replicator={replicas}")
+
+    def lookup(self, topic: str) -> dict:
+        status, body = self.lookupd_get(f"/lookup?topic={topic}")
+        return body if status == 200 else {}
+
+    def leaders(self, topic: str) -> dict[int, str]:
+        """partition -> leader's TCP address, as /lookup says."""
+        return {int(n): f"{p['broadcast_address']}:{p['tcp_port']}"
+                for n, p in self.lookup(topic).get("partitions", {}).items()}
+
+    def nsqd_at(self, tcp_address: str) -> NsqdProcess:
+        return next(n for n in self.nsqds if n.tcp_address == tcp_address)
