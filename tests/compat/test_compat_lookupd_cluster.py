@@ -1,81 +1,110 @@
-"""pynsq finds its nsqd through our nsqlookupd in cluster mode: the cluster `/lookup`
-(classic keys plus `partitions` and `meta`) is read by an unchanged pynsq Reader.
-
-The nsqd is a real one in classic mode (the cluster driver of nsqd is another part); its
-NodeInfo is held in a real etcd under a lease by a child process, as a cluster nsqd would
-register itself, and the topic (one partition, so that node leads it) is created through
-the lookupd's /topic/create."""
+"""Unchanged classic consumers on a real cluster: etcd, two nsqlookupds and three nsqds in
+cluster mode (tests/cluster.py). A 6-partition topic is led by all three nodes; the
+cluster `/lookup` (classic keys plus `partitions` and `meta`) sends pynsq, gnsq and nsqjs
+to every leader, and a classic `SUB topic channel` there receives from every partition
+the node leads: each client gets every message exactly once."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-import urllib.request
+import shutil
 
-from isr import keys
-from isr.state import NodeInfo
-from servers import ROOT, NsqdProcess, NsqlookupdProcess
+import pytest
 
-HOLDER = os.path.join(ROOT, "tests", "isr_holder.py")
+from cluster import Cluster, http_json
+from compat_util import JS_DIR, PYTHON, run_process, unique
+from nsqclient.conn import Connection
+from nsqwire import commands as c
+from test_compat_lookupd import GNSQ_CONSUMER, NSQJS_CONSUMER
 
-
-def call(url: str, method: str = "GET") -> bytes:
-    with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as r:
-        return r.read()
+PARTITIONS = 6
 
 
-async def test_pynsq_reader_through_a_cluster_lookupd(etcd_server, tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = Cluster(str(tmp_path_factory.mktemp("compat_cluster"))).start()
+    yield cl
+    cl.stop()
+
+
+async def publish_everywhere(cl: Cluster, topic: str, per_partition: int) -> set[str]:
+    """Create the topic on the master, publish `per_partition` messages to each partition
+    on its leader (PUB topic n), and return the bodies."""
+    status, body = cl.create_topic(topic, PARTITIONS)
+    assert status == 200, body
+    leaders = cl.leaders(topic)
+    assert sorted(leaders) == list(range(PARTITIONS))
+    assert set(leaders.values()) == {n.tcp_address for n in cl.nsqds}
+    bodies = set()
+    for n, address in leaders.items():
+        host, port = address.rsplit(":", 1)
+        conn = await Connection(host, int(port)).connect()
+        try:
+            for i in range(per_partition):
+                msg = f"p{n}-m{i}"
+                await conn.command(c.cmd_pub(topic, msg.encode(), partition=n))
+                bodies.add(msg)
+        finally:
+            await conn.close()
+    return bodies
+
+
+def check(result, bodies, cl: Cluster):
+    assert sorted(result["received"]) == sorted(bodies)
+    assert set(result["connected"]) == {n.tcp_address for n in cl.nsqds}
+
+
+async def test_pynsq_reader_consumes_every_partition_of_a_cluster(cluster):
     import nsq
 
-    node = NsqdProcess(str(tmp_path / "nsqd")).start()
-    info = NodeInfo(id=node.tcp_address, tcp=node.tcp_address, http=node.http_address,
-                    rpc="127.0.0.1:4250", hostname="n1", version="1.3.0")
-    holder = subprocess.Popen([sys.executable, HOLDER, "register", etcd_server.endpoint,
-                               keys.node("nsq", info.id), info.encode().decode(), "2"],
-                              stdout=subprocess.PIPE, cwd=ROOT)
-    lookupd = NsqlookupdProcess(str(tmp_path), "--etcd-endpoints", etcd_server.endpoint,
-                                "--etcd-lease-ttl", "2s").start()
-    reader = None
+    topic = unique("cl_pynsq")
+    bodies = await publish_everywhere(cluster, topic, 3)
+    received = []
+
+    def handler(m):
+        received.append(m.body.decode())
+        return True
+
+    r = nsq.Reader(topic=topic, channel="ch", message_handler=handler,
+                   lookupd_http_addresses=[f"http://{p.http_address}" for p in cluster.lookupds],
+                   lookupd_poll_interval=1, max_in_flight=10)
     try:
-        assert holder.stdout.readline() == b"ready\n"
-        base = f"http://{lookupd.http_address}"
-        for _ in range(200):
-            if json.loads(call(f"{base}/info"))["cluster"]["is_master"]:
-                break
-            await asyncio.sleep(0.05)
-        call(f"{base}/topic/create?topic=cl_pynsq&partition_num=1", "POST")
-        lookup = json.loads(call(f"{base}/lookup?topic=cl_pynsq"))
-        assert lookup["partitions"]["0"]["tcp_port"] == node.tcp_port
-        bodies = {f"m{i}" for i in range(5)}
-        for b in sorted(bodies):
-            urllib.request.urlopen(urllib.request.Request(
-                f"http://{node.http_address}/pub?topic=cl_pynsq", data=b.encode(),
-                method="POST"), timeout=5).read()
-        received = []
-
-        def handler(m):
-            received.append(m.body.decode())
-            return True
-
-        reader = nsq.Reader(topic="cl_pynsq", channel="ch", message_handler=handler,
-                            lookupd_http_addresses=[base], lookupd_poll_interval=1,
-                            max_in_flight=10)
         for _ in range(300):
             if len(received) >= len(bodies):
                 break
             await asyncio.sleep(0.05)
-        assert set(received) == bodies
-        assert {f"{c.host}:{c.port}" for c in reader.conns.values()} == {node.tcp_address}
+        await asyncio.sleep(0.3)  # nothing more may come (exactly once)
+        assert sorted(received) == sorted(bodies)
+        assert {f"{c.host}:{c.port}" for c in r.conns.values()} == {
+            n.tcp_address for n in cluster.nsqds}
     finally:
-        if reader is not None:
-            reader.query_periodic.stop()
-            reader.redist_periodic.stop()
-            for c in list(reader.conns.values()):
-                c.close()
-        holder.kill()
-        holder.wait()
-        lookupd.kill()
-        node.kill()
+        r.query_periodic.stop()
+        r.redist_periodic.stop()
+        for conn in list(r.conns.values()):
+            conn.close()
+
+
+async def test_gnsq_consumer_consumes_every_partition_of_a_cluster(cluster):
+    topic = unique("cl_gnsq")
+    bodies = await publish_everywhere(cluster, topic, 3)
+    result = await run_process([PYTHON, "-c", GNSQ_CONSUMER],
+                               {"topic": topic, "channel": "ch", "count": len(bodies),
+                                "lookupd": cluster.lookupds[1].http_address, "wait": 20},
+                               timeout=40)
+    check(result, bodies, cluster)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+async def test_nsqjs_reader_consumes_every_partition_of_a_cluster(cluster):
+    topic = unique("cl_nsqjs")
+    bodies = await publish_everywhere(cluster, topic, 3)
+    result = await run_process([shutil.which("node"), "-e", NSQJS_CONSUMER],
+                               {"topic": topic, "channel": "ch", "count": len(bodies),
+                                "lookupd": cluster.lookupds[0].http_address, "wait": 20},
+                               timeout=40, cwd=JS_DIR)
+    check(result, bodies, cluster)
+
+
+def test_a_lookup_of_an_unknown_topic_is_classic_404(cluster):
+    assert http_json("GET", f"http://{cluster.lookupds[0].http_address}/lookup?topic=nope") \
+        == (404, {"message": "TOPIC_NOT_FOUND"})
