@@ -33,6 +33,10 @@ Ours, beyond classic:
 - `POST /topic/create?topic=&partition_num=N` (1..1024, else 400 `INVALID_PARTITION_NUM`)
   makes a topic of N partitions, all led here; an existing topic with another count is
   409 `TOPIC_PARTITION_NUM_CONFLICT` (the log line gives both counts).
+- Cluster mode (`--etcd-endpoints`, cluster.py): /topic/create, /topic/delete and
+  /channel/delete act on etcd (cluster-wide; 503 `CLUSTER_UNAVAILABLE` or
+  `TOPIC_CREATE_FAILED` while etcd is away), /info adds `node_id` and `cluster_id`,
+  /stats a `cluster` object.
 - Storage failures: 503 `EXITING` when the log is closing (as classic), 503
   `PUB_FAILED`/`MPUB_FAILED` for other write errors (disk full), 413 `MSG_TOO_BIG`
   when a body exceeds what one record can hold.
@@ -74,6 +78,7 @@ from diskqueue.queue import QueueClosedError
 from . import metrics, stats
 from .httpconn import Server
 from .channel import defer_ext
+from .cluster import ClusterUnavailable
 from .assignment import MAX_PARTITIONS
 from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
@@ -345,6 +350,8 @@ async def do_info(nsqd, request):
         "max_output_buffer_size": o.max_output_buffer_size,
         "max_output_buffer_timeout": o.max_output_buffer_timeout_ms * 1_000_000,
         "max_deflate_level": o.max_deflate_level,
+        **({"node_id": nsqd.cluster.node_id, "cluster_id": nsqd.cluster.cluster_id}
+           if nsqd.cluster is not None else {}),
     }
 
 
@@ -447,7 +454,13 @@ async def do_topic_delete(nsqd, request):
     name = arg(query(request), "topic")
     if name is None:
         raise HTTPError(400, "MISSING_ARG_TOPIC")
-    if not await nsqd.delete_topic(name):
+    in_etcd = False
+    if nsqd.cluster is not None:  # cluster-wide: every node deletes it (cluster.py)
+        try:
+            in_etcd = await nsqd.cluster.delete_topic(name)
+        except ClusterUnavailable:
+            raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+    if not await nsqd.delete_topic(name) and not in_etcd:
         raise HTTPError(404, "TOPIC_NOT_FOUND")
     return None
 
@@ -512,6 +525,11 @@ async def do_topic_reopen(nsqd, request):
 async def do_channel_delete(nsqd, request):
     params, topic, channel_name = _topic_channel(nsqd, request)
     channels = _existing_channels(topic, params, channel_name)
+    if nsqd.cluster is not None:  # cluster-wide: every leader deletes it (cluster.py)
+        try:
+            await nsqd.cluster.delete_channel(topic.name, channel_name)
+        except ClusterUnavailable:
+            raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
     for c in channels:
         await nsqd.delete_channel(topic.name, channel_name, c.partition)
     return None
@@ -601,6 +619,8 @@ async def do_config(nsqd, request, name: str):
                 lookupd_host_port(address)
         except ValueError:
             raise HTTPError(400, "INVALID_VALUE") from None
+        if value and nsqd.cluster is not None:  # cluster mode has no classic lookupds
+            raise HTTPError(400, "INVALID_VALUE")
         o.lookupd_tcp_address = value
         nsqd.lookup.set_addresses(value)
         log.info("config_changed", option=name, value=value)

@@ -118,6 +118,21 @@ def render(stats: dict) -> str:
                    "Bytes free on the file system of the data path.",
                    [({}, stats["data_free_bytes"])])
 
+    cluster = stats.get("cluster")
+    if cluster is not None:
+        out.family("nsqd_cluster_etcd_connected", "gauge",
+                   "1 while the node's watch of etcd is connected.",
+                   [({}, cluster["etcd_connected"])])
+        out.family("nsqd_cluster_lease_ok", "gauge",
+                   "1 while the node's registration lease is held in etcd.",
+                   [({}, cluster["lease_ok"])])
+        out.family("nsqd_cluster_partitions_led", "gauge",
+                   "Partitions this node leads, as etcd assigns them.",
+                   [({}, cluster["partitions_led"])])
+        out.family("nsqd_cluster_problems", "gauge",
+                   "Keys in etcd that do not decode, and topics that could not be applied.",
+                   [({}, len(cluster["problems"]))])
+
     out.family("nsqd_topic_depth", "gauge",
                "Messages held for channels that do not exist yet.",
                [(tl(t), t["depth"]) for t in topics])

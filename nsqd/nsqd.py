@@ -102,6 +102,7 @@ class NSQD:
         self.tls_context = tls_context(options)
         self.identify_limits = identify_limits(self)
         self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
+        self.cluster = None  # cluster.Cluster in cluster mode (--etcd-endpoints)
 
     @property
     def health(self) -> str:
@@ -138,6 +139,11 @@ class NSQD:
                        loop.create_task(self._checkpoint_loop()),
                        loop.create_task(self._retention_loop())]
         self.lookup.set_addresses(self.options.lookupd_tcp_address)
+        if self.options.etcd_endpoints:
+            from .cluster import Cluster
+
+            self.cluster = Cluster(self)
+            await self.cluster.start()
         log.info("started", tcp_port=self.tcp_port, http_port=self.http_port,
                  data_path=self.options.data_path, topics=len(self.topics))
 
@@ -149,6 +155,8 @@ class NSQD:
         if self._stopping:
             return True
         self._stopping = True
+        if self.cluster is not None:  # leaves the cluster at once: its lease is revoked
+            await self.cluster.stop()
         await self.lookup.stop()  # lookups stop pointing consumers here while it drains
         self.tcp_server.close()
         for conn in list(self.connections):
@@ -209,10 +217,18 @@ class NSQD:
 
     async def get_topic(self, name: str, create: bool = True) -> Topic | None:
         """The topic; `create`: auto-create it (one partition, led here) when missing,
-        unless --disable-auto-create (then None, as for create=False)."""
+        unless --disable-auto-create (then None, as for create=False). In cluster mode a
+        missing topic is the one etcd has, or one made there (cluster.py; raises
+        ClusterUnavailable)."""
         topic = self.topics.get(name)
-        if topic is not None or not create or self.options.disable_auto_create:
+        if topic is not None or not create:
             return topic
+        if self.cluster is not None:
+            if not valid_topic_name(name):
+                raise NameError_(name)
+            return await self.cluster.topic(name, not self.options.disable_auto_create)
+        if self.options.disable_auto_create:
+            return None
         if not valid_topic_name(name):
             raise NameError_(name)
         async with self._create_lock:
@@ -224,9 +240,12 @@ class NSQD:
     async def create_topic(self, name: str, partition_num: int | None = None) -> Topic:
         """POST /topic/create: the topic with `partition_num` partitions, all led here
         (None: an existing topic as it is, a new one with one). Raises TopicConflict when
-        it exists with another count, AssignmentError for a count out of range."""
+        it exists with another count, AssignmentError for a count out of range. In
+        cluster mode the topic is made in etcd (cluster.py)."""
         if not valid_topic_name(name):
             raise NameError_(name)
+        if self.cluster is not None:
+            return await self.cluster.create_topic(name, partition_num)
         assignment = Assignment.all_led(partition_num or 1)
         async with self._create_lock:
             topic = self.topics.get(name)
@@ -262,7 +281,11 @@ class NSQD:
         return topic
 
     async def get_channel(self, topic_name: str, channel_name: str,
-                          partition: int | None = None, create: bool = True) -> Channel | None:
+                          partition: int | None = None, create: bool = True,
+                          register: bool = True) -> Channel | None:
+        """The channel of a partition (None: the topic's first), made when missing. In
+        cluster mode a new channel is created in etcd first (`register`; the cluster
+        driver, which makes the channels etcd has, passes False)."""
         while True:
             topic = await self.get_topic(topic_name, create)
             if topic is None:
@@ -279,6 +302,8 @@ class NSQD:
                 return channel
             if not valid_channel_name(channel_name):
                 raise NameError_(channel_name)
+            if self.cluster is not None and register:
+                await self.cluster.ensure_channel(topic_name, channel_name)
             async with self._create_lock:  # waits for a delete of this channel or topic
                 if self.topics.get(topic_name) is not topic:
                     continue  # deleted meanwhile: the channel goes to its successor

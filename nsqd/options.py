@@ -12,7 +12,8 @@ names are refused, as Go does. `--help` shows each default as Go prints it.
 
 A flag the node cannot honour is refused, never accepted and ignored (_REFUSED).
 `--lookupd-tcp-address` (repeatable; config key `nsqlookupd_tcp_addresses`) registers
-the node with each nsqlookupd (lookup.py).
+the node with each nsqlookupd (lookup.py). `--etcd-endpoints` turns on cluster mode
+(cluster.py), which refuses `--lookupd-tcp-address` beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import socket
 import sys
 import tomllib
 from dataclasses import dataclass, field
+
+from isr.etcd import parse_endpoints
+from isr.keys import check_cluster
+from isr.state import MAX_PARTITIONS, MAX_REPLICAS
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_MS = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
@@ -56,6 +61,13 @@ class Options:
     broadcast_tcp_port: int = 0  # 0: the port of tcp_address
     broadcast_http_port: int = 0
     lookupd_tcp_address: list[str] = field(default_factory=list)
+    # cluster mode (cluster.py): on when etcd_endpoints is given
+    etcd_endpoints: str = ""
+    cluster_id: str = "nsq"
+    etcd_lease_ttl_ms: int = 5000
+    rpc_address: str = "0.0.0.0:4250"  # registered in etcd; replication serves it later
+    default_partitions: int = 2  # of a topic auto-created in etcd by a classic PUB or SUB
+    default_replicas: int = 1
     # storage
     data_path: str = "."
     segment_bytes: int = 100 * 1024 * 1024
@@ -135,6 +147,7 @@ _DURATIONS = {
     "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
     "checkpoint_interval": "checkpoint_interval_ms",
+    "etcd_lease_ttl": "etcd_lease_ttl_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create"}
@@ -152,6 +165,15 @@ _HELP = {
     "broadcast_tcp_port": "TCP port this node is known by (0: the port it listens on)",
     "broadcast_http_port": "HTTP port this node is known by (0: the port it listens on)",
     "lookupd_tcp_address": "lookupd TCP address (may be given multiple times)",
+    "etcd_endpoints": "etcd client URLs, comma-separated (http://127.0.0.1:2379): cluster "
+                      "mode, topics and their leaders come from etcd",
+    "cluster_id": "cluster id: the node's keys live under /nsq/<id>/ in etcd",
+    "etcd_lease_ttl": "TTL of the node's etcd lease: a killed node leaves the cluster "
+                      "this long after its last refresh (whole seconds, at least 1s)",
+    "rpc_address": "<addr>:<port> of the replication port, registered in etcd "
+                   "(not served yet)",
+    "default_partitions": "partitions of a topic auto-created in etcd by a PUB or SUB",
+    "default_replicas": "replicas of a topic auto-created in etcd by a PUB or SUB",
     "data_path": "folder for topics, channels and their delay queues",
     "segment_bytes": "size of one data segment file (bytes)",
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
@@ -322,11 +344,37 @@ def build(values: dict) -> Options:
     options = Options(**kwargs)
     for address in options.lookupd_tcp_address:
         lookupd_host_port(address)
+    if options.etcd_endpoints:
+        check_cluster_options(options)
     if options.tls_min_version not in TLS_VERSIONS:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
         raise ValueError("--max-req-timeout must be between 1ms and 7 days (168h)")
     return options
+
+
+def check_cluster_options(options: Options) -> None:
+    """Cluster mode's flags: ValueError naming the first bad one."""
+    if options.lookupd_tcp_address:
+        raise ValueError("--etcd-endpoints (cluster mode) and --lookupd-tcp-address "
+                         "(classic mode) cannot be used together")
+    try:
+        parse_endpoints(options.etcd_endpoints)
+        check_cluster(options.cluster_id)
+    except ValueError as e:
+        raise ValueError(f"--etcd-endpoints/--cluster-id: {e}") from None
+    if options.etcd_lease_ttl_ms < 1000:
+        raise ValueError("--etcd-lease-ttl must be at least 1s")
+    try:
+        host, port = _split(options.rpc_address)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ValueError(f"invalid --rpc-address {options.rpc_address!r} (want host:port)")
+    if not 1 <= options.default_partitions <= MAX_PARTITIONS:
+        raise ValueError(f"--default-partitions must be 1..{MAX_PARTITIONS}")
+    if not 1 <= options.default_replicas <= MAX_REPLICAS:
+        raise ValueError(f"--default-replicas must be 1..{MAX_REPLICAS}")
 
 
 MAX_DELAY_MS = 7 * 24 * 3_600_000  # the longest delay the delay queue accepts

@@ -31,6 +31,7 @@ from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .channel import defer_ext
 from .client import Client
+from .cluster import ClusterUnavailable
 from .identify import IdentifyLimits, initial_settings, negotiate
 from .nsqd import TopicNotFound
 from .topic import PartitionNotFound, PartitionNotLed, StorageError
@@ -396,6 +397,9 @@ class ClientConnection(asyncio.Protocol):
             elif cmd.topic not in self.nsqd.topics:
                 try:
                     topic = await self.nsqd.get_topic(cmd.topic)
+                except ClusterUnavailable as e:  # cluster mode: etcd could not make it
+                    raise errors.ProtocolError("E_TOPIC_NOT_EXIST", f"topic {cmd.topic} does "
+                                               f"not exist: {e}", fatal=False) from None
                 except Exception as e:  # the topic could not be made (disk full, ...)
                     log.error("topic_create_failed", topic=cmd.topic, error=str(e))
                     raise errors.publish_failed(_PUBLISH[type(cmd)], str(e)) from None

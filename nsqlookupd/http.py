@@ -21,13 +21,15 @@ known path with another method 405 METHOD_NOT_ALLOWED with `Allow`. v1.3.0 has n
 forms of the POST actions (they are 405 there too). Any bug is 500 INTERNAL_ERROR, logged.
 
 The handlers read and change the registrations only through the `directory` given to
-start_http (in classic mode the RegistrationDB fed by nsqd over TCP): a directory fed
-from elsewhere (cluster mode) serves the same API through the same handlers.
+start_http (in classic mode the RegistrationDB fed by nsqd over TCP). Requests are routed
+through `lookupd.routes`: ROUTES here, or cluster_http.ROUTES in cluster mode, which keeps
+the read handlers of /topics and /channels and brings its own for the rest.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 
 import structlog
@@ -44,20 +46,26 @@ _V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
 
 
 class HTTPError(Exception):
-    """An answer `{"message": code}` with an HTTP status."""
+    """An answer `{"message": code}` with an HTTP status (cluster mode adds `extra` keys,
+    such as the master's address beside NOT_MASTER)."""
 
-    def __init__(self, status: int, code: str):
+    def __init__(self, status: int, code: str, **extra):
         super().__init__(code)
         self.status = status
         self.code = code
+        self.extra = extra
 
 
-def respond(status: int, data) -> web.Response:
-    """Go's http_api V1 decorator: errors as {"message"}, str as text, None empty, JSON."""
+def respond(status: int, data, extra: dict | None = None) -> web.Response:
+    """Go's http_api V1 decorator: errors as {"message"}, str as text, None empty, JSON;
+    bytes are JSON encoded already (cluster mode's cached /lookup answers)."""
     if status != 200:
-        return web.Response(status=status, body=go_json({"message": str(data)}),
+        return web.Response(status=status, body=go_json({"message": str(data), **(extra or {})}),
                             content_type="application/json", charset="utf-8",
                             headers=_V1_HEADER)
+    if isinstance(data, bytes):
+        return web.Response(status=200, body=data, content_type="application/json",
+                            charset="utf-8", headers=_V1_HEADER)
     if data is None:
         return web.Response(status=200, headers=_V1_HEADER)
     if isinstance(data, str):
@@ -169,8 +177,9 @@ ROUTES = {
 
 
 async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
+    """Route through `lookupd.routes` (ROUTES, or cluster mode's); a handler may be async."""
     path = request.path
-    methods = ROUTES.get(path)
+    methods = lookupd.routes.get(path)
     if methods is None:
         return respond(404, "NOT_FOUND")
     allow = ", ".join(sorted((*methods, "OPTIONS")))
@@ -184,8 +193,10 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
         return web.Response(text="OK")
     try:
         data = methods[request.method](lookupd, _query(request))
+        if inspect.isawaitable(data):
+            data = await data
     except HTTPError as e:
-        return respond(e.status, e.code)
+        return respond(e.status, e.code, e.extra)
     except Exception:  # a bug costs one request, never the server
         log.exception("http_handler_failed", path=path, method=request.method)
         return respond(500, "INTERNAL_ERROR")

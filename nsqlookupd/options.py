@@ -14,6 +14,9 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from isr.etcd import parse_endpoints
+from isr.keys import check_cluster
+
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 
@@ -55,6 +58,16 @@ class Options:
     tombstone_lifetime: float = 45.0  # seconds
     log_level: str = "info"
     log_format: str = "console"
+    # cluster mode (nsqlookupd/cluster.py) when etcd_endpoints is given
+    etcd_endpoints: str = ""
+    cluster_id: str = "nsq"
+    etcd_lease_ttl: float = 5.0  # seconds, whole
+    default_partitions: int = 2
+    default_replicas: int = 1
+
+    @property
+    def cluster_mode(self) -> bool:
+        return bool(self.etcd_endpoints)
 
     @property
     def tcp_host_port(self) -> tuple[str, int]:
@@ -88,9 +101,32 @@ _HELP = {
                           "registration remains",
     "log_level": "debug, info, warning or error",
     "log_format": "console or json",
+    "etcd_endpoints": "etcd client URLs, comma-separated (http://127.0.0.1:2379): "
+                      "cluster mode when given",
+    "cluster_id": "the cluster's name in etcd (keys under /nsq/<id>/)",
+    "etcd_lease_ttl": "lease of this lookupd's registration and master key (whole seconds)",
+    "default_partitions": "partitions of a /topic/create without partition_num (cluster mode)",
+    "default_replicas": "replicas of a /topic/create without replicator (cluster mode)",
 }
+def _lease_ttl(text: str) -> float:
+    seconds = parse_duration_s(text)
+    if seconds < 1 or seconds != int(seconds):
+        raise argparse.ArgumentTypeError(f"invalid lease ttl {text!r} (whole seconds, >= 1s)")
+    return seconds
+
+
+def _count(lo: int, hi: int):
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\d+", text) or not lo <= int(text) <= hi:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} (want {lo}..{hi})")
+        return int(text)
+    return parse
+
+
 _TYPES = {"tcp_address": _address, "http_address": _address,
-          "inactive_producer_timeout": parse_duration_s, "tombstone_lifetime": parse_duration_s}
+          "inactive_producer_timeout": parse_duration_s, "tombstone_lifetime": parse_duration_s,
+          "etcd_lease_ttl": _lease_ttl, "default_partitions": _count(1, 1024),
+          "default_replicas": _count(1, 5)}
 _CHOICES = {"log_level": ("debug", "info", "warning", "error"),
             "log_format": ("console", "json")}
 
@@ -106,11 +142,13 @@ def parser(version: str) -> argparse.ArgumentParser:
             shown = f" (default {go_duration(default)})"
         elif isinstance(default, str):
             shown = f' (default "{default}")'
+        elif isinstance(default, int):
+            shown = f" (default {default})"
         else:
             shown = ""
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=argparse.SUPPRESS,
                        type=_TYPES.get(f.name, str), choices=_CHOICES.get(f.name),
-                       metavar="duration" if f.type in ("float", float) else "string",
+                       metavar={"float": "duration", "int": "int"}.get(f.type, "string"),
                        help=_HELP[f.name] + shown)
     return p
 
@@ -139,4 +177,11 @@ def from_args(argv: list[str], version: str) -> Options:
     """Options from the command line; argparse exits 2 (with one line) on a bad flag."""
     p = parser(version)
     known = {o for a in p._actions for o in a.option_strings}
-    return Options(**vars(p.parse_args(go_style(argv, known))))
+    options = Options(**vars(p.parse_args(go_style(argv, known))))
+    if options.cluster_mode:
+        try:
+            parse_endpoints(options.etcd_endpoints)
+            check_cluster(options.cluster_id)
+        except ValueError as e:
+            p.error(str(e))
+    return options

@@ -3,7 +3,8 @@ PeerConnection per socket.
 
 Bytes in go to the sans-I/O LookupParser (nsqwire/lookupd.py); each command changes the
 RegistrationDB and is answered in order. Every error is sent, then the connection is
-closed (all V1 errors are fatal, as in Go nsqlookupd). When the connection closes, its
+closed (all V1 errors are fatal, as in Go nsqlookupd). In cluster mode IDENTIFY is
+refused (E_INVALID): nodes register in etcd. When the connection closes, its
 nsqd produces nothing any more: every registration of it is removed. Reading pauses
 while the answers wait to be written, so a peer that does not read costs bounded memory.
 """
@@ -81,6 +82,9 @@ class PeerConnection(asyncio.Protocol):
                 db.ping(self.peer, time.time())
             return v1.encode_response(v1.OK)
         if isinstance(command, v1.Identify):
+            if self.lookupd.cluster is not None:
+                raise ProtocolError("E_INVALID", "cluster mode: nsqd registers in etcd "
+                                                 "(--etcd-endpoints), not over TCP")
             self.peer = PeerInfo(id=self.address, remote_address=self.address,
                                  last_update=time.time(), **command.info)
             db.identify(self.peer)

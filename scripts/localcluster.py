@@ -12,7 +12,8 @@ Ports: the classic ones for the first process of each kind (nsqd 4150/4151, repl
 4250; nsqlookupd 4160/4161; etcd 2379/2380), then the next free ones. The ports chosen are
 kept in `<data>/cluster.json` and taken again on the next start when free, because a
 node's id is its address: a restart keeps the cluster. `--free-ports` takes any free
-ports (tests). `cluster.json` also lists each process's pid, for tools and tests.
+ports instead of the classic ones (tests); the ports of the last run still come first.
+`cluster.json` also lists each process's pid, for tools and tests.
 """
 
 from __future__ import annotations
@@ -46,26 +47,29 @@ def bindable(port: int) -> bool:
 
 
 class Ports:
-    """Hands out ports: a wanted one when free, else the next free one above it."""
+    """Hands out ports: the one a process had in the last run when it is free; else the
+    classic one or the next free one above it (any free one with `any_free`)."""
 
     def __init__(self, any_free: bool):
         self.any_free = any_free
         self.taken: set[int] = set()
 
-    def take(self, wanted: int) -> int:
-        port = 0 if self.any_free else wanted
+    def take(self, previous: int | None, classic: int) -> int:
+        if previous and previous not in self.taken and bindable(previous):
+            return self._taken(previous)
+        port = classic
         while True:
-            if port == 0:
+            if self.any_free:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
-                    candidate = s.getsockname()[1]
-            else:
-                candidate = port
-            if candidate not in self.taken and bindable(candidate):
-                self.taken.add(candidate)
-                return candidate
-            if port:
-                port += 1
+                    port = s.getsockname()[1]
+            if port not in self.taken and bindable(port):
+                return self._taken(port)
+            port += 1
+
+    def _taken(self, port: int) -> int:
+        self.taken.add(port)
+        return port
 
 
 class Child:
@@ -138,7 +142,7 @@ def plan(args) -> list[Child]:
     ports = Ports(args.free_ports)
 
     def take(name: str, key: str, classic: int, index: int) -> int:
-        return ports.take(previous.get(name, {}).get(key) or classic + 2 * index)
+        return ports.take(previous.get(name, {}).get(key), classic + 2 * index)
 
     py = sys.executable
     etcd_bin = shutil.which("etcd")
@@ -195,9 +199,25 @@ def write_state(data: str, children: list[Child]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def master_http(lookupd_http: list[str]) -> str:
+    """The master nsqlookupd's HTTP address (writes go there), once one is elected."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{lookupd_http[0]}/listlookup", timeout=1) as r:
+                leader = json.loads(r.read()).get("lookupdleader")
+            if leader:
+                return f"{leader['NodeIP']}:{leader['HttpPort']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        time.sleep(0.1)
+    return lookupd_http[0]
+
+
 def banner(args, children: list[Child]) -> str:
     by_role = {r: [c for c in children if c.role == r] for r in ("etcd", "nsqlookupd", "nsqd")}
     lookupd_http = [f"127.0.0.1:{c.ports['http']}" for c in by_role["nsqlookupd"]]
+    master = master_http(lookupd_http)
     lines = ["local cluster running (Ctrl-C stops everything):",
              f"  etcd        http://127.0.0.1:{by_role['etcd'][0].ports['client']}"
              f"  (cluster id {args.cluster_id})"]
@@ -207,12 +227,13 @@ def banner(args, children: list[Child]) -> str:
     for c in by_role["nsqd"]:
         lines.append(f"  {c.name:<11} TCP 127.0.0.1:{c.ports['tcp']}  HTTP "
                      f"http://127.0.0.1:{c.ports['http']}  replication 127.0.0.1:{c.ports['rpc']}")
-    first_lookupd, first_nsqd = lookupd_http[0], by_role["nsqd"][0].ports
+    first_nsqd = by_role["nsqd"][0].ports
     lines += [
         f"  data and logs: {os.path.abspath(args.data)}  (process list: cluster.json)",
         "try:",
-        f"  curl -X POST 'http://{first_lookupd}/topic/create?topic=orders&partition_num=6'",
-        f"  curl 'http://{first_lookupd}/lookup?topic=orders'",
+        f"  curl -X POST 'http://{master}/topic/create?topic=orders&partition_num=6'"
+        "    (on the master nsqlookupd)",
+        f"  curl 'http://{lookupd_http[-1]}/lookup?topic=orders'    (on any nsqlookupd)",
         f"  curl -d 'hello' 'http://127.0.0.1:{first_nsqd['http']}/pub?topic=events'"
         "    (auto-creates the topic)",
         f"  curl 'http://127.0.0.1:{first_nsqd['http']}/stats?format=json'",

@@ -1,0 +1,354 @@
+"""Cluster mode (`--etcd-endpoints`): the driver between this node and the cluster's
+metadata in etcd (isr/README.md has the key tree).
+
+It owns three things, all through isr, never blocking the event loop:
+- the node's registration: `nodes/<node-id>` = NodeInfo under a kept lease (a clean stop
+  revokes it, so the node leaves at once; a killed node's key expires after the TTL);
+- a ClusterMirror of the whole cluster, which every decision reads (never etcd per
+  request);
+- the apply loop: after each view change, for every topic in etcd, the node serves
+  `partition_num` and exactly the partitions whose state names it leader
+  (NSQD.apply_assignment), with every channel of etcd on every led partition and no
+  other (ephemeral channels stay local); a topic deleted in etcd is deleted here; a
+  local topic etcd never showed (left from an earlier run) is kept on disk and leads
+  nothing.
+
+Writes go to etcd first and are served here once the mirror shows them: a classic PUB or
+SUB of an unknown topic creates it in etcd (default partitions and replicas, placed over
+the live nodes, this node leading at least one partition) and waits (5 s at most) until
+the node serves it; a channel made by SUB or /channel/create is created in etcd before
+it is made here, so the apply loop never takes it for a deleted one. When etcd is away
+the node keeps serving its last view (at start: the assignments stored by the last run);
+writes fail with ClusterUnavailable ("cluster metadata unavailable"), and the mirror
+resyncs when etcd is back. A key that does not decode is reported (`bad_metadata` log
+line, /stats `cluster.problems`), never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import structlog
+
+from isr import keys
+from isr.etcd import Etcd, EtcdError
+from isr.metadata import ClusterView, Metadata, TopicExists, TopicNotFound
+from isr.mirror import ClusterMirror
+from isr.placement import load_of, place
+from isr.registry import Registration
+from isr.state import ChannelMeta, NodeInfo, TopicMeta
+
+from .assignment import Assignment
+from .nsqd import TopicConflict
+from .topic import StorageError
+
+log = structlog.get_logger("nsqd.cluster")
+
+WAIT_S = 5.0  # longest a request waits for etcd's answer to show in the mirror
+RETRY_S = 1.0  # an apply pass that failed for a topic is tried again after this
+
+
+class ClusterUnavailable(StorageError):
+    """A write to the cluster's metadata that could not be done (etcd away, no placement)."""
+
+
+def _rpc_address(rpc: str, broadcast_host: str) -> str:
+    host, _, port = rpc.rpartition(":")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = broadcast_host
+    return f"{host}:{port}"
+
+
+class Cluster:
+    """The cluster driver of one NSQD (see the module docstring). `start()` once the node
+    listens (the node id needs its TCP port); `stop()` before the node drains."""
+
+    def __init__(self, nsqd):
+        self.nsqd = nsqd
+        o = nsqd.options
+        self.cluster_id = o.cluster_id
+        self.etcd = Etcd(o.etcd_endpoints)
+        self.metadata = Metadata(self.etcd, o.cluster_id)
+        self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
+        self.ttl = max(1, o.etcd_lease_ttl_ms // 1000)
+        self.node: NodeInfo | None = None
+        self.registration: Registration | None = None
+        self.applied: set[str] = set()  # topics of etcd served as the last pass saw them
+        self.applied_revision = 0
+        self.errors: dict[str, str] = {}  # topic -> why the last pass could not apply it
+        self._seen: set[str] = set()  # topics some view showed: gone later = deleted
+        self._dirty = asyncio.Event()
+        self._viewed = asyncio.Event()  # pulsed after each mirror rebuild
+        self._passed = asyncio.Event()  # pulsed after each apply pass
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id if self.node is not None else ""
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        o = self.nsqd.options
+        host = o.broadcast_address
+        tcp = f"{host}:{o.broadcast_tcp_port or self.nsqd.tcp_port}"
+        self.node = NodeInfo(id=keys.check_node_id(tcp), tcp=tcp,
+                             http=f"{host}:{o.broadcast_http_port or self.nsqd.http_port}",
+                             rpc=_rpc_address(o.rpc_address, host),
+                             hostname=socket.gethostname()[:255], version=self.nsqd.version)
+        self.registration = Registration(self.etcd, keys.node(self.cluster_id, self.node.id),
+                                         self.node.encode(), self.ttl).start()
+        self.mirror.start()
+        self._tasks = [asyncio.create_task(self._apply_loop(), name="cluster apply"),
+                       asyncio.create_task(self._report_start(), name="cluster start report")]
+        log.info("cluster_started", node_id=self.node.id, cluster_id=self.cluster_id,
+                 endpoints=o.etcd_endpoints, lease_ttl_s=self.ttl)
+
+    async def stop(self) -> None:
+        """Leave the cluster at once (the lease is revoked), then stop watching. A pass
+        of the apply loop under way is let finish (WAIT_S at most), not cut in half."""
+        self._stopping = True
+        self._dirty.set()
+        apply_task, *others = self._tasks or [None]
+        for task in others:
+            task.cancel()
+        if apply_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(apply_task), WAIT_S)
+            except asyncio.TimeoutError:
+                apply_task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.registration is not None:
+            await self.registration.close()
+        await self.mirror.close()
+        await self.etcd.close()
+        log.info("cluster_stopped", node_id=self.node_id)
+
+    async def _report_start(self) -> None:
+        """One clear line when etcd does not answer at start (isr keeps retrying)."""
+        if not await self.registration.wait_registered(2.0):
+            log.error("cluster_etcd_unreachable", endpoints=self.nsqd.options.etcd_endpoints,
+                      error=self.registration.last_error,
+                      serving="the assignments stored by the last run", retrying=True)
+            await self.registration.registered.wait()
+            log.info("cluster_etcd_reachable", node_id=self.node_id)
+
+    # ---- applying the view -----------------------------------------------
+
+    def _on_change(self, view: ClusterView) -> None:
+        self._dirty.set()
+        self._viewed.set()
+        self._viewed = asyncio.Event()
+
+    async def _apply_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if self._stopping:
+                return
+            view = self.mirror.view
+            try:
+                await self._apply(view)
+            except Exception as e:  # a bug must not end the loop: said, retried
+                log.exception("cluster_apply_failed")
+                self.errors["*"] = f"{type(e).__name__}: {e}"
+            self._passed.set()
+            self._passed = asyncio.Event()
+            if self.errors:
+                await asyncio.sleep(RETRY_S)
+                self._dirty.set()
+
+    async def _apply(self, view: ClusterView) -> None:
+        self.errors = {}
+        applied = set()
+        for name, tv in view.topics.items():
+            try:
+                await self._apply_topic(name, tv)
+                applied.add(name)
+            except Exception as e:
+                log.error("cluster_topic_apply_failed", topic=name,
+                          error=f"{type(e).__name__}: {e}")
+                self.errors[name] = f"{type(e).__name__}: {e}"
+        for name, topic in list(self.nsqd.topics.items()):
+            if name in view.topics:
+                continue
+            if name in self._seen:  # deleted in etcd
+                await self.nsqd.delete_topic(name)
+                log.info("cluster_topic_deleted", topic=name)
+            elif topic.assignment.leading:  # never in etcd: kept on disk, led by nobody
+                await self.nsqd.apply_assignment(name, topic.assignment.partition_num, ())
+                log.warning("cluster_topic_unknown", topic=name,
+                            action="closed; its data stays on disk")
+        self._seen = (self._seen & set(self.nsqd.topics)) | set(view.topics)
+        self.applied = applied
+        self.applied_revision = view.revision
+
+    async def _apply_topic(self, name: str, tv) -> None:
+        leading = {n for n, s in tv.partitions.items() if s.leader == self.node_id}
+        want = Assignment(tv.meta.partitions, frozenset(leading), tv.meta.ordered)
+        topic = self.nsqd.topics.get(name)
+        if topic is None or topic.assignment != want:
+            topic = await self.nsqd.apply_assignment(name, want.partition_num, want.leading,
+                                                     want.ordered)
+        # Channels: decided on the latest view, not the pass's (a SUB may have added one).
+        for n in sorted(topic.writable):
+            now = self.mirror.view.topics.get(name)
+            if now is None:
+                return
+            p = topic.writable.get(n)
+            for channel in sorted(set(now.channels) - set(p.channels if p else ())):
+                await self.nsqd.get_channel(name, channel, n, register=False)
+        for channel in sorted({c.name for c in topic.channels() if not c.ephemeral}):
+            now = self.mirror.view.topics.get(name)
+            if now is None or channel in now.channels:
+                continue
+            for n in sorted(topic.partitions):
+                await self.nsqd.delete_channel(name, channel, n)
+            log.info("cluster_channel_deleted", topic=name, channel=channel)
+
+    async def _until(self, event_of, ready, what: str) -> None:
+        """Wait (WAIT_S at most) until `ready()`, checking after each pulse of the event
+        `event_of()` returns; ClusterUnavailable when it does not come."""
+        deadline = time.monotonic() + WAIT_S
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClusterUnavailable(f"cluster metadata unavailable: {what} not seen "
+                                         f"within {WAIT_S:g}s")
+            try:
+                await asyncio.wait_for(event_of().wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _check_connected(self) -> ClusterView:
+        view = self.mirror.view
+        if view is None or not self.mirror.connected:
+            raise ClusterUnavailable("cluster metadata unavailable: etcd is not reachable")
+        return view
+
+    # ---- what requests ask -----------------------------------------------
+
+    async def topic(self, name: str, create: bool):
+        """A topic this node does not have yet (NSQD.get_topic): the one etcd has, or,
+        with `create`, a new one made in etcd with the defaults; None when etcd has none
+        and `create` is False. Raises ClusterUnavailable."""
+        view = self.mirror.view
+        if view is None or name not in view.topics:
+            if not create:
+                return None
+            await self._create(name, self.nsqd.options.default_partitions)
+        await self._until(lambda: self._passed,
+                          lambda: name in self.applied and name in self.nsqd.topics,
+                          f"topic {name}")
+        return self.nsqd.topics[name]
+
+    async def create_topic(self, name: str, partition_num: int | None):
+        """/topic/create in cluster mode: the topic in etcd (made when missing), then
+        served here. Raises TopicConflict, ClusterUnavailable."""
+        view = self.mirror.view
+        tv = view.topics.get(name) if view is not None else None
+        if tv is None:
+            await self._create(name, partition_num or self.nsqd.options.default_partitions)
+        elif partition_num is not None and tv.meta.partitions != partition_num:
+            raise TopicConflict(f"topic {name} exists in etcd with partition_num "
+                                  f"{tv.meta.partitions}, not {partition_num}")
+        return await self.topic(name, create=False)
+
+    async def _create(self, name: str, partition_num: int) -> None:
+        """The topic in etcd, placed over the live nodes, this node leading at least one
+        partition (so the classic client that asked is served here)."""
+        view = self._check_connected()
+        live = sorted(view.nodes)
+        if self.node_id not in live:
+            raise ClusterUnavailable("cluster metadata unavailable: this node is not "
+                                     "registered in etcd yet")
+        replicas = self.nsqd.options.default_replicas
+        states = [s for t in view.topics.values() for s in t.partitions.values()]
+        try:
+            placement = place(live, partition_num, replicas, load_of(states))
+        except ValueError as e:
+            raise ClusterUnavailable(f"topic {name} cannot be placed: {e}") from None
+        if not any(r[0] == self.node_id for r in placement):
+            mine = next((i for i, r in enumerate(placement) if self.node_id in r), None)
+            if mine is None:
+                placement[0][0] = self.node_id
+            else:
+                placement[mine].remove(self.node_id)
+                placement[mine].insert(0, self.node_id)
+        meta = TopicMeta(partitions=partition_num, replicas=replicas)
+        try:
+            revision = await self.metadata.create_topic(name, meta, placement)
+        except TopicExists:
+            return  # made meanwhile by someone else: served as etcd has it
+        except EtcdError as e:
+            raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
+        log.info("cluster_topic_created", topic=name, partition_num=partition_num,
+                 replicas=replicas, leaders=[r[0] for r in placement], revision=revision)
+
+    async def ensure_channel(self, topic: str, channel: str) -> None:
+        """Before a channel is made here (SUB, /channel/create): it exists in etcd and the
+        mirror shows it. Ephemeral channels are this node's alone. Raises
+        ClusterUnavailable."""
+        if channel.endswith("#ephemeral"):
+            return
+
+        def shown() -> bool:
+            tv = self.mirror.view.topics.get(topic) if self.mirror.view else None
+            return tv is not None and channel in tv.channels
+
+        if shown():
+            return
+        self._check_connected()
+        try:
+            await self.metadata.create_channel(
+                topic, channel, ChannelMeta(created_ms=int(time.time() * 1000)))
+        except TopicNotFound:
+            raise ClusterUnavailable(f"topic {topic} is not in the cluster metadata") from None
+        except EtcdError as e:
+            raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
+        log.info("cluster_channel_created", topic=topic, channel=channel)
+        await self._until(lambda: self._viewed, shown, f"channel {topic}/{channel}")
+
+    async def delete_topic(self, name: str) -> bool:
+        """/topic/delete in cluster mode: delete it in etcd (every node deletes it)."""
+        try:
+            return await self.metadata.delete_topic(name)
+        except EtcdError as e:
+            raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
+
+    async def delete_channel(self, topic: str, channel: str) -> bool:
+        """/channel/delete in cluster mode: delete it in etcd (every leader deletes it)."""
+        if channel.endswith("#ephemeral"):
+            return False
+        try:
+            return await self.metadata.delete_channel(topic, channel)
+        except EtcdError as e:
+            raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
+
+    # ---- what /stats shows -----------------------------------------------
+
+    def state(self) -> dict:
+        view = self.mirror.view
+        led = {name: sorted(t.assignment.leading) for name, t in self.nsqd.topics.items()
+               if t.assignment.leading}
+        problems = list(view.problems) if view is not None else []
+        problems += [f"topic {t}: {e}" for t, e in sorted(self.errors.items())]
+        reg = self.registration
+        return {
+            "node_id": self.node_id,
+            "cluster_id": self.cluster_id,
+            "etcd_endpoints": self.nsqd.options.etcd_endpoints,
+            "etcd_connected": self.mirror.connected,
+            "lease_ok": bool(reg and reg.registered.is_set()),
+            "lease_ttl_s": self.ttl,
+            "etcd_error": reg.last_error if reg else None,
+            "revision": self.applied_revision,
+            "live_nodes": sorted(view.nodes) if view is not None else [],
+            "topics_led": len(led),
+            "partitions_led": sum(len(v) for v in led.values()),
+            "led": led,
+            "problems": problems,
+        }

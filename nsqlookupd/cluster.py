@@ -1,0 +1,221 @@
+"""Cluster mode: this nsqlookupd's place in an etcd-held cluster (isr/ does the etcd work).
+
+`Cluster` registers the lookupd's LookupdInfo under a lease, campaigns for the master
+key, and keeps a ClusterMirror whose every new view becomes a new `ClusterDirectory`:
+every read of the HTTP API is served from it, never from etcd. Writes (topic and channel
+create and delete) are the master's alone and go to etcd as one transaction each; a
+write returns once this lookupd's own mirror shows it (bounded), so a read that follows
+on the same lookupd sees it.
+
+Invariants:
+- a non-master never writes metadata: it answers 503 NOT_MASTER with the master's HTTP
+  address (null while there is none);
+- a new topic's placement counts the partitions every live node already holds;
+- etcd unreachable: reads go on from the last view (`info()` says so), writes get 503
+  CLUSTER_METADATA_UNAVAILABLE; the mirror, the registration and the election resume
+  on their own when etcd is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import structlog
+
+from isr import keys
+from isr.election import Election
+from isr.etcd import Etcd, EtcdError
+from isr.metadata import ClusterView, Metadata, TopicExists, TopicNotFound
+from isr.mirror import ClusterMirror
+from isr.placement import load_of, place
+from isr.registry import Registration
+from isr.state import ChannelMeta, LookupdInfo, TopicMeta
+
+from .directory import ClusterDirectory
+from .http import HTTPError
+
+log = structlog.get_logger("nsqlookupd.cluster")
+
+SEEN_TIMEOUT = 3.0  # seconds a write waits for the mirror to show it
+
+
+class Cluster:
+    """The driver: registration, election, mirror; the master's writes."""
+
+    def __init__(self, options, version: str):
+        self.cluster_id = keys.check_cluster(options.cluster_id)
+        self.ttl = int(options.etcd_lease_ttl)
+        self.version = version
+        self.etcd = Etcd(options.etcd_endpoints, timeout=max(1.0, min(3.0, self.ttl / 2)))
+        self.metadata = Metadata(self.etcd, self.cluster_id)
+        self.directory = ClusterDirectory(None)
+        self.info: LookupdInfo | None = None
+        self.registration: Registration | None = None
+        self.election: Election | None = None
+        self.mirror: ClusterMirror | None = None
+
+    async def start(self, broadcast_address: str, tcp_port: int, http_port: int) -> None:
+        lookupd_id = keys.check_node_id(f"{broadcast_address}:{tcp_port}")
+        self.info = LookupdInfo(id=lookupd_id, tcp=lookupd_id,
+                                http=f"{broadcast_address}:{http_port}",
+                                hostname=socket.gethostname()[:255], version=self.version)
+        self.mirror = ClusterMirror(self.etcd, self.cluster_id, on_change=self._on_view).start()
+        self.registration = Registration(self.etcd, keys.lookupd(self.cluster_id, lookupd_id),
+                                         self.info.encode(), self.ttl).start()
+        self.election = Election(self.etcd, keys.lookupd_master(self.cluster_id), lookupd_id,
+                                 self.ttl).start()
+        log.info("cluster_mode", cluster=self.cluster_id, id=lookupd_id, ttl=self.ttl,
+                 etcd=self.etcd.endpoint)
+
+    async def close(self) -> None:
+        """Resign (the master key goes at once), unregister, stop watching."""
+        for part in (self.election, self.registration, self.mirror):
+            if part is not None:
+                await part.close()
+        await self.etcd.close()
+
+    def _on_view(self, view: ClusterView) -> None:
+        self.directory = ClusterDirectory(view)
+
+    # ---- reads ---------------------------------------------------------------------
+
+    @property
+    def is_master(self) -> bool:
+        return self.election is not None and self.election.is_master
+
+    def master_http_address(self) -> str | None:
+        master = self.election.master_id if self.election is not None else None
+        view = self.directory.view
+        if master is None or view is None or master not in view.lookupds:
+            return None
+        return view.lookupds[master].http
+
+    def status(self) -> dict:
+        """What /info shows of the cluster: roles, freshness of the view, what is wrong."""
+        view = self.directory.view
+        connected = self.mirror is not None and self.mirror.connected
+        if view is None:
+            freshness = "not read yet (etcd unreachable)"
+        elif connected:
+            freshness = "current"
+        else:
+            freshness = "last known view: etcd unreachable, serving it until etcd is back"
+        return {"cluster_id": self.cluster_id, "id": self.info.id if self.info else None,
+                "is_master": self.is_master,
+                "master": self.election.master_id if self.election else None,
+                "master_http_address": self.master_http_address(),
+                "registered": bool(self.registration and self.registration.registered.is_set()),
+                "etcd_connected": connected, "view": freshness,
+                "view_revision": view.revision if view else 0,
+                "nodes": len(view.nodes) if view else 0,
+                "topics": len(view.topics) if view else 0,
+                "leaderless": self.directory.leaderless(),
+                "problems": self.directory.problems()}
+
+    def listlookup(self) -> dict:
+        view = self.directory.view
+        lookupds = view.lookupds if view is not None else {}
+
+        def entry(info: LookupdInfo) -> dict:
+            host, _, tcp_port = info.tcp.rpartition(":")
+            return {"ID": info.id, "NodeIP": host, "TcpPort": tcp_port,
+                    "HttpPort": info.http.rpartition(":")[2]}
+
+        master = self.election.master_id if self.election else None
+        return {"lookupdnodes": [entry(lookupds[i]) for i in sorted(lookupds)],
+                "lookupdleader": entry(lookupds[master]) if master in lookupds else None}
+
+    # ---- writes (master only) --------------------------------------------------------
+
+    def _master_view(self) -> ClusterView:
+        if not self.is_master:
+            raise HTTPError(503, "NOT_MASTER", master_http_address=self.master_http_address())
+        view = self.directory.view
+        if view is None or not self.mirror.connected:
+            raise HTTPError(503, "CLUSTER_METADATA_UNAVAILABLE",
+                            error="etcd unreachable: no current view of the cluster")
+        return view
+
+    async def create_topic(self, topic: str, meta: TopicMeta) -> bool:
+        """Place and write a new topic: False if it exists already with these settings."""
+        view = self._master_view()
+        existing = view.topics.get(topic)
+        if existing is not None:
+            return self._same_topic(topic, existing.meta, meta)
+        live = sorted(view.nodes)
+        if meta.replicas > len(live):
+            raise HTTPError(400, "INVALID_ARG_REPLICATOR",
+                            detail=f"replicas {meta.replicas} > live nodes {len(live)}")
+        load = load_of(s for t in view.topics.values() for s in t.partitions.values())
+        placement = place(live, meta.partitions, meta.replicas, load)
+        try:
+            await self.metadata.create_topic(topic, meta, placement)
+        except TopicExists:
+            await self._until_seen(lambda v: topic in v.topics)
+            return self._same_topic(topic, self.directory.view.topics[topic].meta, meta)
+        except EtcdError as e:
+            raise _unavailable(e) from None
+        log.info("topic_created", topic=topic, partitions=meta.partitions,
+                 replicas=meta.replicas, leaders=[r[0] for r in placement])
+        await self._until_seen(lambda v: topic in v.topics)
+        return True
+
+    @staticmethod
+    def _same_topic(topic: str, existing: TopicMeta, asked: TopicMeta) -> bool:
+        if existing != asked:
+            raise HTTPError(409, "TOPIC_EXISTS",
+                            detail=f"{topic} exists with partition_num {existing.partitions}, "
+                                   f"replicator {existing.replicas}")
+        return False
+
+    async def delete_topic(self, topic: str) -> bool:
+        self._master_view()
+        try:
+            deleted = await self.metadata.delete_topic(topic)
+        except EtcdError as e:
+            raise _unavailable(e) from None
+        log.info("topic_deleted", topic=topic, existed=deleted)
+        await self._until_seen(lambda v: topic not in v.topics)
+        return deleted
+
+    async def create_channel(self, topic: str, channel: str) -> bool:
+        self._master_view()
+        meta = ChannelMeta(created_ms=int(time.time() * 1000))
+        try:
+            created = await self.metadata.create_channel(topic, channel, meta)
+        except TopicNotFound:
+            raise HTTPError(404, "TOPIC_NOT_FOUND") from None
+        except EtcdError as e:
+            raise _unavailable(e) from None
+        log.info("channel_created", topic=topic, channel=channel, new=created)
+        await self._until_seen(lambda v: topic not in v.topics
+                               or channel in v.topics[topic].channels)
+        return created
+
+    async def delete_channel(self, topic: str, channel: str) -> bool:
+        self._master_view()
+        try:
+            deleted = await self.metadata.delete_channel(topic, channel)
+        except EtcdError as e:
+            raise _unavailable(e) from None
+        if deleted:
+            log.info("channel_deleted", topic=topic, channel=channel)
+            await self._until_seen(lambda v: topic not in v.topics
+                                   or channel not in v.topics[topic].channels)
+        return deleted
+
+    async def _until_seen(self, seen) -> None:
+        """Wait (bounded) until this lookupd's view satisfies `seen`."""
+        deadline = asyncio.get_running_loop().time() + SEEN_TIMEOUT
+        while asyncio.get_running_loop().time() < deadline:
+            view = self.directory.view
+            if view is not None and seen(view):
+                return
+            await asyncio.sleep(0.01)
+        log.warning("write_not_seen_yet", timeout_s=SEEN_TIMEOUT)
+
+
+def _unavailable(e: EtcdError) -> HTTPError:
+    return HTTPError(503, "CLUSTER_METADATA_UNAVAILABLE", error=f"etcd: {e}")

@@ -1,0 +1,100 @@
+"""The cluster end to end, all real processes (tests/cluster.py): etcd, two nsqlookupds,
+three nsqds in cluster mode.
+
+- topics of 1, 4 and 16 partitions: every partition has exactly one leader, leaders are
+  spread evenly (placement counts existing load: over all topics, per node within 1), the nodes agree with /lookup about what they lead,
+  and a partition takes PUB on its leader only (E_FAILED_ON_NOT_LEADER elsewhere);
+- kill -9 of an nsqd: its partitions are leaderless on every nsqlookupd within the lease
+  TTL (failover is the next issue), and the other leaders keep taking PUBs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from cluster import LEASE_TTL_S, Cluster, http_json, wait_until
+from nsqclient.conn import Connection, NSQError
+from nsqwire import commands as c
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cl = Cluster(str(tmp_path)).start()
+    yield cl
+    cl.stop()
+
+
+async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    conn = await Connection(host, int(port)).connect()
+    try:
+        return await conn.command(c.cmd_pub(topic, body, partition=partition))
+    finally:
+        await conn.close()
+
+
+def led_by_node(cl: Cluster, topic: str) -> dict[str, list[int]]:
+    """What each nsqd says it leads of `topic` (/stats cluster.led)."""
+    out = {}
+    for n in cl.nsqds:
+        status, stats = http_json("GET", f"http://{n.http_address}/stats?format=json")
+        assert status == 200
+        out[n.tcp_address] = stats["cluster"]["led"].get(topic, [])
+    return out
+
+
+async def test_partitions_have_one_leader_each_spread_evenly(cluster):
+    total = Counter()
+    for topic, n in (("t1", 1), ("t4", 4), ("t16", 16)):
+        status, body = cluster.create_topic(topic, n)
+        assert status == 200, body
+        leaders = wait_until(lambda: len(cluster.leaders(topic)) == n and cluster.leaders(topic),
+                             5, f"{topic}: every partition with a leader")
+        for i in range(len(cluster.lookupds)):  # every lookupd gives the same answer
+            status, answer = cluster.lookupd_get(f"/lookup?topic={topic}", i)
+            assert status == 200 and answer["meta"]["partition_num"] == n
+            assert {int(k): f"127.0.0.1:{v['tcp_port']}" for k, v in
+                    answer["partitions"].items()} == leaders
+        # placement counts what the nodes already lead: over every topic so far, the
+        # nodes lead within 1 of each other
+        total.update(leaders.values())
+        counts = [total.get(node.tcp_address, 0) for node in cluster.nsqds]
+        assert max(counts) - min(counts) <= 1, (topic, counts)
+        # the nodes lead exactly what the lookupds say (once their view has the topic)
+        expected = {node.tcp_address: sorted(p for p, a in leaders.items()
+                                             if a == node.tcp_address) for node in cluster.nsqds}
+        wait_until(lambda: led_by_node(cluster, topic) == expected, 5,
+                   f"{topic}: the nodes lead what /lookup says")
+        for partition, leader in leaders.items():
+            assert await pub(leader, topic, partition, b"x") == b"OK"
+            other = next(node.tcp_address for node in cluster.nsqds
+                         if node.tcp_address != leader)
+            with pytest.raises(NSQError, match="E_FAILED_ON_NOT_LEADER"):
+                await pub(other, topic, partition, b"x")
+
+
+async def test_a_killed_nsqd_leaves_its_partitions_leaderless_and_the_others_serve(cluster):
+    status, body = cluster.create_topic("orders", 6)
+    assert status == 200, body
+    leaders = wait_until(lambda: len(cluster.leaders("orders")) == 6 and
+                         cluster.leaders("orders"), 5, "every partition with a leader")
+    victim = cluster.nsqds[0]
+    lost = sorted(p for p, a in leaders.items() if a == victim.tcp_address)
+    kept = {p: a for p, a in leaders.items() if a != victim.tcp_address}
+    assert lost and kept
+    victim.kill()
+    killed_at = time.monotonic()
+    for i in range(len(cluster.lookupds)):
+        wait_until(lambda: sorted(set(range(6)) - {
+            int(k) for k in cluster.lookupd_get("/lookup?topic=orders", i)[1]
+            .get("partitions", {})}) == lost, LEASE_TTL_S + 2,
+            f"lookupd {i}: the killed node's partitions leaderless")
+    took = time.monotonic() - killed_at
+    print(f"partitions of a killed nsqd leaderless after {took:.2f} s (TTL {LEASE_TTL_S} s)")
+    status, info = cluster.lookupd_get("/info")
+    assert sorted(info["cluster"]["leaderless"]) == sorted(f"orders:{p}" for p in lost)
+    for partition, leader in kept.items():
+        assert await pub(leader, "orders", partition, b"still here") == b"OK"
