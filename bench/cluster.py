@@ -41,7 +41,7 @@ from bench import common  # noqa: E402
 from bench.common import Report, percentile  # noqa: E402
 from bench.loadgen import Workers  # noqa: E402
 from bench.nsqd_server import pid_cpu_seconds  # noqa: E402
-from cluster import Cluster, http_json, wait_until  # noqa: E402
+from cluster import Cluster, wait_until  # noqa: E402
 from nsqclient.lookup import LookupdSource  # noqa: E402
 from nsqclient.partitioning import partition_of  # noqa: E402
 from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
@@ -57,20 +57,14 @@ FULL = dict(pub_conns=100, mpub_conns=6, warm_s=1.0, dur_s=10.0, lookups=500)
 QUICK = dict(pub_conns=100, mpub_conns=6, warm_s=0.5, dur_s=3.0, lookups=100)
 
 
-def routes(targets: list[tuple[str, int, int]], conns: int, make_cmd) -> list[dict]:
-    """One load-generator spec per target (host, port, partition), connections split evenly
-    over the targets, each sending make_cmd(partition)."""
-    specs = []
-    for i, (host, port, partition) in enumerate(targets):
-        n = conns // len(targets) + (1 if i < conns % len(targets) else 0)
-        if n:
-            specs.append({"kind": "produce", "cmd": make_cmd(partition), "per_cmd": 1,
-                          "conns": n, "host": host, "port": port})
-    return specs
+def spec(conns: list[tuple[str, int, bytes]]) -> dict:
+    """One load-generator process for these connections, each (host, port, command)."""
+    return {"kind": "produce", "cmd": conns[0][2], "per_cmd": 1, "conns": len(conns),
+            "targets": conns}
 
 
 def run(specs: list[dict], pids: list[int], P: dict, per_cmd: int) -> dict:
-    """Run the specs (one process each, grouped into at most 2 processes), measure."""
+    """Run the specs (one load-generator process each) over the measured span."""
     for s in specs:
         s.update(per_cmd=per_cmd, warm_s=P["warm_s"], dur_s=P["dur_s"],
                  timeout_s=P["warm_s"] + P["dur_s"] + 60)
@@ -115,13 +109,12 @@ def single_node(report: Report, P: dict, tmp: str) -> dict:
     node = NsqdProcess(os.path.join(tmp, "single")).start()
     out = {}
     try:
-        target = [("127.0.0.1", node.tcp_port, None)]
-        out["pub"] = run(routes(target, P["pub_conns"], lambda _: cmd_pub(TOPIC, BODY)),
+        at = ("127.0.0.1", node.tcp_port)
+        out["pub"] = run([spec([(*at, cmd_pub(TOPIC, BODY))] * P["pub_conns"])],
                          [node.proc.pid], P, 1)
         report_part(report, "single_pub1", f"{P['pub_conns']} connections, PUB", out["pub"])
-        out["mpub"] = run(routes(target, P["mpub_conns"],
-                                 lambda _: cmd_mpub(TOPIC, [BODY] * MPUB_BATCH)),
-                          [node.proc.pid], P, MPUB_BATCH)
+        out["mpub"] = run([spec([(*at, cmd_mpub(TOPIC, [BODY] * MPUB_BATCH))] *
+                                P["mpub_conns"])], [node.proc.pid], P, MPUB_BATCH)
         report_part(report, "single_mpub", f"{P['mpub_conns']} connections, MPUB 200",
                     out["mpub"])
     finally:
@@ -155,9 +148,8 @@ def cluster_part(report: Report, P: dict, tmp: str) -> dict:
         leaders = wait_until(lambda: len(cl.leaders(TOPIC)) == PARTITIONS and
                              cl.leaders(TOPIC), 10, "every partition led")
         for partition, address in leaders.items():
-            wait_until(lambda: http_json("POST", f"http://{http_of(cl, address)}/pub?topic="
-                                         f"{TOPIC}&partition={partition}")[0] == 200, 10,
-                       f"partition {partition} writable")
+            url = f"http://{http_of(cl, address)}/pub?topic={TOPIC}&partition={partition}"
+            wait_until(lambda: pub_ok(url), 10, f"partition {partition} writable", 0.005)
         report.add("create_to_writable_s", time.monotonic() - t0,
                    "/topic/create to PUB OK on every leader (s)", fmt=",.3f",
                    target=(f"< {TARGET_WRITABLE_S:g}",
@@ -175,21 +167,28 @@ def cluster_part(report: Report, P: dict, tmp: str) -> dict:
         pids = [n.proc.pid for n in cl.nsqds]
         lookupds = [p.http_address for p in cl.lookupds]
         pub_targets = asyncio.run(leader_targets(lookupds, P["pub_conns"]))
-        out["pub"] = run([{"kind": "produce", "cmd": cmd_pub(TOPIC, BODY, partition=part),
-                           "conns": 1, "host": h, "port": port}
-                          for h, port, part in pub_targets], pids, P, 1)
+        out["pub"] = run([spec([(h, port, cmd_pub(TOPIC, BODY, partition=part))
+                                for h, port, part in pub_targets])], pids, P, 1)
         report_part(report, "cluster_pub1", f"{P['pub_conns']} connections, PUB", out["pub"])
-        mpub_targets = [(h, port, n) for n, (h, port) in
-                        ((n, a.rsplit(":", 1)) for n, a in sorted(leaders.items()))]
-        out["mpub"] = run(routes([(h, int(port), n) for h, port, n in mpub_targets],
-                                 P["mpub_conns"],
-                                 lambda n: cmd_mpub(TOPIC, [BODY] * MPUB_BATCH, partition=n)),
-                          pids, P, MPUB_BATCH)
+        mpub = []  # one connection per partition, on its leader, in turn
+        for i in range(P["mpub_conns"]):
+            n = sorted(leaders)[i % len(leaders)]
+            host, port = leaders[n].rsplit(":", 1)
+            mpub.append((host, int(port), cmd_mpub(TOPIC, [BODY] * MPUB_BATCH, partition=n)))
+        out["mpub"] = run([spec(mpub)], pids, P, MPUB_BATCH)
         report_part(report, "cluster_mpub", f"{P['mpub_conns']} connections, MPUB 200",
                     out["mpub"])
     finally:
         cl.stop()
     return out
+
+
+def pub_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=BODY), timeout=5) as r:
+            return r.status == 200
+    except OSError:  # HTTPError included: not writable yet
+        return False
 
 
 def http_of(cl: Cluster, tcp_address: str) -> str:

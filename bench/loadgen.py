@@ -34,7 +34,9 @@ def cpu_seconds() -> float:
 class ProduceJob:
     """Connections that each send `cmd` (a PUB or an MPUB), wait for OK, and send again:
     for a time window (`warm_s` unmeasured, then `dur_s` measured) or `batches` times.
-    With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics)."""
+    With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics);
+    with `targets` (a list of (host, port, cmd), one per connection), connection i goes to
+    its own node with its own command (a cluster's leaders)."""
 
     def __init__(self, spec: dict):
         self.spec = spec
@@ -53,11 +55,15 @@ class ProduceJob:
     async def connect(self, loop) -> None:
         self.done = loop.create_future()
         batches = self.spec.get("batches") or [0] * self.spec["conns"]
+        targets = self.spec.get("targets")
         for i in range(self.spec["conns"]):
-            _, proto = await loop.create_connection(lambda: Producer(self), self.spec["host"],
-                                                    self.spec["port"])
+            host, port = (targets[i][0], targets[i][1]) if targets else \
+                (self.spec["host"], self.spec["port"])
+            _, proto = await loop.create_connection(lambda: Producer(self), host, port)
             proto.left = batches[i]
-            if self.spec.get("cmds"):
+            if targets:
+                proto.cmd = targets[i][2]
+            elif self.spec.get("cmds"):
                 proto.cmd = self.spec["cmds"][i % len(self.spec["cmds"])]
             self.conns.append(proto)
 

@@ -58,6 +58,7 @@ class Cluster:
                                           "--rpc-address", rpc, *nsqd_flags))
 
     def start(self) -> "Cluster":
+        os.makedirs(self.root, exist_ok=True)
         self.etcd.start()
         for p in self.lookupds + self.nsqds:
             p.start()
