@@ -82,13 +82,12 @@ from .cluster import ClusterUnavailable
 from .assignment import MAX_PARTITIONS
 from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
-from nsqwire.httpapi import go_json, parse_query, utf8
+from nsqwire.httpapi import V1_HEADER, go_json, parse_query, v1_answer
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.http")
 
-_V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _INT = re.compile(r"[+-]?[0-9]+")
 _BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.IncompleteReadError,
@@ -119,17 +118,11 @@ def respond_legacy(status: int, data) -> web.Response:
 
 def respond_v1(status: int, data) -> web.Response:
     """nsqd's RespondV1: str as text, None as an empty body, anything else as JSON."""
-    if status != 200:
-        return web.Response(status=status, body=go_json({"message": str(data)}),
-                            content_type="application/json", charset="utf-8",
-                            headers=_V1_HEADER)
-    if data is None:
-        return web.Response(status=200, headers=_V1_HEADER)
-    if isinstance(data, str):
-        return web.Response(status=200, body=utf8(data), content_type="text/plain",
-                            charset="utf-8", headers=_V1_HEADER)
-    return web.Response(status=200, body=go_json(data), content_type="application/json",
-                        charset="utf-8", headers=_V1_HEADER)
+    body, content_type = v1_answer(status, data)
+    if content_type is None:
+        return web.Response(status=status, headers=V1_HEADER)
+    return web.Response(status=status, body=body, content_type=content_type, charset="utf-8",
+                        headers=V1_HEADER)
 
 
 # ---- request arguments --------------------------------------------------------

@@ -37,12 +37,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from nsqwire.httpapi import go_json, parse_query, utf8
+from nsqwire.httpapi import V1_HEADER, parse_query, v1_answer
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
 log = structlog.get_logger("nsqlookupd.http")
 
-_V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
 
 
 class HTTPError(Exception):
@@ -57,22 +56,13 @@ class HTTPError(Exception):
 
 
 def respond(status: int, data, extra: dict | None = None) -> web.Response:
-    """Go's http_api V1 decorator: errors as {"message"}, str as text, None empty, JSON;
-    bytes are JSON encoded already (cluster mode's cached /lookup answers)."""
-    if status != 200:
-        return web.Response(status=status, body=go_json({"message": str(data), **(extra or {})}),
-                            content_type="application/json", charset="utf-8",
-                            headers=_V1_HEADER)
-    if isinstance(data, bytes):
-        return web.Response(status=200, body=data, content_type="application/json",
-                            charset="utf-8", headers=_V1_HEADER)
-    if data is None:
-        return web.Response(status=200, headers=_V1_HEADER)
-    if isinstance(data, str):
-        return web.Response(status=200, body=utf8(data), content_type="text/plain",
-                            charset="utf-8", headers=_V1_HEADER)
-    return web.Response(status=200, body=go_json(data), content_type="application/json",
-                        charset="utf-8", headers=_V1_HEADER)
+    """Go's http_api V1 decorator (nsqwire.httpapi.v1_answer); bytes are JSON encoded
+    already (cluster mode's cached /lookup answers)."""
+    body, content_type = v1_answer(status, data, extra)
+    if content_type is None:
+        return web.Response(status=status, headers=V1_HEADER)
+    return web.Response(status=status, body=body, content_type=content_type, charset="utf-8",
+                        headers=V1_HEADER)
 
 
 def _query(request: web.BaseRequest) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """The pieces of NSQ's HTTP APIs (nsqd 4151, nsqlookupd 4161) that are bytes, not I/O:
 JSON as Go's encoding/json writes it and query strings as Go's url.ParseQuery reads
-them. Both daemons' HTTP servers build their answers with these."""
+them, and the V1 answer. Both daemons' HTTP servers build their answers with these."""
 
 from __future__ import annotations
 
@@ -19,6 +19,24 @@ def go_json(data) -> bytes:
     text = (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
     return utf8(text)
+
+
+V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}
+
+
+def v1_answer(status: int, data, extra: dict | None = None) -> tuple[bytes, str | None]:
+    """The body and content type of Go's http_api V1 answer (sent with V1_HEADER): an error
+    (status != 200) is {"message": data, **extra}; bytes are JSON already; None is an empty
+    body (no type); a str is text; anything else is JSON."""
+    if status != 200:
+        return go_json({"message": str(data), **(extra or {})}), "application/json"
+    if isinstance(data, bytes):
+        return data, "application/json"
+    if data is None:
+        return b"", None
+    if isinstance(data, str):
+        return utf8(data), "text/plain"
+    return go_json(data), "application/json"
 
 
 def utf8(text: str) -> bytes:
