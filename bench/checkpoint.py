@@ -2,7 +2,7 @@
 
 In-process, like storage.py: the figure is the event loop's own time inside nsqd's
 checkpoint path (NSQD.checkpoint -> Channel.checkpoint -> MetaStore.put/flush), which a
-client cannot see. A real NSQD object, real topics (DiskQueue), real Channels and a real
+client cannot see: so this bench, unlike those that talk to nsqd over the wire, imports nsqd. A real NSQD object, real topics (DiskQueue), real Channels and a real
 MetaStore (SQLite through sqlitedict) in a temporary folder; no sockets, no delivery loops.
 
 Each of C channels (1,000; `--quick` 100) has a window of 10,000 taken messages of which
@@ -47,7 +47,7 @@ sys.path[:0] = [ROOT]
 from bench.common import Report, machine_info  # noqa: E402
 from nsqd.channel import Channel  # noqa: E402
 from nsqd.cursor import Cursor, Slot  # noqa: E402
-from nsqd.main import tune_gc  # noqa: E402
+from diskqueue.runtime import tune_gc  # noqa: E402
 from nsqd.metastore import MetaStore, channel_key  # noqa: E402
 from nsqd.nsqd import NSQD  # noqa: E402
 from nsqd.options import Options  # noqa: E402

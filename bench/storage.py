@@ -44,7 +44,7 @@ from bench.common import (MB, CpuWatch, GcWatch, Report, RssSampler, machine_inf
                           percentile, rss_mb)
 from diskqueue.queue import DiskQueue, QueueOptions  # noqa: E402
 from diskqueue.record import record_size  # noqa: E402
-from nsqd.main import tune_gc  # noqa: E402
+from diskqueue.runtime import tune_gc  # noqa: E402
 
 BODY_LEN = 200
 REC_LEN = record_size(BODY_LEN)  # 236 bytes on disk per 200-byte message
@@ -448,7 +448,7 @@ def main() -> None:
                     help="with --part: profile the event-loop thread with cProfile")
     ap.add_argument("--default-gc", action="store_true",
                     help="keep Python's default garbage-collector thresholds (by default the "
-                         "engine runs under nsqd's policy, nsqd.main.tune_gc)")
+                         "engine runs under nsqd's policy, diskqueue.runtime.tune_gc)")
     ap.add_argument("--rss-child", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     ap.add_argument("--appenders", type=int, default=4, help=argparse.SUPPRESS)
     args = ap.parse_args()

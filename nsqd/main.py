@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import os
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
+
+from diskqueue.runtime import tune_gc
 
 from .logs import configure
 from .nsqd import NSQD, VERSION
@@ -33,28 +34,6 @@ def version_line() -> str:
         ours = "unknown"
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     return f"nsqd v{VERSION} (durable-nsq {ours}, python {python})"
-
-
-SWITCH_INTERVAL_S = 0.0002
-
-
-def tune_gc() -> None:
-    """The process's garbage-collector and thread-switch policy; call it once start-up has
-    built what lives long.
-
-    The hot paths make many short-lived objects and few cycles: collect the young
-    generation less often, and keep what start-up built out of every collection
-    (full collections were 14-33 ms pauses that set the publish p99). The storage
-    benchmark runs the engine under this same policy.
-
-    File work runs in each partition's worker threads, which take the interpreter lock
-    back after every system call. While the event loop is busy, Python's default switch
-    interval (5 ms) made each such hand-over wait up to 5 ms: beside a client flooding
-    commands, a PUB took 100-400 ms to be answered and delivered; at 0.2 ms it takes 3-4
-    ms (tests/test_tcp_flood.py)."""
-    gc.set_threshold(50_000, 50, 100)
-    gc.freeze()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 async def serve(options) -> bool:
