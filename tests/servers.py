@@ -21,16 +21,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class NsqdProcess:
-    """`nsqd` in a subprocess, with its own data path; restartable on the same ports."""
+class DaemonProcess:
+    """One of our daemons in a subprocess on free loopback ports, restartable on the same
+    ports. A subclass gives its `module`, `name` and `arguments()`."""
 
-    def __init__(self, data_path: str, *extra: str, tcp_port: int = 0, http_port: int = 0):
-        self.data_path = data_path
+    module = name = ""
+    up_when_unhealthy = False  # a /ping error answer means it is up (not yet serving)
+
+    def __init__(self, log_path: str, extra, tcp_port: int, http_port: int):
         self.extra = list(extra)
         self.tcp_port = tcp_port or free_port()
         self.http_port = http_port or free_port()
         self.proc: subprocess.Popen | None = None
-        self.log_path = os.path.join(data_path, "nsqd.log")
+        self.log_path = log_path
 
     @property
     def tcp_address(self) -> str:
@@ -40,28 +43,32 @@ class NsqdProcess:
     def http_address(self) -> str:
         return f"127.0.0.1:{self.http_port}"
 
-    def start(self, timeout: float = 15) -> "NsqdProcess":
-        os.makedirs(self.data_path, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nsqd.main", "--data-path", self.data_path,
-             "--tcp-address", self.tcp_address, "--http-address", self.http_address,
-             "--broadcast-address", "127.0.0.1", *self.extra],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        log.close()
+    def arguments(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 15):
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.arguments(),
+                 "--tcp-address", self.tcp_address, "--http-address", self.http_address,
+                 "--broadcast-address", "127.0.0.1", *self.extra],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nsqd exited with {self.proc.returncode}: {self.log()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
+                                   f"{self.log()}")
             try:
-                with urllib.request.urlopen(f"http://{self.http_address}/ping", timeout=1) as r:
-                    if r.status == 200:
-                        return self
+                with urllib.request.urlopen(f"http://{self.http_address}/ping", timeout=1):
+                    return self
             except urllib.error.HTTPError:
-                return self  # it answers, unhealthy (a partition did not open): it is up
+                if self.up_when_unhealthy:
+                    return self
+                time.sleep(0.05)
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError(f"nsqd did not start: {self.log()}")
+        raise RuntimeError(f"{self.name} did not start: {self.log()}")
 
     def stop(self, timeout: float = 15) -> int:
         """SIGTERM and wait: the clean shutdown path. Returns the exit code."""
@@ -84,58 +91,28 @@ class NsqdProcess:
             return ""
 
 
-class NsqlookupdProcess:
-    """`nsqlookupd` in a subprocess on free loopback ports; restartable on the same ports."""
+class NsqdProcess(DaemonProcess):
+    """`nsqd` with its own data path (its log is `nsqd.log` in it)."""
+
+    module, name = "nsqd.main", "nsqd"
+    up_when_unhealthy = True  # it answers, unhealthy (a partition did not open): it is up
+
+    def __init__(self, data_path: str, *extra: str, tcp_port: int = 0, http_port: int = 0):
+        super().__init__(os.path.join(data_path, "nsqd.log"), extra, tcp_port, http_port)
+        self.data_path = data_path
+
+    def arguments(self) -> list[str]:
+        return ["--data-path", self.data_path]
+
+
+class NsqlookupdProcess(DaemonProcess):
+    """`nsqlookupd`, its log in `log_dir`."""
+
+    module, name = "nsqlookupd.main", "nsqlookupd"
 
     def __init__(self, log_dir: str, *extra: str, tcp_port: int = 0, http_port: int = 0):
-        self.extra = list(extra)
-        self.tcp_port = tcp_port or free_port()
-        self.http_port = http_port or free_port()
-        self.proc: subprocess.Popen | None = None
+        super().__init__("", extra, tcp_port, http_port)
         self.log_path = os.path.join(log_dir, f"nsqlookupd-{self.tcp_port}.log")
 
-    @property
-    def tcp_address(self) -> str:
-        return f"127.0.0.1:{self.tcp_port}"
-
-    @property
-    def http_address(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    def start(self, timeout: float = 15) -> "NsqlookupdProcess":
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nsqlookupd.main", "--tcp-address", self.tcp_address,
-             "--http-address", self.http_address, "--broadcast-address", "127.0.0.1",
-             *self.extra], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nsqlookupd exited with {self.proc.returncode}: {self.log()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.http_address}/ping", timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"nsqlookupd did not start: {self.log()}")
-
-    def stop(self, timeout: float = 15) -> int:
-        """SIGTERM and wait. Returns the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-4000:]
-        except OSError:
-            return ""
+    def arguments(self) -> list[str]:
+        return []
