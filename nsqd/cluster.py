@@ -235,6 +235,11 @@ class Cluster:
         """A topic this node does not have yet (NSQD.get_topic): the one etcd has, or,
         with `create`, a new one made in etcd with the defaults; None when etcd has none
         and `create` is False. Raises ClusterUnavailable."""
+        if not self._knows(name) and self.mirror.connected:
+            # just started: this node's view may lag etcd (a topic a lookupd already
+            # serves is not in it yet); it has caught up once it shows our registration
+            await self._until(lambda: self._passed, lambda: self._knows(name),
+                              "this node's own registration")
         view = self.mirror.view
         if view is None or name not in view.topics:
             if not create:
@@ -244,6 +249,11 @@ class Cluster:
                           lambda: name in self.applied and name in self.nsqd.topics,
                           f"topic {name}")
         return self.nsqd.topics[name]
+
+    def _knows(self, name: str) -> bool:
+        """The view has the topic, or is at least as new as this node's registration."""
+        view = self.mirror.view
+        return view is not None and (name in view.topics or self.node_id in view.nodes)
 
     async def create_topic(self, name: str, partition_num: int | None):
         """/topic/create in cluster mode: the topic in etcd (made when missing), then
