@@ -145,6 +145,11 @@ class LookupdInfo:
         return _build(cls, key, _decode(key, raw, cls.CHECKS))
 
 
+def default_min_isr(replicas: int) -> int:
+    """A majority of the replicas: what a topic needs in sync to take a publish."""
+    return replicas // 2 + 1
+
+
 @dataclass(frozen=True)
 class TopicMeta:
     """A topic's settings, at topics/<t>/meta; written once, when the topic is created.

@@ -38,10 +38,11 @@ from isr.metadata import ClusterView, Metadata, TopicExists, TopicNotFound
 from isr.mirror import ClusterMirror
 from isr.placement import load_of, place
 from isr.registry import Registration
-from isr.state import ChannelMeta, NodeInfo, TopicMeta
+from isr.state import ChannelMeta, NodeInfo, TopicMeta, default_min_isr
 
 from .assignment import Assignment
 from .nsqd import TopicConflict
+from .replication import Replication
 from .topic import StorageError
 
 log = structlog.get_logger("nsqd.cluster")
@@ -72,6 +73,7 @@ class Cluster:
         self.etcd = Etcd(o.etcd_endpoints)
         self.metadata = Metadata(self.etcd, o.cluster_id)
         self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
+        self.replication = Replication(nsqd, self)
         self.ttl = max(1, o.etcd_lease_ttl_ms // 1000)
         self.node: NodeInfo | None = None
         self.registration: Registration | None = None
@@ -99,6 +101,7 @@ class Cluster:
                              http=f"{host}:{o.broadcast_http_port or self.nsqd.http_port}",
                              rpc=_rpc_address(o.rpc_address, host),
                              hostname=socket.gethostname()[:255], version=self.nsqd.version)
+        await self.replication.start()
         self.registration = Registration(self.etcd, keys.node(self.cluster_id, self.node.id),
                                          self.node.encode(), self.ttl).start()
         self.mirror.start()
@@ -121,6 +124,7 @@ class Cluster:
             except asyncio.TimeoutError:
                 apply_task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.replication.stop()
         if self.registration is not None:
             await self.registration.close()
         await self.mirror.close()
@@ -176,6 +180,7 @@ class Cluster:
             if name in view.topics:
                 continue
             if name in self._seen:  # deleted in etcd
+                await self.replication.drop_topic(name)
                 await self.nsqd.delete_topic(name)
                 log.info("cluster_topic_deleted", topic=name)
             elif topic.assignment.leading:  # never in etcd: kept on disk, led by nobody
@@ -187,12 +192,15 @@ class Cluster:
         self.applied_revision = view.revision
 
     async def _apply_topic(self, name: str, tv) -> None:
-        leading = {n for n, s in tv.partitions.items() if s.leader == self.node_id}
-        want = Assignment(tv.meta.partitions, frozenset(leading), tv.meta.ordered)
+        leading, follow = self.replication.wanted(tv, lambda n: True)
+        await self.replication.release(name, follow)  # a followed log closes before it is led
+        want = Assignment(tv.meta.partitions, frozenset(leading), tv.meta.ordered,
+                          tv.meta.replicas)
         topic = self.nsqd.topics.get(name)
         if topic is None or topic.assignment != want:
             topic = await self.nsqd.apply_assignment(name, want.partition_num, want.leading,
-                                                     want.ordered)
+                                                     want.ordered, replicas=want.replicas)
+        await self.replication.apply(name, tv, follow)
         # Channels: decided on the latest view, not the pass's (a SUB may have added one).
         for n in sorted(topic.writable):
             now = self.mirror.view.topics.get(name)
@@ -288,7 +296,8 @@ class Cluster:
             else:
                 placement[mine].remove(self.node_id)
                 placement[mine].insert(0, self.node_id)
-        meta = TopicMeta(partitions=partition_num, replicas=replicas)
+        meta = TopicMeta(partitions=partition_num, replicas=replicas,
+                         min_isr=default_min_isr(replicas))
         try:
             revision = await self.metadata.create_topic(name, meta, placement)
         except TopicExists:
@@ -361,4 +370,5 @@ class Cluster:
             "partitions_led": sum(len(v) for v in led.values()),
             "led": led,
             "problems": problems,
+            "replication": self.replication.state(),
         }

@@ -366,7 +366,8 @@ class NSQD:
             return error
 
     async def apply_assignment(self, name: str, partition_num: int, leading,
-                               ordered: bool = False, ext: dict | None = None) -> Topic:
+                               ordered: bool = False, ext: dict | None = None,
+                               replicas: int = 1) -> Topic:
         """Serve `leading` of the topic's `partition_num` partitions, without a restart (the
         cluster driver's call; tests call it in-process). A missing topic is made.
 
@@ -382,7 +383,8 @@ class NSQD:
         Runs under the create lock (no topic or channel create or delete meanwhile).
         Raises AssignmentError (bad numbers), NameError_, or StorageError when the
         metadata could not be stored (it stays pending: the next checkpoint retries)."""
-        assignment = Assignment(partition_num, frozenset(leading), ordered, dict(ext or {}))
+        assignment = Assignment(partition_num, frozenset(leading), ordered, replicas,
+                                dict(ext or {}))
         if not valid_topic_name(name):
             raise NameError_(name)
         async with self._create_lock:

@@ -65,7 +65,8 @@ class Options:
     etcd_endpoints: str = ""
     cluster_id: str = "nsq"
     etcd_lease_ttl_ms: int = 5000
-    rpc_address: str = "0.0.0.0:4250"  # registered in etcd; replication serves it later
+    rpc_address: str = "0.0.0.0:4250"  # replication: registered in etcd, served here
+    repl_timeout_ms: int = 1000  # a follower that does not ack a push this long leaves the ISR
     default_partitions: int = 2  # of a topic auto-created in etcd by a classic PUB or SUB
     default_replicas: int = 1
     # storage
@@ -148,6 +149,7 @@ _DURATIONS = {
     "retention_check_interval": "retention_check_interval_ms",
     "checkpoint_interval": "checkpoint_interval_ms",
     "etcd_lease_ttl": "etcd_lease_ttl_ms",
+    "repl_timeout": "repl_timeout_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create"}
@@ -170,8 +172,10 @@ _HELP = {
     "cluster_id": "cluster id: the node's keys live under /nsq/<id>/ in etcd",
     "etcd_lease_ttl": "TTL of the node's etcd lease: a killed node leaves the cluster "
                       "this long after its last refresh (whole seconds, at least 1s)",
-    "rpc_address": "<addr>:<port> of the replication port, registered in etcd "
-                   "(not served yet)",
+    "rpc_address": "<addr>:<port> of the replication port (cluster mode), registered "
+                   "in etcd",
+    "repl_timeout": "a follower that does not acknowledge a push within this long leaves "
+                    "the in-sync replica set (duration)",
     "default_partitions": "partitions of a topic auto-created in etcd by a PUB or SUB",
     "default_replicas": "replicas of a topic auto-created in etcd by a PUB or SUB",
     "data_path": "folder for topics, channels and their delay queues",
@@ -365,6 +369,8 @@ def check_cluster_options(options: Options) -> None:
         raise ValueError(f"--etcd-endpoints/--cluster-id: {e}") from None
     if options.etcd_lease_ttl_ms < 1000:
         raise ValueError("--etcd-lease-ttl must be at least 1s")
+    if not 10 <= options.repl_timeout_ms <= 60_000:
+        raise ValueError("--repl-timeout must be 10ms..60s")
     try:
         host, port = _split(options.rpc_address)
     except ValueError:

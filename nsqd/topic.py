@@ -94,10 +94,27 @@ class PartitionNotLed(LookupError):
     None: a publish without a partition, while this node leads none of the topic's."""
 
 
+class PartitionNotWritable(Exception):
+    """A led partition of a replicated topic that takes no publish now: its replication has
+    not started, or its in-sync replica set is below min_isr (E_FAILED_ON_NOT_WRITABLE;
+    HTTP 503). The text says why. Also what a written batch fails with when the ISR fell
+    below min_isr before it committed (its data may still commit: the publisher retries)."""
+
+
 class StorageError(Exception):
     """The node's storage refused: a partition does not serve (see the module invariants),
     or a topic or channel could not be made (a full disk). The text says which and why;
     TCP answers E_PUB_FAILED / E_SUB_FAILED with it, HTTP 503."""
+
+
+class _Starting:
+    """The gate of a replicated partition until its replication runs."""
+
+    writable = False
+    reason = "its replication is starting"
+
+
+STARTING = _Starting()
 
 
 class Partition:
@@ -107,6 +124,9 @@ class Partition:
         self.queue = queue
         self._floor = floor  # (offset, count) where a first channel would start
         self.channels: dict[str, Channel] = {}
+        # Replicated topics: what says whether a publish may be taken (the partition's
+        # LeaderLog, set by nsqd/replication.py once it leads); None: not replicated.
+        self.gate = STARTING if queue.options.replicated else None
 
     @property
     def floor(self) -> tuple[int, int]:
@@ -221,7 +241,8 @@ class Topic:
                              create: bool = False) -> str | None:
         """Open one partition (again): None when it serves, else the reason (in `failed`)."""
         path = os.path.join(self.path, str(number))
-        opts = dataclasses.replace(self.queue_options, partition=number)
+        opts = dataclasses.replace(self.queue_options, partition=number,
+                                   replicated=self.assignment.replicas > 1)
         try:
             if not create and not await asyncio.to_thread(os.path.isdir, path):
                 raise FileNotFoundError(f"{path}: the partition's folder is missing")
@@ -344,14 +365,29 @@ class Topic:
                 self._refuse_any()
             part = spread[self._next % len(spread)]
             self._next += 1
+            if part.gate is not None and not part.gate.writable:
+                part = self._writable_after(part)
         else:
             part = self.writable.get(partition)
             if part is None:
                 self.check_partition(partition)
+            gate = part.gate
+            if gate is not None and not gate.writable:
+                raise PartitionNotWritable(f"topic {self.name} partition {partition} is not "
+                                           f"writable: {gate.reason}")
         appended = part.queue.append(bodies, trace_id, ext, callback=callback,
                                      trace_ids=trace_ids, exts=exts)
         if callback is None:
             return self._counted(appended, bodies)
+
+    def _writable_after(self, refused: Partition) -> Partition:
+        """A publish without a partition whose round-robin pick is not writable: the next
+        writable one, or PartitionNotWritable naming the first pick's reason."""
+        for part in self._spread:
+            if part.gate is None or part.gate.writable:
+                return part
+        raise PartitionNotWritable(f"topic {self.name}: no partition led here is writable "
+                                   f"(partition {refused.number}: {refused.gate.reason})")
 
     def _refuse_any(self) -> None:
         """Why a publish without a partition finds no writable partition."""

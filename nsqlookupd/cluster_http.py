@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from isr.state import MAX_PARTITIONS, MAX_REPLICAS, TopicMeta
+from isr.state import MAX_PARTITIONS, MAX_REPLICAS, TopicMeta, default_min_isr
 from nsqwire.protocol import valid_topic_name
 
 from . import http
@@ -112,11 +112,14 @@ def do_listlookup(lookupd, params):
 async def do_topic_create(lookupd, params):
     topic = _topic(params)
     options = lookupd.options
+    replicas = _int_arg(params, ("replicator", "replicas"), "INVALID_ARG_REPLICATOR",
+                        1, MAX_REPLICAS, options.default_replicas)
     meta = TopicMeta(
         partitions=_int_arg(params, ("partition_num", "partitions"), "INVALID_ARG_PARTITION_NUM",
                             1, MAX_PARTITIONS, options.default_partitions),
-        replicas=_int_arg(params, ("replicator", "replicas"), "INVALID_ARG_REPLICATOR",
-                          1, MAX_REPLICAS, options.default_replicas),
+        replicas=replicas,
+        min_isr=_int_arg(params, ("min_isr",), "INVALID_ARG_MIN_ISR", 1, replicas,
+                         default_min_isr(replicas)),
         sync_every=_int_arg(params, ("syncdisk", "sync_every"), "INVALID_ARG_SYNCDISK",
                             1, 1_000_000_000, 1),
         retention_ms=_retention_ms(params),

@@ -1,0 +1,218 @@
+"""Replication on this node (cluster mode): the host that isr's replication runs on.
+
+For every partition of a replicated topic (TopicMeta.replicas > 1) that the cluster's view
+gives this node, one of:
+- led here (the state names this node leader and it holds the partition's leader key):
+  the open Partition's log gets a `LeaderLog`, which pushes every batch to the in-sync
+  followers and is the partition's `gate` (a publish is taken only while it says
+  `writable`);
+- followed here (this node is in the ISR or the catch-up list, not leader): a
+  `FollowerLog` over a DiskQueue of its own in the partition's folder; no client sees it.
+The RPC server (`--rpc-address`) answers the other nodes' pushes, fetches and joins.
+
+Invariants:
+- a partition's folder is open by one DiskQueue at a time: a follower's queue is closed
+  before the partition is led (`release`), and a led partition is closed by
+  NSQD.apply_assignment before it is followed (`apply`);
+- the ISR is changed only through `change_isr` (CAS on the state's revision);
+- channel states a leader sends are stored like a checkpoint of this node's own, so a
+  follower that becomes leader opens its channels where the old leader's last send left
+  them (at-least-once: what moved on after that send is delivered again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+import structlog
+
+from diskqueue.queue import DiskQueue
+from isr.follower import FollowerLog
+from isr.leader import LeaderLog
+from isr.metadata import ClusterView, TopicView
+from isr.rpc import RpcServer
+from isr.state import PartitionState
+
+from .metastore import channel_key
+
+log = structlog.get_logger("nsqd.replication")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class Replication:
+    """The replication host of one NSQD in cluster mode (see the module docstring)."""
+
+    def __init__(self, nsqd, cluster):
+        self.nsqd = nsqd
+        self.cluster = cluster
+        self.leaders: dict[tuple[str, int], LeaderLog] = {}
+        self.followers: dict[tuple[str, int], FollowerLog] = {}
+        self.server = RpcServer(self)
+        self.rpc_port = 0
+
+    # ---- the host interface isr calls ----------------------------------------------
+
+    @property
+    def cluster_id(self) -> str:
+        return self.cluster.cluster_id
+
+    @property
+    def node_id(self) -> str:
+        return self.cluster.node_id
+
+    def leader_log(self, topic: str, partition: int) -> LeaderLog | None:
+        return self.leaders.get((topic, partition))
+
+    def follower_log(self, topic: str, partition: int) -> FollowerLog | None:
+        return self.followers.get((topic, partition))
+
+    def peer_address(self, node_id: str) -> str | None:
+        view = self.cluster.mirror.view
+        node = view.nodes.get(node_id) if view is not None else None
+        return node.rpc if node is not None else None
+
+    async def change_isr(self, topic: str, partition: int, expected: PartitionState,
+                         new: PartitionState) -> PartitionState:
+        """CAS of the partition's state (raises isr.metadata.Conflict when it moved on)."""
+        written = await self.cluster.metadata.update_partition(
+            topic, partition, new.evolve(revision=expected.revision))
+        log.info("isr_changed", topic=topic, partition=partition, leader=written.leader,
+                 isr=list(written.isr), catchup=list(written.catchup), epoch=written.epoch)
+        return written
+
+    def channels_received(self, topic: str, partition: int, channels: dict) -> None:
+        """The leader's channel states of a partition followed here: stored as this node's
+        own checkpoint of them (written with the next flush)."""
+        if (topic, partition) not in self.followers:
+            return
+        meta = self.nsqd.meta
+        for name, state in channels.items():
+            meta.put(channel_key(topic, partition, name), state)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = _host_port(self.nsqd.options.rpc_address)
+        self.rpc_port = await self.server.start(host, port)
+        log.info("rpc_listening", address=f"{host}:{self.rpc_port}")
+
+    async def stop(self) -> None:
+        """Stop replicating: leaders first (their partitions close with the node), then
+        followers with their queues, then the server."""
+        for key in list(self.leaders):
+            await self._stop_leader(key)
+        for key in list(self.followers):
+            await self._stop_follower(key)
+        await self.server.stop()
+
+    # ---- following the view ------------------------------------------------------------
+
+    def wanted(self, tv: TopicView, held_keys) -> tuple[set[int], dict[int, PartitionState]]:
+        """(partitions to lead, {partition: state} to follow) of a topic for this node;
+        `held_keys(n)` says whether the partition's leader key is ours."""
+        me = self.node_id
+        lead, follow = set(), {}
+        for n, s in tv.partitions.items():
+            if s.leader == me and held_keys(n):
+                lead.add(n)
+            elif s.leader != me and (me in s.isr or me in s.catchup) and tv.meta.replicas > 1:
+                follow[n] = s
+        return lead, follow
+
+    async def release(self, name: str, keep: dict[int, PartitionState]) -> None:
+        """Before NSQD.apply_assignment: close the followers of `name` not in `keep`."""
+        for key in [k for k in self.followers if k[0] == name and k[1] not in keep]:
+            await self._stop_follower(key)
+
+    async def apply(self, name: str, tv: TopicView, follow: dict[int, PartitionState]) -> None:
+        """After NSQD.apply_assignment: a LeaderLog on every led, open partition of a
+        replicated topic; a FollowerLog on every followed one; nothing else."""
+        topic = self.nsqd.topics.get(name)
+        led = {} if topic is None else {n: p for n, p in topic.writable.items()
+                                        if p.queue.options.replicated}
+        for key in [k for k in self.leaders if k[0] == name]:
+            p = led.get(key[1])
+            if p is None or p.queue is not self.leaders[key].queue:
+                await self._stop_leader(key)
+        for n, p in led.items():
+            state = tv.partitions[n]
+            current = self.leaders.get((name, n))
+            if current is not None:
+                current.update_state(state)
+                continue
+            leader = LeaderLog(self, name, n, p.queue, state, min_isr=tv.meta.min_isr,
+                               timeout=self.nsqd.options.repl_timeout_ms / 1000)
+            self.leaders[(name, n)] = leader
+            await leader.start()
+            p.gate = leader
+            log.info("leading", topic=name, partition=n, epoch=state.epoch,
+                     isr=list(state.isr), catchup=list(state.catchup))
+        for n, state in follow.items():
+            current = self.followers.get((name, n))
+            if current is not None:
+                current.update_state(state)
+                continue
+            if topic is None:
+                continue
+            queue = await self._open_follower_queue(topic, n)
+            if queue is None:
+                continue
+            follower = FollowerLog(self, name, n, queue, state)
+            self.followers[(name, n)] = follower
+            await follower.start()
+            log.info("following", topic=name, partition=n, leader=state.leader,
+                     epoch=state.epoch, in_isr=self.node_id in state.isr)
+
+    async def drop_topic(self, name: str) -> None:
+        """A topic deleted (or no longer in the view): stop everything of it."""
+        for key in [k for k in self.leaders if k[0] == name]:
+            await self._stop_leader(key)
+        for key in [k for k in self.followers if k[0] == name]:
+            await self._stop_follower(key)
+
+    async def _open_follower_queue(self, topic, n: int) -> DiskQueue | None:
+        path = os.path.join(topic.path, str(n))
+        opts = dataclasses.replace(topic.queue_options, partition=n, replicated=True)
+        try:
+            return await DiskQueue.open(path, opts)
+        except Exception as e:  # stays inside this partition: not followed, said why
+            log.error("follower_open_failed", topic=topic.name, partition=n,
+                      error=f"{type(e).__name__}: {e}")
+            return None
+
+    async def _stop_leader(self, key) -> None:
+        leader = self.leaders.pop(key)
+        await leader.stop()
+        topic = self.nsqd.topics.get(key[0])
+        p = topic.partitions.get(key[1]) if topic is not None else None
+        if p is not None and p.gate is leader:
+            p.gate = None if not p.queue.options.replicated else _Stopped()
+
+    async def _stop_follower(self, key) -> None:
+        follower = self.followers.pop(key)
+        try:
+            await follower.stop()
+        finally:
+            await follower.queue.close()
+        log.info("not_following", topic=key[0], partition=key[1])
+
+    # ---- what /stats shows -------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"rpc_port": self.rpc_port,
+                "leading": {f"{t}/{n}": lg.stats() for (t, n), lg in sorted(self.leaders.items())},
+                "following": {f"{t}/{n}": f.stats()
+                              for (t, n), f in sorted(self.followers.items())}}
+
+
+class _Stopped:
+    """The gate of a led partition whose replication stopped (it is being released)."""
+
+    writable = False
+    reason = "it is changing leader"
