@@ -29,7 +29,8 @@ from nsqwire.protocol import valid_topic_name
 
 log = structlog.get_logger("nsqclient.producer")
 
-RETRYABLE = ("E_FAILED_ON_NOT_LEADER", "E_TOPIC_NOT_EXIST", "E_BAD_PARTITION")
+RETRYABLE = ("E_FAILED_ON_NOT_LEADER", "E_FAILED_ON_NOT_WRITABLE", "E_TOPIC_NOT_EXIST",
+             "E_BAD_PARTITION")
 USER_AGENT = "durable-nsq-nsqclient/0.1.0"
 
 

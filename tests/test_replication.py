@@ -1,0 +1,205 @@
+"""Replication end to end, all real processes (tests/cluster.py): etcd, an nsqlookupd, three
+nsqds in cluster mode; topics of 3 replicas (min_isr 2).
+
+- continuous keyed publishing through the partition-aware client while the leader of a
+  partition is killed with SIGKILL: a new leader serves within the lease TTL + 1 s (plus
+  slack for this shared machine), every acknowledged message is consumed afterwards, and
+  the killed node, restarted, joins the ISR again;
+- both followers of a partition down: publishes there get E_FAILED_ON_NOT_WRITABLE (below
+  min_isr), and are taken again once one follower is back;
+- a stale leader (SIGSTOP past its lease, a new leader elected, SIGCONT) commits nothing:
+  no publisher gets OK for a message the new leader's log does not hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from cluster import LEASE_TTL_S, Cluster, wait_until
+from isr.etcd import Etcd
+from isr.metadata import Metadata
+from nsqclient.conn import Connection, NSQError
+from nsqclient.consumer import Consumer
+from nsqclient.producer import Producer
+from nsqwire import commands as c
+
+SLACK_S = 4  # this 2-core machine runs etcd, a lookupd, three nsqds and the test at once
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cl = Cluster(str(tmp_path), 3, 1).start()
+    yield cl
+    for n in cl.nsqds:
+        if n.proc is not None and n.proc.poll() is None:
+            try:
+                os.kill(n.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    cl.stop()
+
+
+async def states(cl: Cluster, topic: str) -> dict:
+    etcd = Etcd(cl.etcd.endpoint)
+    try:
+        view = await Metadata(etcd, "test").read()
+    finally:
+        await etcd.close()
+    tv = view.topics.get(topic)
+    return dict(tv.partitions) if tv is not None else {}
+
+
+async def wait_state(cl: Cluster, topic: str, ok, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = await states(cl, topic)
+        if s and ok(s):
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}; states {s}")
+        await asyncio.sleep(0.1)
+
+
+def make_topic(cl: Cluster, topic: str, partitions: int) -> None:
+    status, body = cl.create_topic(topic, partitions, replicas=3)
+    assert status == 200, body
+
+
+async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    conn = await Connection(host, int(port)).connect()
+    try:
+        return await conn.command(c.cmd_pub(topic, body, partition=partition))
+    finally:
+        await conn.close()
+
+
+async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: float):
+    """Consume the topic on channel `check` until every body of `expected` came: counts."""
+    seen: dict[bytes, int] = {}
+    done = asyncio.Event()
+
+    async def handler(m) -> None:
+        seen[m.body] = seen.get(m.body, 0) + 1
+        if expected <= seen.keys():
+            done.set()
+
+    consumer = await Consumer(topic, "check", [cl.lookupds[0].http_address], handler,
+                              max_in_flight=200, lookup_interval=0.5).start()
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        await consumer.close()
+    return seen
+
+
+async def test_no_acknowledged_message_is_lost_when_the_leader_is_killed(cluster):
+    cl = cluster
+    make_topic(cl, "pay", 2)
+    await wait_state(cl, "pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
+                     "every partition with 3 in sync")
+    acked: set[bytes] = set()
+    failed = 0
+    stop = asyncio.Event()
+    producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
+
+    async def publish(worker: int) -> None:
+        nonlocal failed
+        i = 0
+        while not stop.is_set():
+            body = f"{worker}-{i}".encode()
+            try:
+                await producer.publish("pay", body, key=f"k{i % 16}")
+                acked.add(body)
+            except Exception:
+                failed += 1
+            i += 1
+
+    workers = [asyncio.create_task(publish(w)) for w in range(8)]
+    await asyncio.sleep(2)
+    before = await states(cl, "pay")
+    victim = cl.nsqd_at(before[0].leader)
+    killed_at = time.monotonic()
+    victim.kill()
+    after = await wait_state(cl, "pay", lambda s: s[0].leader not in (None, before[0].leader),
+                             LEASE_TTL_S + 1 + SLACK_S, "partition 0 has a new leader")
+    assert after[0].epoch > before[0].epoch
+    n_at_failover = len(acked)
+    await wait_until_async(lambda: len(acked) > n_at_failover + 50,
+                           LEASE_TTL_S + 1 + SLACK_S, "publishes acknowledged again")
+    failover_s = time.monotonic() - killed_at
+    await asyncio.sleep(1)
+    victim.start()
+    await wait_state(cl, "pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 30,
+                     "the restarted node back in every ISR")
+    stop.set()
+    await asyncio.gather(*workers)
+    await producer.close()
+    total = len(acked) + failed
+    assert len(acked) >= 0.99 * total, (len(acked), failed)
+    seen = await consume_all(cl, "pay", acked, 60)
+    lost = acked - seen.keys()
+    duplicates = sum(n - 1 for n in seen.values())
+    print(f"acked {len(acked)}, failed {failed}, lost {len(lost)}, duplicates {duplicates}, "
+          f"failover (kill to publishing again) {failover_s:.2f} s")
+    assert not lost, sorted(lost)[:20]
+
+
+async def test_below_min_isr_publishes_are_refused_until_a_follower_is_back(cluster):
+    cl = cluster
+    make_topic(cl, "few", 1)
+    s = await wait_state(cl, "few", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    leader = s[0].leader
+    assert await pub(leader, "few", 0, b"before") == b"OK"
+    followers = [cl.nsqd_at(n) for n in s[0].isr if n != leader]
+    for f in followers:
+        f.kill()
+    with pytest.raises(NSQError, match="E_FAILED_ON_NOT_WRITABLE"):
+        for _ in range(100):  # until the leader has dropped them (repl timeout, lease TTL)
+            await pub(leader, "few", 0, b"refused")
+            await asyncio.sleep(0.1)
+    followers[0].start()
+    await wait_state(cl, "few", lambda s: len(s[0].isr) >= 2, 30, "a follower back in sync")
+    assert await pub(leader, "few", 0, b"after") == b"OK"
+    seen = await consume_all(cl, "few", {b"before", b"after"}, 20)
+    assert {b"before", b"after"} <= seen.keys()
+
+
+async def test_a_stale_leader_commits_nothing(cluster):
+    cl = cluster
+    make_topic(cl, "stale", 1)
+    s = await wait_state(cl, "stale", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    old = cl.nsqd_at(s[0].leader)
+    host, port = old.tcp_address.rsplit(":", 1)
+    conn = await Connection(host, int(port)).connect()
+    assert await conn.command(c.cmd_pub("stale", b"first", partition=0)) == b"OK"
+    os.kill(old.proc.pid, signal.SIGSTOP)
+    new = await wait_state(cl, "stale", lambda s: s[0].leader not in (None, old.tcp_address),
+                           LEASE_TTL_S + 1 + SLACK_S, "a new leader")
+    # sent while the old leader sleeps: it reads them when it wakes, on its old epoch
+    answers = [asyncio.ensure_future(conn.command(c.cmd_pub("stale", f"late-{i}".encode(),
+                                                             partition=0)))
+               for i in range(5)]
+    await asyncio.sleep(0.2)
+    os.kill(old.proc.pid, signal.SIGCONT)
+    results = await asyncio.gather(*answers, return_exceptions=True)
+    await conn.close()
+    ok = {f"late-{i}".encode() for i, r in enumerate(results) if r == b"OK"}
+    assert await pub(new[0].leader, "stale", 0, b"on-new") == b"OK"
+    seen = await consume_all(cl, "stale", {b"first", b"on-new"} | ok, 20)
+    assert ({b"first", b"on-new"} | ok) <= seen.keys(), (results, sorted(seen))
+
+
+async def wait_until_async(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        await asyncio.sleep(0.05)
