@@ -302,6 +302,11 @@ def exists(key: str) -> dict:
     return {"key": _b64(key), "target": "CREATE", "result": "GREATER", "create_revision": 0}
 
 
+def value_is(key: str, value: bytes) -> dict:
+    """A transaction compare: the key exists and holds `value`."""
+    return {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)}
+
+
 def unchanged(key: str, mod_revision: int) -> dict:
     """A transaction compare: the key's mod_revision is still `mod_revision`."""
     return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}

@@ -17,8 +17,11 @@ class Registration:
 
     When etcd is unreachable it keeps trying (one log line per outage, `last_error` says
     why); when the lease is lost it registers again under a new lease. `registered` is set
-    while the key is known to be there. `close()` revokes the lease, so the key goes at
-    once; a process killed outright leaves it to expire after the TTL.
+    while the key is known to be there, and `lease_id` is then the lease it is held under
+    (0 otherwise): other keys that must live and die with the registration (an nsqd's
+    leader keys) go under it, and `next_lease` says when they must be written again.
+    `close()` revokes the lease, so the key goes at once; a process killed outright leaves
+    it to expire after the TTL.
     """
 
     def __init__(self, etcd: Etcd, key: str, value: bytes, ttl: int = 5):
@@ -27,6 +30,8 @@ class Registration:
         self.value = value
         self.ttl = ttl
         self.registered = asyncio.Event()
+        self.lease_id = 0
+        self._changed = asyncio.Event()  # pulsed at each registration and each loss
         self.last_error: str | None = None
         self._lease: KeptLease | None = None
         self._task: asyncio.Task | None = None
@@ -42,6 +47,17 @@ class Registration:
             return True
         except asyncio.TimeoutError:
             return False
+
+    async def next_lease(self, after: int = 0) -> int:
+        """Wait until registered under a lease other than `after`: its id (the
+        "registered again" signal: `after` = the lease whose keys are gone)."""
+        while not (self.registered.is_set() and self.lease_id not in (0, after)):
+            await self._changed.wait()
+        return self.lease_id
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def update(self, value: bytes) -> None:
         """A new value, written now if registered (else at the next registration)."""
@@ -61,6 +77,8 @@ class Registration:
             except asyncio.CancelledError:
                 pass
         self.registered.clear()
+        self.lease_id = 0
+        self._pulse()
         if self._lease is not None:
             await self._lease.revoke()
             self._lease = None
@@ -86,10 +104,14 @@ class Registration:
                 continue
             backoff = 0.1
             self.last_error = None
+            self.lease_id = lease.id
             self.registered.set()
+            self._pulse()
             log.info("registered", key=self.key, lease=f"{lease.id:x}", ttl=self.ttl)
             await lease.lost.wait()
             self.registered.clear()
+            self.lease_id = 0
+            self._pulse()
             log.warning("registration_lost", key=self.key, lease=f"{lease.id:x}")
             revoke = asyncio.create_task(lease.revoke())  # in case etcd still has it
             self._revokes.add(revoke)
