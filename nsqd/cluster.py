@@ -34,6 +34,7 @@ import structlog
 
 from isr import keys
 from isr.etcd import Etcd, EtcdError
+from isr.leadership import LeaderKeys
 from isr.metadata import ClusterView, Metadata, TopicExists, TopicNotFound
 from isr.mirror import ClusterMirror
 from isr.placement import load_of, place
@@ -77,6 +78,7 @@ class Cluster:
         self.ttl = max(1, o.etcd_lease_ttl_ms // 1000)
         self.node: NodeInfo | None = None
         self.registration: Registration | None = None
+        self.leader_keys: LeaderKeys | None = None
         self.applied: set[str] = set()  # topics of etcd served as the last pass saw them
         self.applied_revision = 0
         self.errors: dict[str, str] = {}  # topic -> why the last pass could not apply it
@@ -104,9 +106,12 @@ class Cluster:
         await self.replication.start()
         self.registration = Registration(self.etcd, keys.node(self.cluster_id, self.node.id),
                                          self.node.encode(), self.ttl).start()
+        self.leader_keys = LeaderKeys(self.etcd, self.cluster_id, self.node.id,
+                                      self.registration).start()
         self.mirror.start()
         self._tasks = [asyncio.create_task(self._apply_loop(), name="cluster apply"),
-                       asyncio.create_task(self._report_start(), name="cluster start report")]
+                       asyncio.create_task(self._report_start(), name="cluster start report"),
+                       asyncio.create_task(self._watch_lease(), name="cluster lease watch")]
         log.info("cluster_started", node_id=self.node.id, cluster_id=self.cluster_id,
                  endpoints=o.etcd_endpoints, lease_ttl_s=self.ttl)
 
@@ -125,6 +130,8 @@ class Cluster:
                 apply_task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.replication.stop()
+        if self.leader_keys is not None:
+            await self.leader_keys.close()
         if self.registration is not None:
             await self.registration.close()
         await self.mirror.close()
@@ -139,6 +146,23 @@ class Cluster:
                       serving="the assignments stored by the last run", retrying=True)
             await self.registration.registered.wait()
             log.info("cluster_etcd_reachable", node_id=self.node_id)
+
+    @property
+    def lease_held(self) -> bool:
+        """The node's lease is current: what a leader needs to take a publish (a node that
+        cannot renew it steps down at once, before etcd expires its keys)."""
+        return bool(self.registration is not None and self.registration.lease_id)
+
+    async def _watch_lease(self) -> None:
+        """Apply again whenever the lease is lost or granted anew: leadership follows the
+        leader keys, which go and come with it."""
+        lease = 0
+        while True:
+            await asyncio.sleep(0.1)
+            now = self.registration.lease_id
+            if now != lease:
+                lease = now
+                self._dirty.set()
 
     # ---- applying the view -----------------------------------------------
 
@@ -181,6 +205,8 @@ class Cluster:
                 continue
             if name in self._seen:  # deleted in etcd
                 await self.replication.drop_topic(name)
+                await self.leader_keys.release({p for p in self.leader_keys.wanted
+                                                if p[0] == name})
                 await self.nsqd.delete_topic(name)
                 log.info("cluster_topic_deleted", topic=name)
             elif topic.assignment.leading:  # never in etcd: kept on disk, led by nobody
@@ -192,7 +218,16 @@ class Cluster:
         self.applied_revision = view.revision
 
     async def _apply_topic(self, name: str, tv) -> None:
-        leading, follow = self.replication.wanted(tv, lambda n: True)
+        named = {n for n, s in tv.partitions.items() if s.leader == self.node_id}
+        stale = {p for p in self.leader_keys.wanted if p[0] == name and p[1] not in named}
+        if stale:
+            await self.leader_keys.release(stale)
+        held = await self.leader_keys.hold({(name, n) for n in named}) if named else set()
+        leading, follow = self.replication.wanted(tv, lambda n: (name, n) in held)
+        if len(held) < len(named):  # another node's key not expired yet: tried again
+            self.errors[name] = (f"leader keys of partitions "
+                                 f"{sorted(n for n in named if (name, n) not in held)} "
+                                 "not held yet")
         await self.replication.release(name, follow)  # a followed log closes before it is led
         want = Assignment(tv.meta.partitions, frozenset(leading), tv.meta.ordered,
                           tv.meta.replicas)

@@ -309,14 +309,18 @@ class NSQD:
                     continue  # deleted meanwhile: the channel goes to its successor
                 channel = p.channels.get(channel_name)
                 if channel is None:
-                    channel = await self._create_channel(topic, p, channel_name)
+                    # one etcd has but this partition lacks (a new leader of a replicated
+                    # partition that got no state of it): from the floor, never skipping
+                    at_floor = not register and p.queue.options.replicated
+                    channel = await self._create_channel(topic, p, channel_name, at_floor)
                 return channel
 
-    async def _create_channel(self, topic: Topic, p, name: str) -> Channel:
+    async def _create_channel(self, topic: Topic, p, name: str,
+                              at_floor: bool = False) -> Channel:
         """Make a channel: its metadata on disk before SUB's OK (a channel lost in a crash
         would come back starting at the topic's end, past what was published for it in
         between), or not at all (StorageError)."""
-        channel = p.add_channel(name, None, **self.channel_settings())
+        channel = p.add_channel(name, None, at_floor, **self.channel_settings())
         try:
             self._store_channel(channel)
             await self.meta.flush()
@@ -415,8 +419,9 @@ class NSQD:
                 if error is None:
                     await self._add_channels(topic, [n])
                     p = topic.partitions[n]
+                    replicated = p.queue.options.replicated  # no state: redeliver, never skip
                     for channel_name in sorted(names - set(p.channels)):
-                        self._store_channel(p.add_channel(channel_name, None,
+                        self._store_channel(p.add_channel(channel_name, None, replicated,
                                                           **self.channel_settings()))
             topic.set_assignment(topic.assignment)  # still without `new`: stored first
             self._store_topic_as(topic, assignment)

@@ -150,7 +150,7 @@ class Replication:
                                timeout=self.nsqd.options.repl_timeout_ms / 1000)
             self.leaders[(name, n)] = leader
             await leader.start()
-            p.gate = leader
+            p.gate = _Gate(leader, self.cluster)
             log.info("leading", topic=name, partition=n, epoch=state.epoch,
                      isr=list(state.isr), catchup=list(state.catchup))
         for n, state in follow.items():
@@ -191,8 +191,8 @@ class Replication:
         await leader.stop()
         topic = self.nsqd.topics.get(key[0])
         p = topic.partitions.get(key[1]) if topic is not None else None
-        if p is not None and p.gate is leader:
-            p.gate = None if not p.queue.options.replicated else _Stopped()
+        if p is not None and getattr(p.gate, "leader", None) is leader:
+            p.gate = _Stopped()
 
     async def _stop_follower(self, key) -> None:
         follower = self.followers.pop(key)
@@ -216,3 +216,24 @@ class _Stopped:
 
     writable = False
     reason = "it is changing leader"
+
+
+class _Gate:
+    """The gate of a partition led here: writable while the LeaderLog says so and the
+    node's lease is current (one that cannot renew it takes no publish, at once)."""
+
+    __slots__ = ("leader", "cluster")
+
+    def __init__(self, leader: LeaderLog, cluster):
+        self.leader = leader
+        self.cluster = cluster
+
+    @property
+    def writable(self) -> bool:
+        return self.cluster.lease_held and self.leader.writable
+
+    @property
+    def reason(self) -> str:
+        if not self.cluster.lease_held:
+            return "this node's etcd lease is lost"
+        return self.leader.reason

@@ -135,13 +135,16 @@ class Partition:
             self._floor = (q.start_offset, q.start_count)
         return self._floor
 
-    def add_channel(self, name: str, state: dict | None, **settings) -> Channel:
-        """Open a channel: from its stored state, or as a new one (see the module invariants).
-        `settings` are Channel's keyword options; its delay store is in `delay_folder`."""
+    def add_channel(self, name: str, state: dict | None, at_floor: bool = False,
+                    **settings) -> Channel:
+        """Open a channel: from its stored state, or as a new one (see the module invariants;
+        `at_floor`: at the floor even beside other channels: a channel of a replicated
+        partition that a new leader has no state of). `settings` are Channel's keyword
+        options; its delay store is in `delay_folder`."""
         if state is None:
             q = self.queue
-            offset, count = self.floor if not self.channels else (q.committed_end,
-                                                                  q.committed_count)
+            offset, count = (self.floor if at_floor or not self.channels
+                             else (q.committed_end, q.committed_count))
             state = {"confirmed": offset, "confirmed_count": count, "paused": False}
         channel = Channel(self.topic, name, self.queue, state["confirmed"],
                           state["confirmed_count"], paused=state.get("paused", False),
