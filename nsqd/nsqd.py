@@ -582,8 +582,11 @@ class NSQD:
 
     def _store_channel(self, channel: Channel) -> None:
         if not channel.ephemeral and not channel.topic.ephemeral:
+            state = channel.checkpoint()
             self.meta.put(channel_key(channel.topic_name, channel.partition, channel.name),
-                          channel.checkpoint())
+                          state)
+            if self.cluster is not None:  # a replicated partition's followers get it too
+                self.cluster.replication.channel_stored(channel, state)
 
     async def checkpoint(self) -> None:
         """Persist every changed cursor and topic state in one transaction."""

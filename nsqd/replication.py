@@ -22,7 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
+import base64
 import dataclasses
 import os
 
@@ -31,13 +31,27 @@ import structlog
 from diskqueue.queue import DiskQueue
 from isr.follower import FollowerLog
 from isr.leader import LeaderLog
-from isr.metadata import ClusterView, TopicView
+from isr.metadata import TopicView
 from isr.rpc import RpcServer
 from isr.state import PartitionState
 
 from .metastore import channel_key
 
 log = structlog.get_logger("nsqd.replication")
+
+
+def state_to_wire(state: dict) -> dict:
+    """A channel checkpoint as JSON: bytes values (packed ranges, attempts) in base64."""
+    return {k: {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
+            for k, v in state.items()}
+
+
+def state_from_wire(state: dict) -> dict:
+    """The inverse of state_to_wire (raises ValueError, TypeError on a bad value)."""
+    if not isinstance(state, dict):
+        raise TypeError("a channel state is a JSON object")
+    return {k: base64.b64decode(v["b64"], validate=True) if isinstance(v, dict) else v
+            for k, v in state.items()}
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -93,7 +107,17 @@ class Replication:
             return
         meta = self.nsqd.meta
         for name, state in channels.items():
-            meta.put(channel_key(topic, partition, name), state)
+            try:
+                meta.put(channel_key(topic, partition, name), state_from_wire(state))
+            except (TypeError, ValueError, AttributeError) as e:
+                log.warning("channel_state_refused", topic=topic, partition=partition,
+                            channel=name, error=str(e))
+
+    def channel_stored(self, channel, state: dict) -> None:
+        """A checkpoint of a channel led here: its followers get it (batched, async)."""
+        leader = self.leaders.get((channel.topic_name, channel.partition))
+        if leader is not None:
+            leader.send_channels({channel.name: state_to_wire(state)})
 
     # ---- lifecycle -------------------------------------------------------------------
 
