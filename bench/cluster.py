@@ -122,11 +122,12 @@ def single_node(report: Report, P: dict, tmp: str) -> dict:
     return out
 
 
-async def leader_targets(lookupds: list[str], conns: int) -> list[tuple[str, int, int]]:
+async def leader_targets(lookupds: list[str], conns: int,
+                         topic: str = TOPIC) -> list[tuple[str, int, int]]:
     """(host, port, partition) of each producer connection's key, routed as the client does."""
     source = LookupdSource(lookupds)
     try:
-        topic_map = await source.lookup(TOPIC, "w")
+        topic_map = await source.lookup(topic, "w")
     finally:
         await source.close()
     targets = []

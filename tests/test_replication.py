@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from cluster import LEASE_TTL_S, Cluster, wait_until
+from cluster import LEASE_TTL_S, Cluster
 from isr.etcd import Etcd
 from isr.metadata import Metadata
 from nsqclient.conn import Connection, NSQError
