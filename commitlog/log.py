@@ -275,6 +275,31 @@ class CommitLog:
                 hi = mid
         return self.get(lo) if lo < self.next_log_id else None
 
+    def first_after_epoch(self, epoch: int) -> Entry | None:
+        """The first entry whose epoch is above `epoch`, or None (epochs never decrease)."""
+        lo, hi = self.first_log_id, self.next_log_id
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.get(mid).epoch <= epoch:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self.get(lo) if lo < self.next_log_id else None
+
+    def read_encoded(self, log_id: int, n: int) -> bytes:
+        """Entries log_id .. log_id + n - 1 (fewer at the end of the log) as stored: 64 bytes
+        each, not checked (callers decode them)."""
+        n = min(n, self.next_log_id - log_id)
+        parts = []
+        while n > 0:
+            i = bisect.bisect_right(self._bases, log_id) - 1
+            base = self._bases[i]
+            k = n if i + 1 == len(self._bases) else min(n, self._bases[i + 1] - log_id)
+            parts.append(os.pread(self._fd(base), k * ENTRY_SIZE, (log_id - base) * ENTRY_SIZE))
+            log_id += k
+            n -= k
+        return b"".join(parts)
+
     def _last_at_or_before(self, key, value: int) -> Entry | None:
         lo, hi = self.first_log_id, self.next_log_id
         while lo < hi:

@@ -49,11 +49,14 @@ from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import make_dirs, read_json, write_json_atomic
+from .errors import (AppendError, DiskFullError, QueueClosedError, QueueFailedError,  # noqa: F401
+                     _Unrecoverable)
 from nsqwire.ids import PARTITION_SHIFT
 
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
 from .reader import Reader, SharedChunks
 from .recovery import recover
+from .replicated import Replicated
 from .segments import MissingSegmentError, Segments
 from .worker import Worker
 
@@ -66,28 +69,6 @@ META_FILE = "meta.json"
 # written batch, and seconds per sync.
 BATCH_MESSAGES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 SYNC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-class AppendError(Exception):
-    """A batch could not be written; nothing of it was acknowledged and the queue is as before."""
-
-
-class DiskFullError(AppendError):
-    """The disk is full (ENOSPC)."""
-
-
-class QueueClosedError(Exception):
-    """The queue is closed or closing."""
-
-
-class _Unrecoverable(Exception):
-    """Raised by the worker thread when the queue must fail (see QueueFailedError)."""
-
-
-class QueueFailedError(AppendError):
-    """A sync failed, or a failed write could not be undone: what the kernel still holds
-    for these files is unknown, so the queue takes no more appends until it is reopened
-    (recovery then trusts only what is on disk)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +93,7 @@ class QueueOptions:
     clog_entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT
     clog_sync_every: int = DEFAULT_SYNC_EVERY  # the most commitlog entries ever unsynced
     auto_commit: bool = True  # commit as soon as written; replication turns this off
+    replicated: bool = False  # one replica of a partition: see diskqueue/replicated.py
 
 
 class Appended(NamedTuple):
@@ -155,8 +137,10 @@ def _settle(waiter, result, error) -> None:
         log.exception("append_callback_failed")
 
 
-class DiskQueue:
+class DiskQueue(Replicated):
     """The data and commitlog of one partition, in folder `path`."""
+
+    _settle = staticmethod(_settle)
 
     def __init__(self, path: str, options: QueueOptions = QueueOptions()):
         self.path = path
@@ -194,6 +178,7 @@ class DiskQueue:
         self.stats = {"batches": 0, "syncs": 0, "batch_messages_total": 0, "sync_seconds_total": 0.0}
         self.histograms = {"batch_messages": [0] * (len(BATCH_MESSAGES_BUCKETS) + 1),
                            "sync_seconds": [0] * (len(SYNC_SECONDS_BUCKETS) + 1)}
+        self._init_replication()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -243,6 +228,7 @@ class DiskQueue:
         self.written_count = self.committed_count = found.count
         last = self.commitlog.last()
         self._last_ts = last.timestamp if last is not None else 0
+        self._open_replication()
         if (found.cut_bytes or found.cut_entries or found.rebuilt_entries or found.corrupt
                 or found.index_rebuilt):
             log.warning("recovered", path=self.path, partition=self.partition,
@@ -259,6 +245,7 @@ class DiskQueue:
             self._idle = self._loop.create_future()
             self._kick()
             await self._idle
+        self.fail_uncommitted(QueueClosedError(f"{self.path} closed before this was committed"))
         if self._sync_timer is not None:
             self._sync_timer.cancel()
         try:
@@ -276,6 +263,7 @@ class DiskQueue:
     def _close_sync(self) -> None:
         self._segments.sync()
         self.commitlog.sync()
+        self._close_replication()
         self._segments.close()
         self.commitlog.close()
 
@@ -367,6 +355,8 @@ class DiskQueue:
                 sync = self._should_sync(batch.count)
                 self._write_worker.call(self._write_job, batch, data, clog, results, seq, ts,
                                         sync)
+                if self.on_batch is not None:
+                    self._announce(data, clog, len(results))
                 return
             except Exception as e:  # a bug, or a request the encoder cannot take: one batch
                 log.exception("write_batch_failed", path=self.path, partition=self.partition)
@@ -394,9 +384,10 @@ class DiskQueue:
                 return True
         return False
 
-    async def _exclusive(self, fn, *args):
+    async def _exclusive(self, fn, *args, then=None):
         """Run fn(*args) in the write worker while the writer is stopped: no batch in flight,
-        and `written_end` & co. match the files (open, close, retain, empty, find)."""
+        and `written_end` & co. match the files (open, close, retain, empty, find). `then`
+        (on the loop) takes its result before the slot passes on."""
         if self._shut:
             raise QueueClosedError(self.path)
         if self._busy:
@@ -411,7 +402,10 @@ class DiskQueue:
         else:
             self._busy = True
         try:
-            return await _off_loop(fn, *args, executor=self._write_worker)
+            result = await _off_loop(fn, *args, executor=self._write_worker)
+            if then is not None:
+                then(result)
+            return result
         finally:
             self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
 
@@ -477,6 +471,8 @@ class DiskQueue:
             self._write_sync(data, clog, len(results), sync)
         except BaseException as e:
             error = e
+        else:
+            self._store_committed()
         self._loop.call_soon_threadsafe(self._written, batch, len(data), results, seq, ts, sync,
                                         time.perf_counter() - t0, error)
 
@@ -505,6 +501,8 @@ class DiskQueue:
             self._unsynced_messages += batch.count
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
+        if self._parked is not None:  # replicated: answered once committed
+            return self._park(batch, results)
         self._write_next()  # the disk works on the next batch while the loop answers this one
         for (waiter, *_), result in zip(batch.requests, results):
             _settle(waiter, result, None)
@@ -610,6 +608,7 @@ class DiskQueue:
             return
         self.committed_end = end_offset
         self.committed_count = count
+        self._committed_at = (end_offset, count)
         self._wake_readers()
         for listener in self.commit_listeners:
             try:

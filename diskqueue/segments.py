@@ -146,6 +146,48 @@ class Segments:
         os.fdatasync(self._fd)
         self.end = offset
 
+    def read(self, start: int, end: int) -> bytes:
+        """The bytes of the history in [start, end), across segments."""
+        parts = []
+        while start < end:
+            base, seg_end = self.locate(start)
+            n = min(end, seg_end) - start
+            fd = os.open(self.file(base), os.O_RDONLY)
+            try:
+                data = os.pread(fd, n, start - base)
+            finally:
+                os.close(fd)
+            if len(data) < n:
+                raise OSError(f"{self.file(base)} ends before offset {start + n}")
+            parts.append(data)
+            start += n
+        return b"".join(parts)
+
+    def cut_to(self, offset: int) -> None:
+        """Cut the history back to `offset`, across segments; a kill at any point leaves
+        contiguous segments from the start, a prefix of what was there.
+
+        `newest.json` first names the segment that will be the active one (a newer segment
+        on disk is then no loss at open); newer segments go newest first, each unlink synced
+        into the folder (so no gap opens, even at a power cut); then the new active segment
+        is cut and synced."""
+        i = bisect.bisect_right(self.bases, offset) - 1
+        if i < 0 or offset > self.end:
+            raise ValueError(f"cannot cut to {offset}: outside [{self.start}, {self.end}]")
+        if i + 1 < len(self.bases):
+            keep, newer = self.bases[:i + 1], self.bases[i + 1:]
+            write_json_atomic(os.path.join(self.path, NEWEST_FILE), {"base": keep[-1]})
+            self.close()
+            for base in reversed(newer):
+                self.bases = self.bases[:-1]
+                os.unlink(self.file(base))
+                fsync_dir(self.path)
+            self._open_active()
+        os.ftruncate(self._fd, offset - self.active_base)
+        os.fdatasync(self._fd)
+        self.end = offset
+        self._unsynced = False
+
     def drop_before(self, offset: int) -> int:
         """Delete whole segments that end at or before `offset` (never the active one)."""
         keep = next(i for i, end in enumerate(self.bases[1:] + [None])

@@ -1,0 +1,109 @@
+"""Raw batches: a leader's commitlog entries and records as they travel to a follower (sans-I/O).
+
+A raw batch is `n` encoded commitlog entries (64 bytes each) and the data they index:
+whole records, exactly what the leader's segments hold. `check_batch` proves a batch can be
+appended where it says it starts, before any byte of it is written; `renumber` gives its
+entries this log's log ids. Invariants of a checked batch: every entry decodes (checksum)
+and follows the one before it (offset and count contiguous from the batch's start), its
+message ids are `partition << 50 | count`, epochs and timestamps never go back, and the
+entries cover the data exactly with records whose CRCs hold.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+from commitlog.entry import ENTRY_SIZE, CorruptEntryError, Entry, decode, encode_fields
+from nsqwire.ids import PARTITION_SHIFT
+
+from .record import FIXED_LENGTH, HEAD, HEAD_SIZE, MAX_RECORD, PREFIX
+
+
+class BadBatch(Exception):
+    """A raw batch that cannot be appended as it is; nothing of it was written."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+class RawBatch(NamedTuple):
+    """What `DiskQueue.read_raw` returns: `n_entries` entries from (offset, count), their
+    `data`, and the log's written end `end` = (offset, count) when it was read."""
+
+    offset: int
+    count: int
+    entries: bytes
+    n_entries: int
+    data: bytes
+    end: tuple[int, int]
+
+
+def check_batch(offset: int, count: int, entries: bytes, data: bytes, partition: int,
+                last_epoch: int) -> list[Entry]:
+    """The decoded entries of a batch starting at (offset, count), or BadBatch(reason).
+
+    `last_epoch`: the epoch of the log's last entry (the batch's may not be lower)."""
+    if not entries or len(entries) % ENTRY_SIZE:
+        raise BadBatch(f"{len(entries)} bytes of entries: not a whole number of entries")
+    view = memoryview(data)
+    prefix = partition << PARTITION_SHIFT
+    out = []
+    pos, epoch, ts = 0, last_epoch, 0
+    for i in range(len(entries) // ENTRY_SIZE):
+        try:
+            e = decode(entries, i * ENTRY_SIZE)
+        except CorruptEntryError as err:
+            raise BadBatch(f"entry {i}: {err}") from None
+        if e.offset != offset + pos or e.count_before != count:
+            raise BadBatch(f"entry {i} at ({e.offset}, {e.count_before}) does not follow "
+                           f"({offset + pos}, {count})")
+        if e.size <= 0 or e.msg_count <= 0 or pos + e.size > len(data):
+            raise BadBatch(f"entry {i}: size {e.size} and {e.msg_count} messages do not fit "
+                           f"the {len(data)} bytes of data")
+        if e.first_msg_id != prefix | count:
+            raise BadBatch(f"entry {i}: message id {e.first_msg_id:#x} is not "
+                           f"partition {partition}, count {count}")
+        if e.epoch < epoch or e.timestamp < ts:
+            raise BadBatch(f"entry {i}: epoch or timestamp goes back")
+        _check_records(view, pos, pos + e.size, offset, e.first_msg_id, e.msg_count)
+        out.append(e)
+        pos += e.size
+        count += e.msg_count
+        epoch, ts = e.epoch, e.timestamp
+    if pos != len(data):
+        raise BadBatch(f"the entries cover {pos} bytes of the {len(data)} bytes of data")
+    return out
+
+
+def _check_records(view: memoryview, pos: int, end: int, base: int, msg_id: int,
+                   n: int) -> None:
+    """view[pos:end] holds exactly `n` valid records with ids msg_id, msg_id + 1, ..."""
+    crc32 = zlib.crc32
+    for _ in range(n):
+        if end - pos < HEAD_SIZE:
+            raise BadBatch(f"record at offset {base + pos} is cut short")
+        crc, length, rec_id, _trace, _ts, _attempts, ext_len = HEAD.unpack_from(view, pos)
+        rec_end = pos + PREFIX.size + length
+        if length < FIXED_LENGTH + ext_len or length > MAX_RECORD or rec_end > end:
+            raise BadBatch(f"record at offset {base + pos}: bad length {length}")
+        if crc32(view[pos + 4:rec_end]) != crc:
+            raise BadBatch(f"record at offset {base + pos}: checksum mismatch")
+        if rec_id != msg_id:
+            raise BadBatch(f"record at offset {base + pos}: message id {rec_id:#x}, "
+                           f"expected {msg_id:#x}")
+        pos = rec_end
+        msg_id += 1
+    if pos != end:
+        raise BadBatch(f"entry ending at offset {base + end} holds more than its records")
+
+
+def renumber(entries: list[Entry], first_log_id: int, first_flags: int) -> bytes:
+    """The entries encoded with this log's log ids from `first_log_id`; everything else the
+    leader's but the flags: `first_flags` on the first entry (this log's SYNCED_BEFORE), 0 on
+    the others."""
+    return b"".join(
+        encode_fields(first_log_id + i, e.epoch, e.first_msg_id, e.offset, e.count_before,
+                      e.timestamp, e.size, e.msg_count, first_flags if i == 0 else 0)
+        for i, e in enumerate(entries))

@@ -1,0 +1,338 @@
+"""What a replicated partition needs of its DiskQueue: parking written batches until the ISR
+holds them, raw appends and reads of whole batches, epochs, and cutting a diverged tail.
+
+`Replicated` is a part of `DiskQueue` (its base class), kept here because it is one concept:
+the queue as one replica of a partition (see ../REPLICATION.md, "diskqueue additions").
+Positions are (offset, count) pairs, never log ids (they differ between replicas).
+
+Invariants (with `QueueOptions.replicated`):
+- a written batch's waiters are settled only once it is committed (`replicated_to`, or solo),
+  in order, or failed (`fail_uncommitted`, a truncation, close); its data stays in the log;
+- `committed_end` never passes what some caller said the ISR holds (or, solo, the written
+  end); the persisted committed end (file `committed`) is written lazily by the write worker
+  and is never ahead of `committed_end`; a queue opens with committed = min(persisted, written);
+- raw appends go through the writer slot like batches (one writer per file), are checked
+  whole before a byte is written, and keep the leader's fields but the log ids and flags;
+- `truncate_to` never cuts committed data, and a kill at any point of it leaves a log that
+  opens and holds a prefix of what it held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import time
+import zlib
+from collections import deque
+
+import structlog
+
+from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, decode, encode
+
+from .atomic import fsync_dir
+from .errors import AppendError, OffsetOutOfRange, QueueClosedError, GapError, _Unrecoverable
+from .raw import RawBatch, check_batch, renumber
+
+log = structlog.get_logger("diskqueue")
+
+COMMITTED_FILE = "committed"
+_POSITION = struct.Struct(">QQI")  # committed end offset, count, crc32 of the first 16 bytes
+_READ_ENTRIES = 4096  # entries read from the commitlog at a time by read_raw
+
+
+def encode_position(end_offset: int, count: int) -> bytes:
+    head = _POSITION.pack(end_offset, count, 0)[:16]
+    return head + zlib.crc32(head).to_bytes(4, "big")
+
+
+def decode_position(buf: bytes) -> tuple[int, int] | None:
+    """(offset, count), or None for a short or bad record."""
+    if len(buf) < _POSITION.size:
+        return None
+    end_offset, count, crc = _POSITION.unpack_from(buf)
+    return (end_offset, count) if zlib.crc32(buf[:16]) == crc else None
+
+
+class CommittedFile:
+    """The persisted committed end of one partition: 20 bytes rewritten in place, never synced
+    on its own (a torn or stale one fails its checksum or lags: both are safe)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = -1
+        self._failed = False
+
+    def load(self) -> tuple[int, int] | None:
+        try:
+            with open(self.path, "rb") as f:
+                return decode_position(f.read(_POSITION.size))
+        except FileNotFoundError:
+            return None
+
+    def store(self, position: tuple[int, int]) -> None:
+        """Write it (write worker); a failure is logged once and costs only laziness."""
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._fd, encode_position(*position), 0)
+        except OSError as e:
+            if not self._failed:
+                log.warning("committed_end_not_stored", path=self.path, error=str(e))
+            self._failed = True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Replicated:
+    """The replica side of a DiskQueue (a mixin: every attribute lives on the queue)."""
+
+    def _init_replication(self) -> None:
+        self.on_batch = None  # on_batch(offset, count, entries, n_entries, data, epoch), on the loop
+        self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
+        self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
+        self._tail_end = 0  # entries written past it carry `self.epoch`
+        self._parked: deque | None = None  # (end offset, requests, results) written, not committed
+        self._committed_file: CommittedFile | None = None
+        if self.options.replicated:
+            self._parked = deque()
+            self._committed_file = CommittedFile(os.path.join(self.path, COMMITTED_FILE))
+            # The queue commits on write only when solo: `auto_commit` says whether it does.
+            self.options = dataclasses.replace(self.options, auto_commit=False)
+
+    def _open_replication(self) -> None:
+        """At open (write worker), after recovery: the last epoch, and the committed end."""
+        last = self.commitlog.last()
+        self._tail_epoch = last.epoch if last is not None else 0
+        self._tail_end = self.written_end
+        self.epoch = max(self.epoch, self._tail_epoch)
+        if self._committed_file is not None:
+            start = (self.start_offset, self.start_count)
+            stored = self._committed_file.load() or start
+            if stored[0] < self.written_end:
+                self.committed_end, self.committed_count = max(stored, start)
+        self._committed_at = (self.committed_end, self.committed_count)
+
+    def _close_replication(self) -> None:
+        """At close (write worker): store the committed end, synced with the other files."""
+        if self._committed_file is not None:
+            self._committed_file.store(self._committed_at)
+            self._committed_file.close()
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch of the last entry written, 0 if none."""
+        return self.epoch if self.written_end > self._tail_end else self._tail_epoch
+
+    # ---- committing -------------------------------------------------------
+
+    def set_solo(self, solo: bool) -> None:
+        """Solo: the ISR is this node alone, so the queue commits on write (and commits
+        everything written now)."""
+        self.options = dataclasses.replace(self.options, auto_commit=solo)
+        if solo:
+            self.replicated_to(self.written_end, self.written_count)
+
+    def replicated_to(self, end_offset: int, count: int) -> None:
+        """The ISR holds everything up to (end_offset, count): commit min(it, written), and
+        settle the batches now wholly committed."""
+        if end_offset >= self.written_end:
+            end_offset, count = self.written_end, self.written_count
+        self._commit(end_offset, count)
+        parked = self._parked
+        while parked and parked[0][0] <= self.committed_end:
+            _end, requests, results = parked.popleft()
+            for (waiter, *_), result in zip(requests, results):
+                self._settle(waiter, result, None)
+
+    def fail_uncommitted(self, error: Exception) -> None:
+        """Fail every written, uncommitted batch with `error`; their data stays in the log."""
+        self._fail_parked(error, lambda end: True)
+
+    def _fail_parked(self, error: Exception, which) -> None:
+        if not self._parked:
+            return
+        parked, self._parked = self._parked, deque()
+        for end, requests, results in parked:
+            if which(end):
+                for waiter, *_ in requests:
+                    self._settle(waiter, None, error)
+            else:
+                self._parked.append((end, requests, results))
+
+    def _park(self, batch, results) -> None:
+        """A batch was written (loop, from `_written`): keep its waiters until it is
+        committed, start the next batch, then settle what is committed."""
+        self._parked.append((self.written_end, batch.requests, results))
+        self._write_next()
+        self.replicated_to(self.committed_end, self.committed_count)
+
+    def _announce(self, data: bytes, clog: bytes, n_entries: int) -> None:
+        """A batch was handed to the write worker: tell `on_batch` (the leader pushes it)."""
+        try:
+            self.on_batch(self.written_end, self.written_count, clog, n_entries, data, self.epoch)
+        except Exception:  # the pusher's bug must never stop the writer
+            log.exception("on_batch_failed", path=self.path)
+
+    def _store_committed(self) -> None:
+        """Write worker, with each batch: the committed end as the loop last set it."""
+        if self._committed_file is not None:
+            self._committed_file.store(self._committed_at)
+
+    # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
+
+    async def append_raw(self, offset: int, count: int, entries: bytes,
+                         data: bytes) -> tuple[int, int]:
+        """Append a leader's batch starting at (offset, count) and return the written end,
+        once it is written and synced as the sync policy says. A batch wholly at or before
+        the written end (a duplicate) returns at once; one that does not start there raises
+        GapError(written end); a bad one BadBatch; a failed write AppendError (DiskFullError
+        for ENOSPC) with nothing written."""
+        if self._closing:
+            raise QueueClosedError(self.path)
+        if self.failed is not None:
+            raise self.failed
+        if (not entries and not data) or offset + len(data) <= self.written_end:
+            return self.written_end, self.written_count
+        try:
+            await self._exclusive(self._append_raw_job, offset, count, entries, data,
+                                  then=self._appended_raw)
+        except (OSError, _Unrecoverable) as e:
+            raise self._batch_error(e) from None
+        return self.written_end, self.written_count
+
+    def _append_raw_job(self, offset, count, entries, data):
+        """Check, renumber, write and (as the policy says) sync a raw batch (write worker)."""
+        if offset + len(data) <= self.written_end:
+            return None
+        if (offset, count) != (self.written_end, self.written_count):
+            raise GapError(self.written_end, self.written_count)
+        checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch)
+        if checked[0].epoch > self.last_epoch:
+            self.commitlog.sync()  # so a power loss never regenerates its entries with an older epoch
+        flags = SYNCED_BEFORE if not self._unsynced_messages else 0
+        clog = renumber(checked, self.commitlog.next_log_id, flags)
+        messages = checked[-1].count_after - count
+        sync = self._should_sync(messages)
+        t0 = time.perf_counter()
+        self._write_sync(data, clog, len(checked), sync)
+        self._store_committed()
+        return checked[-1], messages, sync, time.perf_counter() - t0
+
+    def _appended_raw(self, written) -> None:
+        """The loop's view of a raw batch written (before the slot passes on)."""
+        if written is None:
+            return
+        last, messages, synced, elapsed = written
+        self.stats["batches"] += 1
+        self.stats["batch_messages_total"] += messages
+        if synced:
+            self._count_sync(elapsed)
+            self._unsynced_messages = 0
+        else:
+            if not self._unsynced_messages:
+                self._unsynced_since = time.monotonic()
+            self._unsynced_messages += messages
+        self.written_end, self.written_count = last.end_offset, last.count_after
+        self._last_ts = max(self._last_ts, last.timestamp)
+        self._tail_epoch, self._tail_end = last.epoch, self.written_end
+        if self.options.auto_commit:
+            self._commit(self.written_end, self.written_count)
+
+    async def read_raw(self, offset: int, max_bytes: int) -> RawBatch:
+        """Whole entries from the one that begins at `offset` (ValueError if none does), up to
+        `max_bytes` of data (at least one entry), up to the written end. At the written end:
+        no entry. Before the start: OffsetOutOfRange(start)."""
+        return await self._exclusive(self._read_raw_job, offset, max_bytes)
+
+    def _read_raw_job(self, offset: int, max_bytes: int) -> RawBatch:
+        end = (self.written_end, self.written_count)
+        if offset < self.start_offset:
+            raise OffsetOutOfRange(self.start_offset, self.start_count)
+        if offset == self.written_end:
+            return RawBatch(offset, self.written_count, b"", 0, b"", end)
+        first = self.commitlog.find_by_offset(offset) if offset < self.written_end else None
+        if first is None or first.offset != offset:
+            raise ValueError(f"no entry begins at offset {offset}")
+        parts, size, log_id = [], 0, first.log_id
+        while log_id < self.commitlog.next_log_id:
+            buf = self.commitlog.read_encoded(log_id, _READ_ENTRIES)
+            taken = 0
+            for pos in range(0, len(buf), ENTRY_SIZE):
+                e = decode(buf, pos)
+                if parts and size + e.size > max_bytes:
+                    break
+                parts.append(e)
+                size += e.size
+                taken += 1
+            log_id += taken
+            if taken < len(buf) // ENTRY_SIZE:
+                break
+        data = self._segments.read(offset, offset + size)
+        return RawBatch(offset, first.count_before, b"".join(map(encode, parts)), len(parts),
+                        data, end)
+
+    # ---- epochs and divergence --------------------------------------------
+
+    async def set_epoch(self, epoch: int) -> None:
+        """Sync the commitlog, then new entries carry `epoch` (never lower than the last)."""
+        if epoch < self.last_epoch:
+            raise ValueError(f"epoch {epoch} is below the log's last epoch {self.last_epoch}")
+        await self._exclusive(self.commitlog.sync, then=lambda _: self._raise_epoch(epoch))
+
+    def _raise_epoch(self, epoch: int) -> None:
+        self._tail_epoch, self._tail_end = self.last_epoch, self.written_end
+        self.epoch = epoch
+
+    async def epoch_end(self, epoch: int) -> tuple[int, int]:
+        """The start of the first entry whose epoch is above `epoch`, or the written end."""
+        return await self._exclusive(self._epoch_end_job, epoch)
+
+    def _epoch_end_job(self, epoch: int) -> tuple[int, int]:
+        entry = self.commitlog.first_after_epoch(epoch)
+        if entry is None:
+            return self.written_end, self.written_count
+        return entry.offset, entry.count_before
+
+    async def truncate_to(self, offset: int, count: int) -> None:
+        """Cut the data and the commitlog back to the entry that begins at (offset, count),
+        across segments. ValueError if no entry begins there or it is below committed_end.
+        A kill at any point leaves a log that opens and holds a prefix of what it held."""
+        try:
+            await self._exclusive(self._truncate_job, offset, count, then=self._truncated)
+        except OSError as e:
+            raise self._fail_queue(f"truncating failed: {e}") from None
+
+    def _truncate_job(self, offset: int, count: int):
+        if offset < self.committed_end:
+            raise ValueError(f"cannot truncate to {offset}: committed up to {self.committed_end}")
+        if (offset, count) == (self.written_end, self.written_count):
+            return None
+        entry = self.commitlog.find_by_offset(offset) if offset < self.written_end else None
+        if entry is None or (entry.offset, entry.count_before) != (offset, count):
+            raise ValueError(f"no entry begins at ({offset}, {count})")
+        # The commitlog first: an entry past the data would be a loss at open, a record past
+        # the commitlog is only re-indexed.
+        self.commitlog.truncate_after(entry.log_id - 1)
+        fsync_dir(self.commitlog.path)
+        self._segments.cut_to(offset)
+        log.warning("truncated", path=self.path, partition=self.partition, offset=offset,
+                    count=count, cut_bytes=self.written_end - offset)
+        return offset, count, self.commitlog.last()
+
+    def _truncated(self, cut) -> None:
+        if cut is None:
+            return
+        offset, count, last = cut
+        self.written_end, self.written_count = offset, count
+        self._unsynced_messages = 0  # what is left was synced by the cut
+        self._tail_epoch = last.epoch if last is not None else 0
+        self._tail_end = offset
+        if last is not None:
+            self._last_ts = last.timestamp
+        self._fail_parked(AppendError(f"{self.path}: truncated to offset {offset}"),
+                          lambda end: end > offset)
