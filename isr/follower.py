@@ -23,7 +23,8 @@ import structlog
 
 from commitlog import entry as clog_entry
 from diskqueue.atomic import read_json, write_json_atomic
-from diskqueue.queue import AppendError, DiskFullError
+from diskqueue.errors import AppendError, DiskFullError, GapError
+from diskqueue.raw import BadBatch
 
 from . import wire
 from .peer import PeerError, Peers
@@ -55,7 +56,6 @@ def batch_end(offset: int, count: int, entries: bytes) -> tuple[int, int]:
 
 def _answer_error(e: Exception, end: tuple[int, int]) -> Answer:
     """The ERROR answer for an append failure (diskqueue's typed errors)."""
-    from diskqueue.queue import BadBatch, GapError
     if isinstance(e, GapError):
         return error(wire.E_GAP, str(e), end=list(end))
     if isinstance(e, BadBatch):
@@ -188,7 +188,7 @@ class FollowerLog:
             if entries:
                 await self.q.append_raw(h["offset"], h["count"], entries, data)
                 self.stats["appends"] += 1
-        except (AppendError, ValueError) as e:
+        except (AppendError, GapError, BadBatch, ValueError) as e:
             if not isinstance(e, DiskFullError):
                 log.warning("follower_push_refused", topic=self.topic, partition=self.partition,
                             error=str(e))
@@ -232,7 +232,7 @@ class FollowerLog:
                 if await self._catch_up_once(state.leader, state.epoch):
                     return
                 delay = 0.05
-            except (PeerError, FollowError, AppendError, ValueError, OSError) as e:
+            except (PeerError, FollowError, AppendError, GapError, BadBatch, ValueError, OSError) as e:
                 log.info("follower_catch_up_retry", topic=self.topic, partition=self.partition,
                          error=str(e), delay=delay)
             await asyncio.sleep(delay)

@@ -23,7 +23,7 @@ import time
 import structlog
 
 from commitlog import entry as clog_entry
-from diskqueue.queue import OffsetOutOfRange
+from diskqueue.errors import OffsetOutOfRange
 
 from . import wire
 from .follower import batch_end
@@ -87,6 +87,7 @@ class LeaderLog:
         self._channels_sent = 0.0
         self._commit_sent = 0.0
         self._closed = False
+        self._recheck: asyncio.TimerHandle | None = None
         self.stats = {"pushes": 0, "acks": 0, "isr_shrinks": 0, "isr_grows": 0, "fetches": 0}
 
     @property
@@ -252,6 +253,13 @@ class LeaderLog:
         if low > self.committed:
             self.q.replicated_to(*low)
             self.committed = (self.q.committed_end, self.q.committed_count)
+            if low > self.committed and not self._recheck:
+                # the followers are ahead of the local write: commit when it lands
+                self._recheck = asyncio.get_running_loop().call_later(0.001, self._readvance)
+
+    def _readvance(self) -> None:
+        self._recheck = None
+        self._advance()
 
     def _fail(self, f: _Follower, reason: str) -> None:
         """Stop pushing to `f`; a joining one is forgotten, an ISR one dropped by CAS."""

@@ -1,0 +1,99 @@
+"""isr replication runtime: a leader and followers with real DiskQueues, talking over real
+TCP on 127.0.0.1 (one RpcServer per node, one event loop; tests/repl_host.py is the host)."""
+
+import asyncio
+
+import pytest
+
+from isr import wire
+from isr.peer import Peer
+from isr.state import PartitionState
+from isr.wire import Kind
+from repl_host import Host, States
+
+A, B, C = "127.0.0.1:4101", "127.0.0.1:4102", "127.0.0.1:4103"
+T = "t"
+
+
+async def cluster(tmp_path, nodes=(A, B, C), isr=None, min_isr=2, repl_timeout=1.0, epoch=1):
+    states = States()
+    states.put(T, 0, PartitionState(leader=nodes[0], isr=tuple(isr or nodes), epoch=epoch))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=min_isr,
+                        repl_timeout=repl_timeout).start() for n in nodes]
+    for h in hosts[1:]:
+        await h.open(T, 0)
+    await hosts[0].open(T, 0)
+    return states, hosts
+
+
+async def stop(hosts):
+    for h in hosts:
+        await h.stop()
+
+
+async def until(cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_publish_acknowledged_only_after_both_followers_synced(tmp_path):
+    states, hosts = await cluster(tmp_path)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        fqs = [h.queues[(T, 0)] for h in hosts[1:]]
+        seen = []
+
+        def check(fut):
+            a = fut.result()
+            seen.append([q.written_end >= a.end_offset for q in fqs])
+
+        futs = []
+        for i in range(200):
+            fut = lq.append([b"m%d" % i] * (1 + i % 5))
+            fut.add_done_callback(check)
+            futs.append(fut)
+            if i % 20 == 0:
+                await asyncio.sleep(0)
+        done = await asyncio.gather(*futs)
+        assert len(seen) == 200 and all(all(s) for s in seen)
+        end = done[-1].end_offset
+        assert lq.committed_end == end
+        for q in fqs:
+            assert q.written_end == end
+        # the followers' committed ends follow (an empty PUSH within 200 ms)
+        await until(lambda: all(q.committed_end == end for q in fqs), 2)
+        # the followers hold the leader's records byte for byte
+        for q in fqs:
+            r1, r2 = lq.reader(0), q.reader(0)
+            a, b = await r1.read(10_000), await r2.read(10_000)
+            assert [(x.offset, x.msg_id, x.body) for x in a] == [(x.offset, x.msg_id, x.body) for x in b]
+            r1.close(), r2.close()
+    finally:
+        await stop(hosts)
+
+
+async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
+    states, hosts = await cluster(tmp_path, epoch=5)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        await lq.append([b"x"])
+        fq = hosts[1].queues[(T, 0)]
+        before = (fq.written_end, fq.written_count)
+        peer = Peer(hosts[2], B)
+        raw = await lq.read_raw(0, 1 << 20)
+        header = {"topic": T, "partition": 0, "epoch": 4, "leader": C, "offset": fq.written_end,
+                  "count": fq.written_count, "n": raw.n_entries, "data_len": len(raw.data),
+                  "commit": [0, 0]}
+        r = await peer.request(Kind.PUSH, header, raw.entries + raw.data)
+        assert r.kind is Kind.ERROR and r.header["code"] == wire.E_STALE_EPOCH
+        assert r.header["epoch"] == 5
+        assert (fq.written_end, fq.written_count) == before
+        # a CHANNELS of an older epoch too
+        r = await peer.request(Kind.CHANNELS, {"topic": T, "partition": 0, "epoch": 1,
+                                               "channels": {"c": {}}})
+        assert r.header["code"] == wire.E_STALE_EPOCH and (T, 0) not in hosts[1].channels
+        await peer.close()
+    finally:
+        await stop(hosts)
