@@ -97,3 +97,88 @@ async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
         await peer.close()
     finally:
         await stop(hosts)
+
+
+async def test_a_stopped_follower_is_dropped_and_the_write_completes(tmp_path):
+    states, hosts = await cluster(tmp_path, repl_timeout=0.5)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        await lq.append([b"before"])
+        await hosts[2].rpc.stop()
+        a = await asyncio.wait_for(lq.append([b"after"]), 3)
+        s = states.states[(T, 0)]
+        assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 2
+        assert lq.committed_end == a.end_offset == hosts[1].queues[(T, 0)].written_end
+        assert hosts[0].leaders[(T, 0)].writable
+        assert lq.last_epoch == 2 or lq.epoch == 2  # new entries carry the new epoch
+    finally:
+        await stop(hosts)
+
+
+async def test_a_sigstopped_follower_times_out_and_is_dropped(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    states = States()
+    state = PartitionState(leader=A, isr=(A, B, C), epoch=1)
+    states.put(T, 0, state)
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=2,
+                        repl_timeout=0.5).start() for n in (A, B)]
+    here = os.path.dirname(__file__)
+    child = subprocess.Popen(
+        [sys.executable, os.path.join(here, "repl_host.py"), str(tmp_path / "c"), C, T, "0", A,
+         states.addresses[A], state.encode().decode()],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.path.dirname(here),
+        env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 20)
+        assert line.startswith(b"ready"), line
+        states.addresses[C] = f"127.0.0.1:{int(line.split()[1])}"
+        await hosts[1].open(T, 0)
+        await hosts[0].open(T, 0)
+        lq = hosts[0].queues[(T, 0)]
+        await asyncio.wait_for(lq.append([b"all three"]), 3)
+        assert states.states[(T, 0)].isr == (A, B, C)
+        os.kill(child.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        await asyncio.wait_for(lq.append([b"two"]), 5)
+        took = time.monotonic() - t0
+        assert 0.45 <= took < 2.0, took
+        assert states.states[(T, 0)].isr == (A, B)
+        os.kill(child.pid, signal.SIGCONT)
+        await asyncio.wait_for(lq.append([b"still two"]), 3)
+        assert json.dumps(list(states.states[(T, 0)].catchup)) == json.dumps([C])
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+        await stop(hosts)
+
+
+async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_path):
+    from isr.leader import NotWritable
+    states, hosts = await cluster(tmp_path, repl_timeout=0.5, min_isr=2)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        leader = hosts[0].leaders[(T, 0)]
+        await lq.append([b"ok"])
+        # stall both followers: their pushes are never acked (a server that reads, never answers)
+        for h in hosts[1:]:
+            h.followers[(T, 0)].handle = _never
+        fut = lq.append([b"parked"])
+        with pytest.raises(NotWritable):
+            await asyncio.wait_for(fut, 5)
+        s = states.states[(T, 0)]
+        assert s.isr == (A,) and set(s.catchup) == {B, C}
+        assert not leader.writable and "below min_isr 2" in leader.reason
+        # the data stays in the log, uncommitted
+        assert lq.written_end > lq.committed_end
+    finally:
+        await stop(hosts)
+
+
+async def _never(frame):
+    await asyncio.Event().wait()
