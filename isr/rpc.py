@@ -70,7 +70,7 @@ class RpcServer:
         peer = writer.get_extra_info("peername")
         try:
             await self._receive(reader, answers, peer)
-        except (OSError, asyncio.IncompleteReadError):
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
             try:

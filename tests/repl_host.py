@@ -111,6 +111,16 @@ class Host:
             f.follow(state)
         return q
 
+    async def lead(self, topic: str, partition: int) -> LeaderLog:
+        """Failover: this node's follower of the partition becomes its leader."""
+        follower = self.followers.pop((topic, partition))
+        await follower.close()
+        q = self.queues[(topic, partition)]
+        leader = self.leaders[(topic, partition)] = await LeaderLog(
+            self, self.peers, topic, partition, q, self.states.states[(topic, partition)],
+            min_isr=self.min_isr, repl_timeout=self.repl_timeout).start()
+        return leader
+
     def on_state(self, topic, partition, state) -> None:
         leader = self.leaders.get((topic, partition))
         if leader is not None:

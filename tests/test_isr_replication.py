@@ -182,3 +182,86 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
 
 async def _never(frame):
     await asyncio.Event().wait()
+
+
+async def records(q):
+    r = q.reader(q.start_offset)
+    out = []
+    while batch := await r.read(100_000):
+        out += [(x.offset, x.msg_id, x.body) for x in batch]
+    r.close()
+    return out
+
+
+async def test_a_diverged_replica_truncates_to_the_new_leader_and_joins(tmp_path):
+    states, hosts = await cluster(tmp_path, min_isr=1)
+    a, b, c = hosts
+    try:
+        aq = a.queues[(T, 0)]
+        await aq.append([b"m1", b"m2"])
+        await aq.append([b"m3"])
+        # A writes a tail its followers never get (a push lost as A is cut off), then dies
+        aq.on_batch = None
+        tail = aq.append([b"lost1", b"lost2"])
+        await until(lambda: aq.written_end > hosts[1].queues[(T, 0)].written_end)
+        await a.stop()
+        with pytest.raises(Exception):
+            await tail
+        # failover: B leads at epoch 2 with C; A is outside the ISR
+        states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
+        await b.lead(T, 0)
+        bq = b.queues[(T, 0)]
+        await bq.append([b"n1"])
+        await bq.append([b"n2", b"n3"])
+        # A comes back and follows B: its epoch-1 tail is cut, B's epoch-2 records fetched
+        a2 = await Host(states, A, a.path, min_isr=1).start()
+        hosts[0] = a2
+        a2q = await a2.open(T, 0)
+        await until(lambda: A in states.states[(T, 0)].isr)
+        assert a2.followers[(T, 0)].stats["truncations"] == 1
+        await bq.append([b"n4"])
+        await until(lambda: a2q.committed_end == bq.committed_end, 2)
+        assert await records(a2q) == await records(bq)
+        bodies = [x[2] for x in await records(a2q)]
+        assert bodies == [b"m1", b"m2", b"m3", b"n1", b"n2", b"n3", b"n4"]
+        s = states.states[(T, 0)]
+        assert s.isr == (B, C, A) and s.catchup == () and s.epoch == 3
+    finally:
+        await stop(hosts)
+
+
+@pytest.mark.parametrize("megabytes", [pytest.param(100, marks=pytest.mark.long), 16])
+async def test_a_replica_far_behind_catches_up_in_chunks_while_publishes_go_on(tmp_path,
+                                                                                 megabytes):
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B), catchup=(C,), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=1).start()
+             for n in (A, B, C)]
+    try:
+        await hosts[1].open(T, 0)
+        aq = await hosts[0].open(T, 0)
+        body = b"x" * 100_000
+        for _ in range(megabytes):
+            await aq.append([body] * 10)
+        published = 0
+
+        async def publish():
+            nonlocal published
+            while True:
+                await aq.append([b"during"])
+                published += 1
+                await asyncio.sleep(0.005)
+
+        pub = asyncio.create_task(publish())
+        cq = await hosts[2].open(T, 0)
+        await until(lambda: C in states.states[(T, 0)].isr, 120)
+        pub.cancel()
+        await asyncio.gather(pub, return_exceptions=True)
+        assert published > 0
+        fetches = hosts[2].followers[(T, 0)].stats["fetches"]
+        assert fetches >= megabytes  # 1 MiB chunks
+        await aq.append([b"after"])
+        await until(lambda: cq.committed_end == aq.committed_end, 2)
+        assert await records(cq) == await records(aq)
+    finally:
+        await stop(hosts)
