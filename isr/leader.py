@@ -88,7 +88,8 @@ class LeaderLog:
         self._commit_sent = 0.0
         self._closed = False
         self._recheck: asyncio.TimerHandle | None = None
-        self.stats = {"pushes": 0, "acks": 0, "isr_shrinks": 0, "isr_grows": 0, "fetches": 0}
+        self.stats = {"pushes": 0, "acks": 0, "isr_shrinks": 0, "isr_grows": 0, "fetches": 0,
+                      "channels_sent": 0}
 
     @property
     def _base(self) -> dict:
@@ -329,6 +330,7 @@ class LeaderLog:
 
     def _send_channels(self, channels: dict) -> None:
         header = {**self._base, "epoch": self.state.epoch, "channels": channels}
+        self.stats["channels_sent"] += 1
         for f in self.followers.values():
             if f.failed or f.held is not None:
                 continue

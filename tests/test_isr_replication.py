@@ -265,3 +265,25 @@ async def test_a_replica_far_behind_catches_up_in_chunks_while_publishes_go_on(t
         assert await records(cq) == await records(aq)
     finally:
         await stop(hosts)
+
+
+async def test_channel_states_reach_the_followers_latest_wins_at_most_every_200ms(tmp_path):
+    states, hosts = await cluster(tmp_path)
+    try:
+        leader = hosts[0].leaders[(T, 0)]
+        got = {B: [], C: []}
+        for h in hosts[1:]:
+            h.channels_received = (lambda node: lambda t, p, ch: got[node].append(ch))(h.node_id)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(100):
+            leader.send_channels({"ch": {"confirmed": i}})
+            await asyncio.sleep(0.01)
+        elapsed = loop.time() - t0
+        await until(lambda: all(g and g[-1] == {"ch": {"confirmed": 99}} for g in got.values()), 1)
+        for g in got.values():
+            assert len(g) <= elapsed / 0.2 + 2, len(g)
+            assert [x["ch"]["confirmed"] for x in g] == sorted(x["ch"]["confirmed"] for x in g)
+        assert leader.stats["channels_sent"] == len(got[B])
+    finally:
+        await stop(hosts)
