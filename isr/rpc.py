@@ -83,38 +83,46 @@ class RpcServer:
 
     async def _receive(self, reader, answers: asyncio.Queue, peer) -> None:
         decoder = Decoder()
-        hello = False
+        hello = [False]
         while True:
             chunk = await reader.read(READ_CHUNK)
             if not chunk:
                 return
+            bad = None
             try:
                 frames = decoder.feed(chunk)
             except BadFrame as e:
-                log.warning("rpc_bad_frame", peer=peer, reason=str(e))
-                await answers.put(_done(0, error(wire.E_BAD_FRAME, str(e))))
-                return
+                frames, bad = e.frames, e
             for frame in frames:
-                try:
-                    wire.check(frame)
-                except BadFrame as e:
-                    log.warning("rpc_bad_frame", peer=peer, reason=str(e))
-                    await answers.put(_done(frame.rid, error(wire.E_BAD_FRAME, str(e))))
+                if not await self._take(frame, answers, hello, peer):
                     return
-                if not hello:
-                    if frame.kind is not Kind.HELLO:
-                        await answers.put(_done(frame.rid, error(
-                            wire.E_BAD_FRAME, "the first frame must be HELLO")))
-                        return
-                    if frame.header["cluster"] != self.host.cluster_id:
-                        await answers.put(_done(frame.rid, error(
-                            wire.E_BAD_CLUSTER, f"this is cluster {self.host.cluster_id!r}")))
-                        return
-                    hello = True
-                    await answers.put(_done(frame.rid, (Kind.OK, {"node": self.host.node_id},
-                                                        b"")))
-                    continue
-                await answers.put((frame.rid, asyncio.ensure_future(self._dispatch(frame))))
+            if bad is not None:
+                log.warning("rpc_bad_frame", peer=peer, reason=str(bad))
+                await answers.put(_done(0, error(wire.E_BAD_FRAME, str(bad))))
+                return
+
+    async def _take(self, frame: Frame, answers: asyncio.Queue, hello: list, peer) -> bool:
+        """Queue the answer to one frame; False when the connection must close."""
+        try:
+            wire.check(frame)
+        except BadFrame as e:
+            log.warning("rpc_bad_frame", peer=peer, reason=str(e))
+            await answers.put(_done(frame.rid, error(wire.E_BAD_FRAME, str(e))))
+            return False
+        if not hello[0]:
+            if frame.kind is not Kind.HELLO:
+                await answers.put(_done(frame.rid, error(
+                    wire.E_BAD_FRAME, "the first frame must be HELLO")))
+                return False
+            if frame.header["cluster"] != self.host.cluster_id:
+                await answers.put(_done(frame.rid, error(
+                    wire.E_BAD_CLUSTER, f"this is cluster {self.host.cluster_id!r}")))
+                return False
+            hello[0] = True
+            await answers.put(_done(frame.rid, (Kind.OK, {"node": self.host.node_id}, b"")))
+            return True
+        await answers.put((frame.rid, asyncio.ensure_future(self._dispatch(frame))))
+        return True
 
     async def _dispatch(self, frame: Frame) -> Answer:
         h = frame.header

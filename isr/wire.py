@@ -70,7 +70,10 @@ ENTRY_SIZE = 64
 
 
 class BadFrame(Exception):
-    """The peer sent something that is not a valid frame (its fault, not ours)."""
+    """The peer sent something that is not a valid frame (its fault, not ours). `frames`:
+    the whole frames that came before it in the same `feed` (answer them first)."""
+
+    frames: list = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,18 @@ class Decoder:
             self._pos = 0
         buf += data
         frames = []
+        try:
+            self._parse(frames)
+        except BadFrame as e:
+            e.frames = frames
+            raise
+        if self._pos > 65536 and self._pos * 2 > len(buf):
+            del buf[:self._pos]
+            self._pos = 0
+        return frames
+
+    def _parse(self, frames: list) -> None:
+        buf = self._buf
         while True:
             avail = len(buf) - self._pos
             if avail < 4:
@@ -141,10 +156,6 @@ class Decoder:
             payload = bytes(buf[start + hlen:end])
             self._pos = end
             frames.append(Frame(kind, rid, _header(head), payload))
-        if self._pos > 65536 and self._pos * 2 > len(buf):
-            del buf[:self._pos]
-            self._pos = 0
-        return frames
 
 
 def _header(raw: bytes) -> dict:

@@ -123,3 +123,10 @@ def test_fuzz_mutated_frames():
         except BadFrame:
             continue
         assert d.buffered <= len(raw)
+
+
+def test_frames_before_a_bad_one_are_given_with_the_error():
+    d = Decoder()
+    with pytest.raises(BadFrame) as e:
+        d.feed(wire.encode(Kind.PING, 1, {}) + wire.encode(Kind.PING, 2, {}) + b"\xff" * 8)
+    assert [f.rid for f in e.value.frames] == [1, 2]
