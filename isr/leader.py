@@ -188,6 +188,13 @@ class LeaderLog:
     # ---- the push path ----
 
     def _on_batch(self, offset, count, entries, n_entries, data, epoch) -> None:
+        if (offset, count) != self.pushed_end:
+            # a local write failed (and was cut back) after its batch was pushed: the
+            # followers hold a tail this log lacks and would take the next batch, at the
+            # same place, for a duplicate. Stop leading; a follower (holding the tail) leads.
+            self._close_soon(f"local log at {[offset, count]} is behind what was pushed "
+                             f"{list(self.pushed_end)} (a local write failed)")
+            return
         end = batch_end(offset, count, entries)
         self.pushed_end = end
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
@@ -238,7 +245,10 @@ class LeaderLog:
         self._fail(f, f"{code}: {frame.header.get('message')}")
 
     def _advance(self) -> None:
-        """Commit the minimum acked end over the ISR's followers (never backwards)."""
+        """Commit the minimum acked end over the ISR's followers (never backwards; never
+        once closed: a stepped-down leader commits nothing)."""
+        if self._closed:
+            return
         me = self.host.node_id
         ends = []
         for node in self.state.isr:
@@ -302,6 +312,8 @@ class LeaderLog:
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
+            if not self.writable:  # batches that were in flight when it stopped
+                self.q.fail_uncommitted(NotWritable(self.reason))
             for f in list(self.followers.values()):
                 if not f.failed and f.unacked and now - f.unacked[0] > self.repl_timeout:
                     self._fail(f, f"no ack in {self.repl_timeout} s")

@@ -177,3 +177,43 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
     finally:
         await stop(hosts)
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path):
+    """The leader pushes a batch while it writes it; when its own write then fails (ENOSPC),
+    the followers hold a tail the leader cut back. The next batch starts where the failed
+    one did, and the followers would take it for a duplicate: the leader must stop."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
+    paths = {A: disk / "a", B: tmp_path / "b", C: tmp_path / "c"}
+    hosts = [await Host(states, n, str(paths[n]), min_isr=2).start() for n in (A, B, C)]
+    try:
+        for h in (hosts[1], hosts[2], hosts[0]):
+            await h.open(T, 0)
+        aq = hosts[0].queues[(T, 0)]
+        leader = hosts[0].leaders[(T, 0)]
+        big = b"x" * 300_000
+        failed = None
+        for i in range(40):
+            try:
+                await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
+            except Exception as e:  # noqa: BLE001
+                failed = e
+                break
+        assert failed is not None and "DiskFull" in type(failed).__name__, failed
+        nxt = aq.append([b"small"])
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(nxt, 3)
+        assert "NotWritable" in type(e.value).__name__ or "DiskFull" in type(e.value).__name__
+        if "NotWritable" in type(e.value).__name__:
+            assert not leader.writable and "a local write failed" in leader.reason
+        # nothing that the leader lacks was committed anywhere
+        for h in hosts[1:]:
+            assert h.queues[(T, 0)].committed_end <= aq.written_end
+    finally:
+        await stop(hosts)
+        subprocess.run(["umount", "-l", str(disk)], check=False)
