@@ -29,13 +29,13 @@ for p in (ROOT, os.path.join(ROOT, "tests")):
     if p not in sys.path:
         sys.path.append(p)
 
-import structlog  # noqa: E402
-import uvloop  # noqa: E402
+import structlog
+import uvloop
+from repl_host import Host, States
 
-from bench.common import CpuWatch, Report, cpu_seconds, machine_info  # noqa: E402
-from diskqueue.runtime import tune_gc  # noqa: E402
-from isr.state import PartitionState  # noqa: E402
-from repl_host import Host, States  # noqa: E402
+from bench.common import CpuWatch, Report, cpu_seconds, machine_info
+from diskqueue.runtime import tune_gc
+from isr.state import PartitionState
 
 NODES = ("127.0.0.1:4101", "127.0.0.1:4102", "127.0.0.1:4103")
 BODY = b"m" * 200

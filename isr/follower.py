@@ -91,7 +91,7 @@ class FollowerLog:
     def end(self) -> tuple[int, int]:
         return self.q.written_end, self.q.written_count
 
-    async def open(self) -> "FollowerLog":
+    async def open(self) -> FollowerLog:
         fence = await asyncio.to_thread(read_json, self._fence_path, {})
         self.epoch = max(fence.get("epoch", 0) if isinstance(fence, dict) else 0,
                          self.q.last_epoch)

@@ -49,7 +49,7 @@ class NotWritable(Exception):
 class _Follower:
     """What the leader knows of one follower of this partition."""
 
-    __slots__ = ("node", "peer", "acked", "unacked", "held", "failed", "sent_commit")
+    __slots__ = ("acked", "failed", "held", "node", "peer", "sent_commit", "unacked")
 
     def __init__(self, node: str, peer: Peer, held: bool):
         self.node = node
@@ -97,7 +97,7 @@ class LeaderLog:
 
     # ---- lifecycle ----
 
-    async def start(self) -> "LeaderLog":
+    async def start(self) -> LeaderLog:
         await self.q.set_epoch(self.state.epoch)
         self.pushed_end = (self.q.written_end, self.q.written_count)
         self.q.on_batch = self._on_batch
@@ -143,7 +143,6 @@ class LeaderLog:
             if node != me and node not in self.followers:
                 self._add(node, held=False)
         for node in list(self.followers):
-            f = self.followers[node]
             if node not in state.isr and node not in self._joining:
                 del self.followers[node]  # dropped
         solo = state.isr == (me,) and self.min_isr <= 1
@@ -235,8 +234,7 @@ class LeaderLog:
         if frame.kind is Kind.ACK:
             self.stats["acks"] += 1
             end = tuple(frame.header.get("end", (0, 0)))
-            if end > f.acked:
-                f.acked = end
+            f.acked = max(f.acked, end)
             self._advance()
             return
         code = frame.header.get("code")
@@ -418,7 +416,7 @@ class LeaderLog:
         node = f.node
         try:
             await asyncio.wait_for(self._copy(f, (h["offset"], h["count"])), JOIN_TIMEOUT)
-        except (asyncio.TimeoutError, PeerError, OSError, ValueError) as e:
+        except (TimeoutError, PeerError, OSError, ValueError) as e:
             if self.followers.get(node) is f:
                 del self.followers[node]
             return error(wire.E_FAILED, f"join: {e!r}")

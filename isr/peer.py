@@ -103,7 +103,7 @@ class Peer:
                 raise PeerError(f"{self.node_id}: HELLO refused: {frames[0].header}")
             self._writer = writer
             self._reader_task = asyncio.create_task(self._read(reader, decoder, frames[1:]))
-        except (OSError, asyncio.TimeoutError, wire.BadFrame, ValueError) as e:
+        except (TimeoutError, OSError, wire.BadFrame, ValueError) as e:
             raise PeerError(f"{self.node_id}: {e!r}") from None
         finally:
             self._connecting.set_result(None)

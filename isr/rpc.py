@@ -35,7 +35,6 @@ def error(code: str, message: str, **extra) -> Answer:
 
 
 FOLLOWER_KINDS = frozenset({Kind.PUSH, Kind.CHANNELS})
-LEADER_KINDS = frozenset({Kind.FETCH, Kind.EPOCH_END, Kind.JOIN})
 
 
 class RpcServer:

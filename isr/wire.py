@@ -36,7 +36,6 @@ class Kind(IntEnum):
     ERROR = 68
 
 
-RESPONSES = frozenset({Kind.OK, Kind.ACK, Kind.DATA, Kind.POSITION, Kind.ERROR})
 
 # error codes (ERROR {code, message, end?, epoch?})
 E_BAD_FRAME = "E_BAD_FRAME"
@@ -73,7 +72,9 @@ class BadFrame(Exception):
     """The peer sent something that is not a valid frame (its fault, not ours). `frames`:
     the whole frames that came before it in the same `feed` (answer them first)."""
 
-    frames: list = []
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.frames: list[Frame] = []
 
 
 @dataclass(frozen=True, slots=True)

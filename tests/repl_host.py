@@ -87,7 +87,7 @@ class Host:
         self.channels[(topic, partition)] = channels
 
     # lifecycle
-    async def start(self) -> "Host":
+    async def start(self) -> Host:
         await self.rpc.start()
         self.states.addresses[self.node_id] = f"127.0.0.1:{self.rpc.port}"
         return self

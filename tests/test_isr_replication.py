@@ -4,12 +4,12 @@ TCP on 127.0.0.1 (one RpcServer per node, one event loop; tests/repl_host.py is 
 import asyncio
 
 import pytest
+from repl_host import Host, States
 
 from isr import wire
 from isr.peer import Peer
 from isr.state import PartitionState
 from isr.wire import Kind
-from repl_host import Host, States
 
 A, B, C = "127.0.0.1:4101", "127.0.0.1:4102", "127.0.0.1:4103"
 T = "t"
@@ -39,7 +39,7 @@ async def until(cond, timeout=5.0):
 
 
 async def test_publish_acknowledged_only_after_both_followers_synced(tmp_path):
-    states, hosts = await cluster(tmp_path)
+    _, hosts = await cluster(tmp_path)
     try:
         lq = hosts[0].queues[(T, 0)]
         fqs = [h.queues[(T, 0)] for h in hosts[1:]]
@@ -75,7 +75,7 @@ async def test_publish_acknowledged_only_after_both_followers_synced(tmp_path):
 
 
 async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
-    states, hosts = await cluster(tmp_path, epoch=5)
+    _, hosts = await cluster(tmp_path, epoch=5)
     try:
         lq = hosts[0].queues[(T, 0)]
         await lq.append([b"x"])
@@ -128,7 +128,8 @@ async def test_a_sigstopped_follower_times_out_and_is_dropped(tmp_path):
     hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=2,
                         repl_timeout=0.5).start() for n in (A, B)]
     here = os.path.dirname(__file__)
-    child = subprocess.Popen(
+    child = await asyncio.to_thread(
+        subprocess.Popen,
         [sys.executable, os.path.join(here, "repl_host.py"), str(tmp_path / "c"), C, T, "0", A,
          states.addresses[A], state.encode().decode()],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.path.dirname(here),
@@ -195,7 +196,7 @@ async def records(q):
 
 async def test_a_diverged_replica_truncates_to_the_new_leader_and_joins(tmp_path):
     states, hosts = await cluster(tmp_path, min_isr=1)
-    a, b, c = hosts
+    a, b, _ = hosts
     try:
         aq = a.queues[(T, 0)]
         await aq.append([b"m1", b"m2"])
@@ -205,7 +206,7 @@ async def test_a_diverged_replica_truncates_to_the_new_leader_and_joins(tmp_path
         tail = aq.append([b"lost1", b"lost2"])
         await until(lambda: aq.written_end > hosts[1].queues[(T, 0)].written_end)
         await a.stop()
-        with pytest.raises(Exception):
+        with pytest.raises(Exception, match="closed|closing|failed"):
             await tail
         # failover: B leads at epoch 2 with C; A is outside the ISR
         states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
@@ -268,12 +269,12 @@ async def test_a_replica_far_behind_catches_up_in_chunks_while_publishes_go_on(t
 
 
 async def test_channel_states_reach_the_followers_latest_wins_at_most_every_200ms(tmp_path):
-    states, hosts = await cluster(tmp_path)
+    _, hosts = await cluster(tmp_path)
     try:
         leader = hosts[0].leaders[(T, 0)]
         got = {B: [], C: []}
         for h in hosts[1:]:
-            h.channels_received = (lambda node: lambda t, p, ch: got[node].append(ch))(h.node_id)
+            h.channels_received = lambda t, p, ch, node=h.node_id: got[node].append(ch)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         for i in range(100):

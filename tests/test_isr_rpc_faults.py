@@ -8,13 +8,13 @@ import struct
 import subprocess
 
 import pytest
+from repl_host import CLUSTER, Host, States
+from test_isr_replication import A, B, C, T, cluster, records, stop, until
 
 from isr import wire
 from isr.peer import Peer
 from isr.state import PartitionState
 from isr.wire import Decoder, Kind
-from repl_host import CLUSTER, Host, States
-from test_isr_replication import A, B, C, T, cluster, records, stop, until
 
 
 async def exchange(port: int, raw: bytes, hello=True):
@@ -33,7 +33,7 @@ async def exchange(port: int, raw: bytes, hello=True):
                 closed = True
                 break
             frames += d.feed(chunk)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         closed = False
     writer.close()
     return frames[1:] if hello else frames, closed
@@ -83,64 +83,82 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path):
 
 
 async def test_gaps_and_bad_batches_are_refused_and_nothing_is_written(tmp_path):
+    """PUSHes to follower B of batches made by another queue (so B lacks them): each bad one
+    is refused and leaves B's log as it was; the good ones then append as usual."""
+    from diskqueue.queue import DiskQueue, QueueOptions
     states, hosts = await cluster(tmp_path)
+    source = await DiskQueue.open(str(tmp_path / "source"), QueueOptions())
     try:
-        aq, bq = hosts[0].queues[(T, 0)], hosts[1].queues[(T, 0)]
-        await aq.append([b"one"])
-        raw = await aq.read_raw(0, 1 << 20)
-        await aq.append([b"two", b"three"])
-        raw2 = await aq.read_raw(raw.offset + len(raw.data), 1 << 20)
-        before = await records(bq)
-        end = [bq.written_end, bq.written_count]
+        bq = hosts[1].queues[(T, 0)]
+        await source.append([b"one"])
+        await source.append([b"two", b"three"])
+        raw = await source.read_raw(0, 1 << 20)
+        raw = raw._replace(n_entries=1, entries=raw.entries[:64],
+                           data=raw.data[:(await source.find("count", 0)).size])
+        raw2 = await source.read_raw(len(raw.data), 1 << 20)
         peer = Peer(hosts[2], B)
 
         async def push(header, payload):
             return await peer.request(Kind.PUSH, header, payload)
 
+        first = [len(raw.data), 1]
+        r = await push(push_header(bq, n=1, data_len=len(raw.data), commit=first),
+                       raw.entries + raw.data)
+        assert r.kind is Kind.ACK and r.header["end"] == first
+        before = await records(bq)
+        assert [x[2] for x in before] == [b"one"]
         body = raw2.entries + raw2.data
+        end = [len(raw.data) + len(raw2.data), 3]
+        good = push_header(bq, n=raw2.n_entries, data_len=len(raw2.data), commit=end)
         # a gap: a batch after the follower's end
-        r = await push(push_header(bq, offset=bq.written_end + 10, n=raw2.n_entries,
-                                   data_len=len(raw2.data)), body)
-        assert r.header["code"] == wire.E_GAP and r.header["end"] == end
+        r = await push({**good, "offset": bq.written_end + 10}, body)
+        assert r.header["code"] == wire.E_GAP and r.header["end"] == first
         # a record whose CRC fails
         bad = bytearray(raw2.data)
         bad[-1] ^= 0xFF
-        r = await push(push_header(bq, n=raw2.n_entries, data_len=len(bad)),
-                       raw2.entries + bytes(bad))
-        assert r.header["code"] == wire.E_BAD_BATCH, r.header
+        r = await push(good, raw2.entries + bytes(bad))
+        assert r.header["code"] == wire.E_BAD_BATCH and r.header["message"].startswith("record")
         # an entry whose checksum fails
         bad = bytearray(raw2.entries)
         bad[10] ^= 0xFF
-        r = await push(push_header(bq, n=raw2.n_entries, data_len=len(raw2.data)),
-                       bytes(bad) + raw2.data)
-        assert r.header["code"] == wire.E_BAD_BATCH
+        r = await push(good, bytes(bad) + raw2.data)
+        assert r.header["code"] == wire.E_BAD_BATCH and r.header["message"].startswith("entry")
         # entries that do not cover the data
-        r = await push(push_header(bq, n=raw2.n_entries, data_len=len(raw2.data) + 3),
-                       body + b"abc")
+        r = await push({**good, "data_len": len(raw2.data) + 3}, body + b"abc")
         assert r.header["code"] == wire.E_BAD_BATCH
-        # a duplicate of what it holds: success, nothing written twice
-        r = await push(push_header(bq, offset=0, count=0, n=raw.n_entries,
-                                   data_len=len(raw.data)), raw.entries + raw.data)
-        assert r.kind is Kind.ACK and r.header["end"] == end
         # a wrong (older) epoch
-        r = await push(push_header(bq, epoch=0, n=raw2.n_entries, data_len=len(raw2.data)), body)
+        r = await push({**good, "epoch": 0}, body)
         assert r.header["code"] == wire.E_STALE_EPOCH
-        assert await records(bq) == before and [bq.written_end, bq.written_count] == end
+        assert await records(bq) == before and [bq.written_end, bq.written_count] == first
+        # a duplicate of what it holds: success, nothing written twice
+        r = await push(push_header(bq, offset=0, count=0, n=1, data_len=len(raw.data)),
+                       raw.entries + raw.data)
+        assert r.kind is Kind.ACK and r.header["end"] == first
+        # the good batch still appends
+        r = await push(good, body)
+        assert r.kind is Kind.ACK and r.header["end"] == end
+        assert [x[2] for x in await records(bq)] == [b"one", b"two", b"three"]
+        assert (await peer.request(Kind.PING, {})).kind is Kind.OK
         await peer.close()
-        # the real leader's stream is unharmed
-        await asyncio.wait_for(aq.append([b"four"]), 3)
-        await until(lambda: bq.committed_end == aq.committed_end, 2)
-        assert await records(bq) == await records(aq)
         assert states.states[(T, 0)].isr == (A, B, C)
     finally:
+        await source.close()
         await stop(hosts)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+@pytest.fixture
+def disk(tmp_path):
+    """A mounted 4 MiB tmpfs (a real ENOSPC), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path = tmp_path / "disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(tmp_path, disk):
     states = States()
     states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
     paths = {A: tmp_path / "a", B: disk / "b", C: tmp_path / "c"}
@@ -176,17 +194,12 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
         assert bq.written_end in [x[0] for x in theirs]
     finally:
         await stop(hosts)
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path):
+async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path, disk):
     """The leader pushes a batch while it writes it; when its own write then fails (ENOSPC),
     the followers hold a tail the leader cut back. The next batch starts where the failed
     one did, and the followers would take it for a duplicate: the leader must stop."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
     states = States()
     states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
     paths = {A: disk / "a", B: tmp_path / "b", C: tmp_path / "c"}
@@ -216,4 +229,3 @@ async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path):
             assert h.queues[(T, 0)].committed_end <= aq.written_end
     finally:
         await stop(hosts)
-        subprocess.run(["umount", "-l", str(disk)], check=False)

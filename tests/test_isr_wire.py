@@ -4,7 +4,8 @@ import random
 import struct
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from isr import wire
 from isr.wire import BadFrame, Decoder, Frame, Kind
