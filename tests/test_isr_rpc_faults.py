@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 from repl_host import CLUSTER, Host, States
-from test_isr_replication import A, B, C, T, cluster, records, stop, until
+from test_isr_replication import A, B, C, T, cluster, records, stop
 
 from isr import wire
 from isr.peer import Peer
