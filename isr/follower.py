@@ -1,0 +1,278 @@
+"""`FollowerLog`: the follower side of one partition.
+
+Owns: fencing (`epoch`, the highest epoch seen, persisted in the partition folder's
+`fence.json` before anything of that epoch is written), PUSH handling (append the
+leader's batch with `append_raw`, then commit min(the leader's commit, written)), the
+catch-up loop (EPOCH_END and truncate until the log is a prefix of the leader's, FETCH in
+chunks, JOIN when the lag is small), and CHANNELS (handed to `host.channels_received`).
+
+Invariants: nothing of an epoch older than `epoch` is taken; the log is appended only
+while it is checked level with the pushing leader at the push's epoch (`level`: a new
+leader or epoch first runs the EPOCH_END round); appends and truncations run one at a
+time (`_lock`), pushes in the order they arrived, contiguous pushes in one `append_raw`
+(group commit on the follower too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import structlog
+
+from commitlog import entry as clog_entry
+from diskqueue.atomic import read_json, write_json_atomic
+from diskqueue.errors import AppendError, DiskFullError, GapError
+from diskqueue.raw import BadBatch
+
+from . import wire
+from .peer import PeerError, Peers
+from .rpc import Answer, error
+from .wire import Frame, Kind
+
+log = structlog.get_logger("isr.follower")
+
+FENCE_FILE = "fence.json"
+FETCH_BYTES = 1 << 20
+JOIN_LAG = 64 * 1024
+
+
+class FollowError(Exception):
+    """The leader refused a catch-up step: `code` and the ERROR header."""
+
+    def __init__(self, header: dict):
+        super().__init__(f"{header.get('code')}: {header.get('message')}")
+        self.header = header
+
+
+def batch_end(offset: int, count: int, entries: bytes) -> tuple[int, int]:
+    """The (offset, count) after a batch's entries (its start when it has none)."""
+    if not entries:
+        return offset, count
+    e = clog_entry.decode(entries, len(entries) - wire.ENTRY_SIZE)
+    return e.end_offset, e.count_after
+
+
+def _answer_error(e: Exception, end: tuple[int, int]) -> Answer:
+    """The ERROR answer for an append failure (diskqueue's typed errors)."""
+    if isinstance(e, GapError):
+        return error(wire.E_GAP, str(e), end=list(end))
+    if isinstance(e, BadBatch):
+        return error(wire.E_BAD_BATCH, str(e), end=list(end))
+    if isinstance(e, DiskFullError):
+        return error(wire.E_DISK_FULL, str(e), end=list(end))
+    return error(wire.E_FAILED, repr(e), end=list(end))
+
+
+class FollowerLog:
+    """Keeps one partition's log a copy of its leader's."""
+
+    def __init__(self, host, peers: Peers, topic: str, partition: int, q, *,
+                 fetch_bytes: int = FETCH_BYTES, join_lag: int = JOIN_LAG):
+        self.host = host
+        self.peers = peers
+        self.topic = topic
+        self.partition = partition
+        self.q = q
+        self.fetch_bytes = fetch_bytes
+        self.join_lag = join_lag
+        self.epoch = 0
+        self.level: tuple[str, int] | None = None  # (leader, epoch) the log is checked against
+        self.state = None
+        self._lock = asyncio.Lock()
+        self._pending: list[tuple[dict, bytes, asyncio.Future]] = []
+        self._appender: asyncio.Task | None = None
+        self._catch_up: asyncio.Task | None = None
+        self._fence_path = os.path.join(q.path, FENCE_FILE)
+        self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0}
+
+    @property
+    def end(self) -> tuple[int, int]:
+        return self.q.written_end, self.q.written_count
+
+    async def open(self) -> FollowerLog:
+        fence = await asyncio.to_thread(read_json, self._fence_path, {})
+        self.epoch = max(fence.get("epoch", 0) if isinstance(fence, dict) else 0,
+                         self.q.last_epoch)
+        return self
+
+    async def close(self) -> None:
+        for task in (self._catch_up, self._appender):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._catch_up, self._appender) if t),
+                             return_exceptions=True)
+        for _, _, fut in self._pending:
+            if not fut.done():
+                fut.set_result(error(wire.E_NOT_REPLICA, "replica closed"))
+        self._pending = []
+
+    # ---- the partition state (the host calls `follow` with every state it sees) ----
+
+    def follow(self, state) -> None:
+        """The partition's state changed: catch up while this node is not in the ISR."""
+        self.state = state
+        me = self.host.node_id
+        outside = state.leader is not None and state.leader != me and me not in state.isr
+        if outside and (self._catch_up is None or self._catch_up.done()):
+            self._catch_up = asyncio.create_task(self._catch_up_loop())
+        elif not outside and self._catch_up is not None:
+            self._catch_up.cancel()
+            self._catch_up = None
+
+    async def _raise_epoch(self, epoch: int) -> None:
+        """Fence: persist `epoch` before anything of it is written."""
+        if epoch > self.epoch:
+            await asyncio.to_thread(write_json_atomic, self._fence_path, {"epoch": epoch})
+            self.epoch = max(self.epoch, epoch)
+
+    # ---- requests ----
+
+    async def handle(self, frame: Frame) -> Answer:
+        h = frame.header
+        if h["epoch"] < self.epoch:
+            return error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                         epoch=self.epoch)
+        if frame.kind is Kind.CHANNELS:
+            self.host.channels_received(self.topic, self.partition, h["channels"])
+            return Kind.OK, {}, b""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((h, frame.payload, fut))
+        if self._appender is None or self._appender.done():
+            self._appender = asyncio.create_task(self._append_pending())
+        return await fut
+
+    async def _append_pending(self) -> None:
+        async with self._lock:
+            while self._pending:
+                pending, self._pending = self._pending, []
+                i = 0
+                while i < len(pending):
+                    i += await self._append_group(pending, i)
+
+    async def _append_group(self, pending, i: int) -> int:
+        """Append pending[i] and the contiguous pushes after it of the same leader and
+        epoch in one `append_raw`; answer each. Returns how many were taken."""
+        h, payload, fut = pending[i]
+        try:
+            if h["epoch"] < self.epoch:
+                fut.set_result(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                                     epoch=self.epoch))
+                return 1
+            await self._raise_epoch(h["epoch"])
+            if self.level != (h["leader"], h["epoch"]):
+                await self._reconcile(h["leader"], h["epoch"])
+        except (PeerError, FollowError, OSError, ValueError) as e:
+            log.warning("follower_reconcile_failed", topic=self.topic, partition=self.partition,
+                        error=str(e))
+            fut.set_result(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
+            return 1
+        group = [pending[i]]
+        try:
+            n = h["n"] * wire.ENTRY_SIZE
+            end = batch_end(h["offset"], h["count"], payload[:n])
+            for h2, p2, _ in pending[i + 1:]:
+                if (h2["leader"], h2["epoch"]) != (h["leader"], h["epoch"]) or not h2["n"] \
+                        or [h2["offset"], h2["count"]] != list(end):
+                    break
+                n2 = h2["n"] * wire.ENTRY_SIZE
+                end = batch_end(h2["offset"], h2["count"], p2[:n2])
+                group.append((h2, p2, _))
+        except clog_entry.CorruptEntryError:
+            pass  # append_raw names the bad entry
+        entries = b"".join(p[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group)
+        data = b"".join(p[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group)
+        self.stats["pushes"] += len(group)
+        try:
+            if entries:
+                await self.q.append_raw(h["offset"], h["count"], entries, data)
+                self.stats["appends"] += 1
+        except (AppendError, GapError, BadBatch, ValueError) as e:
+            if not isinstance(e, DiskFullError):
+                log.warning("follower_push_refused", topic=self.topic, partition=self.partition,
+                            error=str(e))
+            answer = _answer_error(e, self.end)
+            for _, _, f in group:
+                f.set_result(answer)
+            return len(group)
+        self.q.replicated_to(*group[-1][0]["commit"])
+        ack = (Kind.ACK, {"end": list(self.end)}, b"")
+        for _, _, f in group:
+            f.set_result(ack)
+        return len(group)
+
+    # ---- divergence and catch-up ----
+
+    async def _reconcile(self, leader: str, epoch: int) -> None:
+        """Truncate the log until it is a prefix of `leader`'s (KIP-101): ask where the
+        leader's first entry newer than our last epoch starts; cut there; repeat."""
+        peer = self.peers.get(leader)
+        while True:
+            last = self.q.last_epoch
+            r = await peer.request(Kind.EPOCH_END, {"topic": self.topic, "partition": self.partition,
+                                                    "epoch": epoch, "last_epoch": last})
+            if r.kind is not Kind.POSITION:
+                raise FollowError(r.header)
+            pos = (r.header["offset"], r.header["count"])
+            if pos[0] >= self.q.written_end:
+                break
+            log.info("follower_truncate", topic=self.topic, partition=self.partition,
+                     leader=leader, epoch=epoch, last_epoch=last, end=list(self.end),
+                     to=list(pos))
+            await self.q.truncate_to(*pos)
+            self.stats["truncations"] += 1
+        self.level = (leader, epoch)
+
+    async def _catch_up_loop(self) -> None:
+        delay = 0.05
+        while True:
+            state = self.state
+            try:
+                if await self._catch_up_once(state.leader, state.epoch):
+                    return
+                delay = 0.05
+            except (PeerError, FollowError, AppendError, GapError, BadBatch, ValueError, OSError) as e:
+                log.info("follower_catch_up_retry", topic=self.topic, partition=self.partition,
+                         error=str(e), delay=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _catch_up_once(self, leader: str, epoch: int) -> bool:
+        """Reconcile, fetch until the lag is small, JOIN. True when joined."""
+        peer = self.peers.get(leader)
+        base = {"topic": self.topic, "partition": self.partition}
+        async with self._lock:
+            await self._raise_epoch(epoch)
+            await self._reconcile(leader, epoch)
+        while True:
+            offset, count = self.end
+            r = await peer.request(Kind.FETCH, {**base, "epoch": epoch, "node": self.host.node_id,
+                                                "offset": offset, "count": count,
+                                                "max_bytes": self.fetch_bytes})
+            if r.kind is not Kind.DATA:
+                if r.header.get("code") == wire.E_STALE_EPOCH and "epoch" in r.header:
+                    self.state = self.state.evolve(epoch=max(self.state.epoch, r.header["epoch"]))
+                raise FollowError(r.header)
+            h = r.header
+            self.stats["fetches"] += 1
+            if h["n"]:
+                async with self._lock:
+                    if self.level != (leader, epoch) or self.end != (offset, count):
+                        continue  # a push or a reconcile came between: fetch again
+                    n = h["n"] * wire.ENTRY_SIZE
+                    await self.q.append_raw(offset, count, r.payload[:n], r.payload[n:])
+                self.q.replicated_to(*h["commit"])
+            if h["end"][0] - self.q.written_end <= self.join_lag:
+                offset, count = self.end
+                started = time.monotonic()
+                r = await peer.request(Kind.JOIN, {**base, "epoch": epoch,
+                                                   "node": self.host.node_id,
+                                                   "offset": offset, "count": count})
+                if r.kind is Kind.OK:
+                    self.stats["joins"] += 1
+                    log.info("follower_joined", topic=self.topic, partition=self.partition,
+                             leader=leader, epoch=r.header.get("epoch"),
+                             ms=round((time.monotonic() - started) * 1000, 1))
+                    return True
+                raise FollowError(r.header)

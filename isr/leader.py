@@ -1,0 +1,470 @@
+"""`LeaderLog`: the leader side of one partition.
+
+Owns: pushing every batch (`q.on_batch`) to each ISR follower over the node's shared,
+pipelined `Peer`; collecting ACKs; committing (`q.replicated_to`) the minimum acked end
+over the ISR; timing a follower out after `repl_timeout` and asking the host to move it
+from `isr` to `catchup` (CAS, epoch + 1); refusing appends below `min_isr` (`writable`,
+`reason`) and failing the parked batches then; serving FETCH, EPOCH_END and JOIN to
+catching-up replicas; sending channel states (latest wins, at most every 200 ms).
+
+Invariants: a follower counts for the commit while the partition state has it in the ISR,
+even after it failed (until the CAS that removes it is written), so nothing is committed
+that an ISR member in etcd lacks; pushes to one follower go out in log order (a joining
+or reconnecting follower's pushes are held, then sent after what it lacks); the commit
+never moves back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import structlog
+
+from commitlog import entry as clog_entry
+from diskqueue.errors import OffsetOutOfRange
+
+from . import wire
+from .follower import batch_end
+from .metadata import Conflict
+from .peer import Peer, PeerError, Peers
+from .rpc import Answer, error
+from .wire import Frame, Kind
+
+log = structlog.get_logger("isr.leader")
+
+REPL_TIMEOUT = 1.0
+TICK = 0.05
+COMMIT_EVERY = 0.2
+CHANNELS_EVERY = 0.2
+JOIN_TIMEOUT = 2.0
+MAX_FETCH = 1 << 20
+
+
+class NotWritable(Exception):
+    """The partition takes no publish now (nsqd answers E_FAILED_ON_NOT_WRITABLE)."""
+
+
+class _Follower:
+    """What the leader knows of one follower of this partition."""
+
+    __slots__ = ("acked", "failed", "held", "node", "peer", "sent_commit", "unacked")
+
+    def __init__(self, node: str, peer: Peer, held: bool):
+        self.node = node
+        self.peer = peer
+        self.acked = (0, 0)  # the end it acked
+        self.unacked: collections.deque = collections.deque()  # send times, oldest first
+        self.held: list | None = [] if held else None  # pushes waiting to be sent in order
+        self.failed = False  # no more pushes; waits for the CAS that drops it
+        self.sent_commit = (0, 0)
+
+
+class LeaderLog:
+    """Replicates one partition's log from this node (its leader) to the ISR."""
+
+    def __init__(self, host, peers: Peers, topic: str, partition: int, q, state, *,
+                 min_isr: int = 1, repl_timeout: float = REPL_TIMEOUT):
+        self.host = host
+        self.peers = peers
+        self.topic = topic
+        self.partition = partition
+        self.q = q
+        self.state = state
+        self.min_isr = min_isr
+        self.repl_timeout = repl_timeout
+        self.followers: dict[str, _Follower] = {}
+        self.pushed_end = (q.written_end, q.written_count)
+        self.committed = (q.committed_end, q.committed_count)
+        self.writable = False
+        self.reason = "not started"
+        self._isr_lock = asyncio.Lock()
+        self._joining: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._ticker: asyncio.Task | None = None
+        self._channels: dict | None = None
+        self._channels_sent = 0.0
+        self._commit_sent = 0.0
+        self._closed = False
+        self._recheck: asyncio.TimerHandle | None = None
+        self.stats = {"pushes": 0, "acks": 0, "isr_shrinks": 0, "isr_grows": 0, "fetches": 0,
+                      "channels_sent": 0}
+
+    @property
+    def _base(self) -> dict:
+        return {"topic": self.topic, "partition": self.partition}
+
+    # ---- lifecycle ----
+
+    async def start(self) -> LeaderLog:
+        await self.q.set_epoch(self.state.epoch)
+        self.pushed_end = (self.q.written_end, self.q.written_count)
+        self.q.on_batch = self._on_batch
+        self._apply(self.state)
+        self._ticker = asyncio.create_task(self._tick())
+        return self
+
+    async def close(self, reason: str = "leader closed") -> None:
+        """Stop leading: no more pushes; parked batches fail with NotWritable."""
+        self._closed = True
+        self._set_writable(False, reason)
+        if self.q.on_batch == self._on_batch:
+            self.q.on_batch = None
+        for t in [self._ticker, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*(t for t in [self._ticker, *self._tasks] if t),
+                             return_exceptions=True)
+
+    def update_state(self, state) -> None:
+        """The host saw a newer partition state (its own CAS or etcd's)."""
+        if state.epoch < self.state.epoch:
+            return
+        if state.leader != self.host.node_id:
+            self.state = state
+            self._close_soon(f"no longer the leader at epoch {state.epoch}")
+            return
+        self._apply(state)
+
+    def _close_soon(self, reason: str) -> None:
+        if not self._closed:
+            self._closed = True
+            self._set_writable(False, reason)
+            self.q.on_batch = None
+            log.warning("leader_stepping_down", topic=self.topic, partition=self.partition,
+                        reason=reason)
+
+    def _apply(self, state) -> None:
+        """Take `state`'s ISR: push to its followers, commit over them."""
+        self.state = state
+        me = self.host.node_id
+        for node in state.isr:
+            if node != me and node not in self.followers:
+                self._add(node, held=False)
+        for node in list(self.followers):
+            if node not in state.isr and node not in self._joining:
+                del self.followers[node]  # dropped
+        solo = state.isr == (me,) and self.min_isr <= 1
+        self.q.set_solo(solo)
+        if len(state.isr) < self.min_isr:
+            self._set_writable(False, f"isr {list(state.isr)} below min_isr {self.min_isr}")
+        elif not self._closed:
+            self._set_writable(True, "")
+        self._advance()
+
+    def _set_writable(self, writable: bool, reason: str) -> None:
+        if writable == self.writable and reason == self.reason:
+            return
+        self.writable, self.reason = writable, reason
+        log.info("leader_writable", topic=self.topic, partition=self.partition,
+                 writable=writable, reason=reason, isr=list(self.state.isr),
+                 epoch=self.state.epoch)
+        if not writable:
+            self.q.fail_uncommitted(NotWritable(reason))
+
+    def _add(self, node: str, held: bool) -> _Follower:
+        f = self.followers[node] = _Follower(node, self.peers.get(node), held)
+        if not f.peer.connected and not held:
+            f.held = []
+            self._spawn(self._connect(f))
+        return f
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _connect(self, f: _Follower) -> None:
+        try:
+            await f.peer.connect()
+        except PeerError as e:
+            self._fail(f, str(e))
+            return
+        self._release(f)
+
+    # ---- the push path ----
+
+    def _on_batch(self, offset, count, entries, n_entries, data, epoch) -> None:
+        if (offset, count) != self.pushed_end:
+            # a local write failed (and was cut back) after its batch was pushed: the
+            # followers hold a tail this log lacks and would take the next batch, at the
+            # same place, for a duplicate. Stop leading; a follower (holding the tail) leads.
+            self._close_soon(f"local log at {[offset, count]} is behind what was pushed "
+                             f"{list(self.pushed_end)} (a local write failed)")
+            return
+        end = batch_end(offset, count, entries)
+        self.pushed_end = end
+        header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
+                  "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
+                  "commit": list(self.committed)}
+        payload = bytes(entries) + bytes(data)
+        for f in self.followers.values():
+            if not f.failed:
+                self._push(f, header, payload, end)
+
+    def _push(self, f: _Follower, header: dict, payload: bytes, end) -> None:
+        if f.held is not None:
+            f.held.append((header, payload, end))
+            return
+        try:
+            fut = f.peer.send(Kind.PUSH, header, payload)
+        except PeerError as e:
+            self._fail(f, str(e))
+            return
+        self.stats["pushes"] += 1
+        f.unacked.append(time.monotonic())
+        f.sent_commit = tuple(header["commit"])
+        fut.add_done_callback(lambda fut: self._acked(f, fut))
+
+    def _release(self, f: _Follower) -> None:
+        """Send a follower's held pushes in order; later ones go straight out."""
+        held, f.held = f.held or [], None
+        for header, payload, end in held:
+            self._push(f, header, payload, end)
+
+    def _acked(self, f: _Follower, fut: asyncio.Future) -> None:
+        if f.unacked:
+            f.unacked.popleft()
+        if fut.cancelled() or fut.exception() is not None:
+            self._fail(f, str(fut.exception()) if not fut.cancelled() else "cancelled")
+            return
+        frame = fut.result()
+        if frame.kind is Kind.ACK:
+            self.stats["acks"] += 1
+            end = tuple(frame.header.get("end", (0, 0)))
+            f.acked = max(f.acked, end)
+            self._advance()
+            return
+        code = frame.header.get("code")
+        if code == wire.E_STALE_EPOCH:
+            self._close_soon(f"{f.node} has seen epoch {frame.header.get('epoch')}")
+        self._fail(f, f"{code}: {frame.header.get('message')}")
+
+    def _advance(self) -> None:
+        """Commit the minimum acked end over the ISR's followers (never backwards; never
+        once closed: a stepped-down leader commits nothing)."""
+        if self._closed:
+            return
+        me = self.host.node_id
+        ends = []
+        for node in self.state.isr:
+            if node == me:
+                continue
+            f = self.followers.get(node)
+            if f is None:
+                return
+            ends.append(f.acked)
+        if not ends:
+            return
+        low = min(ends)
+        if low > self.committed:
+            self.q.replicated_to(*low)
+            self.committed = (self.q.committed_end, self.q.committed_count)
+            if low > self.committed and not self._recheck:
+                # the followers are ahead of the local write: commit when it lands
+                self._recheck = asyncio.get_running_loop().call_later(0.001, self._readvance)
+
+    def _readvance(self) -> None:
+        self._recheck = None
+        self._advance()
+
+    def _fail(self, f: _Follower, reason: str) -> None:
+        """Stop pushing to `f`; a joining one is forgotten, an ISR one dropped by CAS."""
+        if f.failed or self.followers.get(f.node) is not f:
+            return
+        f.failed = True
+        f.peer.disconnect()
+        log.warning("follower_failed", topic=self.topic, partition=self.partition,
+                    node=f.node, reason=reason)
+        if f.node in self.state.isr and not self._closed:
+            self._spawn(self._shrink(f.node))
+        elif f.node not in self.state.isr:
+            del self.followers[f.node]
+
+    async def _shrink(self, node: str) -> None:
+        """Move `node` from isr to catchup by CAS (epoch + 1); retry on Conflict."""
+        async with self._isr_lock:
+            for _ in range(50):
+                state = self.state
+                if self._closed or node not in state.isr:
+                    return
+                new = state.evolve(isr=tuple(x for x in state.isr if x != node),
+                                   catchup=(*(x for x in state.catchup if x != node), node),
+                                   epoch=state.epoch + 1)
+                try:
+                    done = await self.host.change_isr(self.topic, self.partition, state, new)
+                except Conflict:
+                    await asyncio.sleep(0.05)
+                    continue
+                self.stats["isr_shrinks"] += 1
+                log.warning("isr_shrunk", topic=self.topic, partition=self.partition, node=node,
+                            isr=list(done.isr), epoch=done.epoch)
+                await self.q.set_epoch(done.epoch)
+                self.update_state(done)
+                return
+            self._close_soon(f"could not drop {node} from the isr")
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            now = time.monotonic()
+            if not self.writable:  # batches that were in flight when it stopped
+                self.q.fail_uncommitted(NotWritable(self.reason))
+            for f in list(self.followers.values()):
+                if not f.failed and f.unacked and now - f.unacked[0] > self.repl_timeout:
+                    self._fail(f, f"no ack in {self.repl_timeout} s")
+            if now - self._commit_sent >= COMMIT_EVERY:
+                self._commit_sent = now
+                self._send_commit()
+            if self._channels is not None and now - self._channels_sent >= CHANNELS_EVERY:
+                self._channels_sent = now
+                channels, self._channels = self._channels, None
+                self._send_channels(channels)
+
+    def _send_commit(self) -> None:
+        """An empty PUSH to each follower that has not heard the current commit."""
+        header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
+                  "offset": self.pushed_end[0], "count": self.pushed_end[1], "n": 0,
+                  "data_len": 0, "commit": list(self.committed)}
+        for f in self.followers.values():
+            if not f.failed and f.held is None and f.sent_commit < self.committed:
+                self._push(f, header, b"", self.pushed_end)
+
+    # ---- channels ----
+
+    def send_channels(self, channels: dict) -> None:
+        """The latest channel states; sent to the ISR at most every 200 ms (latest wins)."""
+        self._channels = channels
+
+    def _send_channels(self, channels: dict) -> None:
+        header = {**self._base, "epoch": self.state.epoch, "channels": channels}
+        self.stats["channels_sent"] += 1
+        for f in self.followers.values():
+            if f.failed or f.held is not None:
+                continue
+            try:
+                fut = f.peer.send(Kind.CHANNELS, header)
+            except PeerError:
+                continue
+            fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+
+    # ---- requests from catching-up replicas ----
+
+    async def handle(self, frame: Frame) -> Answer:
+        h = frame.header
+        if self._closed:
+            return error(wire.E_NOT_LEADER, self.reason)
+        if h["epoch"] > self.state.epoch:
+            return error(wire.E_NOT_LEADER, f"epoch {h['epoch']} is newer than mine",
+                         epoch=self.state.epoch)
+        if frame.kind is Kind.EPOCH_END:
+            return await self._epoch_end(h["last_epoch"])
+        if h["epoch"] < self.state.epoch:
+            return error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.state.epoch}",
+                         epoch=self.state.epoch)
+        if frame.kind is Kind.FETCH:
+            return await self._fetch(h)
+        return await self._join(h)
+
+    async def _epoch_end(self, last_epoch: int) -> Answer:
+        """Start of the first entry newer than `last_epoch`; else the end pushed so far
+        (batches handed to followers before they are written here count)."""
+        pos = await self.q.epoch_end(last_epoch)
+        if tuple(pos) >= (self.q.written_end, self.q.written_count):
+            pos = self.pushed_end
+        return Kind.POSITION, {"offset": pos[0], "count": pos[1]}, b""
+
+    async def _fetch(self, h: dict) -> Answer:
+        end = [self.q.written_end, self.q.written_count]
+        if h["offset"] >= self.q.written_end:
+            return Kind.DATA, {"offset": h["offset"], "count": h["count"], "n": 0, "data_len": 0,
+                               "end": end, "commit": list(self.committed)}, b""
+        try:
+            raw = await self.q.read_raw(h["offset"], min(h["max_bytes"], MAX_FETCH))
+        except OffsetOutOfRange as e:
+            return error(wire.E_OUT_OF_RANGE, str(e), end=end)
+        except ValueError as e:
+            return error(wire.E_GAP, f"no entry starts at {h['offset']}: {e}", end=end)
+        if raw.count != h["count"]:
+            return error(wire.E_GAP, f"count {h['count']} != {raw.count} at {h['offset']}",
+                         end=end)
+        self.stats["fetches"] += 1
+        return Kind.DATA, {"offset": raw.offset, "count": raw.count, "n": raw.n_entries,
+                           "data_len": len(raw.data), "end": list(raw.end),
+                           "commit": list(self.committed)}, bytes(raw.entries) + bytes(raw.data)
+
+    async def _join(self, h: dict) -> Answer:
+        """Bring `node` level (copy what it lacks while holding its live pushes), then
+        CAS it into the ISR. The copy is bounded to JOIN_TIMEOUT, else E_FAILED."""
+        node = h["node"]
+        if node in self.state.isr:
+            return Kind.OK, {"epoch": self.state.epoch}, b""
+        async with self._isr_lock:
+            old = self.followers.get(node)
+            if old is not None:
+                del self.followers[node]
+            f = self._add(node, held=True)
+            self._joining.add(node)
+            try:
+                return await self._join_locked(f, h)
+            finally:
+                self._joining.discard(node)
+
+    async def _join_locked(self, f: _Follower, h: dict) -> Answer:
+        node = f.node
+        try:
+            await asyncio.wait_for(self._copy(f, (h["offset"], h["count"])), JOIN_TIMEOUT)
+        except (TimeoutError, PeerError, OSError, ValueError) as e:
+            if self.followers.get(node) is f:
+                del self.followers[node]
+            return error(wire.E_FAILED, f"join: {e!r}")
+        self._release(f)
+        for _ in range(50):
+            state = self.state
+            if self._closed:
+                return error(wire.E_NOT_LEADER, self.reason)
+            new = state.evolve(isr=(*state.isr, node),
+                               catchup=tuple(x for x in state.catchup if x != node),
+                               epoch=state.epoch + 1)
+            try:
+                done = await self.host.change_isr(self.topic, self.partition, state, new)
+                break
+            except Conflict:
+                await asyncio.sleep(0.05)
+        else:
+            if self.followers.get(node) is f:
+                del self.followers[node]
+            return error(wire.E_FAILED, "join: the partition state kept changing")
+        self.stats["isr_grows"] += 1
+        log.info("isr_grown", topic=self.topic, partition=self.partition, node=node,
+                 isr=list(done.isr), epoch=done.epoch)
+        await self.q.set_epoch(done.epoch)
+        self.update_state(done)
+        return Kind.OK, {"epoch": done.epoch}, b""
+
+    async def _copy(self, f: _Follower, at: tuple[int, int]) -> None:
+        """PUSH `f` everything from `at` to the end pushed when the join began."""
+        target = self.pushed_end
+        await f.peer.connect()
+        while self.q.written_end < target[0]:
+            await asyncio.sleep(0.002)
+        while at < target:
+            raw = await self.q.read_raw(at[0], MAX_FETCH)
+            n, size = 0, 0
+            while n < raw.n_entries:
+                e = clog_entry.decode(raw.entries, n * wire.ENTRY_SIZE)
+                if e.end_offset > target[0]:
+                    break
+                n, size = n + 1, size + e.size
+            if n == 0:
+                raise ValueError(f"no whole entry between {at} and {target}")
+            header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
+                      "offset": at[0], "count": at[1], "n": n, "data_len": size,
+                      "commit": list(self.committed)}
+            r = await f.peer.request(Kind.PUSH, header,
+                                     bytes(raw.entries[:n * wire.ENTRY_SIZE]) + bytes(raw.data[:size]))
+            if r.kind is not Kind.ACK:
+                raise ValueError(f"copy refused: {r.header}")
+            f.acked = at = tuple(r.header["end"])

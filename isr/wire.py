@@ -1,0 +1,199 @@
+"""The replication protocol's frames, sans-I/O: bytes in, frames out, and back.
+
+Frame: `[u32 size][u8 kind][u32 request id][u16 header length][header: compact JSON]
+[payload]`, big-endian; `size` counts everything after itself and is at most
+`MAX_FRAME`. A `Decoder` takes bytes in any pieces and gives whole frames; it holds at
+most one unfinished frame (never more than `MAX_FRAME` + 4 bytes plus the piece just fed)
+and raises `BadFrame` on anything that is not a frame, after which the connection is
+closed. `check` validates a request's header fields against `REQUESTS`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+MAX_FRAME = 64 * 1024 * 1024 + 64 * 1024
+MAX_HEADER = 65535
+PREFIX = struct.Struct(">IBIH")  # size, kind, request id, header length
+FIXED = PREFIX.size - 4  # bytes after `size` before the header
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    PUSH = 2
+    FETCH = 3
+    EPOCH_END = 4
+    JOIN = 5
+    CHANNELS = 6
+    PING = 7
+    OK = 64
+    ACK = 65
+    DATA = 66
+    POSITION = 67
+    ERROR = 68
+
+
+
+# error codes (ERROR {code, message, end?, epoch?})
+E_BAD_FRAME = "E_BAD_FRAME"
+E_BAD_CLUSTER = "E_BAD_CLUSTER"
+E_STALE_EPOCH = "E_STALE_EPOCH"
+E_NOT_LEADER = "E_NOT_LEADER"
+E_NOT_REPLICA = "E_NOT_REPLICA"
+E_GAP = "E_GAP"
+E_BAD_BATCH = "E_BAD_BATCH"
+E_DISK_FULL = "E_DISK_FULL"
+E_OUT_OF_RANGE = "E_OUT_OF_RANGE"
+E_FAILED = "E_FAILED"
+
+_INT = "int"
+_STR = "str"
+_POS = "pos"  # [offset, count]
+_DICT = "dict"
+
+_PARTITION = {"topic": _STR, "partition": _INT, "epoch": _INT}
+REQUESTS: dict[Kind, dict[str, str]] = {
+    Kind.HELLO: {"cluster": _STR, "node": _STR},
+    Kind.PUSH: {**_PARTITION, "leader": _STR, "offset": _INT, "count": _INT, "n": _INT,
+                "data_len": _INT, "commit": _POS},
+    Kind.FETCH: {**_PARTITION, "node": _STR, "offset": _INT, "count": _INT, "max_bytes": _INT},
+    Kind.EPOCH_END: {**_PARTITION, "last_epoch": _INT},
+    Kind.JOIN: {**_PARTITION, "node": _STR, "offset": _INT, "count": _INT},
+    Kind.CHANNELS: {**_PARTITION, "channels": _DICT},
+    Kind.PING: {},
+}
+ENTRY_SIZE = 64
+
+
+class BadFrame(Exception):
+    """The peer sent something that is not a valid frame (its fault, not ours). `frames`:
+    the whole frames that came before it in the same `feed` (answer them first)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.frames: list[Frame] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: Kind
+    rid: int
+    header: dict
+    payload: bytes = b""
+
+
+def encode(kind: Kind, rid: int, header: dict, payload: bytes = b"") -> bytes:
+    """One frame as bytes (the header is compact JSON)."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    if len(head) > MAX_HEADER:
+        raise ValueError(f"header of {len(head)} bytes")
+    size = FIXED + len(head) + len(payload)
+    if size > MAX_FRAME:
+        raise ValueError(f"frame of {size} bytes")
+    return b"".join((PREFIX.pack(size, kind, rid, len(head)), head, payload))
+
+
+def error(rid: int, code: str, message: str, **extra) -> bytes:
+    return encode(Kind.ERROR, rid, {"code": code, "message": message, **extra})
+
+
+class Decoder:
+    """Bytes in (`feed`), frames out. Raises `BadFrame`; unusable after it."""
+
+    __slots__ = ("_buf", "_pos", "max_frame")
+
+    def __init__(self, max_frame: int = MAX_FRAME):
+        self._buf = bytearray()
+        self._pos = 0
+        self.max_frame = max_frame
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Every whole frame that `data` completes, in order."""
+        buf = self._buf
+        if self._pos and self._pos == len(buf):
+            buf.clear()
+            self._pos = 0
+        buf += data
+        frames = []
+        try:
+            self._parse(frames)
+        except BadFrame as e:
+            e.frames = frames
+            raise
+        if self._pos > 65536 and self._pos * 2 > len(buf):
+            del buf[:self._pos]
+            self._pos = 0
+        return frames
+
+    def _parse(self, frames: list) -> None:
+        buf = self._buf
+        while True:
+            avail = len(buf) - self._pos
+            if avail < 4:
+                break
+            (size,) = struct.unpack_from(">I", buf, self._pos)
+            if size < FIXED or size > self.max_frame:
+                raise BadFrame(f"frame size {size}")
+            if avail >= PREFIX.size:
+                _, kind, rid, hlen = PREFIX.unpack_from(buf, self._pos)
+                if FIXED + hlen > size:
+                    raise BadFrame(f"header length {hlen} beyond frame size {size}")
+                try:
+                    kind = Kind(kind)
+                except ValueError:
+                    raise BadFrame(f"unknown kind {kind}") from None
+            if avail < 4 + size:
+                break
+            start = self._pos + PREFIX.size
+            end = self._pos + 4 + size
+            head = bytes(buf[start:start + hlen])
+            payload = bytes(buf[start + hlen:end])
+            self._pos = end
+            frames.append(Frame(kind, rid, _header(head), payload))
+
+
+def _header(raw: bytes) -> dict:
+    try:
+        header = json.loads(raw) if raw else {}
+    except (ValueError, RecursionError) as e:
+        raise BadFrame(f"header is not JSON: {e}") from None
+    if type(header) is not dict:
+        raise BadFrame("header is not a JSON object")
+    return header
+
+
+def _valid(v, rule: str) -> bool:
+    if rule == _INT:
+        return type(v) is int and 0 <= v < 1 << 63
+    if rule == _STR:
+        return type(v) is str and 0 < len(v) <= 256
+    if rule == _POS:
+        return type(v) is list and len(v) == 2 and all(_valid(x, _INT) for x in v)
+    if rule == _DICT:
+        return type(v) is dict
+    return False
+
+
+def check(frame: Frame) -> None:
+    """A request's header has every field of its kind, well typed; its payload fits
+    (PUSH: n*64 + data_len bytes; other requests: none). Else `BadFrame`."""
+    rules = REQUESTS.get(frame.kind)
+    if rules is None:
+        raise BadFrame(f"{frame.kind.name} is not a request")
+    h = frame.header
+    for name, rule in rules.items():
+        if not _valid(h.get(name), rule):
+            raise BadFrame(f"{frame.kind.name}: bad or missing {name!r}")
+    if frame.kind is Kind.PUSH:
+        if h["n"] * ENTRY_SIZE + h["data_len"] != len(frame.payload):
+            raise BadFrame(f"PUSH payload of {len(frame.payload)} bytes, header says "
+                           f"{h['n']} entries + {h['data_len']} bytes")
+    elif frame.payload:
+        raise BadFrame(f"{frame.kind.name} carries no payload")

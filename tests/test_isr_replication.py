@@ -1,0 +1,290 @@
+"""isr replication runtime: a leader and followers with real DiskQueues, talking over real
+TCP on 127.0.0.1 (one RpcServer per node, one event loop; tests/repl_host.py is the host)."""
+
+import asyncio
+
+import pytest
+from repl_host import Host, States
+
+from isr import wire
+from isr.peer import Peer
+from isr.state import PartitionState
+from isr.wire import Kind
+
+A, B, C = "127.0.0.1:4101", "127.0.0.1:4102", "127.0.0.1:4103"
+T = "t"
+
+
+async def cluster(tmp_path, nodes=(A, B, C), isr=None, min_isr=2, repl_timeout=1.0, epoch=1):
+    states = States()
+    states.put(T, 0, PartitionState(leader=nodes[0], isr=tuple(isr or nodes), epoch=epoch))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=min_isr,
+                        repl_timeout=repl_timeout).start() for n in nodes]
+    for h in hosts[1:]:
+        await h.open(T, 0)
+    await hosts[0].open(T, 0)
+    return states, hosts
+
+
+async def stop(hosts):
+    for h in hosts:
+        await h.stop()
+
+
+async def until(cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_publish_acknowledged_only_after_both_followers_synced(tmp_path):
+    _, hosts = await cluster(tmp_path)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        fqs = [h.queues[(T, 0)] for h in hosts[1:]]
+        seen = []
+
+        def check(fut):
+            a = fut.result()
+            seen.append([q.written_end >= a.end_offset for q in fqs])
+
+        futs = []
+        for i in range(200):
+            fut = lq.append([b"m%d" % i] * (1 + i % 5))
+            fut.add_done_callback(check)
+            futs.append(fut)
+            if i % 20 == 0:
+                await asyncio.sleep(0)
+        done = await asyncio.gather(*futs)
+        assert len(seen) == 200 and all(all(s) for s in seen)
+        end = done[-1].end_offset
+        assert lq.committed_end == end
+        for q in fqs:
+            assert q.written_end == end
+        # the followers' committed ends follow (an empty PUSH within 200 ms)
+        await until(lambda: all(q.committed_end == end for q in fqs), 2)
+        # the followers hold the leader's records byte for byte
+        for q in fqs:
+            r1, r2 = lq.reader(0), q.reader(0)
+            a, b = await r1.read(10_000), await r2.read(10_000)
+            assert [(x.offset, x.msg_id, x.body) for x in a] == [(x.offset, x.msg_id, x.body) for x in b]
+            r1.close(), r2.close()
+    finally:
+        await stop(hosts)
+
+
+async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
+    _, hosts = await cluster(tmp_path, epoch=5)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        await lq.append([b"x"])
+        fq = hosts[1].queues[(T, 0)]
+        before = (fq.written_end, fq.written_count)
+        peer = Peer(hosts[2], B)
+        raw = await lq.read_raw(0, 1 << 20)
+        header = {"topic": T, "partition": 0, "epoch": 4, "leader": C, "offset": fq.written_end,
+                  "count": fq.written_count, "n": raw.n_entries, "data_len": len(raw.data),
+                  "commit": [0, 0]}
+        r = await peer.request(Kind.PUSH, header, raw.entries + raw.data)
+        assert r.kind is Kind.ERROR and r.header["code"] == wire.E_STALE_EPOCH
+        assert r.header["epoch"] == 5
+        assert (fq.written_end, fq.written_count) == before
+        # a CHANNELS of an older epoch too
+        r = await peer.request(Kind.CHANNELS, {"topic": T, "partition": 0, "epoch": 1,
+                                               "channels": {"c": {}}})
+        assert r.header["code"] == wire.E_STALE_EPOCH and (T, 0) not in hosts[1].channels
+        await peer.close()
+    finally:
+        await stop(hosts)
+
+
+async def test_a_stopped_follower_is_dropped_and_the_write_completes(tmp_path):
+    states, hosts = await cluster(tmp_path, repl_timeout=0.5)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        await lq.append([b"before"])
+        await hosts[2].rpc.stop()
+        a = await asyncio.wait_for(lq.append([b"after"]), 3)
+        s = states.states[(T, 0)]
+        assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 2
+        assert lq.committed_end == a.end_offset == hosts[1].queues[(T, 0)].written_end
+        assert hosts[0].leaders[(T, 0)].writable
+        assert lq.last_epoch == 2 or lq.epoch == 2  # new entries carry the new epoch
+    finally:
+        await stop(hosts)
+
+
+async def test_a_sigstopped_follower_times_out_and_is_dropped(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    states = States()
+    state = PartitionState(leader=A, isr=(A, B, C), epoch=1)
+    states.put(T, 0, state)
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=2,
+                        repl_timeout=0.5).start() for n in (A, B)]
+    here = os.path.dirname(__file__)
+    child = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, os.path.join(here, "repl_host.py"), str(tmp_path / "c"), C, T, "0", A,
+         states.addresses[A], state.encode().decode()],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.path.dirname(here),
+        env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 20)
+        assert line.startswith(b"ready"), line
+        states.addresses[C] = f"127.0.0.1:{int(line.split()[1])}"
+        await hosts[1].open(T, 0)
+        await hosts[0].open(T, 0)
+        lq = hosts[0].queues[(T, 0)]
+        await asyncio.wait_for(lq.append([b"all three"]), 3)
+        assert states.states[(T, 0)].isr == (A, B, C)
+        os.kill(child.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        await asyncio.wait_for(lq.append([b"two"]), 5)
+        took = time.monotonic() - t0
+        assert 0.45 <= took < 2.0, took
+        assert states.states[(T, 0)].isr == (A, B)
+        os.kill(child.pid, signal.SIGCONT)
+        await asyncio.wait_for(lq.append([b"still two"]), 3)
+        assert json.dumps(list(states.states[(T, 0)].catchup)) == json.dumps([C])
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+        await stop(hosts)
+
+
+async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_path):
+    from isr.leader import NotWritable
+    states, hosts = await cluster(tmp_path, repl_timeout=0.5, min_isr=2)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        leader = hosts[0].leaders[(T, 0)]
+        await lq.append([b"ok"])
+        # stall both followers: their pushes are never acked (a server that reads, never answers)
+        for h in hosts[1:]:
+            h.followers[(T, 0)].handle = _never
+        fut = lq.append([b"parked"])
+        with pytest.raises(NotWritable):
+            await asyncio.wait_for(fut, 5)
+        s = states.states[(T, 0)]
+        assert s.isr == (A,) and set(s.catchup) == {B, C}
+        assert not leader.writable and "below min_isr 2" in leader.reason
+        # the data stays in the log, uncommitted
+        assert lq.written_end > lq.committed_end
+    finally:
+        await stop(hosts)
+
+
+async def _never(frame):
+    await asyncio.Event().wait()
+
+
+async def records(q):
+    r = q.reader(q.start_offset)
+    out = []
+    while batch := await r.read(100_000):
+        out += [(x.offset, x.msg_id, x.body) for x in batch]
+    r.close()
+    return out
+
+
+async def test_a_diverged_replica_truncates_to_the_new_leader_and_joins(tmp_path):
+    states, hosts = await cluster(tmp_path, min_isr=1)
+    a, b, _ = hosts
+    try:
+        aq = a.queues[(T, 0)]
+        await aq.append([b"m1", b"m2"])
+        await aq.append([b"m3"])
+        # A writes a tail its followers never get (a push lost as A is cut off), then dies
+        aq.on_batch = None
+        tail = aq.append([b"lost1", b"lost2"])
+        await until(lambda: aq.written_end > hosts[1].queues[(T, 0)].written_end)
+        await a.stop()
+        with pytest.raises(Exception, match="closed|closing|failed"):
+            await tail
+        # failover: B leads at epoch 2 with C; A is outside the ISR
+        states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
+        await b.lead(T, 0)
+        bq = b.queues[(T, 0)]
+        await bq.append([b"n1"])
+        await bq.append([b"n2", b"n3"])
+        # A comes back and follows B: its epoch-1 tail is cut, B's epoch-2 records fetched
+        a2 = await Host(states, A, a.path, min_isr=1).start()
+        hosts[0] = a2
+        a2q = await a2.open(T, 0)
+        await until(lambda: A in states.states[(T, 0)].isr)
+        assert a2.followers[(T, 0)].stats["truncations"] == 1
+        await bq.append([b"n4"])
+        await until(lambda: a2q.committed_end == bq.committed_end, 2)
+        assert await records(a2q) == await records(bq)
+        bodies = [x[2] for x in await records(a2q)]
+        assert bodies == [b"m1", b"m2", b"m3", b"n1", b"n2", b"n3", b"n4"]
+        s = states.states[(T, 0)]
+        assert s.isr == (B, C, A) and s.catchup == () and s.epoch == 3
+    finally:
+        await stop(hosts)
+
+
+@pytest.mark.parametrize("megabytes", [pytest.param(100, marks=pytest.mark.long), 16])
+async def test_a_replica_far_behind_catches_up_in_chunks_while_publishes_go_on(tmp_path,
+                                                                                 megabytes):
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B), catchup=(C,), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=1).start()
+             for n in (A, B, C)]
+    try:
+        await hosts[1].open(T, 0)
+        aq = await hosts[0].open(T, 0)
+        body = b"x" * 100_000
+        for _ in range(megabytes):
+            await aq.append([body] * 10)
+        published = 0
+
+        async def publish():
+            nonlocal published
+            while True:
+                await aq.append([b"during"])
+                published += 1
+                await asyncio.sleep(0.005)
+
+        pub = asyncio.create_task(publish())
+        cq = await hosts[2].open(T, 0)
+        await until(lambda: C in states.states[(T, 0)].isr, 120)
+        pub.cancel()
+        await asyncio.gather(pub, return_exceptions=True)
+        assert published > 0
+        fetches = hosts[2].followers[(T, 0)].stats["fetches"]
+        assert fetches >= megabytes  # 1 MiB chunks
+        await aq.append([b"after"])
+        await until(lambda: cq.committed_end == aq.committed_end, 2)
+        assert await records(cq) == await records(aq)
+    finally:
+        await stop(hosts)
+
+
+async def test_channel_states_reach_the_followers_latest_wins_at_most_every_200ms(tmp_path):
+    _, hosts = await cluster(tmp_path)
+    try:
+        leader = hosts[0].leaders[(T, 0)]
+        got = {B: [], C: []}
+        for h in hosts[1:]:
+            h.channels_received = lambda t, p, ch, node=h.node_id: got[node].append(ch)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(100):
+            leader.send_channels({"ch": {"confirmed": i}})
+            await asyncio.sleep(0.01)
+        elapsed = loop.time() - t0
+        await until(lambda: all(g and g[-1] == {"ch": {"confirmed": 99}} for g in got.values()), 1)
+        for g in got.values():
+            assert len(g) <= elapsed / 0.2 + 2, len(g)
+            assert [x["ch"]["confirmed"] for x in g] == sorted(x["ch"]["confirmed"] for x in g)
+        assert leader.stats["channels_sent"] == len(got[B])
+    finally:
+        await stop(hosts)

@@ -1,0 +1,231 @@
+"""Bad input on the replication port (issue 10): garbage, truncated frames, no HELLO, a
+wrong cluster, a wrong epoch, gaps, a batch with a bad CRC, a follower whose disk is full.
+Each is answered with its ERROR code; no crash, nothing written, replication goes on."""
+
+import asyncio
+import os
+import struct
+import subprocess
+
+import pytest
+from repl_host import CLUSTER, Host, States
+from test_isr_replication import A, B, C, T, cluster, records, stop
+
+from isr import wire
+from isr.peer import Peer
+from isr.state import PartitionState
+from isr.wire import Decoder, Kind
+
+
+async def exchange(port: int, raw: bytes, hello=True):
+    """Send `raw` (after a HELLO), half-close, return the answers and whether the server
+    closed the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if hello:
+        writer.write(wire.encode(Kind.HELLO, 0, {"cluster": CLUSTER, "node": "127.0.0.1:9"}))
+    writer.write(raw)
+    await writer.drain()
+    d, frames = Decoder(), []
+    try:
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), 0.5)
+            if not chunk:
+                closed = True
+                break
+            frames += d.feed(chunk)
+    except TimeoutError:
+        closed = False
+    writer.close()
+    return frames[1:] if hello else frames, closed
+
+
+def push_header(q, **over):
+    return {"topic": T, "partition": 0, "epoch": 1, "leader": A, "offset": q.written_end,
+            "count": q.written_count, "n": 0, "data_len": 0, "commit": [0, 0], **over}
+
+
+async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path):
+    states, hosts = await cluster(tmp_path)
+    try:
+        port = hosts[1].rpc.port
+        cases = [
+            (b"\xff" * 100, True, wire.E_BAD_FRAME),  # garbage: a size far over the limit
+            (struct.pack(">I", wire.MAX_FRAME + 1), True, wire.E_BAD_FRAME),
+            (wire.PREFIX.pack(9, 200, 1, 2) + b"{}", True, wire.E_BAD_FRAME),  # unknown kind
+            (wire.PREFIX.pack(9, Kind.PING, 1, 2) + b"{x", True, wire.E_BAD_FRAME),
+            (wire.encode(Kind.PUSH, 1, {"topic": T}), True, wire.E_BAD_FRAME),  # fields missing
+            (wire.encode(Kind.PING, 1, {})[:-1], False, None),  # truncated: no answer
+        ]
+        for raw, closes, code in cases:
+            frames, closed = await exchange(port, raw)
+            if code is None:
+                assert frames == [] and not closed
+            else:
+                assert [f.header["code"] for f in frames] == [code] and closed is closes
+        frames, closed = await exchange(port, wire.encode(Kind.PING, 5, {}), hello=False)
+        assert frames[0].header["code"] == wire.E_BAD_FRAME and closed
+        frames, closed = await exchange(port, wire.encode(
+            Kind.HELLO, 1, {"cluster": "other", "node": "127.0.0.1:9"}), hello=False)
+        assert frames[0].header["code"] == wire.E_BAD_CLUSTER and closed
+        frames, _ = await exchange(port, wire.encode(Kind.PING, 7, {}))
+        assert frames[0].kind is Kind.OK and frames[0].rid == 7
+        # requests for partitions this node does not hold / lead
+        frames, _ = await exchange(port, wire.encode(Kind.PUSH, 8, {
+            **push_header(hosts[1].queues[(T, 0)]), "topic": "other"}) + wire.encode(
+            Kind.FETCH, 9, {"topic": T, "partition": 0, "epoch": 1, "node": C, "offset": 0,
+                            "count": 0, "max_bytes": 100}))
+        assert [(f.rid, f.header["code"]) for f in frames] == [(8, wire.E_NOT_REPLICA),
+                                                               (9, wire.E_NOT_LEADER)]
+        await asyncio.wait_for(hosts[0].queues[(T, 0)].append([b"still works"]), 3)
+        assert states.states[(T, 0)].isr == (A, B, C)
+    finally:
+        await stop(hosts)
+
+
+async def test_gaps_and_bad_batches_are_refused_and_nothing_is_written(tmp_path):
+    """PUSHes to follower B of batches made by another queue (so B lacks them): each bad one
+    is refused and leaves B's log as it was; the good ones then append as usual."""
+    from diskqueue.queue import DiskQueue, QueueOptions
+    states, hosts = await cluster(tmp_path)
+    source = await DiskQueue.open(str(tmp_path / "source"), QueueOptions())
+    try:
+        bq = hosts[1].queues[(T, 0)]
+        await source.append([b"one"])
+        await source.append([b"two", b"three"])
+        raw = await source.read_raw(0, 1 << 20)
+        raw = raw._replace(n_entries=1, entries=raw.entries[:64],
+                           data=raw.data[:(await source.find("count", 0)).size])
+        raw2 = await source.read_raw(len(raw.data), 1 << 20)
+        peer = Peer(hosts[2], B)
+
+        async def push(header, payload):
+            return await peer.request(Kind.PUSH, header, payload)
+
+        first = [len(raw.data), 1]
+        r = await push(push_header(bq, n=1, data_len=len(raw.data), commit=first),
+                       raw.entries + raw.data)
+        assert r.kind is Kind.ACK and r.header["end"] == first
+        before = await records(bq)
+        assert [x[2] for x in before] == [b"one"]
+        body = raw2.entries + raw2.data
+        end = [len(raw.data) + len(raw2.data), 3]
+        good = push_header(bq, n=raw2.n_entries, data_len=len(raw2.data), commit=end)
+        # a gap: a batch after the follower's end
+        r = await push({**good, "offset": bq.written_end + 10}, body)
+        assert r.header["code"] == wire.E_GAP and r.header["end"] == first
+        # a record whose CRC fails
+        bad = bytearray(raw2.data)
+        bad[-1] ^= 0xFF
+        r = await push(good, raw2.entries + bytes(bad))
+        assert r.header["code"] == wire.E_BAD_BATCH and r.header["message"].startswith("record")
+        # an entry whose checksum fails
+        bad = bytearray(raw2.entries)
+        bad[10] ^= 0xFF
+        r = await push(good, bytes(bad) + raw2.data)
+        assert r.header["code"] == wire.E_BAD_BATCH and r.header["message"].startswith("entry")
+        # entries that do not cover the data
+        r = await push({**good, "data_len": len(raw2.data) + 3}, body + b"abc")
+        assert r.header["code"] == wire.E_BAD_BATCH
+        # a wrong (older) epoch
+        r = await push({**good, "epoch": 0}, body)
+        assert r.header["code"] == wire.E_STALE_EPOCH
+        assert await records(bq) == before and [bq.written_end, bq.written_count] == first
+        # a duplicate of what it holds: success, nothing written twice
+        r = await push(push_header(bq, offset=0, count=0, n=1, data_len=len(raw.data)),
+                       raw.entries + raw.data)
+        assert r.kind is Kind.ACK and r.header["end"] == first
+        # the good batch still appends
+        r = await push(good, body)
+        assert r.kind is Kind.ACK and r.header["end"] == end
+        assert [x[2] for x in await records(bq)] == [b"one", b"two", b"three"]
+        assert (await peer.request(Kind.PING, {})).kind is Kind.OK
+        await peer.close()
+        assert states.states[(T, 0)].isr == (A, B, C)
+    finally:
+        await source.close()
+        await stop(hosts)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A mounted 4 MiB tmpfs (a real ENOSPC), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path = tmp_path / "disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(tmp_path, disk):
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
+    paths = {A: tmp_path / "a", B: disk / "b", C: tmp_path / "c"}
+    hosts = [await Host(states, n, str(paths[n]), min_isr=2).start() for n in (A, B, C)]
+    try:
+        for h in (hosts[1], hosts[2], hosts[0]):
+            await h.open(T, 0)
+        aq, bq = hosts[0].queues[(T, 0)], hosts[1].queues[(T, 0)]
+        await aq.append([b"small"])
+        refused = []
+        real = hosts[1].followers[(T, 0)].handle
+
+        async def spy(frame):
+            answer = await real(frame)
+            if answer[0] is Kind.ERROR:
+                refused.append(answer[1]["code"])
+            return answer
+
+        hosts[1].followers[(T, 0)].handle = spy
+        big = b"x" * 300_000
+        for i in range(40):  # 4 MiB fills within ~14 of these
+            await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
+            if states.states[(T, 0)].isr != (A, B, C):
+                break
+        assert refused == [wire.E_DISK_FULL]
+        assert states.states[(T, 0)].isr == (A, C)
+        assert await hosts[1].peers.get(A).request(Kind.PING, {}) is not None
+        # B's log is intact: what it committed is a prefix of the leader's, and its written
+        # end is a record boundary of the leader's log
+        theirs = await records(aq)
+        mine = await records(bq)
+        assert mine and mine == theirs[:len(mine)]
+        assert bq.written_end in [x[0] for x in theirs]
+    finally:
+        await stop(hosts)
+
+
+async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path, disk):
+    """The leader pushes a batch while it writes it; when its own write then fails (ENOSPC),
+    the followers hold a tail the leader cut back. The next batch starts where the failed
+    one did, and the followers would take it for a duplicate: the leader must stop."""
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
+    paths = {A: disk / "a", B: tmp_path / "b", C: tmp_path / "c"}
+    hosts = [await Host(states, n, str(paths[n]), min_isr=2).start() for n in (A, B, C)]
+    try:
+        for h in (hosts[1], hosts[2], hosts[0]):
+            await h.open(T, 0)
+        aq = hosts[0].queues[(T, 0)]
+        leader = hosts[0].leaders[(T, 0)]
+        big = b"x" * 300_000
+        failed = None
+        for i in range(40):
+            try:
+                await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
+            except Exception as e:  # noqa: BLE001
+                failed = e
+                break
+        assert failed is not None and "DiskFull" in type(failed).__name__, failed
+        nxt = aq.append([b"small"])
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(nxt, 3)
+        assert "NotWritable" in type(e.value).__name__ or "DiskFull" in type(e.value).__name__
+        if "NotWritable" in type(e.value).__name__:
+            assert not leader.writable and "a local write failed" in leader.reason
+        # nothing that the leader lacks was committed anywhere
+        for h in hosts[1:]:
+            assert h.queues[(T, 0)].committed_end <= aq.written_end
+    finally:
+        await stop(hosts)
