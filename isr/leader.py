@@ -92,6 +92,11 @@ class LeaderLog:
                       "channels_sent": 0}
 
     @property
+    def closed(self) -> bool:
+        """Closed for good: stepped down, a newer epoch seen, a local write failed, or close()."""
+        return self._closed
+
+    @property
     def _base(self) -> dict:
         return {"topic": self.topic, "partition": self.partition}
 

@@ -154,13 +154,13 @@ class Cluster:
         return bool(self.registration is not None and self.registration.lease_id)
 
     async def _watch_lease(self) -> None:
-        """Apply again whenever the lease is lost or granted anew: leadership follows the
-        leader keys, which go and come with it."""
+        """Apply again whenever the lease is lost or granted anew (leadership follows the
+        leader keys, which go and come with it), or a LeaderLog gave up (Replication.gave_up)."""
         lease = 0
         while True:
             await asyncio.sleep(0.1)
             now = self.registration.lease_id
-            if now != lease:
+            if now != lease or self.replication.any_given_up():
                 lease = now
                 self._dirty.set()
 
@@ -218,7 +218,8 @@ class Cluster:
         self.applied_revision = view.revision
 
     async def _apply_topic(self, name: str, tv) -> None:
-        named = {n for n, s in tv.partitions.items() if s.leader == self.node_id}
+        named = {n for n, s in tv.partitions.items() if s.leader == self.node_id
+                 and not self.replication.gave_up(name, n, s)}
         stale = {p for p in self.leader_keys.wanted if p[0] == name and p[1] not in named}
         if stale:
             await self.leader_keys.release(stale)

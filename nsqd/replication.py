@@ -32,6 +32,7 @@ from diskqueue.queue import DiskQueue
 from isr.follower import FollowerLog
 from isr.leader import LeaderLog
 from isr.metadata import TopicView
+from isr.peer import Peers
 from isr.rpc import RpcServer
 from isr.state import PartitionState
 
@@ -54,11 +55,6 @@ def state_from_wire(state: dict) -> dict:
             for k, v in state.items()}
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 class Replication:
     """The replication host of one NSQD in cluster mode (see the module docstring)."""
 
@@ -67,8 +63,11 @@ class Replication:
         self.cluster = cluster
         self.leaders: dict[tuple[str, int], LeaderLog] = {}
         self.followers: dict[tuple[str, int], FollowerLog] = {}
-        self.server = RpcServer(self)
-        self.rpc_port = 0
+        self.peers = Peers(self)
+        self.server = RpcServer(self, nsqd.options.rpc_address)
+        # partitions whose leadership this node gave up at an epoch (its LeaderLog closed
+        # for good while etcd still names it): not taken again before a newer epoch
+        self.refused: dict[tuple[str, int], int] = {}
 
     # ---- the host interface isr calls ----------------------------------------------
 
@@ -122,9 +121,7 @@ class Replication:
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        host, port = _host_port(self.nsqd.options.rpc_address)
-        self.rpc_port = await self.server.start(host, port)
-        log.info("rpc_listening", address=f"{host}:{self.rpc_port}")
+        await self.server.start()
 
     async def stop(self) -> None:
         """Stop replicating: leaders first (their partitions close with the node), then
@@ -134,6 +131,7 @@ class Replication:
         for key in list(self.followers):
             await self._stop_follower(key)
         await self.server.stop()
+        await self.peers.close()
 
     # ---- following the view ------------------------------------------------------------
 
@@ -143,11 +141,28 @@ class Replication:
         me = self.node_id
         lead, follow = set(), {}
         for n, s in tv.partitions.items():
-            if s.leader == me and held_keys(n):
+            if s.leader == me and held_keys(n) and not self.gave_up(tv.name, n, s):
                 lead.add(n)
             elif s.leader != me and (me in s.isr or me in s.catchup) and tv.meta.replicas > 1:
                 follow[n] = s
         return lead, follow
+
+    def gave_up(self, topic: str, n: int, state: PartitionState) -> bool:
+        """Whether this node gave up leading the partition at `state`'s epoch: its
+        LeaderLog closed for good (a failed local write, a newer epoch seen) while etcd
+        still names it. It then holds no leader key, and the master elects another ISR
+        member once the key has been missing for the lease TTL."""
+        leader = self.leaders.get((topic, n))
+        if leader is not None and leader.closed and leader.state.leader == self.node_id:
+            self.refused[(topic, n)] = state.epoch
+            log.warning("leadership_given_up", topic=topic, partition=n, epoch=state.epoch,
+                        reason=leader.reason)
+        return self.refused.get((topic, n), -1) >= state.epoch
+
+    def any_given_up(self) -> bool:
+        """A LeaderLog closed for good while etcd still names this node (see gave_up)."""
+        me = self.node_id
+        return any(lg.closed and lg.state.leader == me for lg in self.leaders.values())
 
     async def release(self, name: str, keep: dict[int, PartitionState]) -> None:
         """Before NSQD.apply_assignment: close the followers of `name` not in `keep`."""
@@ -170,8 +185,9 @@ class Replication:
             if current is not None:
                 current.update_state(state)
                 continue
-            leader = LeaderLog(self, name, n, p.queue, state, min_isr=tv.meta.min_isr,
-                               timeout=self.nsqd.options.repl_timeout_ms / 1000)
+            leader = LeaderLog(self, self.peers, name, n, p.queue, state,
+                               min_isr=tv.meta.min_isr,
+                               repl_timeout=self.nsqd.options.repl_timeout_ms / 1000)
             self.leaders[(name, n)] = leader
             await leader.start()
             p.gate = _Gate(leader, self.cluster)
@@ -180,16 +196,17 @@ class Replication:
         for n, state in follow.items():
             current = self.followers.get((name, n))
             if current is not None:
-                current.update_state(state)
+                current.follow(state)
                 continue
             if topic is None:
                 continue
             queue = await self._open_follower_queue(topic, n)
             if queue is None:
                 continue
-            follower = FollowerLog(self, name, n, queue, state)
+            follower = FollowerLog(self, self.peers, name, n, queue)
             self.followers[(name, n)] = follower
-            await follower.start()
+            await follower.open()
+            follower.follow(state)
             log.info("following", topic=name, partition=n, leader=state.leader,
                      epoch=state.epoch, in_isr=self.node_id in state.isr)
 
@@ -212,7 +229,7 @@ class Replication:
 
     async def _stop_leader(self, key) -> None:
         leader = self.leaders.pop(key)
-        await leader.stop()
+        await leader.close("no longer led here")
         topic = self.nsqd.topics.get(key[0])
         p = topic.partitions.get(key[1]) if topic is not None else None
         if p is not None and getattr(p.gate, "leader", None) is leader:
@@ -221,17 +238,20 @@ class Replication:
     async def _stop_follower(self, key) -> None:
         follower = self.followers.pop(key)
         try:
-            await follower.stop()
+            await follower.close()
         finally:
-            await follower.queue.close()
+            await follower.q.close()
         log.info("not_following", topic=key[0], partition=key[1])
 
     # ---- what /stats shows -------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"rpc_port": self.rpc_port,
-                "leading": {f"{t}/{n}": lg.stats() for (t, n), lg in sorted(self.leaders.items())},
-                "following": {f"{t}/{n}": f.stats()
+        return {"rpc_port": self.server.port,
+                "leading": {f"{t}/{n}": {"epoch": lg.state.epoch, "isr": list(lg.state.isr),
+                                         "writable": lg.writable, "reason": lg.reason,
+                                         **lg.stats}
+                            for (t, n), lg in sorted(self.leaders.items())},
+                "following": {f"{t}/{n}": {"epoch": f.epoch, **f.stats}
                               for (t, n), f in sorted(self.followers.items())}}
 
 

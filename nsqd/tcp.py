@@ -27,6 +27,7 @@ from collections import deque
 
 import structlog
 
+from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .channel import defer_ext
@@ -34,7 +35,7 @@ from .client import Client
 from .cluster import ClusterUnavailable
 from .identify import IdentifyLimits, initial_settings, negotiate
 from .nsqd import TopicNotFound
-from .topic import PartitionNotFound, PartitionNotLed, PartitionNotWritable, StorageError
+from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -381,7 +382,7 @@ class ClientConnection(asyncio.Protocol):
             raise errors.bad_partition(command, str(cmd.partition)) from None
         except PartitionNotLed:
             raise errors.not_leader(command) from None
-        except PartitionNotWritable:
+        except NotWritable:
             raise errors.not_writable(command) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
@@ -417,7 +418,7 @@ class ClientConnection(asyncio.Protocol):
             _, exc, topic, bodies, command = publishing.popleft()
             if exc is not None:
                 err = (exc if isinstance(exc, errors.ProtocolError)
-                       else errors.not_writable(command) if isinstance(exc, PartitionNotWritable)
+                       else errors.not_writable(command) if isinstance(exc, NotWritable)
                        else errors.publish_failed(command, str(exc)))
                 self._fail(err)
                 if err.fatal:

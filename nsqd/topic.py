@@ -33,6 +33,7 @@ import structlog
 
 from diskqueue.atomic import fsync_dir
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
+from isr.leader import NotWritable
 
 from .assignment import Assignment
 from .channel import Channel, SavedWindow
@@ -94,7 +95,7 @@ class PartitionNotLed(LookupError):
     None: a publish without a partition, while this node leads none of the topic's."""
 
 
-class PartitionNotWritable(Exception):
+class PartitionNotWritable(NotWritable):
     """A led partition of a replicated topic that takes no publish now: its replication has
     not started, or its in-sync replica set is below min_isr (E_FAILED_ON_NOT_WRITABLE;
     HTTP 503). The text says why. Also what a written batch fails with when the ISR fell
