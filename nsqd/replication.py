@@ -177,7 +177,7 @@ class Replication:
                                         if p.queue.options.replicated}
         for key in [k for k in self.leaders if k[0] == name]:
             p = led.get(key[1])
-            if p is None or p.queue is not self.leaders[key].queue:
+            if p is None or p.queue is not self.leaders[key].q:
                 await self._stop_leader(key)
         for n, p in led.items():
             state = tv.partitions[n]
