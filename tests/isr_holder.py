@@ -14,14 +14,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's isr
 
-import structlog  # noqa: E402
+import structlog
 
-from isr import keys  # noqa: E402
-from isr.election import Election  # noqa: E402
-from isr.etcd import Etcd  # noqa: E402
-from isr.leadership import LeaderKeys  # noqa: E402
-from isr.registry import Registration  # noqa: E402
-from isr.state import NodeInfo  # noqa: E402
+from isr import keys
+from isr.election import Election
+from isr.etcd import Etcd
+from isr.leadership import LeaderKeys
+from isr.registry import Registration
+from isr.state import NodeInfo
 
 
 async def main(mode: str, endpoint: str, key: str, value: str, ttl: str,

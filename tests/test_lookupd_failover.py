@@ -131,7 +131,7 @@ def test_a_killed_leader_is_replaced_within_ttl_plus_1s(cluster):
 def test_a_live_leader_without_its_key_loses_the_partition_after_the_ttl(cluster):
     """c is registered but never holds k:0's key (it is not serving it): after the TTL the
     other ISR member d leads it; d's own partition, whose key it holds, stays with d."""
-    etcd, lookupds, nodes = cluster
+    etcd, _, nodes = cluster
     c = Node(etcd, 45100)
     d = Node(etcd, 45110, leads=[("k2", 0)])
     nodes += [c, d]
