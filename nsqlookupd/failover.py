@@ -14,8 +14,9 @@ Rules (REPLICATION.md, "Failover"), decided by the pure `decide` on one ClusterV
 - successive elections of one pass count the leaderships already given (load spreads).
 
 `Failover` is the driver: on every new view (`poke`) and every TICK_S it decides on the
-current view and writes each new state by CAS (`Metadata.update_partition`); a `Conflict`
-reads the state again and decides again on it. Invariants: it writes only while this
+current view and writes the new states by CAS, up to MAX_BATCH of a topic in one
+transaction (`Metadata.update_partitions`); a `Conflict` writes each of the batch on its
+own (`update_partition`), and a Conflict there reads the state again and decides again. Invariants: it writes only while this
 lookupd is master and its view is current (the watch is connected); it never writes a
 state it did not derive from the state it compares against; the key clock runs on every
 lookupd, so a new master already knows since when a key is missing.
@@ -30,7 +31,7 @@ from typing import Callable, Mapping
 import structlog
 
 from isr.etcd import EtcdError
-from isr.metadata import ClusterView, Conflict, Metadata
+from isr.metadata import MAX_BATCH, ClusterView, Conflict, Metadata
 from isr.placement import elect
 from isr.state import BadValue, PartitionState
 
@@ -179,14 +180,44 @@ class Failover:
                 log.exception("failover_pass_failed")
 
     async def run_once(self, view: ClusterView, now: float) -> None:
-        """Decide on `view` and write every move (concurrently; each by CAS)."""
+        """Decide on `view` and write every move: up to MAX_BATCH of one topic in one
+        transaction (all by CAS), the batches concurrently."""
         self._written = {p: r for p, r in self._written.items() if p[0] in view.topics}
         led = leaderships(view)
         # a state this lookupd wrote, which its view does not show yet, is not decided on
         moves = [m for m in decide(view, self.clock, now, self.ttl, led)
                  if m.old.revision >= self._written.get((m.topic, m.partition), 0)]
+        by_topic: dict[str, list[Move]] = {}
+        for m in moves:
+            by_topic.setdefault(m.topic, []).append(m)
+        batches = [ms[i:i + MAX_BATCH] for ms in by_topic.values()
+                   for i in range(0, len(ms), MAX_BATCH)]
         live = set(view.nodes)
-        await asyncio.gather(*(self._write(m, live, now, led) for m in moves))
+        await asyncio.gather(*(self._write_batch(b, live, now, led) for b in batches))
+
+    async def _write_batch(self, batch: list[Move], live: set[str], now: float,
+                           led: Mapping[str, int]) -> None:
+        """One transaction for the batch; on a Conflict, each move on its own."""
+        if len(batch) == 1 or not self.is_master():
+            await self._write(batch[0], live, now, led)
+            return
+        topic = batch[0].topic
+        try:
+            written = await self.metadata.update_partitions(
+                topic, {m.partition: m.new for m in batch})
+        except Conflict:
+            await asyncio.gather(*(self._write(m, live, now, led) for m in batch))
+            return
+        except EtcdError as e:
+            log.warning("failover_write_failed", topic=topic, partitions=len(batch),
+                        error=str(e))
+            return
+        for m in batch:
+            self._written[(topic, m.partition)] = written[m.partition].revision
+        self.elections += len(batch)
+        log.info("leaders_elected", topic=topic, count=len(batch),
+                 moves=[f"{m.partition}:{m.old.leader}->{m.new.leader}@{m.new.epoch}"
+                        for m in batch[:10]], reasons=sorted({m.reason for m in batch}))
 
     async def _write(self, move: Move, live: set[str], now: float,
                      led: Mapping[str, int]) -> None:

@@ -194,32 +194,38 @@ def test_master_takeover_still_fails_over(cluster):
 
 
 async def test_a_conflict_reads_again_and_decides_again(etcd_server):
-    """The driver on a stale view: its CAS loses, it reads the state again and decides on
-    that one; a lookupd that is not master writes nothing."""
+    """The driver on a stale view: the batch's CAS loses, each partition is written on its
+    own, and the changed one is read again and decided on again; a lookupd that is not
+    master writes nothing; 150 moves of one topic go in two transactions."""
     client = Etcd(etcd_server.endpoint, timeout=2)
     md = Metadata(client, CLUSTER)
     try:
         x, y, z = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
-        await md.create_topic("c", TopicMeta(partitions=1, replicas=2, min_isr=1), [[x, y]])
+        await md.create_topic("c", TopicMeta(partitions=3, replicas=2, min_isr=1), [[x, y]] * 3)
+        await md.create_topic("big", TopicMeta(partitions=150, replicas=2, min_isr=1),
+                              [[x, z]] * 150)
         for n in (y, z):
             await client.put(keys.node(CLUSTER, n), NodeInfo(
                 id=n, tcp=n, http=n, rpc=n, hostname="h", version="1").encode())
         kvs, rev = await client.get_prefix(keys.cluster_prefix(CLUSTER))
         stale = build_view(CLUSTER, kvs, rev)  # x (not live) leads, ISR [x, y]
-        # meanwhile the leader moved y out and z in (epoch 2)
+        # meanwhile the leader of c:0 moved y out and z in (epoch 2)
         s = await md.read_partition("c", 0)
         await md.update_partition("c", 0, s.evolve(isr=(x, z), epoch=2))
 
         master = [False]
         failover = Failover(md, TTL, lambda: stale, lambda: master[0])
         await failover.run_once(stale, 0.0)  # not master: nothing written
-        assert (await md.read_partition("c", 0)).epoch == 2 and failover.elections == 0
+        assert (await md.read_partition("c", 1)).epoch == 1 and failover.elections == 0
         master[0] = True
         await failover.run_once(stale, 0.0)
-        now = await md.read_partition("c", 0)
-        assert (now.leader, now.isr, now.epoch) == (z, (x, z), 3)  # decided on the fresh state
-        assert failover.elections == 1
-        await failover.run_once(stale, 0.0)  # the view does not show it yet: not again
-        assert (await md.read_partition("c", 0)).epoch == 3
+        states = [await md.read_partition("c", n) for n in range(3)]
+        assert (states[0].leader, states[0].isr, states[0].epoch) == (z, (x, z), 3)
+        assert [(s.leader, s.epoch) for s in states[1:]] == [(y, 2), (y, 2)]
+        big = {(await md.read_partition("big", n)).revision for n in range(150)}
+        assert len(big) == 2  # two transactions (100 + 50)
+        assert failover.elections == 153
+        await failover.run_once(stale, 0.0)  # the view does not show them yet: not again
+        assert (await md.read_partition("c", 0)).epoch == 3 and failover.elections == 153
     finally:
         await client.close()
