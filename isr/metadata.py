@@ -18,6 +18,9 @@ from .etcd import Etcd, KeyValue, absent, exists, put_op, unchanged
 from .state import BadValue, ChannelMeta, LookupdInfo, NodeInfo, PartitionState, TopicMeta
 
 
+MAX_BATCH = 100  # partition states in one update_partitions transaction
+
+
 class TopicExists(Exception):
     """create_topic: the topic is already there."""
 
@@ -227,4 +230,23 @@ class Metadata:
         if not ok:
             raise Conflict(f"{key}: changed since revision {new.revision}")
         return new.evolve(revision=revision)
+
+    async def update_partitions(self, topic: str, new: dict[int, PartitionState]
+                                ) -> dict[int, PartitionState]:
+        """`update_partition` of several partitions of one topic in one transaction: all
+        written, or none and Conflict (at most MAX_BATCH at once: etcd's default
+        --max-txn-ops is 128 compares)."""
+        if not 0 < len(new) <= MAX_BATCH or any(s.revision <= 0 for s in new.values()):
+            raise ValueError(f"1..{MAX_BATCH} states, each with the revision it was read at")
+        compares = [exists(keys.topic_meta(self.cluster, topic))]
+        ops = []
+        for n, state in sorted(new.items()):
+            key = keys.partition_state(self.cluster, topic, n)
+            compares.append(unchanged(key, state.revision))
+            ops.append(put_op(key, state.encode()))
+        ok, revision = await self.etcd.txn(compares, ops)
+        if not ok:
+            raise Conflict(f"{keys.topic_prefix(self.cluster, topic)}: a state of "
+                           f"{sorted(new)[:10]} changed")
+        return {n: state.evolve(revision=revision) for n, state in new.items()}
 

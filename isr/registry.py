@@ -30,7 +30,6 @@ class Registration:
         self.value = value
         self.ttl = ttl
         self.registered = asyncio.Event()
-        self.lease_id = 0
         self._changed = asyncio.Event()  # pulsed at each registration and each loss
         self.last_error: str | None = None
         self._lease: KeptLease | None = None
@@ -47,6 +46,15 @@ class Registration:
             return True
         except asyncio.TimeoutError:
             return False
+
+    @property
+    def lease_id(self) -> int:
+        """The lease the key is held under now; 0 while not registered, and from the very
+        moment the lease is declared lost (before etcd may expire it)."""
+        lease = self._lease
+        if not self.registered.is_set() or lease is None or lease.lost.is_set():
+            return 0
+        return lease.id
 
     async def next_lease(self, after: int = 0) -> int:
         """Wait until registered under a lease other than `after`: its id (the
@@ -77,7 +85,6 @@ class Registration:
             except asyncio.CancelledError:
                 pass
         self.registered.clear()
-        self.lease_id = 0
         self._pulse()
         if self._lease is not None:
             await self._lease.revoke()
@@ -104,13 +111,11 @@ class Registration:
                 continue
             backoff = 0.1
             self.last_error = None
-            self.lease_id = lease.id
             self.registered.set()
             self._pulse()
             log.info("registered", key=self.key, lease=f"{lease.id:x}", ttl=self.ttl)
             await lease.lost.wait()
             self.registered.clear()
-            self.lease_id = 0
             self._pulse()
             log.warning("registration_lost", key=self.key, lease=f"{lease.id:x}")
             revoke = asyncio.create_task(lease.revoke())  # in case etcd still has it

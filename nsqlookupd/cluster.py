@@ -5,7 +5,8 @@ key, and keeps a ClusterMirror whose every new view becomes a new `ClusterDirect
 every read of the HTTP API is served from it, never from etcd. Writes (topic and channel
 create and delete) are the master's alone and go to etcd as one transaction each; a
 write returns once this lookupd's own mirror shows it (bounded), so a read that follows
-on the same lookupd sees it.
+on the same lookupd sees it. The master also gives a partition whose leader is gone a
+new leader (failover.py), on every new view and every second.
 
 Invariants:
 - a non-master never writes metadata: it answers 503 NOT_MASTER with the master's HTTP
@@ -34,6 +35,7 @@ from isr.registry import Registration
 from isr.state import ChannelMeta, LookupdInfo, TopicMeta
 
 from .directory import ClusterDirectory
+from .failover import Failover
 from .http import HTTPError
 
 log = structlog.get_logger("nsqlookupd.cluster")
@@ -55,6 +57,8 @@ class Cluster:
         self.registration: Registration | None = None
         self.election: Election | None = None
         self.mirror: ClusterMirror | None = None
+        self.failover = Failover(self.metadata, self.ttl, self._current_view,
+                                 lambda: self.is_master)
 
     async def start(self, broadcast_address: str, tcp_port: int, http_port: int) -> None:
         lookupd_id = keys.check_node_id(f"{broadcast_address}:{tcp_port}")
@@ -65,19 +69,25 @@ class Cluster:
         self.registration = Registration(self.etcd, keys.lookupd(self.cluster_id, lookupd_id),
                                          self.info.encode(), self.ttl).start()
         self.election = Election(self.etcd, keys.lookupd_master(self.cluster_id), lookupd_id,
-                                 self.ttl).start()
+                                 self.ttl, on_change=lambda *_: self.failover.poke()).start()
+        self.failover.start()
         log.info("cluster_mode", cluster=self.cluster_id, id=lookupd_id, ttl=self.ttl,
                  etcd=self.etcd.endpoint)
 
     async def close(self) -> None:
         """Resign (the master key goes at once), unregister, stop watching."""
-        for part in (self.election, self.registration, self.mirror):
+        for part in (self.failover, self.election, self.registration, self.mirror):
             if part is not None:
                 await part.close()
         await self.etcd.close()
 
     def _on_view(self, view: ClusterView) -> None:
         self.directory = ClusterDirectory(view)
+        self.failover.poke()
+
+    def _current_view(self) -> ClusterView | None:
+        """The view while it is current (the watch is up), else None."""
+        return self.directory.view if self.mirror is not None and self.mirror.connected else None
 
     # ---- reads ---------------------------------------------------------------------
 
@@ -112,6 +122,7 @@ class Cluster:
                 "nodes": len(view.nodes) if view else 0,
                 "topics": len(view.topics) if view else 0,
                 "leaderless": self.directory.leaderless(),
+                "elections": self.failover.elections,
                 "problems": self.directory.problems()}
 
     def listlookup(self) -> dict:

@@ -4,12 +4,14 @@ three nsqds in cluster mode.
 - topics of 1, 4 and 16 partitions: every partition has exactly one leader, leaders are
   spread evenly (placement counts existing load: over all topics, per node within 1), the nodes agree with /lookup about what they lead,
   and a partition takes PUB on its leader only (E_FAILED_ON_NOT_LEADER elsewhere);
-- kill -9 of an nsqd: its partitions are leaderless on every nsqlookupd within the lease
-  TTL (failover is the next issue), and the other leaders keep taking PUBs.
+- kill -9 of an nsqd: its partitions (R=1: no other ISR member) are leaderless on every
+  nsqlookupd within the lease TTL, and the other leaders keep taking PUBs; restarted, the
+  node is their only ISR member and the master elects it again (epoch + 1 at each step).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -34,6 +36,13 @@ async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
         return await conn.command(c.cmd_pub(topic, body, partition=partition))
     finally:
         await conn.close()
+
+
+async def pub_or_error(address: str, partition: int) -> bytes | None:
+    try:
+        return await pub(address, "orders", partition, b"back")
+    except (NSQError, OSError):
+        return None
 
 
 def led_by_node(cl: Cluster, topic: str) -> dict[str, list[int]]:
@@ -98,3 +107,15 @@ async def test_a_killed_nsqd_leaves_its_partitions_leaderless_and_the_others_ser
     assert sorted(info["cluster"]["leaderless"]) == sorted(f"orders:{p}" for p in lost)
     for partition, leader in kept.items():
         assert await pub(leader, "orders", partition, b"still here") == b"OK"
+    victim.start()  # the ISR member is back: elected again
+    restarted_at = time.monotonic()
+    wait_until(lambda: cluster.leaders("orders") == leaders, 10, "the victim leads again")
+    took = time.monotonic() - restarted_at
+    print(f"restarted nsqd leads its partitions again after {took:.2f} s")
+    for partition in lost:
+        deadline = time.monotonic() + 5
+        while (reply := await pub_or_error(victim.tcp_address, partition)) != b"OK" \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert reply == b"OK"
+    assert cluster.lookupd_get("/info")[1]["cluster"]["leaderless"] == []
