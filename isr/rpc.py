@@ -21,6 +21,7 @@ import structlog
 from . import wire
 from .wire import BadFrame, Decoder, Frame, Kind
 
+ARRIVAL_S = 0.5  # how long a request waits for its partition's side to open (< repl timeout)
 log = structlog.get_logger("isr.rpc")
 
 MAX_IN_FLIGHT = 256
@@ -28,6 +29,18 @@ READ_CHUNK = 1 << 18
 _CLOSE = object()
 
 Answer = tuple[Kind, dict, bytes]
+
+
+async def _arrival(lookup, topic: str, partition: int):
+    """`lookup(topic, partition)`, waiting up to ARRIVAL_S for it: a node that has not applied
+    the view yet (a topic just created, a leader just elected) is given the time to open its
+    side before the request is refused (the leader would drop a follower for that)."""
+    target = lookup(topic, partition)
+    deadline = asyncio.get_running_loop().time() + ARRIVAL_S
+    while target is None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+        target = lookup(topic, partition)
+    return target
 
 
 def error(code: str, message: str, **extra) -> Answer:
@@ -131,11 +144,11 @@ class RpcServer:
             if frame.kind is Kind.HELLO:
                 return error(wire.E_BAD_FRAME, "HELLO twice")
             if frame.kind in FOLLOWER_KINDS:
-                target = self.host.follower_log(h["topic"], h["partition"])
+                target = await _arrival(self.host.follower_log, h["topic"], h["partition"])
                 if target is None:
                     return error(wire.E_NOT_REPLICA, f"no replica of {h['topic']}/{h['partition']}")
             else:
-                target = self.host.leader_log(h["topic"], h["partition"])
+                target = await _arrival(self.host.leader_log, h["topic"], h["partition"])
                 if target is None:
                     return error(wire.E_NOT_LEADER, f"not the leader of {h['topic']}/{h['partition']}")
             return await target.handle(frame)
