@@ -71,11 +71,13 @@ class Cluster:
         self.nsqd = nsqd
         o = nsqd.options
         self.cluster_id = o.cluster_id
-        self.etcd = Etcd(o.etcd_endpoints)
+        ttl_s = max(1, o.etcd_lease_ttl_ms // 1000)
+        # a call never outlasts half the lease: a lost lease is noticed while it can matter
+        self.etcd = Etcd(o.etcd_endpoints, timeout=max(1.0, min(3.0, ttl_s / 2)))
         self.metadata = Metadata(self.etcd, o.cluster_id)
         self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
         self.replication = Replication(nsqd, self)
-        self.ttl = max(1, o.etcd_lease_ttl_ms // 1000)
+        self.ttl = ttl_s
         self.node: NodeInfo | None = None
         self.registration: Registration | None = None
         self.leader_keys: LeaderKeys | None = None
