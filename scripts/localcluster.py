@@ -1,6 +1,6 @@
 """The README's run command: a local cluster on loopback, every process's data under one folder.
 
-    .venv/bin/python scripts/localcluster.py [--data ./data] [--nsqd 3] [--lookupd 2]
+    .venv/bin/python scripts/localcluster.py [--data ./data] [--nsqd 3] [--lookupd 2] [--replicas 3]
 
 Starts one etcd, the nsqlookupds, then the nsqds (cluster mode, `--etcd-endpoints`), prints
 where to look and what to try, and runs until Ctrl-C or SIGTERM: then it stops the nsqds
@@ -160,8 +160,9 @@ def plan(args) -> list[Child]:
          "--initial-cluster", f"local=http://127.0.0.1:{peer}", "--max-txn-ops", "2048",
          "--log-level", "warn"],
         endpoint + "/health", os.path.join(logs, "etcd.log"), {"client": client, "peer": peer})]
+    replicas = args.replicas or max(1, min(3, args.nsqd))
     cluster = ["--etcd-endpoints", endpoint, "--cluster-id", args.cluster_id,
-               "--etcd-lease-ttl", args.etcd_lease_ttl]
+               "--etcd-lease-ttl", args.etcd_lease_ttl, "--default-replicas", str(replicas)]
     for i in range(args.lookupd):
         name = f"nsqlookupd{i + 1}"
         tcp = take(name, "tcp", CLASSIC["nsqlookupd"][0], i)
@@ -228,11 +229,13 @@ def banner(args, children: list[Child]) -> str:
         lines.append(f"  {c.name:<11} TCP 127.0.0.1:{c.ports['tcp']}  HTTP "
                      f"http://127.0.0.1:{c.ports['http']}  replication 127.0.0.1:{c.ports['rpc']}")
     first_nsqd = by_role["nsqd"][0].ports
+    replicas = args.replicas or max(1, min(3, len(by_role["nsqd"])))
     lines += [
         f"  data and logs: {os.path.abspath(args.data)}  (process list: cluster.json)",
         "try:",
-        f"  curl -X POST 'http://{master}/topic/create?topic=orders&partition_num=6'"
-        "    (on the master nsqlookupd)",
+        f"  curl -X POST 'http://{master}/topic/create?topic=orders&partition_num=6"
+        f"&replicator={replicas}'    (on the master nsqlookupd; each message on {replicas} "
+        "nodes before its OK)",
         f"  curl 'http://{lookupd_http[-1]}/lookup?topic=orders'    (on any nsqlookupd)",
         f"  curl -d 'hello' 'http://127.0.0.1:{first_nsqd['http']}/pub?topic=events'"
         "    (auto-creates the topic)",
@@ -250,6 +253,9 @@ def main() -> int:
     ap.add_argument("--lookupd", type=int, default=2, help="nsqlookupd processes (default 2)")
     ap.add_argument("--cluster-id", default="nsq")
     ap.add_argument("--etcd-lease-ttl", default="5s")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="replicas of a topic created without saying (default: 3, or the "
+                         "nsqd count when smaller)")
     ap.add_argument("--free-ports", action="store_true",
                     help="any free ports instead of the classic ones (tests)")
     args = ap.parse_args()
