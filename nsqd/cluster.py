@@ -226,8 +226,11 @@ class Cluster:
         if stale:
             await self.leader_keys.release(stale)
         held = await self.leader_keys.hold({(name, n) for n in named}) if named else set()
-        leading, follow = self.replication.wanted(tv, lambda n: (name, n) in held)
-        if len(held) < len(named):  # another node's key not expired yet: tried again
+        # One replica: nobody else can take over (the master never moves it), so it serves
+        # without its key too (while etcd is away, say). More: only with the key held.
+        single = tv.meta.replicas == 1
+        leading, follow = self.replication.wanted(tv, lambda n: single or (name, n) in held)
+        if not single and len(held) < len(named):  # another's key not expired yet: retried
             self.errors[name] = (f"leader keys of partitions "
                                  f"{sorted(n for n in named if (name, n) not in held)} "
                                  "not held yet")

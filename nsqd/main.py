@@ -45,7 +45,8 @@ async def serve(options) -> bool:
         if e.errno not in _LISTEN_ERRORS or "bind" not in str(e):
             raise  # not a listener (a data path we may not write is its own error)
         flag, address = (("--tcp-address", options.tcp_address) if nsqd.tcp_server is None
-                         else ("--http-address", options.http_address))
+                         else ("--http-address", options.http_address) if nsqd.cluster is None
+                         else ("--rpc-address", options.rpc_address))
         raise StartError(f"cannot listen on {address} ({flag}): "
                          f"{os.strerror(e.errno).lower()}") from None
     tune_gc()

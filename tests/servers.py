@@ -100,9 +100,15 @@ class NsqdProcess(DaemonProcess):
     def __init__(self, data_path: str, *extra: str, tcp_port: int = 0, http_port: int = 0):
         super().__init__(os.path.join(data_path, "nsqd.log"), extra, tcp_port, http_port)
         self.data_path = data_path
+        # cluster mode serves replication: a port of its own unless the test gives one
+        self.rpc_address = next((extra[i + 1] for i, a in enumerate(extra[:-1])
+                                 if a == "--rpc-address"), f"127.0.0.1:{free_port()}")
 
     def arguments(self) -> list[str]:
-        return ["--data-path", self.data_path]
+        args = ["--data-path", self.data_path]
+        if "--etcd-endpoints" in self.extra and "--rpc-address" not in self.extra:
+            args += ["--rpc-address", self.rpc_address]
+        return args
 
 
 class NsqlookupdProcess(DaemonProcess):

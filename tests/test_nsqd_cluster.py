@@ -108,7 +108,7 @@ async def test_registers_and_leaves(tmp_path, etcd_server, meta):
             return kv
         kv = await eventually(value, what="registration")
         info = NodeInfo.decode(kv.value, key, node.tcp_address)
-        assert (info.http, info.rpc) == (node.http_address, "127.0.0.1:4250")
+        assert (info.http, info.rpc) == (node.http_address, node.rpc_address)
         assert kv.lease != 0
         status, doc = http(node.http_address, "GET", "/info")
         assert (doc["node_id"], doc["cluster_id"]) == (node.tcp_address, CLUSTER)
