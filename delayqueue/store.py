@@ -442,9 +442,11 @@ class DelayStore:
             txn.put(pack_id(tail[1]) + id8, b"", db=self._origins)
 
     def _drop_origin(self, txn, value: bytes, id8: bytes) -> None:
-        tail = checked_tail(value)
-        if tail is not None and tail[1] >= 0:
-            txn.delete(pack_id(tail[1]) + id8, db=self._origins)
+        """Unindex a value being removed. Its tail is not checked: a key [any][id8] can only
+        be this id's, so a wrong origin deletes nothing of another entry."""
+        origin8 = value[-12:-4]  # the tail: [8 due_ms][8 origin_offset][4 crc32]
+        if origin8[:1] < b"\x80":  # origin_offset >= 0 (-1: not from the log)
+            txn.delete(origin8 + id8, db=self._origins)
 
     def _value_of(self, txn, id8: bytes) -> tuple[str, bytes, bytes] | None:
         """("waiting" | "taken", key, value) of the id's entry, None if the store does not
@@ -525,6 +527,7 @@ class DelayStore:
                 tick()
             for key in origins:
                 put(key, b"", db=self._origins)
+                tick()
         self._run(fn)
 
     def take_due(self, now_ms: int, limit: int) -> list[DelayedMessage]:
@@ -568,13 +571,14 @@ class DelayStore:
         def fn(txn):
             n = 0
             pop, taken, unlink, tick = txn.pop, self._taken, self._unlink, self._tick
+            drop_origin = self._drop_origin
             for id8 in ids:
                 # taken first: what a FIN usually names (an id is never in both)
                 value = pop(id8, db=taken)
                 if value is None:
                     value = unlink(txn, id8)
                 if value is not None:
-                    self._drop_origin(txn, value, id8)
+                    drop_origin(txn, value, id8)
                     n += 1
                 tick()
             return n

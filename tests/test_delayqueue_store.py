@@ -962,7 +962,9 @@ def million_entries(path: str) -> None:
     of data.mdb (run in a fresh process: RSS freed by earlier tests would hide growth).
 
     Due times as a channel makes them: now + one of four delays (REQ backoff classes,
-    a DPUB for tomorrow), so each class is a front that moves forward."""
+    a DPUB for tomorrow), so each class is a front that moves forward. Origins too: the
+    channel moves messages in as it reads the log, so their offsets grow (records of
+    ~140 bytes)."""
     s = DelayStore.open(path)
     body = os.urandom(100)
     base = 1_700_000_000_000
@@ -970,7 +972,7 @@ def million_entries(path: str) -> None:
     peak = start = vm_rss_mb()
     for b in range(100):
         s.put([M(base + b * 1000 + delays[i % 4] + i // 400, b * 10_000 + i, i, i, 1, b"",
-                 body, i) for i in range(10_000)])
+                 body, (b * 10_000 + i) * 140) for i in range(10_000)])
         peak = max(peak, vm_rss_mb())
     assert s.stats() == (1_000_000, 0, base + delays[0])
     got = s.take_due(base + 10**9, 10_000)
