@@ -142,7 +142,8 @@ def run_million(folder: str) -> dict:
             t = time.perf_counter()
             for b in range(MILLION // MILLION_BATCH):
                 store.put([DelayedMessage(base + b * 1000 + delays[i % 4] + i // 400,
-                                          b * MILLION_BATCH + i, i, i, 1, b"", body, i)
+                                          b * MILLION_BATCH + i, i, i, 1, b"", body,
+                                          (b * MILLION_BATCH + i) * 140)  # growing offsets
                            for i in range(MILLION_BATCH)])
             put_s = time.perf_counter() - t
         disk = store.disk_bytes()

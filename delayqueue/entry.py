@@ -4,6 +4,7 @@ Keys, all integers big-endian so that byte order is number order:
 
     waiting key   [8 due_ms][8 msg_id]   (pack_due_key)
     id key        [8 msg_id]             (pack_id: the keys of `taken` and `due_of`)
+    origin key    [8 origin_offset][8 msg_id]   (pack_origin_key; origin_offset >= 0)
 
 A value is one record made by diskqueue.record.encode_into (msg_id, trace_id, timestamp,
 attempts, ext, body; its own CRC), then [8 due_ms][8 origin_offset, signed]
@@ -29,6 +30,8 @@ _TAIL = struct.Struct(">Qq")  # due_ms, origin_offset
 TAIL_SIZE = _TAIL.size + 4  # + crc32
 pack_id = U64.pack
 pack_due_key = _DUE_KEY.pack
+pack_origin_key = _DUE_KEY.pack  # (origin_offset, msg_id): only log messages (offset >= 0)
+unpack_origin_key = _DUE_KEY.unpack
 _unpack_due_key = _DUE_KEY.unpack
 _pack_tail = _TAIL.pack
 _unpack_tail = _TAIL.unpack_from
@@ -91,24 +94,29 @@ def with_due(value: bytes, due_ms: int) -> bytes | bytearray:
     """`value` with its tail's due time changed (the record itself is not touched).
     A value whose tail fails its checksum is returned unchanged: resealing it would
     make a corrupt origin_offset look valid."""
-    if tail_due_ms(value) is None:
+    tail = checked_tail(value)
+    if tail is None:
         return value
-    end = len(value) - TAIL_SIZE
-    _, origin = _unpack_tail(value, end)
-    out = bytearray(memoryview(value)[:end])
-    _seal(out, int.from_bytes(value[:4], "big"), due_ms, origin)
+    out = bytearray(memoryview(value)[:len(value) - TAIL_SIZE])
+    _seal(out, int.from_bytes(value[:4], "big"), due_ms, tail[1])
     return out
 
 
-def tail_due_ms(value: bytes) -> int | None:
-    """The due time in a value's tail, or None if the tail fails its checksum."""
+def checked_tail(value: bytes) -> tuple[int, int] | None:
+    """(due_ms, origin_offset) from a value's tail, or None if the tail fails its checksum."""
     if len(value) < TAIL_SIZE + 4:
         return None
     end = len(value) - TAIL_SIZE
     crc = int.from_bytes(value[end + 16:], "big")
     if _crc32(memoryview(value)[end:end + 16], int.from_bytes(value[:4], "big")) != crc:
         return None
-    return _unpack_tail(value, end)[0]
+    return _unpack_tail(value, end)
+
+
+def tail_due_ms(value: bytes) -> int | None:
+    """The due time in a value's tail, or None if the tail fails its checksum."""
+    tail = checked_tail(value)
+    return None if tail is None else tail[0]
 
 
 def decode_value(value: bytes, db: str = "?", key: bytes = b"") -> DelayedMessage:

@@ -11,8 +11,9 @@ Sub-databases of the environment (keys and values encoded by delayqueue/entry.py
     waiting   [8 due_ms][8 msg_id]  -> value     a cursor walks it in due-time order
     taken     [8 msg_id]            -> value     handed out by take_due, not finished yet
     due_of    [8 msg_id]            -> [8 due_ms][8 msg_id]   the waiting key of an id
+    origins   [8 origin_offset][8 msg_id] -> b""  every log message held (origin >= 0)
     corrupt   [db name]:[key]       -> raw value entries that failed their checksum
-    meta      b"format"             -> b"delaystore-1"
+    meta      b"format"             -> b"delaystore-2" (-1: made before `origins`)
               b"max_origin"         -> [8 signed]   the highest origin_offset ever put
 """
 
@@ -31,10 +32,13 @@ import lmdb
 
 from diskqueue.atomic import fsync_dir, make_dirs
 from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, check_taken,
-                              check_waiting, decode_value, encode_value, pack_due_key, pack_id,
-                              tail_due_ms, with_due)
+                              check_waiting, checked_tail, decode_value, encode_value,
+                              pack_due_key, pack_id, pack_origin_key, tail_due_ms,
+                              unpack_origin_key, with_due)
 
-FORMAT = b"delaystore-1"
+FORMAT = b"delaystore-2"
+FORMAT_1 = b"delaystore-1"  # no `origins`: built at open, then the format is FORMAT
+DBS = ("waiting", "taken", "due_of", "origins", "corrupt", "meta")
 MAX_ORIGIN_KEY = b"max_origin"
 I64 = struct.Struct(">q")
 DATA_FILE = "data.mdb"
@@ -161,6 +165,7 @@ class DelayStore:
         self._waiting = dbs["waiting"]
         self._taken = dbs["taken"]
         self._due_of = dbs["due_of"]
+        self._origins = dbs["origins"]
         self._corrupt = dbs["corrupt"]
         self._meta = dbs["meta"]
         self._lock = threading.Lock()
@@ -230,8 +235,11 @@ class DelayStore:
                 txn = env.begin(write=True)
                 try:
                     dbs = {name: env.open_db(name.encode(), txn=txn, create=False)
-                           for name in ("waiting", "taken", "due_of", "corrupt", "meta")}
+                           for name in DBS if name != "origins"}
                     fmt = txn.get(b"format", db=dbs["meta"])
+                    if fmt in (FORMAT, FORMAT_1):  # a store of format 1 gets it now
+                        dbs["origins"] = env.open_db(b"origins", txn=txn,
+                                                     create=fmt == FORMAT_1)
                 except BaseException:
                     txn.abort()
                     raise
@@ -241,9 +249,11 @@ class DelayStore:
                                       f"missing)") from None
             except lmdb.Error as e:
                 raise DelayStoreError(f"{data}: corrupt LMDB file: {e}") from e
-            if fmt != FORMAT:
+            if fmt not in (FORMAT, FORMAT_1):
                 raise DelayStoreError(f"{data}: unknown format {fmt!r} (expected {FORMAT!r})")
             store = cls(path, env, dbs)
+            if fmt == FORMAT_1:
+                store._build_origins()
             store.recovered = store._recover(_now_ms() if now_ms is None else now_ms)
             return store
         except BaseException:
@@ -270,7 +280,7 @@ class DelayStore:
                             metasync=True, readahead=False)
             try:
                 with env.begin(write=True) as txn:
-                    for name in ("waiting", "taken", "due_of", "corrupt"):
+                    for name in DBS[:-1]:
                         env.open_db(name.encode(), txn=txn)
                     txn.put(b"format", FORMAT, db=env.open_db(b"meta", txn=txn))
             finally:
@@ -283,6 +293,25 @@ class DelayStore:
             os.rmdir(path)  # empty (checked by the caller)
         os.rename(tmp, path)
         fsync_dir(parent)
+
+    def _build_origins(self) -> None:
+        """Fill `origins` from every entry (a store made before it existed), in
+        transactions of CHUNK entries; the last one sets the format. A crash part-way
+        leaves format 1, and the next open builds again from the start."""
+        self._write(lambda txn: txn.drop(self._origins, delete=False))
+        for db in (self._waiting, self._taken):
+            after = b""
+            while True:
+                def chunk(txn, db=db, after=after):
+                    rows = _first_rows(txn.cursor(db=db), after, CHUNK)
+                    for key, value in rows:
+                        self._add_origin(txn, value, key[-8:])
+                        self._tick()
+                    return rows[-1][0] + b"\0" if len(rows) == CHUNK else None
+                after = self._write(chunk)
+                if after is None:
+                    break
+        self._write(lambda txn: txn.put(b"format", FORMAT, db=self._meta))
 
     def _recover(self, now_ms: int) -> int:
         moved = 0
@@ -322,6 +351,7 @@ class DelayStore:
             try:
                 with self._env.begin(write=True) as txn:
                     result = fn(txn)
+                    self._trim_origins(txn)
                 break
             except lmdb.MapFullError:
                 size = self._env.info()["map_size"]
@@ -379,6 +409,7 @@ class DelayStore:
             value = txn.pop(err.key, db=db)
             if value is not None:
                 txn.put(err.db.encode() + b":" + err.key, value, db=self._corrupt)
+                self._drop_origin(txn, value, err.key[-8:])
             if err.db == "waiting" and len(err.key) == 16:
                 id8 = err.key[8:]
                 if txn.get(id8, db=self._due_of) == err.key:
@@ -403,6 +434,45 @@ class DelayStore:
             except lmdb.Error as e:
                 raise DelayStoreError(f"{self.data_file}: read failed: {e}") from e
 
+    def _add_origin(self, txn, value: bytes, id8: bytes) -> None:
+        """Index a stored value by its origin (log messages only: origin_offset >= 0; a
+        value whose tail fails its checksum has no trusted origin and is not indexed)."""
+        tail = checked_tail(value)
+        if tail is not None and tail[1] >= 0:
+            txn.put(pack_id(tail[1]) + id8, b"", db=self._origins)
+
+    def _drop_origin(self, txn, value: bytes, id8: bytes) -> None:
+        """Unindex a value being removed. Its tail is not checked: a key [any][id8] can only
+        be this id's, so a wrong origin deletes nothing of another entry."""
+        origin8 = value[-12:-4]  # the tail: [8 due_ms][8 origin_offset][4 crc32]
+        if origin8[:1] < b"\x80":  # origin_offset >= 0 (-1: not from the log)
+            txn.delete(origin8 + id8, db=self._origins)
+
+    def _value_of(self, txn, id8: bytes) -> tuple[str, bytes, bytes] | None:
+        """("waiting" | "taken", key, value) of the id's entry, None if the store does not
+        hold it."""
+        due_key = txn.get(id8, db=self._due_of)
+        if due_key is not None:
+            value = txn.get(due_key, db=self._waiting)
+            if value is not None:
+                return "waiting", due_key, value
+        value = txn.get(id8, db=self._taken)
+        return None if value is None else ("taken", id8, value)
+
+    def _trim_origins(self, txn) -> None:
+        """Drop index entries at the head of `origins` whose entry is gone or holds another
+        origin (left by an entry set aside as corrupt), so the first key is always a held
+        message. Run in every write transaction: O(log n) when nothing is stale."""
+        cur = txn.cursor(db=self._origins)
+        while cur.first():
+            key = cur.key()
+            found = self._value_of(txn, key[8:])
+            if found is not None:
+                tail = checked_tail(found[2])
+                if tail is not None and pack_id(tail[1]) == key[:8]:
+                    return
+            cur.delete()
+
     def _unlink(self, txn, id8: bytes) -> bytes | None:
         """Remove id's entry from waiting or taken; return its value (None if absent)."""
         due_key = txn.pop(id8, db=self._due_of)
@@ -426,6 +496,8 @@ class DelayStore:
         entries = sorted((pack_due_key(m.due_ms, m.msg_id), v) for m, v in by_id.values())
         del values
         ids = sorted(by_id)
+        origins = sorted(pack_origin_key(m.origin_offset, m.msg_id)
+                         for m, _ in by_id.values() if m.origin_offset >= 0)
         del by_id
         top = max(m.origin_offset for m in items)
 
@@ -441,13 +513,20 @@ class DelayStore:
                 old = pop(id8, db=due_of)
                 if old is not None:
                     olds.append(old)
-                delete(id8, db=taken)
+                old_value = pop(id8, db=taken)
+                if old_value is not None:
+                    self._drop_origin(txn, old_value, id8)
                 tick()
             for old in sorted(olds):
-                delete(old, db=waiting)
+                old_value = pop(old, db=waiting)
+                if old_value is not None:
+                    self._drop_origin(txn, old_value, old[8:])
             for due_key, value in entries:
                 put(due_key, value, db=waiting)
                 put(due_key[8:], due_key, db=due_of)
+                tick()
+            for key in origins:
+                put(key, b"", db=self._origins)
                 tick()
         self._run(fn)
 
@@ -492,9 +571,14 @@ class DelayStore:
         def fn(txn):
             n = 0
             pop, taken, unlink, tick = txn.pop, self._taken, self._unlink, self._tick
+            drop_origin = self._drop_origin
             for id8 in ids:
                 # taken first: what a FIN usually names (an id is never in both)
-                if pop(id8, db=taken) is not None or unlink(txn, id8) is not None:
+                value = pop(id8, db=taken)
+                if value is None:
+                    value = unlink(txn, id8)
+                if value is not None:
+                    drop_origin(txn, value, id8)
                     n += 1
                 tick()
             return n
@@ -588,7 +672,7 @@ class DelayStore:
         """Drop every entry (waiting and taken); returns how many there were."""
         def fn(txn):
             n = txn.stat(self._waiting)["entries"] + txn.stat(self._taken)["entries"]
-            for db in (self._waiting, self._taken, self._due_of):
+            for db in (self._waiting, self._taken, self._due_of, self._origins):
                 txn.drop(db, delete=False)
             self._release_map()  # the drop walked the trees' branch pages
             return n
@@ -599,6 +683,15 @@ class DelayStore:
         moved here."""
         raw = self._read(lambda txn: txn.get(MAX_ORIGIN_KEY, db=self._meta))
         return -1 if raw is None else I64.unpack(raw)[0]
+
+    def min_origin(self) -> tuple[int, int] | None:
+        """The smallest (origin_offset, msg_id) of the log messages the store holds, waiting
+        or taken (entries with origin_offset -1 do not count); None when it holds none.
+        O(log n): the first key of `origins`."""
+        def fn(txn):
+            cur = txn.cursor(db=self._origins)
+            return unpack_origin_key(cur.key()) if cur.first() else None
+        return self._read(fn)
 
     def holding(self, msg_ids: list[int]) -> set[int]:
         """The ids among `msg_ids` the store holds (waiting or taken)."""
@@ -616,13 +709,11 @@ class DelayStore:
         id8 = pack_id(msg_id)
 
         def fn(txn):
-            due_key = txn.get(id8, db=self._due_of)
-            if due_key is not None:
-                value = txn.get(due_key, db=self._waiting)
-                if value is not None:
-                    return "waiting", decode_value(value, "waiting", due_key)
-            value = txn.get(id8, db=self._taken)
-            return None if value is None else ("taken", decode_value(value, "taken", id8))
+            found = self._value_of(txn, id8)
+            if found is None:
+                return None
+            where, key, value = found
+            return where, decode_value(value, where, key)
         try:
             return self._read(fn)
         except CorruptEntry as e:

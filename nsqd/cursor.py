@@ -116,6 +116,19 @@ class Ranges:
             counts.insert(i, end_count)
             counts.insert(i, start_count)
 
+    def below(self, offset: int, count: int) -> "Ranges":
+        """The ranges cut at (`offset`, `count`), a message boundary: what lies before it."""
+        bounds, counts = self.bounds, self.counts
+        n = bisect_right(bounds, offset)  # odd: `offset` is inside range n // 2
+        out = Ranges(bounds[:n], counts[:n])
+        if n % 2:
+            if bounds[n - 1] == offset:  # the range starts there: nothing of it is before
+                del out.bounds[-1], out.counts[-1]
+            else:
+                out.bounds.append(offset)
+                out.counts.append(count)
+        return out
+
     def encode(self, limit: int) -> bytes:
         """The first `limit` ranges as little-endian u64s: every bound offset, then every
         bound count."""

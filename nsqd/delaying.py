@@ -19,7 +19,11 @@ Invariants:
   (`give_back`), so nothing waits on a broken store. A store that could not be made is
   tried again, at most every CREATE_RETRY_S, by a later move;
 - a log record the store already holds (moved there, then a crash before the cursor
-  was saved) is the store's: `holding` tells the channel, which confirms it unsent.
+  was saved) is the store's: `holding` tells the channel, which confirms it unsent;
+- `min_origin` is the smallest (log offset, msg_id) the store holds (None: no log
+  message), read in the same worker call as every write that may change it, and updated
+  before `on_stored` confirms anything: whenever the cursor has passed a message because
+  the store holds it, `min_origin` is at or below it (what replicas get: Channel.replica_state).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class ChannelDelay:
         self.waiting = 0
         self.taken = 0
         self.oldest_due_ms: int | None = None
+        self.min_origin: tuple[int, int] | None = None  # (offset, msg_id): see the docstring
         self.max_origin = -1  # at open: no log record past this offset is in the store
         self._puts: list = []  # (DelayedMessage, message from the log or None)
         self._finishes: list[int] = []
@@ -90,7 +95,7 @@ class ChannelDelay:
 
         try:
             self.store = await asyncio.to_thread(DelayStore.open, self.path)
-            self._refresh(*await asyncio.to_thread(self.store.stats))
+            self._refresh(*await asyncio.to_thread(self._read_state))
             self.max_origin = await asyncio.to_thread(self.store.max_origin_offset)
         except (DelayStoreError, OSError) as e:
             if self.store is not None:
@@ -152,7 +157,7 @@ class ChannelDelay:
             finishes, self._finishes = self._finishes, []
             requeues, self._requeues = self._requeues, []
             try:
-                stats = await asyncio.to_thread(self._apply, [d for d, _ in puts], finishes,
+                state = await asyncio.to_thread(self._apply, [d for d, _ in puts], finishes,
                                                 requeues)
             except Exception as e:  # the messages stay where they were: in the log, or taken
                 self._write_failures.failed(e, path=self.path)
@@ -172,7 +177,7 @@ class ChannelDelay:
             failures = 0
             self._write_failures.ok(path=self.path)
             self.flushes += 1
-            self._refresh(*stats)
+            self._refresh(*state)
             stored = [m for _, m in puts if m is not None]
             if stored:
                 self.on_stored(stored)
@@ -185,10 +190,15 @@ class ChannelDelay:
             self.store.requeue(requeues)
         if finishes:
             self.store.finish(finishes)
-        return self.store.stats()
+        return self._read_state()
 
-    def _refresh(self, waiting: int, taken: int, oldest_due_ms) -> None:
+    def _read_state(self):
+        """(waiting, taken, oldest due_ms, min_origin) of the store (worker thread)."""
+        return (*self.store.stats(), self.store.min_origin())
+
+    def _refresh(self, waiting: int, taken: int, oldest_due_ms, min_origin) -> None:
         self.waiting, self.taken, self.oldest_due_ms = waiting, taken, oldest_due_ms
+        self.min_origin = min_origin
 
     # ---- bringing due messages back ----------------------------------------
 
@@ -210,7 +220,7 @@ class ChannelDelay:
             taken = []
         finally:
             self._taking = False
-        self._refresh(*await asyncio.to_thread(self.store.stats))
+        self._refresh(*await asyncio.to_thread(self._read_state))
         return taken
 
     # ---- operations --------------------------------------------------------
@@ -219,14 +229,14 @@ class ChannelDelay:
         if not self.available or self.store is None:
             return 0
         dropped = await asyncio.to_thread(self.store.empty)
-        self._refresh(*await asyncio.to_thread(self.store.stats))
+        self._refresh(*await asyncio.to_thread(self._read_state))
         return dropped
 
     async def requeue_all_now(self, now_ms: int) -> int:
         if not self.available or self.store is None:
             return 0
         moved = await asyncio.to_thread(self.store.requeue_all_now, now_ms)
-        self._refresh(*await asyncio.to_thread(self.store.stats))
+        self._refresh(*await asyncio.to_thread(self._read_state))
         return moved
 
     async def close(self) -> None:

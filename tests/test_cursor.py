@@ -138,3 +138,22 @@ def test_damaged_saved_ranges_are_refused():
         pass
     else:
         raise AssertionError("bytes that are not whole ranges must be refused")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.data())
+def test_ranges_below_keep_exactly_what_lies_before_a_message(done, data):
+    """Messages of size 10 (message i at offset 10 * i): the finished ones as merged ranges,
+    cut at any message boundary, hold exactly the finished messages before it."""
+    ranges = Ranges()
+    for i, d in enumerate(done):
+        if d:
+            ranges.add(10 * i, 10 * i + 10, i, i + 1)
+    cut = data.draw(st.integers(0, len(done)))
+    below = ranges.below(10 * cut, cut)
+    want = {i for i, d in enumerate(done[:cut]) if d}
+    got = {i for s, e in zip(below.counts[0::2], below.counts[1::2]) for i in range(s, e)}
+    assert got == want
+    assert [(s // 10, e // 10) for s, e in below.pairs()] == list(
+        zip(below.counts[0::2], below.counts[1::2]))
+    assert below.beyond(-1, -1) and Ranges.decode(below.encode(4096)).pairs() == below.pairs()

@@ -7,6 +7,7 @@ and only due times read it; in-flight timeouts keep the monotonic clock.
 import asyncio
 import json
 import os
+import shutil
 import urllib.request
 
 import pytest
@@ -411,3 +412,102 @@ async def test_deferred_messages_do_not_stall_reading_with_a_small_rdy(node):
     assert m.body == b"now"
     await until(lambda: channel_of(n).delayed_count == 300)
     assert channel_of(n).delay.flushes < 30, "moves to the store must share writes"
+
+
+# ---- what followers get: Channel.replica_state ---------------------------------------------
+
+async def log_records(queue) -> list:
+    reader = queue.reader(queue.start_offset)
+    try:
+        return await reader.read(1000)
+    finally:
+        reader.close()
+
+
+async def test_replica_state_never_passes_a_dpub_in_the_store(node, tmp_path):
+    """A DPUB deferred an hour among published messages, every other message FINed: the
+    channel's checkpoint passes the DPUB (the store holds it), what followers get stops at
+    it. A node that opens the channel from that state over the same log, without the
+    store (as a new leader does), defers the DPUB again and delivers it when due, and
+    redelivers only what came after it (at-least-once), never what came before."""
+    from nsqd.metastore import MetaStore, channel_key
+    from nsqd.topic import delay_folder
+
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    pub = await connect(n)
+    await pub.mpub("t", [b"m%d" % i for i in range(5)])
+    await pub.dpub("t", 3_600_000, b"in an hour")
+    await pub.mpub("t", [b"m%d" % i for i in range(6, 10)])
+    for m in await take(c, 9):
+        m.fin()
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1 and ch.cursor.confirmed == ch.queue.committed_end)
+    records = await log_records(ch.queue)
+    (dpub,) = [r for r in records if r.body == b"in an hour"]
+    assert ch.replica_state(ch.checkpoint()) == ch.replica_state(ch.checkpoint())  # pure
+    state = ch.checkpoint()
+    assert state["confirmed"] == ch.queue.committed_end and state["delay_store"]
+    replica = ch.replica_state(state)
+    assert (replica["confirmed"], replica["confirmed_count"]) == (dpub.offset, 5)
+    assert replica["next_read"] == dpub.offset and replica["finished"] == b""
+    assert replica["delay_store"] is False
+    assert state["confirmed"] == ch.queue.committed_end, "the checkpoint itself is unchanged"
+    await c.close()
+    await pub.close()
+    await n.stop()
+
+    # The new leader: the same log, no delay store, the channel state followers got.
+    partition_path = ch.queue.path
+    meta = MetaStore(str(tmp_path / "data" / "nsqd.meta.sqlite"))
+    meta.put(channel_key("t", 0, "c"), replica)
+    meta.close()
+    shutil.rmtree(delay_folder(partition_path, "c"))
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    again = await take(c, 4)
+    assert [m.body for m in again] == [b"m%d" % i for i in range(6, 10)]
+    await nothing_arrives(c)
+    ch = channel_of(n)
+    assert ch.delayed_count == 1, "the DPUB is deferred again, in the new leader's store"
+    for m in again:
+        m.fin()
+    clock.advance(3600)
+    (due,) = await take(c)
+    assert (due.body, due.id) == (b"in an hour", b"%016x" % dpub.msg_id)
+    due.fin()
+    await nothing_arrives(c)
+
+
+async def test_replica_state_follows_a_requeued_message_in_the_store(node):
+    """A message REQ'd past the threshold is in the store: what followers get stops at it
+    while it is there (waiting, then brought back and in flight), and passes it once it is
+    FINed. A channel without a store gives followers its checkpoint as it is."""
+    clock = FakeClock()
+    n, c, ch = await one_message_requeued_for_half_an_hour(node, clock)
+    plain = await connect(n)
+    await plain.sub("t", "plain", rdy=0)
+    state = channel_of(n, name="plain").checkpoint()
+    assert state["delay_store"] is False
+    assert channel_of(n, name="plain").replica_state(state) is state
+    pub = await connect(n)
+    await pub.pub("t", b"after")
+    (after,) = await take(c)
+    after.fin()
+    await until(lambda: ch.delayed_count == 1 and ch.cursor.confirmed == ch.queue.committed_end)
+    (held, _) = await log_records(ch.queue)
+    replica = ch.replica_state(ch.checkpoint())
+    assert (replica["confirmed"], replica["confirmed_count"]) == (held.offset, 0)
+    clock.advance(31 * 60)
+    (back,) = await take(c)
+    assert ch.delay.taken == 1
+    assert ch.replica_state(ch.checkpoint())["confirmed"] == held.offset, "in flight: still held"
+    back.fin()
+    await until(lambda: ch.delayed_count == 0)
+    state = ch.checkpoint()
+    replica = ch.replica_state(state)
+    assert replica == dict(state, delay_store=False) and state["delay_store"] is True
+    assert replica["confirmed"] == ch.queue.committed_end

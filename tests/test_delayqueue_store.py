@@ -222,6 +222,109 @@ def test_max_origin_and_holding_survive_reopen(path):
     s.close()
 
 
+def test_min_origin_counts_every_log_message_held(path):
+    s = DelayStore.open(path)
+    assert s.min_origin() is None
+    s.put([msg(7, 10, origin=-1), msg(8, 20)])  # not from the log: never counted
+    assert s.min_origin() is None
+    s.put([msg(3, 30, origin=900), msg(1, 40, origin=500), msg(2, 5, origin=500)])
+    assert s.min_origin() == (500, 1)  # same offset: by id
+    assert [m.msg_id for m in s.take_due(10, 10)] == [2, 7]  # taken still counts
+    assert s.min_origin() == (500, 1)
+    s.finish([1])
+    assert s.min_origin() == (500, 2)
+    s.requeue([(2, 10**6, 4)])  # a new due time keeps the origin
+    s.requeue_all_now(50)
+    assert s.min_origin() == (500, 2)
+    s.put([msg(2, 60, origin=1000)])  # replaced: its old origin goes
+    assert s.min_origin() == (900, 3)
+    s.close()
+    s = DelayStore.open(path)  # the taken entries come back as waiting: still counted
+    assert s.min_origin() == (900, 3)
+    s.finish([3, 7, 8])
+    assert s.min_origin() == (1000, 2)
+    s.finish([2])
+    assert s.min_origin() is None
+    s.put([msg(4, 1, origin=0), msg(5, 2, origin=(1 << 63) - 1)])
+    assert s.min_origin() == (0, 4)
+    assert s.empty() == 2 and s.min_origin() is None
+    s.close()
+
+
+def test_min_origin_skips_an_entry_set_aside_as_corrupt(path):
+    s = DelayStore.open(path)
+    bad_body = b"ROTTEN-ORIGIN-BODY-" * 4
+    s.put([msg(1, 10, body=bad_body, origin=100), msg(2, 20, origin=200)])
+    s.close()
+    assert flip_on_disk(os.path.join(path, "data.mdb"), bad_body) >= 1
+    s = DelayStore.open(path)
+    assert s.min_origin() == (100, 1)  # its tail still checks: held until it is set aside
+    with pytest.raises(DelayStoreCorruptError):
+        s.take_due(100, 10)
+    assert s.min_origin() == (200, 2)
+    s.close()
+
+
+def format_1_store(path: str, waiting, taken) -> None:
+    """A store as the format before `origins` made it (no such sub-database)."""
+    os.makedirs(path)
+    env = lmdb.open(path, max_dbs=8, sync=True, metasync=True)
+    with env.begin(write=True) as txn:
+        dbs = {n: env.open_db(n.encode(), txn=txn)
+               for n in ("waiting", "taken", "due_of", "corrupt", "meta")}
+        txn.put(b"format", b"delaystore-1", db=dbs["meta"])
+        for m in waiting:
+            key = m.due_ms.to_bytes(8, "big") + m.msg_id.to_bytes(8, "big")
+            txn.put(key, encode_value(m), db=dbs["waiting"])
+            txn.put(key[8:], key, db=dbs["due_of"])
+        for m in taken:
+            txn.put(m.msg_id.to_bytes(8, "big"), encode_value(m), db=dbs["taken"])
+    env.close()
+
+
+def test_store_without_origins_builds_them_at_open(path, monkeypatch):
+    monkeypatch.setattr(store_mod, "CHUNK", 7)  # the build runs in several transactions
+    waiting = [msg(i, 1000 + i, origin=10_000 - i if i % 3 else -1) for i in range(30)]
+    taken = [msg(100 + i, 5, origin=50_000 + i) for i in range(20)]
+    format_1_store(path, waiting, taken)
+    s = DelayStore.open(path, now_ms=0)
+    assert s.recovered == 20
+    assert s.min_origin() == (10_000 - 29, 29)
+    s.finish([i for i in range(30)])
+    assert s.min_origin() == (50_000, 100)
+    s.close()
+    env = lmdb.open(path, max_dbs=8, readonly=True, lock=False)
+    with env.begin() as txn:
+        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn)) == store_mod.FORMAT
+        assert txn.stat(env.open_db(b"origins", txn=txn))["entries"] == 20
+    env.close()
+    s = DelayStore.open(path)  # format 2 now: opened as it is
+    assert s.min_origin() == (50_000, 100) and s.stats()[0] == 20
+    s.close()
+
+
+def test_build_interrupted_runs_again_at_the_next_open(path, monkeypatch):
+    format_1_store(path, [msg(i, i, origin=100 + i) for i in range(20)], [])
+    monkeypatch.setattr(store_mod, "CHUNK", 5)
+    real = DelayStore._add_origin
+    calls = []
+
+    def crash_after_some(self, txn, value, id8):
+        calls.append(id8)
+        if len(calls) == 12:
+            raise OSError("crash")
+        real(self, txn, value, id8)
+    monkeypatch.setattr(DelayStore, "_add_origin", crash_after_some)
+    with pytest.raises(OSError):
+        DelayStore.open(path)
+    monkeypatch.setattr(DelayStore, "_add_origin", real)
+    s = DelayStore.open(path)
+    assert s.min_origin() == (100, 0)
+    s.finish(list(range(19)))
+    assert s.min_origin() == (119, 19)
+    s.close()
+
+
 def test_put_replaces_waiting_and_taken(store):
     store.put([msg(1, 10, body=b"v1"), msg(2, 20, body=b"v1")])
     store.put([msg(1, 30, body=b"v2")])  # was waiting
@@ -340,10 +443,12 @@ class StoreMachine(RuleBasedStateMachine):
         return sorted((m for w, m in self.model.values() if w == "waiting"),
                       key=lambda m: (m.due_ms, m.msg_id))
 
-    @rule(items=st.lists(st.tuples(ids, dues, st.integers(0, 3), st.binary(max_size=20)),
+    @rule(items=st.lists(st.tuples(ids, dues, st.integers(0, 3), st.binary(max_size=20),
+                                   st.integers(-1, 5)),
                          min_size=1, max_size=6))
     def put(self, items):
-        batch = [msg(i, due, body=body, attempts=att) for i, due, att, body in items]
+        batch = [msg(i, due, body=body, attempts=att, origin=origin)
+                 for i, due, att, body, origin in items]
         self.store.put(batch)
         for m in batch:
             self.model[m.msg_id] = ["waiting", m]
@@ -404,6 +509,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.next_due_ms() == oldest
         for i, (where, m) in self.model.items():
             assert self.store.get(i) == (where, m)
+        origins = [(m.origin_offset, m.msg_id) for _, m in self.model.values()
+                   if m.origin_offset >= 0]
+        assert self.store.min_origin() == (min(origins) if origins else None)
 
     def teardown(self):
         self.store.close()
@@ -854,7 +962,9 @@ def million_entries(path: str) -> None:
     of data.mdb (run in a fresh process: RSS freed by earlier tests would hide growth).
 
     Due times as a channel makes them: now + one of four delays (REQ backoff classes,
-    a DPUB for tomorrow), so each class is a front that moves forward."""
+    a DPUB for tomorrow), so each class is a front that moves forward. Origins too: the
+    channel moves messages in as it reads the log, so their offsets grow (records of
+    ~140 bytes)."""
     s = DelayStore.open(path)
     body = os.urandom(100)
     base = 1_700_000_000_000
@@ -862,7 +972,7 @@ def million_entries(path: str) -> None:
     peak = start = vm_rss_mb()
     for b in range(100):
         s.put([M(base + b * 1000 + delays[i % 4] + i // 400, b * 10_000 + i, i, i, 1, b"",
-                 body, i) for i in range(10_000)])
+                 body, (b * 10_000 + i) * 140) for i in range(10_000)])
         peak = max(peak, vm_rss_mb())
     assert s.stats() == (1_000_000, 0, base + delays[0])
     got = s.take_due(base + 10**9, 10_000)
