@@ -274,8 +274,7 @@ class LeaderLog:
         """Stop pushing to `f`; a joining one is forgotten, an ISR one dropped by CAS."""
         if f.failed or self.followers.get(f.node) is not f:
             return
-        f.failed = True
-        f.peer.disconnect()
+        f.failed = True  # (its connection stays: other partitions share it)
         log.warning("follower_failed", topic=self.topic, partition=self.partition,
                     node=f.node, reason=reason)
         if f.node in self.state.isr and not self._closed:

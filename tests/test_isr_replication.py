@@ -110,7 +110,7 @@ async def test_a_stopped_follower_is_dropped_and_the_write_completes(tmp_path):
         assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 2
         assert lq.committed_end == a.end_offset == hosts[1].queues[(T, 0)].written_end
         assert hosts[0].leaders[(T, 0)].writable
-        assert lq.last_epoch == 2 or lq.epoch == 2  # new entries carry the new epoch
+        await until(lambda: lq.epoch == 2, 1)  # new entries carry the new epoch
     finally:
         await stop(hosts)
 
@@ -286,5 +286,39 @@ async def test_channel_states_reach_the_followers_latest_wins_at_most_every_200m
             assert len(g) <= elapsed / 0.2 + 2, len(g)
             assert [x["ch"]["confirmed"] for x in g] == sorted(x["ch"]["confirmed"] for x in g)
         assert leader.stats["channels_sent"] == len(got[B])
+    finally:
+        await stop(hosts)
+
+
+async def test_a_stalled_partition_never_holds_back_another_on_the_same_connection(tmp_path):
+    """Partitions 0 and 1 share the leader's connection to B. B's partition 0 stops
+    answering: partition 0 drops B after repl_timeout; partition 1 keeps B in its ISR and
+    its publishes complete at their usual pace meanwhile."""
+    states = States()
+    for p in (0, 1):
+        states.put(T, p, PartitionState(leader=A, isr=(A, B), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=1,
+                        repl_timeout=0.5).start() for n in (A, B)]
+    try:
+        for p in (0, 1):
+            await hosts[1].open(T, p)
+            await hosts[0].open(T, p)
+        q0, q1 = hosts[0].queues[(T, 0)], hosts[0].queues[(T, 1)]
+        await q0.append([b"x"])
+        await q1.append([b"x"])
+        hosts[1].followers[(T, 0)].handle = _never
+        stalled = q0.append([b"stalled"])
+        loop = asyncio.get_running_loop()
+        slowest = 0.0
+        for i in range(30):
+            t0 = loop.time()
+            await asyncio.wait_for(q1.append([b"p1 %d" % i]), 3)
+            slowest = max(slowest, loop.time() - t0)
+            await asyncio.sleep(0.02)
+        assert slowest < 0.3, slowest
+        await asyncio.wait_for(stalled, 3)
+        assert hosts[0].leaders[(T, 0)].stats["isr_shrinks"] == 1  # (B may rejoin since)
+        assert hosts[0].leaders[(T, 1)].stats["isr_shrinks"] == 0
+        assert states.states[(T, 1)].isr == (A, B)
     finally:
         await stop(hosts)
