@@ -323,12 +323,16 @@ class LeaderLog:
                 self._send_channels(channels)
 
     def _send_commit(self) -> None:
-        """An empty PUSH to each follower that has not heard the current commit."""
+        """An empty PUSH to each follower that has not heard the current commit, or whose
+        end is not known to be ours (a new leader learns from the ACKs what the ISR holds,
+        so what the old leader committed is committed again without waiting for a publish)."""
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": self.pushed_end[0], "count": self.pushed_end[1], "n": 0,
                   "data_len": 0, "commit": list(self.committed)}
         for f in self.followers.values():
-            if not f.failed and f.held is None and f.sent_commit < self.committed:
+            if f.failed or f.held is not None:
+                continue
+            if f.sent_commit < self.committed or (f.acked < self.pushed_end and not f.unacked):
                 self._push(f, header, b"", self.pushed_end)
 
     # ---- channels ----

@@ -322,3 +322,19 @@ async def test_a_stalled_partition_never_holds_back_another_on_the_same_connecti
         assert states.states[(T, 1)].isr == (A, B)
     finally:
         await stop(hosts)
+
+
+async def test_a_new_leader_commits_what_the_isr_holds_without_waiting_for_a_publish(tmp_path):
+    states, hosts = await cluster(tmp_path)
+    a, b, c = hosts
+    try:
+        aq, bq = a.queues[(T, 0)], b.queues[(T, 0)]
+        await aq.append([b"m"])
+        await a.stop()  # before a commit update told B of the commit
+        assert bq.committed_end == 0 < bq.written_end == aq.written_end
+        states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
+        await b.lead(T, 0)
+        await until(lambda: bq.committed_end == bq.written_end, 1)
+        await until(lambda: c.queues[(T, 0)].committed_end == bq.written_end, 1)
+    finally:
+        await stop(hosts)
