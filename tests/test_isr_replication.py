@@ -338,3 +338,31 @@ async def test_a_new_leader_commits_what_the_isr_holds_without_waiting_for_a_pub
         await until(lambda: c.queues[(T, 0)].committed_end == bq.written_end, 1)
     finally:
         await stop(hosts)
+
+
+async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
+    """A is cut off (it hears nothing of the failover); B leads at epoch 2 with C. A's
+    publish is pushed to B (no longer a follower) and C (fenced at epoch 2): it fails,
+    A commits nothing more and stops taking publishes; B's and C's logs never see it."""
+    from isr.leader import NotWritable
+    states, hosts = await cluster(tmp_path, min_isr=2)
+    a, b, _ = hosts
+    try:
+        aq, bq, cq = (h.queues[(T, 0)] for h in hosts)
+        await aq.append([b"before"])
+        states.hosts.remove(a)  # A is cut off from the state
+        states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
+        await b.lead(T, 0)
+        await bq.append([b"new leader"])
+        committed = aq.committed_end
+        with pytest.raises(NotWritable):
+            await asyncio.wait_for(aq.append([b"stale"]), 5)
+        assert aq.committed_end == committed
+        leader = a.leaders[(T, 0)]
+        assert not leader.writable and "epoch 2" in leader.reason
+        await until(lambda: cq.committed_end == bq.committed_end, 2)
+        for q in (bq, cq):
+            assert [x[2] for x in await records(q)] == [b"before", b"new leader"]
+            assert q.written_end == bq.written_end
+    finally:
+        await stop(hosts)
