@@ -366,3 +366,27 @@ async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
             assert q.written_end == bq.written_end
     finally:
         await stop(hosts)
+
+
+async def test_the_fence_survives_a_restart(tmp_path):
+    """A follower that saw epoch 7 refuses epoch 6 after a restart, though its log holds
+    nothing of epoch 7 (the fence is persisted before anything of the epoch is taken)."""
+    states, hosts = await cluster(tmp_path, epoch=5)
+    try:
+        bq = hosts[1].queues[(T, 0)]
+        peer = Peer(hosts[2], B)
+        header = {"topic": T, "partition": 0, "epoch": 7, "leader": A, "offset": 0,
+                  "count": 0, "n": 0, "data_len": 0, "commit": [0, 0]}
+        await peer.request(Kind.PUSH, header)  # (A is not at 7: the reconcile fails)
+        await peer.close()
+        assert hosts[1].followers[(T, 0)].epoch == 7 and bq.last_epoch < 7
+        await hosts[1].stop()
+        hosts[1] = await Host(states, B, hosts[1].path).start()
+        await hosts[1].open(T, 0)
+        assert hosts[1].followers[(T, 0)].epoch == 7
+        peer = Peer(hosts[2], B)
+        r = await peer.request(Kind.PUSH, {**header, "epoch": 6})
+        assert r.header["code"] == wire.E_STALE_EPOCH and r.header["epoch"] == 7
+        await peer.close()
+    finally:
+        await stop(hosts)
