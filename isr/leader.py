@@ -199,7 +199,7 @@ class LeaderLog:
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
                   "commit": list(self.committed)}
-        payload = bytes(entries) + bytes(data)
+        payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
                 self._push(f, header, payload, end)
@@ -396,7 +396,7 @@ class LeaderLog:
         self.stats["fetches"] += 1
         return Kind.DATA, {"offset": raw.offset, "count": raw.count, "n": raw.n_entries,
                            "data_len": len(raw.data), "end": list(raw.end),
-                           "commit": list(self.committed)}, bytes(raw.entries) + bytes(raw.data)
+                           "commit": list(self.committed)}, (raw.entries, raw.data)
 
     async def _join(self, h: dict) -> Answer:
         """Bring `node` level (copy what it lacks while holding its live pushes), then
@@ -466,8 +466,8 @@ class LeaderLog:
             header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                       "offset": at[0], "count": at[1], "n": n, "data_len": size,
                       "commit": list(self.committed)}
-            r = await f.peer.request(Kind.PUSH, header,
-                                     bytes(raw.entries[:n * wire.ENTRY_SIZE]) + bytes(raw.data[:size]))
+            r = await f.peer.request(Kind.PUSH, header, (
+                memoryview(raw.entries)[:n * wire.ENTRY_SIZE], memoryview(raw.data)[:size]))
             if r.kind is not Kind.ACK:
                 raise ValueError(f"copy refused: {r.header}")
             f.acked = at = tuple(r.header["end"])
