@@ -181,8 +181,8 @@ class FollowerLog:
                 group.append((h2, p2, _))
         except clog_entry.CorruptEntryError:
             pass  # append_raw names the bad entry
-        entries = b"".join(p[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group)
-        data = b"".join(p[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group)
+        entries = b"".join(memoryview(p)[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group)
+        data = b"".join(memoryview(p)[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group)
         self.stats["pushes"] += len(group)
         try:
             if entries:

@@ -204,7 +204,7 @@ class LeaderLog:
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
                   "commit": list(self.committed)}
-        payload = bytes(entries) + bytes(data)
+        payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
                 self._push(f, header, payload, end)
@@ -279,8 +279,7 @@ class LeaderLog:
         """Stop pushing to `f`; a joining one is forgotten, an ISR one dropped by CAS."""
         if f.failed or self.followers.get(f.node) is not f:
             return
-        f.failed = True
-        f.peer.disconnect()
+        f.failed = True  # (its connection stays: other partitions share it)
         log.warning("follower_failed", topic=self.topic, partition=self.partition,
                     node=f.node, reason=reason)
         if f.node in self.state.isr and not self._closed:
@@ -329,12 +328,16 @@ class LeaderLog:
                 self._send_channels(channels)
 
     def _send_commit(self) -> None:
-        """An empty PUSH to each follower that has not heard the current commit."""
+        """An empty PUSH to each follower that has not heard the current commit, or whose
+        end is not known to be ours (a new leader learns from the ACKs what the ISR holds,
+        so what the old leader committed is committed again without waiting for a publish)."""
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": self.pushed_end[0], "count": self.pushed_end[1], "n": 0,
                   "data_len": 0, "commit": list(self.committed)}
         for f in self.followers.values():
-            if not f.failed and f.held is None and f.sent_commit < self.committed:
+            if f.failed or f.held is not None:
+                continue
+            if f.sent_commit < self.committed or (f.acked < self.pushed_end and not f.unacked):
                 self._push(f, header, b"", self.pushed_end)
 
     # ---- channels ----
@@ -398,7 +401,7 @@ class LeaderLog:
         self.stats["fetches"] += 1
         return Kind.DATA, {"offset": raw.offset, "count": raw.count, "n": raw.n_entries,
                            "data_len": len(raw.data), "end": list(raw.end),
-                           "commit": list(self.committed)}, bytes(raw.entries) + bytes(raw.data)
+                           "commit": list(self.committed)}, (raw.entries, raw.data)
 
     async def _join(self, h: dict) -> Answer:
         """Bring `node` level (copy what it lacks while holding its live pushes), then
@@ -468,8 +471,8 @@ class LeaderLog:
             header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                       "offset": at[0], "count": at[1], "n": n, "data_len": size,
                       "commit": list(self.committed)}
-            r = await f.peer.request(Kind.PUSH, header,
-                                     bytes(raw.entries[:n * wire.ENTRY_SIZE]) + bytes(raw.data[:size]))
+            r = await f.peer.request(Kind.PUSH, header, (
+                memoryview(raw.entries)[:n * wire.ENTRY_SIZE], memoryview(raw.data)[:size]))
             if r.kind is not Kind.ACK:
                 raise ValueError(f"copy refused: {r.header}")
             f.acked = at = tuple(r.header["end"])

@@ -1,7 +1,7 @@
 """The client side of the replication port: one pipelined connection per peer NODE.
 
-`Peer.request` writes a frame at once and returns the response frame; responses come
-in request order, so a deque of futures matches them. The connection (and its HELLO)
+`Peer.request` writes a frame at once and returns the response frame; responses carry
+their request's id (they may come in any order: the server answers each when it is ready). The connection (and its HELLO)
 is made by the first request; a broken connection fails every pending request with
 `PeerError` and the next request connects again. `Peers` keeps one `Peer` per node id
 for a whole node (every partition shares it). An ERROR response is returned as a frame:
@@ -11,7 +11,6 @@ the caller decides what it means.
 from __future__ import annotations
 
 import asyncio
-import collections
 
 import structlog
 
@@ -36,7 +35,7 @@ class Peer:
         self.node_id = node_id
         self.connect_timeout = connect_timeout
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._pending: dict[int, asyncio.Future] = {}
         self._connecting: asyncio.Future | None = None
         self._reader_task: asyncio.Task | None = None
         self._rid = 0
@@ -67,9 +66,9 @@ class Peer:
         if w.transport.get_write_buffer_size() > MAX_UNSENT:
             self._broken(PeerError(f"{self.node_id}: {MAX_UNSENT} bytes unsent"))
             raise PeerError(f"{self.node_id}: peer does not read")
-        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        self._rid = self._rid % 0xFFFFFFFF + 1  # 1 .. 2**32 - 1; 0 is HELLO's
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append(fut)
+        self._pending[self._rid] = fut
         w.write(wire.encode(kind, self._rid, header, payload))
         return fut
 
@@ -123,9 +122,9 @@ class Peer:
             self._broken(e if isinstance(e, PeerError) else PeerError(f"{self.node_id}: {e!r}"))
 
     def _answer(self, frame: Frame) -> None:
-        if not self._pending:
-            raise PeerError(f"{self.node_id}: response to no request")
-        fut = self._pending.popleft()
+        fut = self._pending.pop(frame.rid, None)
+        if fut is None:
+            raise PeerError(f"{self.node_id}: answer {frame.rid} to no request")
         if not fut.done():
             fut.set_result(frame)
 
@@ -134,8 +133,8 @@ class Peer:
             self._writer.close()
             self._writer = None
             log.info("peer_disconnected", node=self.node_id, reason=str(error))
-        pending, self._pending = self._pending, collections.deque()
-        for fut in pending:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
             if not fut.done():
                 fut.set_exception(error)
                 fut.exception()  # retrieved: a caller that gave up must not log it

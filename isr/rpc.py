@@ -1,15 +1,18 @@
 """`RpcServer`: the node's replication port (`--rpc-address`).
 
-One task reads each connection and one writes it. Every request runs as its own task as
-soon as it is read (so PUSHes of many partitions on one connection overlap), and the
-answers go out in request order. At most `MAX_IN_FLIGHT` requests of a connection are
-unanswered before it stops reading (bounded memory: that many requests plus one frame in
-the decoder). The first frame must be HELLO of this cluster. A frame that does not decode
-or a request that does not check is answered with one ERROR E_BAD_FRAME, then the
-connection is closed. PUSH and CHANNELS go to `host.follower_log`, FETCH, EPOCH_END and
-JOIN to `host.leader_log` (absent: E_NOT_REPLICA / E_NOT_LEADER); each answers with
-`(kind, header, payload)`. A handler that raises answers E_FAILED; the server never dies
-of a request.
+One task reads each connection. Every request runs as its own task as soon as it is read
+(so PUSHes of many partitions on one connection overlap), and each answer is written as
+soon as it is ready, with its request's id (a slow partition never holds back another's
+answers; the order of one partition's PUSHes is kept by its FollowerLog). At most
+`MAX_IN_FLIGHT` requests of a connection are unanswered before it stops reading, and it
+stops reading while its unsent answers pass `MAX_UNSENT` (bounded memory). The first
+frame must be HELLO of this cluster. A frame that does not decode or a request that does
+not check is answered with one ERROR E_BAD_FRAME, then the connection is closed. PUSH and
+CHANNELS go to `host.follower_log`, FETCH, EPOCH_END and JOIN to `host.leader_log`
+(absent: E_NOT_REPLICA / E_NOT_LEADER); each answers with `(kind, header, payload)`. A
+handler that raises answers E_FAILED; the server never dies of a request. A handler runs
+to its end even if its connection closes (a JOIN's CAS is never cut in half); `stop`
+cancels them.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ ARRIVAL_S = 0.5  # how long a request waits for its partition's side to open (< 
 log = structlog.get_logger("isr.rpc")
 
 MAX_IN_FLIGHT = 256
+MAX_UNSENT = 16 * 1024 * 1024
 READ_CHUNK = 1 << 18
-_CLOSE = object()
 
 Answer = tuple[Kind, dict, bytes]
 
@@ -58,6 +61,7 @@ class RpcServer:
         self.address = address
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
+        self._handlers: set[asyncio.Task] = set()
         self.port = 0
 
     async def start(self) -> None:
@@ -70,71 +74,21 @@ class RpcServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for t in list(self._connections):
+        tasks = [*self._connections, *self._handlers]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         task = asyncio.current_task()
         self._connections.add(task)
-        answers: asyncio.Queue = asyncio.Queue(MAX_IN_FLIGHT)
-        sender = asyncio.create_task(self._send(writer, answers))
-        peer = writer.get_extra_info("peername")
         try:
-            await self._receive(reader, answers, peer)
+            await _Connection(self, reader, writer).receive()
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
-            try:
-                await answers.put(_CLOSE)
-                await sender
-            except asyncio.CancelledError:
-                sender.cancel()
             writer.close()
             self._connections.discard(task)
-
-    async def _receive(self, reader, answers: asyncio.Queue, peer) -> None:
-        decoder = Decoder()
-        hello = [False]
-        while True:
-            chunk = await reader.read(READ_CHUNK)
-            if not chunk:
-                return
-            bad = None
-            try:
-                frames = decoder.feed(chunk)
-            except BadFrame as e:
-                frames, bad = e.frames, e
-            for frame in frames:
-                if not await self._take(frame, answers, hello, peer):
-                    return
-            if bad is not None:
-                log.warning("rpc_bad_frame", peer=peer, reason=str(bad))
-                await answers.put(_done(0, error(wire.E_BAD_FRAME, str(bad))))
-                return
-
-    async def _take(self, frame: Frame, answers: asyncio.Queue, hello: list, peer) -> bool:
-        """Queue the answer to one frame; False when the connection must close."""
-        try:
-            wire.check(frame)
-        except BadFrame as e:
-            log.warning("rpc_bad_frame", peer=peer, reason=str(e))
-            await answers.put(_done(frame.rid, error(wire.E_BAD_FRAME, str(e))))
-            return False
-        if not hello[0]:
-            if frame.kind is not Kind.HELLO:
-                await answers.put(_done(frame.rid, error(
-                    wire.E_BAD_FRAME, "the first frame must be HELLO")))
-                return False
-            if frame.header["cluster"] != self.host.cluster_id:
-                await answers.put(_done(frame.rid, error(
-                    wire.E_BAD_CLUSTER, f"this is cluster {self.host.cluster_id!r}")))
-                return False
-            hello[0] = True
-            await answers.put(_done(frame.rid, (Kind.OK, {"node": self.host.node_id}, b"")))
-            return True
-        await answers.put((frame.rid, asyncio.ensure_future(self._dispatch(frame))))
-        return True
 
     async def _dispatch(self, frame: Frame) -> Answer:
         h = frame.header
@@ -156,24 +110,80 @@ class RpcServer:
             log.warning("rpc_request_failed", kind=frame.kind.name, error=repr(e))
             return error(wire.E_FAILED, repr(e))
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, answers: asyncio.Queue) -> None:
-        try:
-            while True:
-                item = await answers.get()
-                if item is _CLOSE:
-                    await writer.drain()
+
+class _Connection:
+    """One peer's connection: reads its requests, writes each answer when it is ready."""
+
+    def __init__(self, server: RpcServer, reader, writer):
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        self.peer = writer.get_extra_info("peername")
+        self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.hello = False
+
+    async def receive(self) -> None:
+        decoder = Decoder()
+        while True:
+            if self.writer.transport.get_write_buffer_size() > MAX_UNSENT:
+                await self.writer.drain()
+            chunk = await self.reader.read(READ_CHUNK)
+            if not chunk:
+                return
+            bad = None
+            try:
+                frames = decoder.feed(chunk)
+            except BadFrame as e:
+                frames, bad = e.frames, e
+            for frame in frames:
+                await self.slots.acquire()
+                if not self._take(frame):
+                    await self.writer.drain()
                     return
-                rid, fut = item
-                kind, header, payload = await fut
-                writer.write(wire.encode(kind, rid, header, payload))
-                if answers.empty():
-                    await writer.drain()
-        except (OSError, ConnectionError):
+            if bad is not None:
+                log.warning("rpc_bad_frame", peer=self.peer, reason=str(bad))
+                self._answer(0, error(wire.E_BAD_FRAME, str(bad)), slot=False)
+                await self.writer.drain()
+                return
+
+    def _take(self, frame: Frame) -> bool:
+        """Answer one frame now or start its handler; False when the connection must close."""
+        try:
+            wire.check(frame)
+        except BadFrame as e:
+            log.warning("rpc_bad_frame", peer=self.peer, reason=str(e))
+            self._answer(frame.rid, error(wire.E_BAD_FRAME, str(e)))
+            return False
+        if not self.hello:
+            if frame.kind is not Kind.HELLO:
+                self._answer(frame.rid, error(wire.E_BAD_FRAME, "the first frame must be HELLO"))
+                return False
+            cluster = self.server.host.cluster_id
+            if frame.header["cluster"] != cluster:
+                self._answer(frame.rid, error(wire.E_BAD_CLUSTER, f"this is cluster {cluster!r}"))
+                return False
+            self.hello = True
+            self._answer(frame.rid, (Kind.OK, {"node": self.server.host.node_id}, b""))
+            return True
+        task = asyncio.ensure_future(self.server._dispatch(frame))
+        self.server._handlers.add(task)
+        task.add_done_callback(lambda t: self._done(frame.rid, t))
+        return True
+
+    def _done(self, rid: int, task: asyncio.Task) -> None:
+        self.server._handlers.discard(task)
+        if task.cancelled():
+            self.slots.release()
+            return
+        self._answer(rid, task.result())
+
+    def _answer(self, rid: int, answer: Answer, slot: bool = True) -> None:
+        if slot:
+            self.slots.release()
+        if self.writer.is_closing():
+            return
+        kind, header, payload = answer
+        try:
+            self.writer.write(wire.encode(kind, rid, header, payload))
+        except (OSError, RuntimeError):
             pass
-
-
-def _done(rid: int, answer: Answer):
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_result(answer)
-    return rid, fut

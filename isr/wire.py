@@ -85,15 +85,17 @@ class Frame:
     payload: bytes = b""
 
 
-def encode(kind: Kind, rid: int, header: dict, payload: bytes = b"") -> bytes:
-    """One frame as bytes (the header is compact JSON)."""
+def encode(kind: Kind, rid: int, header: dict, payload: bytes | tuple = b"") -> bytes:
+    """One frame as bytes (the header is compact JSON); `payload` may be a tuple of
+    parts (joined with the rest in one copy)."""
     head = json.dumps(header, separators=(",", ":")).encode()
     if len(head) > MAX_HEADER:
         raise ValueError(f"header of {len(head)} bytes")
-    size = FIXED + len(head) + len(payload)
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    size = FIXED + len(head) + sum(len(x) for x in parts)
     if size > MAX_FRAME:
         raise ValueError(f"frame of {size} bytes")
-    return b"".join((PREFIX.pack(size, kind, rid, len(head)), head, payload))
+    return b"".join((PREFIX.pack(size, kind, rid, len(head)), head, *parts))
 
 
 def error(rid: int, code: str, message: str, **extra) -> bytes:
@@ -153,8 +155,9 @@ class Decoder:
                 break
             start = self._pos + PREFIX.size
             end = self._pos + 4 + size
-            head = bytes(buf[start:start + hlen])
-            payload = bytes(buf[start + hlen:end])
+            with memoryview(buf) as view:  # one copy each (a bytearray slice is a copy too)
+                head = bytes(view[start:start + hlen])
+                payload = bytes(view[start + hlen:end])
             self._pos = end
             frames.append(Frame(kind, rid, _header(head), payload))
 

@@ -110,7 +110,7 @@ async def test_a_stopped_follower_is_dropped_and_the_write_completes(tmp_path):
         assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 2
         assert lq.committed_end == a.end_offset == hosts[1].queues[(T, 0)].written_end
         assert hosts[0].leaders[(T, 0)].writable
-        assert lq.last_epoch == 2 or lq.epoch == 2  # new entries carry the new epoch
+        await until(lambda: lq.epoch == 2, 1)  # new entries carry the new epoch
     finally:
         await stop(hosts)
 
@@ -286,5 +286,102 @@ async def test_channel_states_reach_the_followers_latest_wins_at_most_every_200m
             assert len(g) <= elapsed / 0.2 + 2, len(g)
             assert [x["ch"]["confirmed"] for x in g] == sorted(x["ch"]["confirmed"] for x in g)
         assert leader.stats["channels_sent"] == len(got[B])
+    finally:
+        await stop(hosts)
+
+
+async def test_a_stalled_partition_never_holds_back_another_on_the_same_connection(tmp_path):
+    """Partitions 0 and 1 share the leader's connection to B. B's partition 0 stops
+    answering: partition 0 drops B after repl_timeout; partition 1 keeps B in its ISR and
+    its publishes complete at their usual pace meanwhile."""
+    states = States()
+    for p in (0, 1):
+        states.put(T, p, PartitionState(leader=A, isr=(A, B), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=1,
+                        repl_timeout=0.5).start() for n in (A, B)]
+    try:
+        for p in (0, 1):
+            await hosts[1].open(T, p)
+            await hosts[0].open(T, p)
+        q0, q1 = hosts[0].queues[(T, 0)], hosts[0].queues[(T, 1)]
+        await q0.append([b"x"])
+        await q1.append([b"x"])
+        hosts[1].followers[(T, 0)].handle = _never
+        stalled = q0.append([b"stalled"])
+        for i in range(30):  # partition 1 goes on (each ACK within repl_timeout, see below)
+            await asyncio.wait_for(q1.append([b"p1 %d" % i]), 3)
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(stalled, 3)
+        assert hosts[0].leaders[(T, 0)].stats["isr_shrinks"] == 1  # (B may rejoin since)
+        assert hosts[0].leaders[(T, 1)].stats["isr_shrinks"] == 0
+        assert states.states[(T, 1)].isr == (A, B)
+    finally:
+        await stop(hosts)
+
+
+async def test_a_new_leader_commits_what_the_isr_holds_without_waiting_for_a_publish(tmp_path):
+    states, hosts = await cluster(tmp_path)
+    a, b, c = hosts
+    try:
+        aq, bq = a.queues[(T, 0)], b.queues[(T, 0)]
+        await aq.append([b"m"])
+        await a.stop()  # before a commit update told B of the commit
+        assert bq.committed_end == 0 < bq.written_end == aq.written_end
+        states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
+        await b.lead(T, 0)
+        await until(lambda: bq.committed_end == bq.written_end, 1)
+        await until(lambda: c.queues[(T, 0)].committed_end == bq.written_end, 1)
+    finally:
+        await stop(hosts)
+
+
+async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
+    """A is cut off (it hears nothing of the failover); B leads at epoch 2 with C. A's
+    publish is pushed to B (no longer a follower) and C (fenced at epoch 2): it fails,
+    A commits nothing more and stops taking publishes; B's and C's logs never see it."""
+    from isr.leader import NotWritable
+    states, hosts = await cluster(tmp_path, min_isr=2)
+    a, b, _ = hosts
+    try:
+        aq, bq, cq = (h.queues[(T, 0)] for h in hosts)
+        await aq.append([b"before"])
+        states.hosts.remove(a)  # A is cut off from the state
+        states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
+        await b.lead(T, 0)
+        await bq.append([b"new leader"])
+        committed = aq.committed_end
+        with pytest.raises(NotWritable):
+            await asyncio.wait_for(aq.append([b"stale"]), 5)
+        assert aq.committed_end == committed
+        leader = a.leaders[(T, 0)]
+        assert not leader.writable and "epoch 2" in leader.reason
+        await until(lambda: cq.committed_end == bq.committed_end, 2)
+        for q in (bq, cq):
+            assert [x[2] for x in await records(q)] == [b"before", b"new leader"]
+            assert q.written_end == bq.written_end
+    finally:
+        await stop(hosts)
+
+
+async def test_the_fence_survives_a_restart(tmp_path):
+    """A follower that saw epoch 7 refuses epoch 6 after a restart, though its log holds
+    nothing of epoch 7 (the fence is persisted before anything of the epoch is taken)."""
+    states, hosts = await cluster(tmp_path, epoch=5)
+    try:
+        bq = hosts[1].queues[(T, 0)]
+        peer = Peer(hosts[2], B)
+        header = {"topic": T, "partition": 0, "epoch": 7, "leader": A, "offset": 0,
+                  "count": 0, "n": 0, "data_len": 0, "commit": [0, 0]}
+        await peer.request(Kind.PUSH, header)  # (A is not at 7: the reconcile fails)
+        await peer.close()
+        assert hosts[1].followers[(T, 0)].epoch == 7 and bq.last_epoch < 7
+        await hosts[1].stop()
+        hosts[1] = await Host(states, B, hosts[1].path).start()
+        await hosts[1].open(T, 0)
+        assert hosts[1].followers[(T, 0)].epoch == 7
+        peer = Peer(hosts[2], B)
+        r = await peer.request(Kind.PUSH, {**header, "epoch": 6})
+        assert r.header["code"] == wire.E_STALE_EPOCH and r.header["epoch"] == 7
+        await peer.close()
     finally:
         await stop(hosts)
