@@ -49,8 +49,9 @@ from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import make_dirs, read_json, write_json_atomic
-from .errors import (AppendError, DiskFullError, QueueClosedError, QueueFailedError,  # noqa: F401
-                     _Unrecoverable)
+from .errors import (AppendError, DiskFullError, GapError, OffsetOutOfRange,  # noqa: F401
+                     QueueClosedError, QueueFailedError, _Unrecoverable)
+from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from nsqwire.ids import PARTITION_SHIFT
 
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
