@@ -2,14 +2,16 @@
 
     python repl_writer.py commit FOLDER SEGMENT_BYTES
         Opens a replicated queue and appends from 50 coroutines without pause, while a
-        committer calls `replicated_to` every millisecond with the written end it saw on
-        its previous turn (so the commit lags the writes). It prints "commit OFFSET COUNT"
+        committer calls `replicated_to` every millisecond with the written end it saw LAG
+        turns before (so the commit lags the writes). It prints "commit OFFSET COUNT"
         BEFORE each call, so every committed end is at most the last line printed.
 
     python repl_writer.py truncate FOLDER SEGMENT_BYTES CLOG_ENTRIES OFFSET COUNT CRASH_AT
         Opens the queue, then truncates it to (OFFSET, COUNT), killing itself (SIGKILL) just
         before its CRASH_AT-th file-changing system call (unlink, ftruncate, fsync, fdatasync,
-        replace, write, pwrite) from then on. Prints "done" if it got through.
+        replace, write, pwrite) from then on. Prints "done" if it got through. Its batches
+        are small (max_batch_bytes 1 KiB): recovery then refuses a commitlog that runs more
+        than 2 KiB past the data, so a wrong order of the cut shows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import asyncio
 import os
 import signal
 import sys
+from collections import deque
 
+LAG = 20  # committer turns
 MUTATING = ("unlink", "ftruncate", "fsync", "fdatasync", "replace", "write", "pwrite")
 
 
@@ -35,12 +39,13 @@ async def commit(path: str, segment_bytes: int) -> None:
             await q.append([os.urandom(1 + (i * 37 + n) % 900) for _ in range(1 + n % 3)])
 
     async def committer() -> None:
-        seen = (q.written_end, q.written_count)
+        seen = deque([(q.written_end, q.written_count)] * LAG)
         while True:
             await asyncio.sleep(0.001)
-            os.write(1, f"commit {seen[0]} {seen[1]}\n".encode())
-            q.replicated_to(*seen)
-            seen = (q.written_end, q.written_count)
+            end = seen.popleft()
+            os.write(1, f"commit {end[0]} {end[1]}\n".encode())
+            q.replicated_to(*end)
+            seen.append((q.written_end, q.written_count))
 
     await asyncio.gather(committer(), *(writer(i) for i in range(50)))
 
@@ -68,7 +73,8 @@ async def truncate(path: str, segment_bytes: int, clog_entries: int, offset: int
     from diskqueue.queue import DiskQueue, QueueOptions
 
     q = await DiskQueue.open(path, QueueOptions(segment_bytes=segment_bytes, replicated=True,
-                                                clog_entries_per_segment=clog_entries))
+                                                clog_entries_per_segment=clog_entries,
+                                                max_batch_bytes=1024))
     crash_before(crash_at)
     await q.truncate_to(offset, count)
     sys.stdout.write("done\n")
