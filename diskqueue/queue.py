@@ -511,6 +511,8 @@ class DiskQueue(Replicated):
     def _batch_error(self, error: BaseException) -> AppendError:
         if isinstance(error, _Unrecoverable):
             return self._fail_queue(str(error))
+        if self.on_batch is not None:  # followers may hold it: its place is never reused
+            return self._fail_queue(f"a batch pushed to the followers was not written: {error!r}")
         if isinstance(error, OSError):
             err = self._append_error(error)
             log.error("append_failed", path=self.path, partition=self.partition, error=str(err))

@@ -16,7 +16,7 @@ import pytest
 
 from commitlog.entry import ENTRY_SIZE, decode, encode
 from diskqueue.queue import (AppendError, DiskFullError, DiskQueue, GapError, OffsetOutOfRange,
-                             QueueClosedError, QueueOptions)
+                             QueueClosedError, QueueFailedError, QueueOptions)
 from diskqueue.raw import BadBatch, check_batch, renumber
 from diskqueue.replicated import COMMITTED_FILE, decode_position, encode_position
 from nsqwire.ids import PARTITION_SHIFT
@@ -385,6 +385,28 @@ async def test_append_raw_on_a_full_disk_raises_disk_full(small_disk, queues):  
     await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data)
 
 
+async def test_a_leader_whose_pushed_batch_failed_here_fails(small_disk, queues):  # noqa: F811
+    """Its followers may hold the batch: no other batch may take its place, so the queue
+    takes nothing more until it is reopened (and the followers truncate by epoch)."""
+    q = await queues(small_disk / "leader")
+    q.set_solo(True)
+    pushed = []
+    q.on_batch = lambda *batch: pushed.append(batch)
+    (small_disk / "ballast").write_bytes(os.urandom(1024 * 1024))
+    with pytest.raises(QueueFailedError):
+        for i in range(20):
+            await q.append([os.urandom(100_000)])
+    assert len(pushed) == i + 1 and q.written_count == i
+    with pytest.raises(QueueFailedError):
+        q.append([b"x"])
+
+
+async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
+    q = await queues(tmp_path / "q", QueueOptions())
+    with pytest.raises(ValueError):
+        q.set_solo(False)
+
+
 async def test_read_raw(tmp_path, queues):
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
     q.set_solo(True)
@@ -507,6 +529,21 @@ async def test_truncate_to_a_segment_base_and_to_the_end(tmp_path, queues):
     await asyncio.gather(*futs, return_exceptions=True)
     q = await queues(path, opts)
     assert (q.written_end, q.written_count) == (at.offset, at.count_before)
+
+
+async def test_nothing_commits_past_a_truncation_under_way(tmp_path, queues):
+    q = await queues(tmp_path / "q")
+    done, futs = await write_uncommitted(q, 6)
+    cut = done[3]
+    truncating = asyncio.ensure_future(q.truncate_to(cut.offset, cut.count_before))
+    await asyncio.sleep(0)  # it holds the writer now
+    q.replicated_to(q.written_end, q.written_count)  # a leader's commit arrives meanwhile
+    await truncating
+    assert (q.committed_end, q.committed_count) == (cut.offset, cut.count_before)
+    assert (q.written_end, q.written_count) == (cut.offset, cut.count_before)
+    await asyncio.gather(*futs[:3])
+    q.replicated_to(10**9, 10**9)
+    assert q.committed_end == q.written_end == cut.offset
 
 
 async def _prepared_log(path, segment_bytes, clog_entries):
