@@ -49,8 +49,9 @@ from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import make_dirs, read_json, write_json_atomic
-from .errors import (AppendError, DiskFullError, QueueClosedError, QueueFailedError,  # noqa: F401
-                     _Unrecoverable)
+from .errors import (AppendError, DiskFullError, GapError, OffsetOutOfRange,  # noqa: F401
+                     QueueClosedError, QueueFailedError, _Unrecoverable)
+from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from nsqwire.ids import PARTITION_SHIFT
 
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
@@ -510,6 +511,8 @@ class DiskQueue(Replicated):
     def _batch_error(self, error: BaseException) -> AppendError:
         if isinstance(error, _Unrecoverable):
             return self._fail_queue(str(error))
+        if self.on_batch is not None:  # followers may hold it: its place is never reused
+            return self._fail_queue(f"a batch pushed to the followers was not written: {error!r}")
         if isinstance(error, OSError):
             err = self._append_error(error)
             log.error("append_failed", path=self.path, partition=self.partition, error=str(err))

@@ -97,6 +97,7 @@ class Replicated:
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
         self._parked: deque | None = None  # (end offset, requests, results) written, not committed
+        self._commit_limit: tuple[int, int] | None = None  # a truncation's point, while it runs
         self._committed_file: CommittedFile | None = None
         if self.options.replicated:
             self._parked = deque()
@@ -132,7 +133,9 @@ class Replicated:
 
     def set_solo(self, solo: bool) -> None:
         """Solo: the ISR is this node alone, so the queue commits on write (and commits
-        everything written now)."""
+        everything written now). Only for a replicated queue."""
+        if self._parked is None:
+            raise ValueError("set_solo is for a replicated queue (QueueOptions.replicated)")
         self.options = dataclasses.replace(self.options, auto_commit=solo)
         if solo:
             self.replicated_to(self.written_end, self.written_count)
@@ -140,8 +143,9 @@ class Replicated:
     def replicated_to(self, end_offset: int, count: int) -> None:
         """The ISR holds everything up to (end_offset, count): commit min(it, written), and
         settle the batches now wholly committed."""
-        if end_offset >= self.written_end:
-            end_offset, count = self.written_end, self.written_count
+        limit = self._commit_limit or (self.written_end, self.written_count)
+        if end_offset >= limit[0]:
+            end_offset, count = limit
         self._commit(end_offset, count)
         parked = self._parked
         while parked and parked[0][0] <= self.committed_end:
@@ -172,7 +176,9 @@ class Replicated:
         self.replicated_to(self.committed_end, self.committed_count)
 
     def _announce(self, data: bytes, clog: bytes, n_entries: int) -> None:
-        """A batch was handed to the write worker: tell `on_batch` (the leader pushes it)."""
+        """A batch was handed to the write worker: tell `on_batch` (the leader pushes it).
+        Should its write fail, the queue fails (see `_batch_error`): followers may hold it,
+        so this queue never writes another batch at its place."""
         try:
             self.on_batch(self.written_end, self.written_count, clog, n_entries, data, self.epoch)
         except Exception:  # the pusher's bug must never stop the writer
@@ -301,11 +307,18 @@ class Replicated:
     async def truncate_to(self, offset: int, count: int) -> None:
         """Cut the data and the commitlog back to the entry that begins at (offset, count),
         across segments. ValueError if no entry begins there or it is below committed_end.
-        A kill at any point leaves a log that opens and holds a prefix of what it held."""
+        A kill at any point leaves a log that opens and holds a prefix of what it held.
+        While it waits for the writer, nothing is committed past (offset, count)."""
+        if offset < self.committed_end:
+            raise ValueError(f"cannot truncate to {offset}: committed up to {self.committed_end}")
+        limit = self._commit_limit
+        self._commit_limit = min(limit or (offset, count), (offset, count))
         try:
             await self._exclusive(self._truncate_job, offset, count, then=self._truncated)
         except OSError as e:
             raise self._fail_queue(f"truncating failed: {e}") from None
+        finally:
+            self._commit_limit = limit
 
     def _truncate_job(self, offset: int, count: int):
         if offset < self.committed_end:

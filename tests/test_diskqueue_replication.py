@@ -1,0 +1,650 @@
+"""The replica side of DiskQueue (REPLICATION.md, "diskqueue additions"): parked batches,
+commits, raw appends and reads, epochs, truncation, the persisted committed end; and the
+raw-batch checks of diskqueue/raw.py on their own. Real files in tmp_path; kill -9 of a
+subprocess (tests/repl_writer.py) where a crash matters."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from commitlog.entry import ENTRY_SIZE, decode, encode
+from diskqueue.queue import (AppendError, DiskFullError, DiskQueue, GapError, OffsetOutOfRange,
+                             QueueClosedError, QueueFailedError, QueueOptions)
+from diskqueue.raw import BadBatch, check_batch, renumber
+from diskqueue.replicated import COMMITTED_FILE, decode_position, encode_position
+from nsqwire.ids import PARTITION_SHIFT
+
+from test_diskqueue import body, read_all, segment_files, small_disk  # noqa: F401 (a fixture)
+
+WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repl_writer.py")
+
+
+@pytest.fixture
+async def queues():
+    """Open queues (closed at the end of the test)."""
+    opened = []
+
+    async def open_queue(path, options=QueueOptions(replicated=True)):
+        q = await DiskQueue.open(str(path), options)
+        opened.append(q)
+        return q
+
+    yield open_queue
+    for q in opened:
+        await q.close()
+
+
+def entries_of(raw: bytes):
+    return [decode(raw, i) for i in range(0, len(raw), ENTRY_SIZE)]
+
+
+async def fill(q, batches, first=0, per=3):
+    """Append `batches` requests of 1..per bodies each, one at a time; return their Appendeds."""
+    out = []
+    for i in range(batches):
+        out.append(await q.append([body(first + i * per + k) for k in range(1 + i % per)]))
+    return out
+
+
+async def write_uncommitted(q, batches, first=0, per=3):
+    """Append `batches` requests one batch each, without a commit; return their entries and
+    their futures (settled once committed)."""
+    futs = []
+    for i in range(batches):
+        want = q.written_count + 1 + i % per
+        futs.append(q.append([body(first + i * per + k) for k in range(1 + i % per)]))
+        while q.written_count < want:
+            await asyncio.sleep(0.001)
+    entries = list(q.commitlog.entries())[-batches:]
+    return entries, futs
+
+
+# ---- parking and committing --------------------------------------------------
+
+async def test_a_replicated_batch_is_answered_only_once_committed(tmp_path, queues):
+    q = await queues(tmp_path / "q")
+    first = q.append([b"a", b"b"])
+    second = q.append([b"c"])
+    while q.written_count < 3:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert not first.done() and not second.done()
+    assert q.committed_end == 0 and await read_all(q) == []
+    a = None
+    # the first request's end commits it alone (both were one batch: so the batch waits)
+    q.replicated_to(q.written_end - 1 - 36, 2)
+    await asyncio.sleep(0.01)
+    assert q.committed_count == 2 and not second.done()
+    q.replicated_to(10**9, 10**6)  # more than written: commits the written end
+    a, c = await first, await second
+    assert (a.first_id, c.first_id) == (0, 2)
+    assert (q.committed_end, q.committed_count) == (q.written_end, 3)
+    assert [r.body for r in await read_all(q)] == [b"a", b"b", b"c"]
+
+
+async def test_batches_are_settled_in_order_as_the_commit_moves(tmp_path, queues):
+    q = await queues(tmp_path / "q")
+    futs = []
+    for i in range(5):
+        futs.append(q.append([body(i)]))
+        await asyncio.sleep(0.005)  # one batch each
+    while q.written_count < 5:
+        await asyncio.sleep(0.001)
+    ends = [e.end_offset for e in q.commitlog.entries()]
+    assert len(ends) == 5
+    q.replicated_to(ends[2], 3)
+    await asyncio.sleep(0)
+    assert [f.done() for f in futs] == [True, True, True, False, False]
+    q.replicated_to(ends[4], 5)
+    await asyncio.sleep(0)
+    assert all(f.done() for f in futs)
+
+
+async def test_fail_uncommitted_fails_the_waiters_and_keeps_the_data(tmp_path, queues):
+    q = await queues(tmp_path / "q")
+    fut = q.append([b"x", b"y"])
+    while q.written_count < 2:
+        await asyncio.sleep(0.001)
+    q.fail_uncommitted(AppendError("below min_isr"))
+    with pytest.raises(AppendError, match="below min_isr"):
+        await fut
+    assert q.written_count == 2 and q.committed_count == 0
+    q.replicated_to(q.written_end, 2)  # it may still commit later: at-least-once
+    assert [r.body for r in await read_all(q)] == [b"x", b"y"]
+
+
+async def test_solo_commits_on_write_and_commits_what_was_parked(tmp_path, queues):
+    q = await queues(tmp_path / "q")
+    parked = q.append([b"p"])
+    while q.written_count < 1:
+        await asyncio.sleep(0.001)
+    q.set_solo(True)
+    assert (await parked).first_id == 0 and q.committed_count == 1
+    a = await q.append([b"s"])  # solo: answered on write
+    assert a.first_id == 1 and q.committed_count == 2
+    q.set_solo(False)
+    late = q.append([b"t"])
+    await asyncio.sleep(0.02)
+    assert not late.done() and q.committed_count == 2
+    q.replicated_to(q.written_end, q.written_count)
+    assert (await late).first_id == 2
+
+
+async def test_close_fails_what_is_parked(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(replicated=True))
+    fut = q.append([b"never committed"])
+    await q.close()
+    with pytest.raises(QueueClosedError):
+        await fut
+
+
+async def test_auto_commit_is_ignored_by_a_replicated_queue(tmp_path, queues):
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, auto_commit=True))
+    fut = q.append([b"a"])
+    await asyncio.sleep(0.02)
+    assert q.written_count == 1 and q.committed_count == 0 and not fut.done()
+    q.replicated_to(q.written_end, 1)
+    await fut
+
+
+# ---- the persisted committed end ----------------------------------------------
+
+async def test_a_replicated_queue_reopens_at_its_persisted_committed_end(tmp_path, queues):
+    path = tmp_path / "q"
+    q = await queues(path)
+    q.set_solo(True)
+    await fill(q, 4)
+    q.set_solo(False)
+    committed = (q.written_end, q.written_count)
+    for i in range(3):
+        q.append([body(100 + i)])
+    while q.written_count < committed[1] + 3:
+        await asyncio.sleep(0.001)
+    written = (q.written_end, q.written_count)
+    await q.close()
+    q = await queues(path)
+    assert (q.committed_end, q.committed_count) == committed
+    assert (q.written_end, q.written_count) == written
+    assert len(await read_all(q)) == committed[1]
+    await q.close()
+
+    stored = path / COMMITTED_FILE
+    good = stored.read_bytes()
+    stored.write_bytes(encode_position(written[0] + 1000, written[1] + 9))  # ahead of the data
+    q = await queues(path)
+    assert (q.committed_end, q.committed_count) == written
+    await q.close()
+    for bad in (b"", good[:-1], bytes([good[0] ^ 1]) + good[1:]):  # missing, torn, flipped
+        stored.write_bytes(bad)
+        q = await queues(path)
+        assert (q.committed_end, q.committed_count) == (0, 0)
+        await q.close()
+    stored.unlink()
+    q = await queues(path)
+    assert (q.committed_end, q.committed_count) == (0, 0)
+    q.replicated_to(*committed)
+    await q.close()
+    assert decode_position(stored.read_bytes()) == committed  # stored at close
+
+
+async def test_the_committed_end_is_stored_with_each_batch(tmp_path, queues):
+    path = tmp_path / "q"
+    q = await queues(path)
+    for i in range(3):
+        q.append([body(i)])
+    while q.written_count < 3:
+        await asyncio.sleep(0.001)
+    q.replicated_to(q.written_end, q.written_count)
+    mark = (q.committed_end, q.committed_count)
+    q.append([b"next batch"])
+    while q.written_count < mark[1] + 1:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert decode_position((path / COMMITTED_FILE).read_bytes()) == mark
+
+
+async def test_a_queue_that_is_not_replicated_writes_no_committed_file(tmp_path, queues):
+    q = await queues(tmp_path / "q", QueueOptions())
+    assert (await q.append([b"a"])).first_id == 0 and q.committed_count == 1
+    await q.close()
+    assert not (tmp_path / "q" / COMMITTED_FILE).exists()
+
+
+def _run_commit_writer(path, seconds: float) -> tuple[int, int]:
+    """Run a busy replicated writer, kill -9 it; return the last commit it printed."""
+    out = open(os.path.join(os.path.dirname(path), "commit.out"), "wb+")
+    proc = subprocess.Popen([sys.executable, WRITER, "commit", path, str(64 * 1024)],
+                            stdout=out, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while b"ready" not in open(out.name, "rb").read():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        time.sleep(seconds)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    last = (0, 0)
+    for line in open(out.name, "rb").read().decode().splitlines():
+        if line.startswith("commit "):  # a line cut by the kill is not a whole number pair
+            parts = line.split()
+            if len(parts) == 3:
+                last = max(last, (int(parts[1]), int(parts[2])))
+    return last
+
+
+async def test_the_persisted_committed_end_is_never_ahead_after_a_kill(tmp_path):
+    path = str(tmp_path / "q")
+    for seconds in (0.3, 0.5, 0.2):
+        printed = _run_commit_writer(path, seconds)
+        stored = decode_position(open(os.path.join(path, COMMITTED_FILE), "rb").read())
+        assert stored is not None and stored[0] <= printed[0] and stored[1] <= printed[1]
+        q = await DiskQueue.open(path, QueueOptions(segment_bytes=64 * 1024, replicated=True))
+        try:
+            assert (q.committed_end, q.committed_count) == stored
+            assert q.committed_end < q.written_end  # the commit lagged the writes
+            assert stored == (0, 0) or await q.find("offset", stored[0] - 1) is not None
+            assert len(await read_all(q)) == stored[1]
+        finally:
+            await q.close()
+
+
+# ---- raw batches: leader to follower -----------------------------------------
+
+async def test_on_batch_and_append_raw_copy_a_leader_to_a_follower(tmp_path, queues):
+    leader = await queues(tmp_path / "leader")
+    follower = await queues(tmp_path / "follower", QueueOptions(replicated=True,
+                                                               segment_bytes=4096))
+    await leader.set_epoch(3)
+    pushed = []
+    leader.on_batch = lambda *batch: pushed.append(batch)
+    futs = [leader.append([body(i) for i in range(k)], trace_id=k, ext=b"e" * k)
+            for k in (1, 2, 3)]
+    while leader.written_count < 6:
+        await asyncio.sleep(0.001)
+    for offset, count, entries, n, data, epoch in pushed:
+        assert epoch == 3 and n == len(entries) // ENTRY_SIZE
+        assert await follower.append_raw(offset, count, entries, data) == (
+            offset + len(data), entries_of(entries)[-1].count_after)
+    leader.replicated_to(*(follower.written_end, follower.written_count))
+    await asyncio.gather(*futs)
+    assert (follower.written_end, follower.written_count) == (leader.written_end, 6)
+    assert follower.last_epoch == 3 and follower.committed_count == 0  # committed by the leader
+    follower.replicated_to(leader.committed_end, leader.committed_count)
+    assert await read_all(follower) == await read_all(leader)
+    mine, theirs = list(follower.commitlog.entries()), list(leader.commitlog.entries())
+    assert [e._replace(log_id=0, flags=0) for e in mine] == [
+        e._replace(log_id=0, flags=0) for e in theirs]
+    assert [e.log_id for e in mine] == list(range(len(mine)))
+    await follower.close()
+    follower = await queues(tmp_path / "follower", QueueOptions(replicated=True,
+                                                               segment_bytes=4096))
+    assert follower.written_count == 6 and follower.last_epoch == 3
+
+
+async def test_append_raw_renumbers_with_its_own_log_ids(tmp_path, queues):
+    leader = await queues(tmp_path / "leader", QueueOptions())
+    await fill(leader, 6)
+    follower = await queues(tmp_path / "follower", QueueOptions())
+    raw = await leader.read_raw(0, 1 << 20)
+    assert raw.n_entries == 6
+    # the leader's log ids differ from the follower's (a power-cut repair, a retention)
+    theirs = b"".join(encode(e._replace(log_id=e.log_id + 100)) for e in entries_of(raw.entries))
+    await follower.append_raw(raw.offset, raw.count, theirs, raw.data)
+    assert [e.log_id for e in follower.commitlog.entries()] == list(range(0, 6))
+    assert await read_all(follower) == await read_all(leader)
+
+
+async def test_append_raw_refuses_a_gap_and_takes_a_duplicate_as_done(tmp_path, queues):
+    leader = await queues(tmp_path / "leader", QueueOptions())
+    await fill(leader, 6)
+    follower = await queues(tmp_path / "follower")
+    raws = []
+    offset = 0
+    while offset < leader.written_end:
+        raws.append(await leader.read_raw(offset, 1))  # one entry each
+        offset = raws[-1].offset + len(raws[-1].data)
+    with pytest.raises(GapError) as gap:
+        await follower.append_raw(raws[1].offset, raws[1].count, raws[1].entries, raws[1].data)
+    assert gap.value.end == (0, 0)
+    for raw in raws[:3]:
+        await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data)
+    end = (follower.written_end, follower.written_count)
+    syncs = follower.stats["syncs"]
+    for raw in raws[:3]:  # pushed again: nothing written
+        assert await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data) == end
+    assert follower.stats["syncs"] == syncs and len(follower.commitlog) == 3
+    assert await follower.append_raw(end[0], end[1], b"", b"") == end
+    # pipelined pushes are taken in order
+    await asyncio.gather(*(follower.append_raw(r.offset, r.count, r.entries, r.data)
+                           for r in raws[3:]))
+    assert (follower.written_end, follower.written_count) == (leader.written_end,
+                                                              leader.written_count)
+
+
+async def test_append_raw_is_durable_when_it_returns(tmp_path, queues):
+    leader = await queues(tmp_path / "leader", QueueOptions())
+    await fill(leader, 3)
+    follower = await queues(tmp_path / "follower")
+    raw = await leader.read_raw(0, 1 << 20)
+    syncs = follower.stats["syncs"]
+    await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data)
+    assert follower.stats["syncs"] == syncs + 1
+
+
+async def test_a_bad_batch_writes_nothing(tmp_path, queues):
+    leader = await queues(tmp_path / "leader", QueueOptions())
+    await fill(leader, 3)
+    raw = await leader.read_raw(0, 1 << 20)
+    follower = await queues(tmp_path / "follower")
+    data = bytearray(raw.data)
+    data[-1] ^= 1
+    first = entries_of(raw.entries)[0]
+    bad = {
+        "record checksum": (raw.entries, bytes(data)),
+        "data past the entries": (raw.entries, raw.data + raw.data[:40]),
+        "entries past the data": (raw.entries, raw.data[:-1]),
+        "torn entry": (raw.entries[:-1], raw.data),
+        "entry checksum": (raw.entries[:8] + bytes([raw.entries[8] ^ 1]) + raw.entries[9:],
+                           raw.data),
+        "wrong message id": (encode(first._replace(first_msg_id=7)) + raw.entries[64:], raw.data),
+    }
+    for name, (entries, data) in bad.items():
+        with pytest.raises(BadBatch):
+            await follower.append_raw(0, 0, entries, data)
+        assert (follower.written_end, len(follower.commitlog)) == (0, 0), name
+        assert os.path.getsize(segment_files(follower.path)[0]) == 0, name
+    await follower.append_raw(0, 0, raw.entries, raw.data)
+    assert follower.written_count == leader.written_count
+
+
+async def test_append_raw_on_a_full_disk_raises_disk_full(small_disk, queues):  # noqa: F811
+    leader = await queues(small_disk / "leader", QueueOptions())
+    big = [os.urandom(200_000) for _ in range(5)]
+    for b in big:
+        await leader.append([b])
+    follower = await queues(small_disk / "follower")
+    (small_disk / "ballast").write_bytes(os.urandom(1024 * 1024))
+    offset, count = 0, 0
+    with pytest.raises(DiskFullError):
+        while True:
+            raw = await leader.read_raw(offset, 1)
+            await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data)
+            offset, count = raw.offset + len(raw.data), raw.count + 1
+    assert (follower.written_end, follower.written_count) == (offset, count)
+    assert sum(os.path.getsize(f) for f in segment_files(follower.path)) == offset
+    (small_disk / "ballast").unlink()
+    raw = await leader.read_raw(offset, 1)
+    await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data)
+
+
+async def test_a_leader_whose_pushed_batch_failed_here_fails(small_disk, queues):  # noqa: F811
+    """Its followers may hold the batch: no other batch may take its place, so the queue
+    takes nothing more until it is reopened (and the followers truncate by epoch)."""
+    q = await queues(small_disk / "leader")
+    q.set_solo(True)
+    pushed = []
+    q.on_batch = lambda *batch: pushed.append(batch)
+    (small_disk / "ballast").write_bytes(os.urandom(1024 * 1024))
+    with pytest.raises(QueueFailedError):
+        for i in range(20):
+            await q.append([os.urandom(100_000)])
+    assert len(pushed) == i + 1 and q.written_count == i
+    with pytest.raises(QueueFailedError):
+        q.append([b"x"])
+
+
+async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
+    q = await queues(tmp_path / "q", QueueOptions())
+    with pytest.raises(ValueError):
+        q.set_solo(False)
+
+
+async def test_read_raw(tmp_path, queues):
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
+    q.set_solo(True)
+    done = await fill(q, 12)
+    q.set_solo(False)
+    q.append([b"written, not committed"])
+    while q.written_count < done[-1].first_id + done[-1].count + 1:
+        await asyncio.sleep(0.001)
+    end = (q.written_end, q.written_count)
+    whole = await q.read_raw(0, 1 << 30)
+    assert whole.n_entries == 13 and whole.end == end and len(whole.data) == end[0]
+    assert b"written, not committed" in whole.data  # the uncommitted tail too
+    mid = done[5]
+    part = await q.read_raw(mid.offset, 1)  # at least one entry
+    assert (part.offset, part.count, part.n_entries) == (mid.offset, mid.first_id, 1)
+    assert part.data == whole.data[mid.offset:mid.end_offset]
+    some = await q.read_raw(mid.offset, done[7].end_offset - mid.offset)
+    assert some.n_entries == 3 and len(some.data) == done[7].end_offset - mid.offset
+    assert entries_of(some.entries) == entries_of(whole.entries)[5:8]
+    assert (await q.read_raw(end[0], 100)).n_entries == 0
+    with pytest.raises(ValueError):
+        await q.read_raw(mid.offset + 1, 100)
+    with pytest.raises(ValueError):
+        await q.read_raw(end[0] + 1, 100)
+    q.replicated_to(*end)
+    start = await q.retain(before_offset=done[8].offset)
+    assert start > 0
+    with pytest.raises(OffsetOutOfRange) as out:
+        await q.read_raw(0, 100)
+    assert out.value.start == (start, q.start_count)
+
+
+# ---- epochs -------------------------------------------------------------------
+
+async def test_epochs_and_epoch_end(tmp_path, queues):
+    path = tmp_path / "q"
+    q = await queues(path)
+    q.set_solo(True)
+    assert q.last_epoch == 0 and await q.epoch_end(0) == (0, 0)
+    await q.set_epoch(1)
+    assert q.last_epoch == 0  # nothing written at epoch 1 yet
+    a = await fill(q, 2)
+    assert q.last_epoch == 1
+    await q.set_epoch(4)
+    b = await fill(q, 2, first=50)
+    end = (q.written_end, q.written_count)
+    assert await q.epoch_end(0) == (0, 0)
+    assert await q.epoch_end(1) == (b[0].offset, b[0].first_id)
+    assert await q.epoch_end(3) == (b[0].offset, b[0].first_id)
+    assert await q.epoch_end(4) == end
+    with pytest.raises(ValueError):
+        await q.set_epoch(2)
+    assert [e.epoch for e in q.commitlog.entries()] == [1, 1, 4, 4]
+    await q.close()
+    q = await queues(path)
+    assert q.last_epoch == 4 and q.epoch == 4
+    assert a[0].first_id == 0
+
+
+# ---- truncation -----------------------------------------------------------------
+
+async def test_truncate_to_across_segments(tmp_path, queues):
+    path = tmp_path / "q"
+    opts = QueueOptions(replicated=True, segment_bytes=2048, clog_entries_per_segment=8)
+    q = await queues(path, opts)
+    await q.set_epoch(2)
+    done, futs = await write_uncommitted(q, 10)
+    await q.set_epoch(5)
+    more, futs2 = await write_uncommitted(q, 30, first=100)
+    done += more
+    cut = done[8]
+    q.replicated_to(cut.offset, cut.count_before)
+    await asyncio.gather(*futs[:8])
+    committed = await read_all(q)
+    files = segment_files(path)
+    with pytest.raises(ValueError):  # below committed
+        await q.truncate_to(done[7].offset, done[7].count_before)
+    with pytest.raises(ValueError):  # not an entry boundary
+        await q.truncate_to(cut.offset + 1, cut.count_before)
+    with pytest.raises(ValueError):  # the count does not match
+        await q.truncate_to(cut.offset, cut.count_before + 1)
+    await q.truncate_to(cut.offset, cut.count_before)
+    for fut in futs[8:] + futs2:
+        with pytest.raises(AppendError, match="truncated"):
+            await fut
+    assert (q.written_end, q.written_count) == (cut.offset, cut.count_before)
+    assert q.last_epoch == 2 and q.epoch == 5
+    left = segment_files(path)
+    assert len(left) < len(files) - 2 and left == files[:len(left)]
+    newest = json.loads((path / "data" / "newest.json").read_text())["base"]
+    assert os.path.basename(left[-1]) == f"{newest:020d}.dat"
+    assert sum(os.path.getsize(f) for f in left) == cut.offset
+    assert list(q.commitlog.entries()) == done[:8]
+    # it goes on from there
+    q.set_solo(True)
+    a = await q.append([b"after"])
+    assert (a.first_id, a.offset, a.log_id) == (cut.count_before, cut.offset, 8)
+    assert await q.epoch_end(2) == (a.offset, a.first_id)
+    await q.close()
+    q = await queues(path, opts)
+    assert (q.written_end, q.written_count) == (a.end_offset, cut.count_before + 1)
+    assert (q.committed_end, q.committed_count) == (q.written_end, q.written_count)
+    got = await read_all(q)
+    assert got[:-1] == committed and got[-1].body == b"after"
+
+
+async def test_truncate_to_a_segment_base_and_to_the_end(tmp_path, queues):
+    path = tmp_path / "q"
+    opts = QueueOptions(replicated=True, segment_bytes=2048)
+    q = await queues(path, opts)
+    done, futs = await write_uncommitted(q, 20)
+    bases = [int(os.path.basename(f)[:-4]) for f in segment_files(path)]
+    at = next(e for e in done if e.offset == bases[2])
+    await q.truncate_to(q.written_end, q.written_count)  # nothing to cut
+    assert q.written_count == done[-1].count_after
+    await q.truncate_to(at.offset, at.count_before)
+    assert [int(os.path.basename(f)[:-4]) for f in segment_files(path)] == bases[:3]
+    assert os.path.getsize(segment_files(path)[-1]) == 0
+    await q.close()
+    await asyncio.gather(*futs, return_exceptions=True)
+    q = await queues(path, opts)
+    assert (q.written_end, q.written_count) == (at.offset, at.count_before)
+
+
+async def test_nothing_commits_past_a_truncation_under_way(tmp_path, queues):
+    q = await queues(tmp_path / "q")
+    done, futs = await write_uncommitted(q, 6)
+    cut = done[3]
+    truncating = asyncio.ensure_future(q.truncate_to(cut.offset, cut.count_before))
+    await asyncio.sleep(0)  # it holds the writer now
+    q.replicated_to(q.written_end, q.written_count)  # a leader's commit arrives meanwhile
+    await truncating
+    assert (q.committed_end, q.committed_count) == (cut.offset, cut.count_before)
+    assert (q.written_end, q.written_count) == (cut.offset, cut.count_before)
+    await asyncio.gather(*futs[:3])
+    q.replicated_to(10**9, 10**9)
+    assert q.committed_end == q.written_end == cut.offset
+
+
+async def _prepared_log(path, segment_bytes, clog_entries):
+    q = await DiskQueue.open(str(path), QueueOptions(segment_bytes=segment_bytes,
+                                                     clog_entries_per_segment=clog_entries))
+    done = await fill(q, 40)
+    records = await read_all(q)
+    entries = list(q.commitlog.entries())
+    await q.close()
+    return done, records, entries
+
+
+async def test_a_kill_at_any_point_of_truncate_to_leaves_a_prefix(tmp_path):
+    """SIGKILL the truncating process before each of its file-changing calls in turn: the log
+    always opens, holds a prefix of what it held, and at least what the cut keeps."""
+    seg, clog = 2048, 8
+    src = tmp_path / "src"
+    done, records, entries = await _prepared_log(src, seg, clog)
+    cut = done[11]
+    crash_at, finished = 1, False
+    while not finished:
+        assert crash_at < 200
+        path = tmp_path / f"run{crash_at}"
+        shutil.copytree(src, path)
+        res = subprocess.run([sys.executable, WRITER, "truncate", str(path), str(seg), str(clog),
+                              str(cut.offset), str(cut.first_id), str(crash_at)],
+                             capture_output=True, timeout=60)
+        finished = res.stdout == b"done\n"
+        assert finished or res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
+        q = await DiskQueue.open(str(path), QueueOptions(segment_bytes=seg, max_batch_bytes=1024,
+                                                         clog_entries_per_segment=clog))
+        try:
+            got = await read_all(q)
+            assert got == records[:len(got)] and len(got) >= cut.first_id, crash_at
+            assert q.written_end == (got[-1].end if got else 0)
+            kept = list(q.commitlog.entries())
+            assert kept[-1].end_offset == q.written_end
+            assert [e._replace(log_id=0, flags=0) for e in kept[:cut.first_id and 11]] == [
+                e._replace(log_id=0, flags=0) for e in entries[:11]]
+            if finished:
+                assert (q.written_end, q.written_count) == (cut.offset, cut.first_id)
+                assert kept == entries[:11]
+        finally:
+            await q.close()
+        shutil.rmtree(path)
+        crash_at += 1
+    assert crash_at > 10  # it went through many points
+
+
+# ---- diskqueue/raw.py on its own -------------------------------------------------
+
+def _batch(partition=2, offset=0, count=0, n=3, epoch=1, per=2):
+    """A valid raw batch: entries and data, as a leader writes them."""
+    from diskqueue.record import encode_records
+    from commitlog.entry import encode_fields
+    parts, entries = [], []
+    for i in range(n):
+        start = offset
+        first = partition << PARTITION_SHIFT | count
+        offset = encode_records(parts.append, [], offset, first, 0, 1000 + i, 0, b"",
+                                [body(count + k) for k in range(per)])
+        entries.append(encode_fields(50 + i, epoch, first, start, count, 1000 + i,
+                                     offset - start, per, 1))
+        count += per
+    return b"".join(entries), b"".join(parts)
+
+
+def test_check_batch_takes_a_valid_batch_and_renumber_keeps_the_leaders_fields():
+    entries, data = _batch(offset=0, count=0)
+    checked = check_batch(0, 0, entries, data, 2, 1)
+    assert [e.count_before for e in checked] == [0, 2, 4]
+    out = entries_of(renumber(checked, 7, 0))
+    assert [e.log_id for e in out] == [7, 8, 9] and [e.flags for e in out] == [0, 0, 0]
+    assert [e._replace(log_id=0, flags=0) for e in out] == [
+        e._replace(log_id=0, flags=0) for e in checked]
+    assert renumber(checked, 7, 1)[:64] != renumber(checked, 7, 0)[:64]
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda e, d: (e, d, 2, 1, 64, 0), "does not follow"),  # wrong start
+    (lambda e, d: (e, d, 3, 1, 0, 0), "message id"),  # other partition
+    (lambda e, d: (e, d, 2, 2, 0, 0), "epoch"),  # the log's last epoch is above the batch's
+    (lambda e, d: (e[:64] + e[128:], d, 2, 1, 0, 0), "does not follow"),  # an entry missing
+    (lambda e, d: (e, d[:-3], 2, 1, 0, 0), "do not fit"),
+    (lambda e, d: (e, d + b"x", 2, 1, 0, 0), "cover"),
+    (lambda e, d: (b"", d, 2, 1, 0, 0), "whole number"),
+    (lambda e, d: (e, d[:5] + bytes([d[5] ^ 1]) + d[6:], 2, 1, 0, 0), "length"),
+    (lambda e, d: (e, d[:-1] + bytes([d[-1] ^ 1]), 2, 1, 0, 0), "checksum"),
+])
+def test_check_batch_refuses(change, reason):
+    entries, data = _batch()
+    e, d, partition, last_epoch, offset, count = change(entries, data)
+    with pytest.raises(BadBatch, match=reason):
+        check_batch(offset, count, e, d, partition, last_epoch)
+
+
+def test_check_batch_refuses_records_that_do_not_match_their_entry():
+    from diskqueue.record import encode_records
+    entries, data = _batch(n=1, per=2)
+    parts = []
+    encode_records(parts.append, [], 0, 2 << PARTITION_SHIFT | 5, 0, 1000, 0, b"",
+                   [body(0), body(1)])
+    with pytest.raises(BadBatch, match="message id"):
+        check_batch(0, 0, entries, b"".join(parts), 2, 0)
