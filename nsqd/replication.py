@@ -113,10 +113,11 @@ class Replication:
                             channel=name, error=str(e))
 
     def channel_stored(self, channel, state: dict) -> None:
-        """A checkpoint of a channel led here: its followers get it (batched, async)."""
+        """A checkpoint of a channel led here: its followers get it (batched, async), with
+        every message its delay store holds counted unfinished (Channel.replica_state)."""
         leader = self.leaders.get((channel.topic_name, channel.partition))
         if leader is not None:
-            leader.send_channels({channel.name: state_to_wire(state)})
+            leader.send_channels({channel.name: state_to_wire(channel.replica_state(state))})
 
     # ---- lifecycle -------------------------------------------------------------------
 
