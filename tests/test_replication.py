@@ -79,8 +79,9 @@ async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
         await conn.close()
 
 
-async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: float):
-    """Consume the topic on channel `check` until every body of `expected` came: counts."""
+async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: float,
+                      channel: str = "check"):
+    """Consume the topic on `channel` until every body of `expected` came: counts."""
     seen: dict[bytes, int] = {}
     done = asyncio.Event()
 
@@ -89,7 +90,7 @@ async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: fl
         if expected <= seen.keys():
             done.set()
 
-    consumer = await Consumer(topic, "check", [cl.lookupds[0].http_address], handler,
+    consumer = await Consumer(topic, channel, [cl.lookupds[0].http_address], handler,
                               max_in_flight=200, lookup_interval=0.5).start()
     try:
         await asyncio.wait_for(done.wait(), timeout)
@@ -203,3 +204,42 @@ async def wait_until_async(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:g} s: {what}")
         await asyncio.sleep(0.05)
+
+
+async def test_a_new_leader_takes_the_channels_where_the_old_one_left_them(tmp_path):
+    """Channel checkpoints go to the followers: after a leader kill the new leader delivers
+    what was not finished (and a little that was, FINs younger than the last send), and a
+    message its old leader's delay store held (a DPUB past --delay-threshold) still comes."""
+    cl = Cluster(str(tmp_path), 3, 1, "--delay-threshold", "1s",
+                 "--checkpoint-interval", "200ms").start()
+    try:
+        make_topic(cl, "chan", 1)
+        s = await wait_state(cl, "chan", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+        host, port = s[0].leader.rsplit(":", 1)
+        got: list = []
+        conn = await Connection(host, int(port), on_messages=got.extend).connect()
+        await conn.sub("chan", "c")
+        bodies = [b"m%04d" % i for i in range(1000)]
+        assert await conn.command(c.cmd_mpub("chan", bodies[:500], 0)) == b"OK"
+        assert await conn.command(c.cmd_dpub("chan", 6000, b"deferred", 0)) == b"OK"
+        assert await conn.command(c.cmd_mpub("chan", bodies[500:], 0)) == b"OK"
+        conn.rdy(600)
+        deadline = time.monotonic() + 10
+        while len(got) < 600 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        finished = {m.body for m in got[:600]}
+        assert len(finished) == 600 and b"deferred" not in finished
+        for m in got[:600]:
+            m.fin()
+        await asyncio.sleep(2.0)  # checkpoints (200 ms) sent to the followers (200 ms)
+        cl.nsqd_at(s[0].leader).kill()
+        await wait_state(cl, "chan", lambda t: t[0].leader not in (None, s[0].leader),
+                         LEASE_TTL_S + 1 + SLACK_S, "a new leader")
+        seen = await consume_all(cl, "chan", (set(bodies) - finished) | {b"deferred"}, 30, "c")
+        redelivered = len(finished & seen.keys())
+        missing = (set(bodies) - finished) - seen.keys()
+        print(f"after the failover: {redelivered} of 600 finished messages came again")
+        assert not missing and b"deferred" in seen
+        assert redelivered < 600, "the channel state never reached the new leader"
+    finally:
+        cl.stop()
