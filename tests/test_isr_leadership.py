@@ -109,10 +109,10 @@ async def test_lost_lease_holds_nothing_then_everything_again(etcd, etcd_server)
     try:
         wanted = {("t", n) for n in range(5)}
         assert await lk.hold(wanted) == wanted
-        old = reg.lease_id
+        old, kept = reg.lease_id, reg._lease
         etcd_server.post("lease/revoke", {"ID": old})
-        await until(lambda: not lk.held, TTL + 1)  # the refresh finds the lease gone
-        assert reg.lease_id != old
+        await asyncio.wait_for(kept.lost.wait(), TTL + 1)  # the refresh finds it gone
+        assert lk.held == frozenset() and reg.lease_id == 0  # at once
         took = await until(lambda: lk.held == wanted, 3)
         assert reg.lease_id not in (0, old)
         for t, n in wanted:
