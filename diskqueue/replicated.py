@@ -31,7 +31,13 @@ import structlog
 from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, decode, encode
 
 from .atomic import fsync_dir
-from .errors import AppendError, OffsetOutOfRange, QueueClosedError, GapError, _Unrecoverable
+from .errors import (
+    AppendError,
+    GapError,
+    OffsetOutOfRange,
+    QueueClosedError,
+    _Unrecoverable,
+)
 from .raw import RawBatch, check_batch, renumber
 
 log = structlog.get_logger("diskqueue")
@@ -92,7 +98,7 @@ class Replicated:
     """The replica side of a DiskQueue (a mixin: every attribute lives on the queue)."""
 
     def _init_replication(self) -> None:
-        self.on_batch = None  # on_batch(offset, count, entries, n_entries, data, epoch), on the loop
+        self.on_batch = None  # fn(offset, count, entries, n_entries, data, epoch), on the loop
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
@@ -219,7 +225,7 @@ class Replicated:
             raise GapError(self.written_end, self.written_count)
         checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch)
         if checked[0].epoch > self.last_epoch:
-            self.commitlog.sync()  # so a power loss never regenerates its entries with an older epoch
+            self.commitlog.sync()  # a power loss never regenerates them with an older epoch
         flags = SYNCED_BEFORE if not self._unsynced_messages else 0
         clog = renumber(checked, self.commitlog.next_log_id, flags)
         messages = checked[-1].count_after - count
