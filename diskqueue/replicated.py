@@ -28,7 +28,7 @@ from collections import deque
 
 import structlog
 
-from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, decode, encode
+from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE
 
 from .atomic import fsync_dir
 from .errors import (
@@ -45,6 +45,7 @@ log = structlog.get_logger("diskqueue")
 COMMITTED_FILE = "committed"
 _POSITION = struct.Struct(">QQI")  # committed end offset, count, crc32 of the first 16 bytes
 _READ_ENTRIES = 4096  # entries read from the commitlog at a time by read_raw
+_ENTRY_SIZE_FIELD = struct.Struct(">48xI12x")  # an entry's `size` (commitlog/entry.py)
 
 
 def encode_position(end_offset: int, count: int) -> bytes:
@@ -270,23 +271,22 @@ class Replicated:
         first = self.commitlog.find_by_offset(offset) if offset < self.written_end else None
         if first is None or first.offset != offset:
             raise ValueError(f"no entry begins at offset {offset}")
-        parts, size, log_id = [], 0, first.log_id
+        parts, n, size, log_id = [], 0, 0, first.log_id
         while log_id < self.commitlog.next_log_id:
             buf = self.commitlog.read_encoded(log_id, _READ_ENTRIES)
             taken = 0
-            for pos in range(0, len(buf), ENTRY_SIZE):
-                e = decode(buf, pos)
-                if parts and size + e.size > max_bytes:
+            for e in _ENTRY_SIZE_FIELD.iter_unpack(buf):  # each entry's size; the follower checks
+                if (n or taken) and size + e[0] > max_bytes:
                     break
-                parts.append(e)
-                size += e.size
+                size += e[0]
                 taken += 1
+            parts.append(buf[:taken * ENTRY_SIZE])
+            n += taken
             log_id += taken
             if taken < len(buf) // ENTRY_SIZE:
                 break
         data = self._segments.read(offset, offset + size)
-        return RawBatch(offset, first.count_before, b"".join(map(encode, parts)), len(parts),
-                        data, end)
+        return RawBatch(offset, first.count_before, b"".join(parts), n, data, end)
 
     # ---- epochs and divergence --------------------------------------------
 
