@@ -417,7 +417,8 @@ async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
 
 
 async def test_read_raw(tmp_path, queues):
-    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048,
+                                                  clog_entries_per_segment=4))
     q.set_solo(True)
     done = await fill(q, 12)
     q.set_solo(False)
