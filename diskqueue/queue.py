@@ -51,9 +51,9 @@ from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, Commi
 from .atomic import make_dirs, read_json, write_json_atomic
 from .errors import (AppendError, DiskFullError, GapError, OffsetOutOfRange,  # noqa: F401
                      QueueClosedError, QueueFailedError, _Unrecoverable)
-from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from nsqwire.ids import PARTITION_SHIFT
 
+from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
 from .reader import Reader, SharedChunks
 from .recovery import recover

@@ -28,10 +28,16 @@ from collections import deque
 
 import structlog
 
-from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, decode, encode
+from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE
 
 from .atomic import fsync_dir
-from .errors import AppendError, OffsetOutOfRange, QueueClosedError, GapError, _Unrecoverable
+from .errors import (
+    AppendError,
+    GapError,
+    OffsetOutOfRange,
+    QueueClosedError,
+    _Unrecoverable,
+)
 from .raw import RawBatch, check_batch, renumber
 
 log = structlog.get_logger("diskqueue")
@@ -39,6 +45,7 @@ log = structlog.get_logger("diskqueue")
 COMMITTED_FILE = "committed"
 _POSITION = struct.Struct(">QQI")  # committed end offset, count, crc32 of the first 16 bytes
 _READ_ENTRIES = 4096  # entries read from the commitlog at a time by read_raw
+_ENTRY_SIZE_FIELD = struct.Struct(">48xI12x")  # an entry's `size` (commitlog/entry.py)
 
 
 def encode_position(end_offset: int, count: int) -> bytes:
@@ -92,7 +99,7 @@ class Replicated:
     """The replica side of a DiskQueue (a mixin: every attribute lives on the queue)."""
 
     def _init_replication(self) -> None:
-        self.on_batch = None  # on_batch(offset, count, entries, n_entries, data, epoch), on the loop
+        self.on_batch = None  # fn(offset, count, entries, n_entries, data, epoch), on the loop
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
@@ -219,7 +226,7 @@ class Replicated:
             raise GapError(self.written_end, self.written_count)
         checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch)
         if checked[0].epoch > self.last_epoch:
-            self.commitlog.sync()  # so a power loss never regenerates its entries with an older epoch
+            self.commitlog.sync()  # a power loss never regenerates them with an older epoch
         flags = SYNCED_BEFORE if not self._unsynced_messages else 0
         clog = renumber(checked, self.commitlog.next_log_id, flags)
         messages = checked[-1].count_after - count
@@ -264,23 +271,22 @@ class Replicated:
         first = self.commitlog.find_by_offset(offset) if offset < self.written_end else None
         if first is None or first.offset != offset:
             raise ValueError(f"no entry begins at offset {offset}")
-        parts, size, log_id = [], 0, first.log_id
+        parts, n, size, log_id = [], 0, 0, first.log_id
         while log_id < self.commitlog.next_log_id:
             buf = self.commitlog.read_encoded(log_id, _READ_ENTRIES)
             taken = 0
-            for pos in range(0, len(buf), ENTRY_SIZE):
-                e = decode(buf, pos)
-                if parts and size + e.size > max_bytes:
+            for e in _ENTRY_SIZE_FIELD.iter_unpack(buf):  # each entry's size; the follower checks
+                if (n or taken) and size + e[0] > max_bytes:
                     break
-                parts.append(e)
-                size += e.size
+                size += e[0]
                 taken += 1
+            parts.append(buf[:taken * ENTRY_SIZE])
+            n += taken
             log_id += taken
             if taken < len(buf) // ENTRY_SIZE:
                 break
         data = self._segments.read(offset, offset + size)
-        return RawBatch(offset, first.count_before, b"".join(map(encode, parts)), len(parts),
-                        data, end)
+        return RawBatch(offset, first.count_before, b"".join(parts), n, data, end)
 
     # ---- epochs and divergence --------------------------------------------
 

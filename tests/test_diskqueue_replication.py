@@ -13,15 +13,23 @@ import sys
 import time
 
 import pytest
+from powerfs import PowerFS
+from test_diskqueue import body, read_all, segment_files, small_disk  # noqa: F401 (a fixture)
 
 from commitlog.entry import ENTRY_SIZE, decode, encode
-from diskqueue.queue import (AppendError, DiskFullError, DiskQueue, GapError, OffsetOutOfRange,
-                             QueueClosedError, QueueFailedError, QueueOptions)
+from diskqueue.queue import (
+    AppendError,
+    DiskFullError,
+    DiskQueue,
+    GapError,
+    OffsetOutOfRange,
+    QueueClosedError,
+    QueueFailedError,
+    QueueOptions,
+)
 from diskqueue.raw import BadBatch, check_batch, renumber
 from diskqueue.replicated import COMMITTED_FILE, decode_position, encode_position
 from nsqwire.ids import PARTITION_SHIFT
-
-from test_diskqueue import body, read_all, segment_files, small_disk  # noqa: F401 (a fixture)
 
 WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repl_writer.py")
 
@@ -31,8 +39,8 @@ async def queues():
     """Open queues (closed at the end of the test)."""
     opened = []
 
-    async def open_queue(path, options=QueueOptions(replicated=True)):
-        q = await DiskQueue.open(str(path), options)
+    async def open_queue(path, options=None):
+        q = await DiskQueue.open(str(path), options or QueueOptions(replicated=True))
         opened.append(q)
         return q
 
@@ -219,12 +227,13 @@ async def test_a_queue_that_is_not_replicated_writes_no_committed_file(tmp_path,
 
 def _run_commit_writer(path, seconds: float) -> tuple[int, int]:
     """Run a busy replicated writer, kill -9 it; return the last commit it printed."""
-    out = open(os.path.join(os.path.dirname(path), "commit.out"), "wb+")
-    proc = subprocess.Popen([sys.executable, WRITER, "commit", path, str(64 * 1024)],
-                            stdout=out, stderr=subprocess.DEVNULL)
+    out = path.parent / "commit.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, WRITER, "commit", str(path), str(64 * 1024)],
+                                stdout=f, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
-        while b"ready" not in open(out.name, "rb").read():
+        while b"ready" not in out.read_bytes():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.01)
         time.sleep(seconds)
@@ -232,21 +241,21 @@ def _run_commit_writer(path, seconds: float) -> tuple[int, int]:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     last = (0, 0)
-    for line in open(out.name, "rb").read().decode().splitlines():
-        if line.startswith("commit "):  # a line cut by the kill is not a whole number pair
-            parts = line.split()
-            if len(parts) == 3:
-                last = max(last, (int(parts[1]), int(parts[2])))
+    for line in out.read_text().splitlines():  # one write each: a kill never cuts one
+        if line.startswith("commit "):
+            _, end, count = line.split()
+            last = max(last, (int(end), int(count)))
     return last
 
 
 async def test_the_persisted_committed_end_is_never_ahead_after_a_kill(tmp_path):
-    path = str(tmp_path / "q")
+    path = tmp_path / "q"
     for seconds in (0.3, 0.5, 0.2):
         printed = _run_commit_writer(path, seconds)
-        stored = decode_position(open(os.path.join(path, COMMITTED_FILE), "rb").read())
+        stored = decode_position((path / COMMITTED_FILE).read_bytes())
         assert stored is not None and stored[0] <= printed[0] and stored[1] <= printed[1]
-        q = await DiskQueue.open(path, QueueOptions(segment_bytes=64 * 1024, replicated=True))
+        q = await DiskQueue.open(str(path), QueueOptions(segment_bytes=64 * 1024,
+                                                         replicated=True))
         try:
             assert (q.committed_end, q.committed_count) == stored
             assert q.committed_end < q.written_end  # the commit lagged the writes
@@ -298,7 +307,7 @@ async def test_append_raw_renumbers_with_its_own_log_ids(tmp_path, queues):
     # the leader's log ids differ from the follower's (a power-cut repair, a retention)
     theirs = b"".join(encode(e._replace(log_id=e.log_id + 100)) for e in entries_of(raw.entries))
     await follower.append_raw(raw.offset, raw.count, theirs, raw.data)
-    assert [e.log_id for e in follower.commitlog.entries()] == list(range(0, 6))
+    assert [e.log_id for e in follower.commitlog.entries()] == list(range(6))
     assert await read_all(follower) == await read_all(leader)
 
 
@@ -408,7 +417,8 @@ async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
 
 
 async def test_read_raw(tmp_path, queues):
-    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048,
+                                                  clog_entries_per_segment=4))
     q.set_solo(True)
     done = await fill(q, 12)
     q.set_solo(False)
@@ -556,49 +566,83 @@ async def _prepared_log(path, segment_bytes, clog_entries):
     return done, records, entries
 
 
-async def test_a_kill_at_any_point_of_truncate_to_leaves_a_prefix(tmp_path):
-    """SIGKILL the truncating process before each of its file-changing calls in turn: the log
-    always opens, holds a prefix of what it held, and at least what the cut keeps."""
+async def _truncate_at_every_point(tmp_path, power: bool, every: int = 1) -> int:
+    """SIGKILL the truncating process before its 1st, 1 + every-th, ... file-changing call
+    (and, with `power`, cut the power of its PowerFS mount then) until one run gets through;
+    after each, the log must open and hold a prefix of what it held, at least what the cut
+    keeps; after the run that got through, exactly that. Returns the runs."""
     seg, clog = 2048, 8
     src = tmp_path / "src"
     done, records, entries = await _prepared_log(src, seg, clog)
     cut = done[11]
-    crash_at, finished = 1, False
+    disk, mnt = tmp_path / "disk", tmp_path / "mnt"
+    crash_at, runs, finished = 1, 0, False
     while not finished:
         assert crash_at < 200
-        path = tmp_path / f"run{crash_at}"
-        shutil.copytree(src, path)
-        res = subprocess.run([sys.executable, WRITER, "truncate", str(path), str(seg), str(clog),
-                              str(cut.offset), str(cut.first_id), str(crash_at)],
-                             capture_output=True, timeout=60)
-        finished = res.stdout == b"done\n"
-        assert finished or res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
-        q = await DiskQueue.open(str(path), QueueOptions(segment_bytes=seg, max_batch_bytes=1024,
-                                                         clog_entries_per_segment=clog))
+        fs = None
+        if power:
+            shutil.rmtree(disk, ignore_errors=True)
+            shutil.copytree(src, disk / "q")  # the disk, all of it synced
+            fs = PowerFS(str(disk), str(mnt)).mount()
+            path = mnt / "q"
+        else:
+            path = tmp_path / f"run{crash_at}"
+            shutil.copytree(src, path)
         try:
-            got = await read_all(q)
-            assert got == records[:len(got)] and len(got) >= cut.first_id, crash_at
-            assert q.written_end == (got[-1].end if got else 0)
-            kept = list(q.commitlog.entries())
-            assert kept[-1].end_offset == q.written_end
-            assert [e._replace(log_id=0, flags=0) for e in kept[:cut.first_id and 11]] == [
-                e._replace(log_id=0, flags=0) for e in entries[:11]]
-            if finished:
-                assert (q.written_end, q.written_count) == (cut.offset, cut.first_id)
-                assert kept == entries[:11]
+            res = await asyncio.to_thread(
+                subprocess.run, [sys.executable, WRITER, "truncate", str(path), str(seg),
+                                 str(clog), str(cut.offset), str(cut.first_id), str(crash_at)],
+                capture_output=True, timeout=60, check=False)
+            finished = res.stdout == b"done\n"
+            assert finished or res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
+            if fs is not None:
+                fs.cut()
+            q = await DiskQueue.open(str(path), QueueOptions(
+                segment_bytes=seg, max_batch_bytes=1024, clog_entries_per_segment=clog))
+            try:
+                got = await read_all(q)
+                assert got == records[:len(got)] and len(got) >= cut.first_id, crash_at
+                assert q.written_end == (got[-1].end if got else 0)
+                kept = list(q.commitlog.entries())
+                assert kept[-1].end_offset == q.written_end
+                assert [e._replace(log_id=0, flags=0) for e in kept[:11]] == [
+                    e._replace(log_id=0, flags=0) for e in entries[:11]]
+                if finished:
+                    assert (q.written_end, q.written_count) == (cut.offset, cut.first_id)
+                    assert kept == entries[:11]
+            finally:
+                await q.close()
         finally:
-            await q.close()
-        shutil.rmtree(path)
-        crash_at += 1
-    assert crash_at > 10  # it went through many points
+            if fs is not None:
+                fs.unmount()
+        if not power:
+            shutil.rmtree(path)
+        crash_at += every
+        runs += 1
+    return runs
+
+
+async def test_a_kill_at_any_point_of_truncate_to_leaves_a_prefix(tmp_path):
+    assert await _truncate_at_every_point(tmp_path, power=False) > 10  # many points
+
+
+async def test_a_power_cut_during_truncate_to_leaves_a_prefix(tmp_path):
+    """As above, with a power cut after the kill (PowerFS: what was not synced is lost),
+    at every 7th point; a truncation that returned is kept."""
+    assert await _truncate_at_every_point(tmp_path, power=True, every=7) > 3
+
+
+@pytest.mark.long
+async def test_a_power_cut_at_any_point_of_truncate_to_leaves_a_prefix(tmp_path):
+    await _truncate_at_every_point(tmp_path, power=True)
 
 
 # ---- diskqueue/raw.py on its own -------------------------------------------------
 
 def _batch(partition=2, offset=0, count=0, n=3, epoch=1, per=2):
     """A valid raw batch: entries and data, as a leader writes them."""
-    from diskqueue.record import encode_records
     from commitlog.entry import encode_fields
+    from diskqueue.record import encode_records
     parts, entries = [], []
     for i in range(n):
         start = offset
@@ -642,7 +686,7 @@ def test_check_batch_refuses(change, reason):
 
 def test_check_batch_refuses_records_that_do_not_match_their_entry():
     from diskqueue.record import encode_records
-    entries, data = _batch(n=1, per=2)
+    entries, _ = _batch(n=1, per=2)
     parts = []
     encode_records(parts.append, [], 0, 2 << PARTITION_SHIFT | 5, 0, 1000, 0, b"",
                    [body(0), body(1)])
