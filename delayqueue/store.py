@@ -509,7 +509,7 @@ class DelayStore:
             if old_top is None or top > I64.unpack(old_top)[0]:
                 txn.put(MAX_ORIGIN_KEY, I64.pack(top), db=self._meta)
             waiting, taken, due_of = self._waiting, self._taken, self._due_of
-            pop, put, delete, tick = txn.pop, txn.put, txn.delete, self._tick
+            pop, put, tick = txn.pop, txn.put, self._tick
             # One sub-database at a time, each in key order: neighbouring keys share pages.
             olds = []
             for id8 in ids:
