@@ -176,6 +176,8 @@ class DelayStore:
         self._map: tuple[int, int] | None = None  # (address, length) of LMDB's map
         self.recovered = 0  # entries moved from taken back to waiting at open
         self.map_grows = 0
+        self.commits = 0  # write transactions committed since open: a read that saw k
+        # commits before it started shows every change they made (callers order reads by it)
 
     # -- open / create -----------------------------------------------------------
 
@@ -362,6 +364,7 @@ class DelayStore:
                 raise
             except lmdb.Error as e:
                 raise DelayStoreError(f"{self.data_file}: write failed: {e}") from e
+        self.commits += 1
         self._txns_since_release += 1
         if self._txns_since_release >= RELEASE_EVERY_TXNS:
             self._release_map()
@@ -506,7 +509,7 @@ class DelayStore:
             if old_top is None or top > I64.unpack(old_top)[0]:
                 txn.put(MAX_ORIGIN_KEY, I64.pack(top), db=self._meta)
             waiting, taken, due_of = self._waiting, self._taken, self._due_of
-            pop, put, delete, tick = txn.pop, txn.put, txn.delete, self._tick
+            pop, put, tick = txn.pop, txn.put, self._tick
             # One sub-database at a time, each in key order: neighbouring keys share pages.
             olds = []
             for id8 in ids:

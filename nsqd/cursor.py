@@ -116,7 +116,7 @@ class Ranges:
             counts.insert(i, end_count)
             counts.insert(i, start_count)
 
-    def below(self, offset: int, count: int) -> "Ranges":
+    def below(self, offset: int, count: int) -> Ranges:
         """The ranges cut at (`offset`, `count`), a message boundary: what lies before it."""
         bounds, counts = self.bounds, self.counts
         n = bisect_right(bounds, offset)  # odd: `offset` is inside range n // 2

@@ -24,6 +24,8 @@ Invariants:
   message), read in the same worker call as every write that may change it, and updated
   before `on_stored` confirms anything: whenever the cursor has passed a message because
   the store holds it, `min_origin` is at or below it (what replicas get: Channel.replica_state).
+  The flusher and the poller read in two threads: a read older (by `store.commits`) than
+  the one applied last is dropped, so a late one never undoes a newer one.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class ChannelDelay:
         self.taken = 0
         self.oldest_due_ms: int | None = None
         self.min_origin: tuple[int, int] | None = None  # (offset, msg_id): see the docstring
+        self._read_at = 0  # store.commits before the read applied last (see _refresh)
         self.max_origin = -1  # at open: no log record past this offset is in the store
         self._puts: list = []  # (DelayedMessage, message from the log or None)
         self._finishes: list[int] = []
@@ -95,6 +98,7 @@ class ChannelDelay:
 
         try:
             self.store = await asyncio.to_thread(DelayStore.open, self.path)
+            self._read_at = 0
             self._refresh(*await asyncio.to_thread(self._read_state))
             self.max_origin = await asyncio.to_thread(self.store.max_origin_offset)
         except (DelayStoreError, OSError) as e:
@@ -193,10 +197,16 @@ class ChannelDelay:
         return self._read_state()
 
     def _read_state(self):
-        """(waiting, taken, oldest due_ms, min_origin) of the store (worker thread)."""
-        return (*self.store.stats(), self.store.min_origin())
+        """(waiting, taken, oldest due_ms, min_origin, commits before the read) of the store
+        (worker thread)."""
+        commits = self.store.commits
+        return (*self.store.stats(), self.store.min_origin(), commits)
 
-    def _refresh(self, waiting: int, taken: int, oldest_due_ms, min_origin) -> None:
+    def _refresh(self, waiting: int, taken: int, oldest_due_ms, min_origin,
+                 read_at: int) -> None:
+        if read_at < self._read_at:  # read before the state applied last: stale
+            return
+        self._read_at = read_at
         self.waiting, self.taken, self.oldest_due_ms = waiting, taken, oldest_due_ms
         self.min_origin = min_origin
 

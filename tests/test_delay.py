@@ -511,3 +511,31 @@ async def test_replica_state_follows_a_requeued_message_in_the_store(node):
     replica = ch.replica_state(state)
     assert replica == dict(state, delay_store=False) and state["delay_store"] is True
     assert replica["confirmed"] == ch.queue.committed_end
+
+
+async def test_a_late_store_read_never_undoes_a_newer_one(tmp_path):
+    """The poller's and the flusher's reads of the store run in two threads: a read that
+    reaches the loop after a newer one is dropped, so `min_origin` never loses a message
+    the cursor has already passed."""
+    from types import SimpleNamespace
+
+    from nsqd.delaying import ChannelDelay
+
+    stored = []
+    d = ChannelDelay(str(tmp_path / "c.channel"), stored.extend, lambda held: None)
+    await d.open()
+
+    def log_message(msg_id, offset):
+        return SimpleNamespace(msg_id=msg_id, trace_id=0, timestamp=0, attempts=1, ext=b"",
+                               body=b"x", offset=offset, delayed=False)
+
+    d.move(log_message(2, 200), 10**13)
+    await until(lambda: len(stored) == 1)
+    assert d.min_origin == (200, 2)
+    late = await asyncio.to_thread(d._read_state)  # read now, reaches the loop later
+    d.move(log_message(1, 100), 10**13)
+    await until(lambda: len(stored) == 2)
+    assert d.min_origin == (100, 1)
+    d._refresh(*late)
+    assert d.min_origin == (100, 1) and d.waiting == 2
+    await d.close()
