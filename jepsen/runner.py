@@ -41,6 +41,7 @@ class RunOptions:
     drain_timeout: float = 90.0
     keep_data: bool = False
     classic: bool = True
+    pause_s: float = 0.05  # each producer's pause between its operations
 
 
 def _raise_interrupt(signum, frame):
@@ -103,7 +104,7 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
     lookupds = cluster.lookupd_http_addresses
     nsqds = [h.nsqd_tcp for h in cluster.hosts]
     workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
-                        classic=opts.classic)
+                        pause_s=opts.pause_s, classic=opts.classic)
     await workload.start()
     try:
         deadline = time.monotonic() + opts.time_limit
