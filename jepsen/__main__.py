@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="an extra nsqd flag (repeatable), e.g. --nsqd-flag=--sync-every=1")
     ap.add_argument("--pause", type=float, default=0.05,
                     help="each producer's pause between operations (s)")
+    ap.add_argument("--unkeyed", type=int, default=2,
+                    help="unkeyed producer processes (beside one keyed per partition)")
     ap.add_argument("--no-classic", action="store_true", help="without the pynsq producer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=90.0)
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                       partitions=args.partitions, interval=args.interval, store=store,
                       loopback=args.loopback, nsqd_flags=args.nsqd_flag, seed=args.seed,
                       drain_timeout=args.drain_timeout, keep_data=args.keep_data,
-                      classic=not args.no_classic, pause_s=args.pause)
+                      classic=not args.no_classic, pause_s=args.pause,
+                      unkeyed=args.unkeyed)
     try:
         summary = run(opts)
     except ValueError as e:

@@ -42,6 +42,7 @@ class RunOptions:
     keep_data: bool = False
     classic: bool = True
     pause_s: float = 0.05  # each producer's pause between its operations
+    unkeyed: int = 2  # unkeyed producer processes (beside one keyed per partition)
 
 
 def _raise_interrupt(signum, frame):
@@ -104,7 +105,7 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
     lookupds = cluster.lookupd_http_addresses
     nsqds = [h.nsqd_tcp for h in cluster.hosts]
     workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
-                        pause_s=opts.pause_s, classic=opts.classic)
+                        unkeyed=opts.unkeyed, pause_s=opts.pause_s, classic=opts.classic)
     await workload.start()
     try:
         deadline = time.monotonic() + opts.time_limit

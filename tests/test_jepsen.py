@@ -134,15 +134,25 @@ def test_kill_and_pause_r1_for_60_s_lose_nothing(tmp_path):
 
 
 def test_broken_build_ack_before_sync_is_caught(tmp_path):
-    """--test-ack-before-sync answers OK before the write: kill -9 loses acknowledged
-    messages, and the total-queue checker fails the run (exit 1)."""
-    store = tmp_path / "broken"
-    status, s = jepsen(store, "--nemesis", "kill", "--time-limit", "40", "--nodes", "3",
-                       "--interval", "4", "--pause", "0", "--no-classic", "--seed", "3",
-                       "--nsqd-flag=--test-ack-before-sync", timeout=300)
-    assert s["valid"] is False and status == 1, s["total_queue"]
-    assert s["total_queue"]["lost"] > 0
-    assert leftovers() == []
+    """--test-ack-before-sync answers OK before the write: a kill -9 that lands while
+    acknowledged messages are still unwritten loses them, and the total-queue checker
+    fails the run (exit 1). The window is short (a write cycle), so a run catches it
+    only most of the time (measured: 5 of 7 runs of this size): up to 4 runs, each one
+    that loses nothing must still pass. The same runs without the flag lose nothing
+    (jepsen/README.md)."""
+    for attempt in range(4):
+        store = tmp_path / f"broken{attempt}"
+        status, s = jepsen(store, "--nemesis", "restart", "--time-limit", "25", "--nodes",
+                           "3", "--interval", "1", "--pause", "0", "--unkeyed", "6",
+                           "--no-classic", "--seed", str(attempt + 1),
+                           "--nsqd-flag=--test-ack-before-sync", timeout=300)
+        assert leftovers() == []
+        if s["total_queue"]["lost"]:
+            break
+        assert s["valid"] is True and status == 0, s["total_queue"]
+    assert s["total_queue"]["lost"] > 0, "the broken build was never caught"
+    assert s["valid"] is False and status == 1
+    assert s["total_queue"]["unexpected"] == 0
 
 
 def test_interrupt_leaves_nothing_behind(tmp_path):
