@@ -6,14 +6,16 @@ Two kinds of host:
   10.213.0.I on the bridge `jep-br0` (a veth pair each); the harness runs in the root
   namespace at 10.213.0.254 and reaches every host. Partitions are iptables DROP rules
   inside the hosts' namespaces, so they never touch the harness's own traffic.
+  Each nsqd's data path is a small tmpfs of its own (`--disk-mb`, source `jep-nI`), which
+  the disk-full nemesis fills.
 - `LoopbackCluster` (no root): the same processes on 127.0.0.1 with their own ports. It
-  cannot partition (no namespaces, no iptables, and no user-space proxy yet): only the
-  process nemeses (kill, pause, restart) run there.
+  cannot partition or fill a disk (no namespaces, no iptables, no mounts, and no
+  user-space proxy yet): only the process nemeses (kill, pause, restart) run there.
 
 Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
-process, namespace, veth or bridge behind; `cleanup_leftovers()` removes those of an
-earlier run that could not (every name starts with `jep-`). iptables rules live inside
-the namespaces and die with them; nothing is mounted.
+process, namespace, veth, bridge or mount behind; `cleanup_leftovers()` removes those of
+an earlier run that could not (every name starts with `jep-`). iptables rules live
+inside the namespaces and die with them.
 """
 
 from __future__ import annotations
@@ -154,10 +156,12 @@ class Cluster:
 
     host_class = Host
     can_partition = False
+    can_fill_disk = False
 
     def __init__(self, store: str, nodes: int = 5, lookupds: int = 3,
-                 nsqd_flags: tuple[str, ...] = (), lease_ttl: str = "2s"):
+                 nsqd_flags: tuple[str, ...] = (), lease_ttl: str = "2s", disk_mb: int = 64):
         self.store = store
+        self.disk_mb = disk_mb
         self.logs = os.path.join(store, "logs")
         self.data = os.path.join(store, "data")
         self.nsqd_flags = list(nsqd_flags)
@@ -203,7 +207,7 @@ class Cluster:
                     "--http-address", f"{h.ip}:{p['lookupd_http']}",
                     "--broadcast-address", h.ip, *common], f"http://{h.lookupd_http}/ping")
             h.daemons["nsqd"] = Daemon(h, "nsqd", [
-                py, "-m", "nsqd.main", "--data-path", os.path.join(self.data, h.name, "nsqd"),
+                py, "-m", "nsqd.main", "--data-path", self.nsqd_data(h),
                 "--tcp-address", f"{h.ip}:{p['nsqd_tcp']}",
                 "--http-address", f"{h.ip}:{p['nsqd_http']}",
                 "--rpc-address", f"{h.ip}:{p['nsqd_rpc']}", "--broadcast-address", h.ip,
@@ -312,6 +316,15 @@ class Cluster:
     def heal_network(self) -> None:
         pass
 
+    def fill_disk(self, host: Host) -> None:
+        raise RuntimeError("this cluster has no disks to fill (loopback fallback)")
+
+    def free_disk(self, host: Host) -> None:
+        pass
+
+    def nsqd_data(self, host: Host) -> str:
+        return os.path.join(self.data, host.name, "nsqd")
+
 
 class LoopbackCluster(Cluster):
     """No root: every host on 127.0.0.1 with its own ports; no partitions."""
@@ -327,6 +340,8 @@ class LoopbackCluster(Cluster):
 class NetnsCluster(Cluster):
     host_class = NetnsHost
     can_partition = True
+    can_fill_disk = True
+    FILLERS = ("jepsen-fill", "jepsen-fill-small")
     PORTS = {"etcd": 2379, "etcd_peer": 2380, "nsqd_tcp": 4150, "nsqd_http": 4151,
              "nsqd_rpc": 4250, "lookupd_tcp": 4160, "lookupd_http": 4161}
 
@@ -353,11 +368,32 @@ class NetnsCluster(Cluster):
             for cmd in (["ip", "addr", "add", f"{h.ip}/24", "dev", "eth0"],
                         ["ip", "link", "set", "eth0", "up"], ["ip", "link", "set", "lo", "up"]):
                 sh("ip", "netns", "exec", h.netns, *cmd)
+            disk = self.nsqd_data(h)
+            os.makedirs(disk, exist_ok=True)
+            sh("mount", "-t", "tmpfs", "-o", f"size={self.disk_mb}m", h.netns, disk)
         super().setup()
 
     def teardown(self) -> None:
         super().teardown()
         cleanup_leftovers()
+
+    def fill_disk(self, host: Host) -> None:
+        """Take every free block of the host's nsqd disk (a real ENOSPC for nsqd)."""
+        disk = self.nsqd_data(host)
+        for name, chunk in zip(self.FILLERS, (1 << 16, 512)):
+            with open(os.path.join(disk, name), "ab", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * chunk)
+                except OSError:
+                    pass
+
+    def free_disk(self, host: Host) -> None:
+        for name in self.FILLERS:
+            try:
+                os.unlink(os.path.join(self.nsqd_data(host), name))
+            except FileNotFoundError:
+                pass
 
     def drop(self, host: Host, sources: list[Host]) -> None:
         """`host` drops every packet from `sources` (one way; call both ways to cut)."""
@@ -376,6 +412,12 @@ def cleanup_leftovers() -> list[str]:
     removed = []
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return removed
+    mounts = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            source, target = line.split()[:2]
+            if source.startswith(PREFIX):
+                mounts.append(target.encode().decode("unicode_escape"))
     for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         if not name.startswith(PREFIX):
@@ -392,6 +434,9 @@ def cleanup_leftovers() -> list[str]:
             time.sleep(0.05)
         sh("ip", "netns", "del", name, check=False)
         removed.append(f"netns {name}")
+    for target in mounts:  # after the processes that used them are gone
+        sh("umount", "-l", target, check=False)
+        removed.append(f"mount {target}")
     for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
         parts = line.split(":")
         if len(parts) > 1:
@@ -402,9 +447,9 @@ def cleanup_leftovers() -> list[str]:
     return removed
 
 
-def make_cluster(store: str, nodes: int, lookupds: int, nsqd_flags=(), loopback: bool = False
-                 ) -> Cluster:
+def make_cluster(store: str, nodes: int, lookupds: int, nsqd_flags=(), loopback: bool = False,
+                 disk_mb: int = 64) -> Cluster:
     """A NetnsCluster when we are root with `ip` and iptables, else the loopback one."""
     if not loopback and os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables"):
-        return NetnsCluster(store, nodes, lookupds, tuple(nsqd_flags))
-    return LoopbackCluster(store, nodes, lookupds, tuple(nsqd_flags))
+        return NetnsCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)
+    return LoopbackCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)

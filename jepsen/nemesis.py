@@ -11,9 +11,11 @@ in the History as `info` operations of process `nemesis`.
   inside the hosts, so etcd, nsqlookupd and nsqd traffic between hosts is cut while the
   harness still reaches every host; heal: flush the rules.
 - restart: SIGKILL every nsqd at once; heal: start them all.
+- disk-full (network namespaces only): fill the nsqd disk (its own tmpfs) of a random
+  host or of a partition's leader; heal: delete the filler.
 
-`final_heal()` undoes everything: network healed, paused processes continued, every
-dead daemon started again. Disk-full and power-cut nemeses are not built (see README).
+`final_heal()` undoes everything: network healed, disks freed, paused processes
+continued, every dead daemon started again. A power-cut nemesis is not built (README).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import signal
 
 from jepsen.cluster import Cluster, Host
 
-KINDS = ("kill", "pause", "partition", "restart")
+KINDS = ("kill", "pause", "partition", "restart", "disk-full")
 
 
 class Nemesis:
@@ -34,6 +36,9 @@ class Nemesis:
         if "partition" in kinds and not cluster.can_partition:
             raise ValueError("the partition nemesis needs network namespaces (root, ip, "
                              "iptables); this is the loopback fallback")
+        if "disk-full" in kinds and not cluster.can_fill_disk:
+            raise ValueError("the disk-full nemesis needs root (a tmpfs per host); this is "
+                             "the loopback fallback")
         self.cluster, self.topic, self.kinds, self.rng = cluster, topic, kinds, rng
         self.turn = 0
         self.current: dict | None = None
@@ -59,7 +64,7 @@ class Nemesis:
         """The next fault (the kinds in turn); returns what it did."""
         kind = self.kinds[self.turn % len(self.kinds)]
         self.turn += 1
-        self.current = getattr(self, f"_start_{kind}")()
+        self.current = getattr(self, f"_start_{kind.replace('-', '_')}")()
         self.current["kind"] = kind
         return self.current
 
@@ -67,7 +72,7 @@ class Nemesis:
         fault, self.current = self.current, None
         if fault is None:
             return {}
-        return getattr(self, f"_stop_{fault['kind']}")(fault)
+        return getattr(self, f"_stop_{fault['kind'].replace('-', '_')}")(fault)
 
     def _start_kill(self) -> dict:
         host, why = self._target()
@@ -101,6 +106,17 @@ class Nemesis:
     def _stop_restart(self, fault: dict) -> dict:
         self._start_nsqd(self.cluster.hosts)
         return {"kind": "restart", "restarted": fault["hosts"]}
+
+    def _start_disk_full(self) -> dict:
+        host, why = self._target()
+        affected = self._affected([host])
+        self.cluster.fill_disk(host)
+        return {"mode": why, "hosts": [host.name], "partitions": affected}
+
+    def _stop_disk_full(self, fault: dict) -> dict:
+        for h in self._hosts(fault["hosts"]):
+            self.cluster.free_disk(h)
+        return {"kind": "disk-full", "freed": fault["hosts"]}
 
     def _start_partition(self) -> dict:
         hosts = list(self.cluster.hosts)
@@ -146,9 +162,11 @@ class Nemesis:
     # ---- heal everything ------------------------------------------------------------
 
     def final_heal(self) -> dict:
-        """Network healed, paused nsqds continued, dead daemons started again."""
+        """Network healed, disks freed, paused nsqds continued, dead daemons started."""
         self.current = None
         self.cluster.heal_network()
+        for h in self.cluster.hosts:
+            self.cluster.free_disk(h)
         dead = []
         for h in self.cluster.hosts:
             for d in h.daemons.values():

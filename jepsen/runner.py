@@ -43,6 +43,7 @@ class RunOptions:
     classic: bool = True
     pause_s: float = 0.05  # each producer's pause between its operations
     unkeyed: int = 2  # unkeyed producer processes (beside one keyed per partition)
+    disk_mb: int = 64  # each nsqd's tmpfs (network namespaces only)
 
 
 def _raise_interrupt(signum, frame):
@@ -70,7 +71,7 @@ def run(opts: RunOptions) -> dict:
     seed = opts.seed or int(time.time())
     rng = random.Random(seed)
     cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
-                           opts.loopback)
+                           opts.loopback, opts.disk_mb)
     nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
     history_path = os.path.join(opts.store, "history.jsonl")
     history = History(history_path)

@@ -1,8 +1,8 @@
 """jepsen/: the checkers on small written histories, and real runs of the harness
 (network namespaces as root, else the loopback fallback): a 60-second run with kill and
 pause against R=1 topics must pass; the deliberately broken build
-(`--test-ack-before-sync`) must be caught by the total-queue checker; Ctrl-C leaves
-nothing behind. The hour-long run is behind --long."""
+(`--test-ack-before-sync`) must be caught by the total-queue checker under the
+disk-full nemesis; Ctrl-C leaves nothing behind. The hour-long run is behind --long."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_failover_is_fault_start_to_first_acknowledged_publish_of_each_partition
 
 
 def leftovers() -> list[str]:
-    """jep- namespaces and links, and processes of ours still running."""
+    """jep- namespaces, links and mounts."""
     out = []
     if os.geteuid() == 0:
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -95,6 +95,8 @@ def leftovers() -> list[str]:
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         out += [line.split(":")[1].strip() for line in links.splitlines()
                 if line.split(":")[1].strip().startswith(PREFIX)]
+        with open("/proc/mounts") as f:
+            out += [line.split()[1] for line in f if line.startswith(PREFIX)]
     return out
 
 
@@ -133,26 +135,27 @@ def test_kill_and_pause_r1_for_60_s_lose_nothing(tmp_path):
     assert leftovers() == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the disk-full nemesis needs root (tmpfs)")
 def test_broken_build_ack_before_sync_is_caught(tmp_path):
-    """--test-ack-before-sync answers OK before the write: a kill -9 that lands while
-    acknowledged messages are still unwritten loses them, and the total-queue checker
-    fails the run (exit 1). The window is short (a write cycle), so a run catches it
-    only most of the time (measured: 5 of 7 runs of this size): up to 4 runs, each one
-    that loses nothing must still pass. The same runs without the flag lose nothing
-    (jepsen/README.md)."""
-    for attempt in range(4):
-        store = tmp_path / f"broken{attempt}"
-        status, s = jepsen(store, "--nemesis", "restart", "--time-limit", "25", "--nodes",
-                           "3", "--interval", "1", "--pause", "0", "--unkeyed", "6",
-                           "--no-classic", "--seed", str(attempt + 1),
-                           "--nsqd-flag=--test-ack-before-sync", timeout=300)
+    """--test-ack-before-sync answers OK before the batch is written: when the write then
+    fails (the disk-full nemesis fills the node's disk) the acknowledged messages are
+    gone, and the total-queue checker fails the run (exit 1). The same run without the
+    flag passes: nsqd refuses those publishes (E_PUB_FAILED), nothing acknowledged is
+    lost."""
+    runs = {}
+    for name, flags in (("broken", ["--nsqd-flag=--test-ack-before-sync"]), ("sound", [])):
+        runs[name] = jepsen(tmp_path / name, "--nemesis", "disk-full", "--time-limit", "25",
+                            "--nodes", "3", "--interval", "5", "--no-classic", "--seed", "5",
+                            *flags, timeout=300)
         assert leftovers() == []
-        if s["total_queue"]["lost"]:
-            break
-        assert s["valid"] is True and status == 0, s["total_queue"]
-    assert s["total_queue"]["lost"] > 0, "the broken build was never caught"
-    assert s["valid"] is False and status == 1
-    assert s["total_queue"]["unexpected"] == 0
+    status, s = runs["broken"]
+    tq = s["total_queue"]
+    assert status == 1 and s["valid"] is False
+    assert tq["lost"] > 10 and tq["unexpected"] == 0, tq
+    status, s = runs["sound"]
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, tq
+    assert tq["lost"] == 0 and tq["failed"] > 10  # refused while the disk was full
 
 
 def test_interrupt_leaves_nothing_behind(tmp_path):
