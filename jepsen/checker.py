@@ -92,7 +92,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def availability(history: list[dict]) -> dict:
-    done = [(inv, d) for inv, d in pairs(history)]
+    done = pairs(history)
     ok = [(inv, d) for inv, d in done if d and d["type"] == "ok"]
     lat = [d["time"] - inv["time"] for inv, d in ok]
     per_second: dict[int, Counter] = defaultdict(Counter)

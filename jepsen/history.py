@@ -9,7 +9,9 @@ Every client operation is an `invoke` followed by at most one completion of the 
 process and `f`: `ok` (it happened), `fail` (it certainly did not) or `info` (unknown: a
 timeout, a lost connection). An invoke without a completion counts as `info`. A
 dequeue is recorded as `ok` only (it is observed, never attempted). Enqueue values are
-`{"id": unique, "key": str|null, "seq": n, "partition": n|null}`.
+`{"id": unique, "key": str|null, "seq": n, "partition": n|null}`. `node` is the nsqd that
+answered when the client tells (pynsq's connection, a consumer's subscription); null for
+the partition-aware producer, whose keyed values name their `partition` instead.
 """
 
 from __future__ import annotations

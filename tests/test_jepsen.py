@@ -15,11 +15,10 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from jepsen import checker
+from jepsen.cluster import PREFIX
 
-from jepsen import checker  # noqa: E402
-from jepsen.cluster import PREFIX  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def op(type_, f, t, process, value=None):
