@@ -66,13 +66,13 @@ def _client_logs(path: str):
 
 def run(opts: RunOptions) -> dict:
     """Run once; returns the summary (its `valid` says pass or fail)."""
-    os.makedirs(os.path.join(opts.store, "logs"), exist_ok=True)
-    log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
     seed = opts.seed or int(time.time())
     rng = random.Random(seed)
     cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
                            opts.loopback, opts.disk_mb)
     nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
+    os.makedirs(os.path.join(opts.store, "logs"), exist_ok=True)
+    log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
     history_path = os.path.join(opts.store, "history.jsonl")
     history = History(history_path)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
