@@ -179,6 +179,6 @@ def test_interrupt_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.long
 def test_every_nemesis_for_an_hour(tmp_path):
-    status, s = jepsen(tmp_path / "long", "--nemesis", "partition,kill,pause,restart",
+    status, s = jepsen(tmp_path / "long", "--nemesis", "partition,kill,pause,restart,disk-full",
                        "--long", "--nodes", "5", timeout=4500)
     assert status == 0 and s["total_queue"]["lost"] == 0, s["total_queue"]
