@@ -79,6 +79,7 @@ class Options:
     retention_max_bytes: int = 0  # 0: no size bound per partition
     retention_check_interval_ms: int = 10_000
     checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
+    test_ack_before_sync: bool = False  # TEST ONLY (jepsen's broken build): never in use
     # messages
     max_msg_size: int = 1024 * 1024
     max_body_size: int = 5 * 1024 * 1024
@@ -152,7 +153,8 @@ _DURATIONS = {
     "repl_timeout": "repl_timeout_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
-_BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create"}
+_BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create",
+          "test_ack_before_sync"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
@@ -182,6 +184,9 @@ _HELP = {
     "segment_bytes": "size of one data segment file (bytes)",
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
     "sync_timeout": "with --sync-every > 1, also sync data this old (duration)",
+    "test_ack_before_sync": "TEST ONLY, a deliberately broken build: answer a TCP publish "
+                            "OK before its batch is written and synced (jepsen shows the "
+                            "loss); never use it",
     "mem_queue_size": "accepted for compatibility and ignored: every message goes to disk "
                       "before its OK, and the page cache is the memory queue",
     "retention_max_age": "drop segments older than this even if a channel still needs them "

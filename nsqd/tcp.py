@@ -387,6 +387,8 @@ class ClientConnection(asyncio.Protocol):
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
         self._publishing.append(slot)
+        if o.test_ack_before_sync:  # the broken build: OK now, whatever the write does
+            self._published(slot, None, None)
         return True
 
     async def _publish_after(self, cmd) -> None:

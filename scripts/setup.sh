@@ -15,6 +15,8 @@ command -v npm >/dev/null || need_apt+=(npm)
 command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 # cluster mode: the real etcd server, started by tests and the run command on loopback
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+# jepsen/: partitions are iptables DROP rules inside network namespaces
+command -v iptables >/dev/null || need_apt+=(iptables)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi

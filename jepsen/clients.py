@@ -1,0 +1,183 @@
+"""The workload: producers (keyed and unkeyed, through nsqclient), consumers (nsqclient),
+and one classic client (pynsq, a plain PUB to one nsqd at a time), each recording every
+operation in the History.
+
+Each producer process does one operation at a time (as a Jepsen process does): invoke,
+then ok, fail (refused: certainly not stored) or info (anything else: it may be stored).
+A keyed process owns one key and numbers its messages 0, 1, 2, ... (`seq`), so the
+order checker can see reorderings per key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from jepsen.history import History
+from nsqclient.consumer import Consumer
+from nsqclient.partitioning import partition_of
+from nsqclient.producer import Producer, PublishError
+
+CHANNEL = "jepsen"
+PUBLISH_TIMEOUT_S = 8.0
+
+
+def keys_for(partitions: int, per_partition: int = 1) -> list[str]:
+    """Keys that cover every partition (`per_partition` each), so each one is written."""
+    found: dict[int, list[str]] = {n: [] for n in range(partitions)}
+    i = 0
+    while any(len(v) < per_partition for v in found.values()):
+        key = f"key-{i}"
+        n = partition_of(key, partitions)
+        if len(found[n]) < per_partition:
+            found[n].append(key)
+        i += 1
+    return [k for n in range(partitions) for k in found[n]]
+
+
+class Workload:
+    """Producers and consumers on one topic until `stop_producing()`, consumers until
+    `close()`."""
+
+    def __init__(self, history: History, topic: str, partitions: int,
+                 lookupds: list[str], nsqds: list[str], unkeyed: int = 2,
+                 pause_s: float = 0.05, consumers: int = 2, classic: bool = True):
+        self.history, self.topic, self.partitions = history, topic, partitions
+        self.lookupds, self.nsqds = lookupds, nsqds
+        self.keys = keys_for(partitions)
+        self.unkeyed, self.pause_s, self.consumers_n = unkeyed, pause_s, consumers
+        self.classic = classic
+        self.producing = True
+        self.tasks: list[asyncio.Task] = []
+        self.consumers: list[Consumer] = []
+        self.acknowledged: set[str] = set()  # enqueue ids answered OK, for the drain
+        self.dequeued: set[str] = set()
+        self._classic_thread: threading.Thread | None = None
+
+    async def start(self) -> None:
+        for i in range(self.consumers_n):
+            name = f"c{i + 1}"
+            c = Consumer(self.topic, CHANNEL, self.lookupds,
+                         lambda m, name=name: self._dequeued(name, m), max_in_flight=50,
+                         lookup_interval=2.0, max_backoff=1.0)
+            self.consumers.append(await c.start())
+        n = 0
+        for key in self.keys:
+            n += 1
+            self.tasks.append(asyncio.create_task(self._produce(f"p{n}", key)))
+        for _ in range(self.unkeyed):
+            n += 1
+            self.tasks.append(asyncio.create_task(self._produce(f"p{n}", None)))
+        if self.classic:
+            self._classic_thread = threading.Thread(target=self._classic, args=(f"p{n + 1}",),
+                                                    daemon=True)
+            self._classic_thread.start()
+
+    async def stop_producing(self) -> None:
+        self.producing = False
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self._classic_thread is not None:
+            await asyncio.to_thread(self._classic_thread.join, PUBLISH_TIMEOUT_S + 5)
+
+    async def close(self) -> None:
+        for c in self.consumers:
+            await c.close()
+
+    # ---- producers ----------------------------------------------------------------------
+
+    async def _produce(self, process: str, key: str | None) -> None:
+        producer = Producer(self.lookupds, max_retry_time=5.0, response_timeout=3.0,
+                            connect_timeout=2.0, max_backoff=0.5)
+        partition = None if key is None else partition_of(key, self.partitions)
+        seq = 0
+        try:
+            while self.producing:
+                value = {"id": f"{process}-{seq}", "key": key, "seq": seq,
+                         "partition": partition}
+                self.history.record("invoke", "enqueue", process, value)
+                try:
+                    await asyncio.wait_for(
+                        producer.publish(self.topic, json.dumps(value).encode(), key=key),
+                        PUBLISH_TIMEOUT_S)
+                    self.history.record("ok", "enqueue", process, value)
+                    self.acknowledged.add(value["id"])
+                except PublishError as e:
+                    refused = "refused" in str(e)
+                    self.history.record("fail" if refused else "info", "enqueue", process,
+                                        dict(value, error=str(e)[:200]))
+                except (asyncio.TimeoutError, OSError) as e:
+                    self.history.record("info", "enqueue", process,
+                                        dict(value, error=repr(e)[:200]))
+                seq += 1
+                await asyncio.sleep(self.pause_s)
+        finally:
+            await producer.close()
+
+    def _classic(self, process: str) -> None:
+        """pynsq's Writer on its own tornado loop in this thread: PUB without a partition
+        number to whichever nsqd it is connected to (the node picks one it leads)."""
+        import nsq
+        import tornado.ioloop
+
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def run():
+            writer = nsq.Writer(self.nsqds, reconnect_interval=1.0)
+            seq = 0
+            while self.producing:
+                value = {"id": f"{process}-{seq}", "key": None, "seq": seq, "partition": None}
+                self.history.record("invoke", "enqueue", process, value)
+                done = asyncio.get_running_loop().create_future()
+
+                def answered(conn, data, done=done):
+                    if not done.done():
+                        done.set_result((conn, data))
+
+                writer.pub(self.topic, json.dumps(value).encode(), callback=answered)
+                try:
+                    conn, data = await asyncio.wait_for(done, PUBLISH_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    self.history.record("info", "enqueue", process,
+                                        dict(value, error="timeout"))
+                    seq += 1
+                    continue
+                node = getattr(conn, "id", None)
+                if isinstance(data, nsq.Error):
+                    # no connection at all, or an E_* answer: not stored; a closed
+                    # connection: unknown
+                    error = str(data)
+                    sure = conn is None and "no open connections" in error or "E_" in error
+                    self.history.record("fail" if sure else "info", "enqueue", process,
+                                        dict(value, error=error[:200]), node)
+                    await asyncio.sleep(0.2)
+                else:
+                    self.history.record("ok", "enqueue", process, value, node)
+                    self.acknowledged.add(value["id"])
+                seq += 1
+                await asyncio.sleep(self.pause_s)
+            for conn in list(writer.conns.values()):
+                conn.close()
+
+        try:
+            tornado.ioloop.IOLoop.current()  # binds tornado to this thread's asyncio loop
+            loop.run_until_complete(run())
+        finally:
+            loop.close()
+
+    # ---- consumers ----------------------------------------------------------------------
+
+    def _dequeued(self, process: str, message) -> None:
+        try:
+            value = json.loads(message.body)
+        except ValueError:
+            value = {"id": None, "raw": message.body[:100].decode(errors="replace")}
+        conn = message.conn
+        node = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+        self.history.record("ok", "dequeue", process, value, node)
+        self.dequeued.add(value.get("id"))
+
+    def missing(self) -> int:
+        """Acknowledged enqueues not dequeued yet (the drain waits for 0)."""
+        return len(self.acknowledged - self.dequeued)

@@ -1,0 +1,455 @@
+"""The cluster under test: N hosts, each with an etcd member (one real N-member etcd
+cluster), an nsqd, and on the first `lookupds` hosts an nsqlookupd.
+
+Two kinds of host:
+- `NetnsCluster` (root): each host is a network namespace `jep-nI` with address
+  10.213.0.I on the bridge `jep-br0` (a veth pair each); the harness runs in the root
+  namespace at 10.213.0.254 and reaches every host. Partitions are iptables DROP rules
+  inside the hosts' namespaces, so they never touch the harness's own traffic.
+  Each nsqd's data path is a small tmpfs of its own (`--disk-mb`, source `jep-nI`), which
+  the disk-full nemesis fills.
+- `LoopbackCluster` (no root): the same processes on 127.0.0.1 with their own ports. It
+  cannot partition or fill a disk (no namespaces, no iptables, no mounts, and no
+  user-space proxy yet): only the process nemeses (kill, pause, restart) run there.
+
+Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
+process, namespace, veth, bridge or mount behind; `cleanup_leftovers()` removes those of
+an earlier run that could not (every name starts with `jep-`). iptables rules live
+inside the namespaces and die with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "jep-"
+BRIDGE = PREFIX + "br0"
+SUBNET = "10.213.0"
+HARNESS_IP = f"{SUBNET}.254"
+CLUSTER_ID = "jepsen"
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def http_json(method: str, url: str, timeout: float = 2) -> tuple[int, object]:
+    """(status, JSON body); an HTTP error status is returned, a network error raised."""
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read())
+        except ValueError:
+            return e.code, None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """One process of one host, restartable with the same argv (and data)."""
+
+    def __init__(self, host: "Host", role: str, argv: list[str], health_url: str):
+        self.host, self.role, self.argv, self.health_url = host, role, argv, health_url
+        self.log_path = os.path.join(host.cluster.logs, f"{host.name}-{role}.log")
+        self.proc: subprocess.Popen | None = None
+        self.paused = False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            # its own session: a Ctrl-C reaches the harness only, which stops everything
+            self.proc = subprocess.Popen(self.host.wrap(self.argv), stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=ROOT,
+                                         start_new_session=True)
+        self.paused = False
+
+    def wait_serving(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.host.name} {self.role} exited with "
+                                   f"{self.proc.returncode}: see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=1):
+                    return
+            except urllib.error.HTTPError:
+                if self.role == "nsqd":  # an unhealthy answer: it is up
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.host.name} {self.role} did not serve in {timeout:g} s")
+
+    def signal(self, signum: int) -> None:
+        if self.running:
+            os.kill(self.proc.pid, signum)
+            if signum == signal.SIGSTOP:
+                self.paused = True
+            elif signum == signal.SIGCONT:
+                self.paused = False
+
+    def kill(self) -> None:
+        """SIGKILL and reap (a paused process dies as well)."""
+        if self.running:
+            self.proc.kill()
+            self.proc.wait()
+        self.paused = False
+
+
+class Host:
+    def __init__(self, cluster: "Cluster", index: int, ip: str, ports: dict[str, int]):
+        self.cluster, self.index, self.ip, self.ports = cluster, index, ip, ports
+        self.name = f"n{index}"
+        self.daemons: dict[str, Daemon] = {}
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return argv
+
+    @property
+    def etcd_peer(self) -> str:
+        return f"http://{self.ip}:{self.ports['etcd_peer']}"
+
+    @property
+    def etcd_client(self) -> str:
+        return f"http://{self.ip}:{self.ports['etcd']}"
+
+    @property
+    def nsqd_tcp(self) -> str:
+        return f"{self.ip}:{self.ports['nsqd_tcp']}"
+
+    @property
+    def lookupd_http(self) -> str:
+        return f"{self.ip}:{self.ports['lookupd_http']}"
+
+
+class NetnsHost(Host):
+    @property
+    def netns(self) -> str:
+        return f"{PREFIX}{self.name}"
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *argv]  # ip execs: the pid is argv's
+
+
+class Cluster:
+    """The hosts and their daemons; `setup()` starts everything, `teardown()` stops it."""
+
+    host_class = Host
+    can_partition = False
+    can_fill_disk = False
+
+    def __init__(self, store: str, nodes: int = 5, lookupds: int = 3,
+                 nsqd_flags: tuple[str, ...] = (), lease_ttl: str = "2s", disk_mb: int = 64):
+        self.store = store
+        self.disk_mb = disk_mb
+        self.logs = os.path.join(store, "logs")
+        self.data = os.path.join(store, "data")
+        self.nsqd_flags = list(nsqd_flags)
+        self.lease_ttl = lease_ttl
+        self.hosts = [self.host_class(self, i + 1, self.ip_of(i + 1), self.ports_of(i + 1))
+                      for i in range(nodes)]
+        self.lookupd_hosts = self.hosts[:max(1, min(lookupds, nodes))]
+
+    def ip_of(self, index: int) -> str:
+        raise NotImplementedError
+
+    def ports_of(self, index: int) -> dict[str, int]:
+        raise NotImplementedError
+
+    # ---- life ----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        os.makedirs(self.logs, exist_ok=True)
+        os.makedirs(self.data, exist_ok=True)
+        etcd_bin = shutil.which("etcd")
+        if etcd_bin is None:
+            raise RuntimeError("etcd is not installed: run scripts/setup.sh")
+        initial = ",".join(f"{h.name}={h.etcd_peer}" for h in self.hosts)
+        endpoints = ",".join(h.etcd_client for h in self.hosts)
+        common = ["--etcd-endpoints", endpoints, "--cluster-id", CLUSTER_ID,
+                  "--etcd-lease-ttl", self.lease_ttl]
+        py = sys.executable
+        for h in self.hosts:
+            p = h.ports
+            listen_client = f"http://{h.ip}:{p['etcd']}"
+            h.daemons["etcd"] = Daemon(h, "etcd", [
+                etcd_bin, "--name", h.name, "--data-dir", os.path.join(self.data, h.name, "etcd"),
+                "--listen-client-urls", listen_client, "--advertise-client-urls", h.etcd_client,
+                "--listen-peer-urls", h.etcd_peer, "--initial-advertise-peer-urls", h.etcd_peer,
+                "--initial-cluster", initial, "--initial-cluster-state", "new",
+                "--initial-cluster-token", CLUSTER_ID, "--heartbeat-interval", "100",
+                "--election-timeout", "1000", "--max-txn-ops", "2048", "--log-level", "warn"],
+                h.etcd_client + "/health")
+            if h in self.lookupd_hosts:
+                h.daemons["nsqlookupd"] = Daemon(h, "nsqlookupd", [
+                    py, "-m", "nsqlookupd.main",
+                    "--tcp-address", f"{h.ip}:{p['lookupd_tcp']}",
+                    "--http-address", f"{h.ip}:{p['lookupd_http']}",
+                    "--broadcast-address", h.ip, *common], f"http://{h.lookupd_http}/ping")
+            h.daemons["nsqd"] = Daemon(h, "nsqd", [
+                py, "-m", "nsqd.main", "--data-path", self.nsqd_data(h),
+                "--tcp-address", f"{h.ip}:{p['nsqd_tcp']}",
+                "--http-address", f"{h.ip}:{p['nsqd_http']}",
+                "--rpc-address", f"{h.ip}:{p['nsqd_rpc']}", "--broadcast-address", h.ip,
+                *common, *self.nsqd_flags], f"http://{h.ip}:{p['nsqd_http']}/ping")
+        etcds = [h.daemons["etcd"] for h in self.hosts]
+        for d in etcds:  # all at once: a member waits for a quorum of its peers
+            d.start()
+        for d in etcds:
+            d.wait_serving()
+        for role in ("nsqlookupd", "nsqd"):
+            group = [h.daemons[role] for h in self.hosts if role in h.daemons]
+            for d in group:
+                d.start()
+            for d in group:
+                d.wait_serving()
+        self.wait(lambda: len(self.live_nodes()) == len(self.hosts), 30,
+                  "every nsqd registered")
+
+    def teardown(self) -> None:
+        """Kill every daemon (SIGKILL: paused ones too, and quickly), then the network."""
+        for h in self.hosts:
+            for d in h.daemons.values():
+                try:
+                    d.kill()
+                except OSError:
+                    pass
+
+    @staticmethod
+    def wait(predicate, timeout: float, what: str, interval: float = 0.2):
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not within {timeout:g} s: {what}")
+            time.sleep(interval)
+
+    # ---- views -----------------------------------------------------------------------
+
+    @property
+    def lookupd_http_addresses(self) -> list[str]:
+        return [h.lookupd_http for h in self.lookupd_hosts]
+
+    def lookupd_get(self, path: str):
+        for h in self.lookupd_hosts:
+            d = h.daemons.get("nsqlookupd")
+            if d is None or not d.running or d.paused:
+                continue
+            try:
+                status, body = http_json("GET", f"http://{h.lookupd_http}{path}", timeout=1)
+            except OSError:
+                continue
+            if status == 200:
+                return body
+        return None
+
+    def live_nodes(self) -> set[str]:
+        body = self.lookupd_get("/nodes") or {}
+        return {f"{p['broadcast_address']}:{p['tcp_port']}" for p in body.get("producers", [])}
+
+    def master(self) -> Host | None:
+        """The host of the master nsqlookupd, as /listlookup says."""
+        leader = (self.lookupd_get("/listlookup") or {}).get("lookupdleader") or {}
+        for h in self.lookupd_hosts:
+            if leader.get("NodeIP") == h.ip and str(leader.get("HttpPort")) == str(
+                    h.ports["lookupd_http"]):
+                return h
+        return None
+
+    def leaders(self, topic: str) -> dict[int, Host]:
+        """partition -> the host leading it, as /lookup says."""
+        body = self.lookupd_get(f"/lookup?topic={topic}") or {}
+        by_addr = {h.nsqd_tcp: h for h in self.hosts}
+        out = {}
+        for n, p in (body.get("partitions") or {}).items():
+            h = by_addr.get(f"{p['broadcast_address']}:{p['tcp_port']}")
+            if h is not None:
+                out[int(n)] = h
+        return out
+
+    def ordered(self, topic: str) -> bool:
+        body = self.lookupd_get(f"/lookup?topic={topic}") or {}
+        return bool((body.get("meta") or {}).get("ordered", False))
+
+    def create_topic(self, topic: str, partitions: int, replicas: int) -> None:
+        def created():
+            m = self.master()
+            if m is None:
+                return False
+            status, body = http_json(
+                "POST", f"http://{m.lookupd_http}/topic/create?topic={topic}"
+                        f"&partition_num={partitions}&replicator={replicas}", timeout=5)
+            if status != 200:
+                raise RuntimeError(f"/topic/create answered {status}: {body}")
+            return True
+        self.wait(created, 20, "a master nsqlookupd created the topic")
+        self.wait(lambda: len(self.leaders(topic)) == partitions, 30,
+                  f"every partition of {topic} led")
+
+    # ---- network faults (NetnsCluster only) -------------------------------------------
+
+    def drop(self, host: Host, sources: list[Host]) -> None:
+        raise RuntimeError("this cluster cannot partition (loopback fallback)")
+
+    def heal_network(self) -> None:
+        pass
+
+    def fill_disk(self, host: Host) -> None:
+        raise RuntimeError("this cluster has no disks to fill (loopback fallback)")
+
+    def free_disk(self, host: Host) -> None:
+        pass
+
+    def nsqd_data(self, host: Host) -> str:
+        return os.path.join(self.data, host.name, "nsqd")
+
+
+class LoopbackCluster(Cluster):
+    """No root: every host on 127.0.0.1 with its own ports; no partitions."""
+
+    def ip_of(self, index: int) -> str:
+        return "127.0.0.1"
+
+    def ports_of(self, index: int) -> dict[str, int]:
+        return {k: free_port() for k in ("etcd", "etcd_peer", "nsqd_tcp", "nsqd_http",
+                                          "nsqd_rpc", "lookupd_tcp", "lookupd_http")}
+
+
+class NetnsCluster(Cluster):
+    host_class = NetnsHost
+    can_partition = True
+    can_fill_disk = True
+    FILLERS = ("jepsen-fill", "jepsen-fill-small")
+    PORTS = {"etcd": 2379, "etcd_peer": 2380, "nsqd_tcp": 4150, "nsqd_http": 4151,
+             "nsqd_rpc": 4250, "lookupd_tcp": 4160, "lookupd_http": 4161}
+
+    def ip_of(self, index: int) -> str:
+        return f"{SUBNET}.{index}"
+
+    def ports_of(self, index: int) -> dict[str, int]:
+        return dict(self.PORTS)
+
+    def setup(self) -> None:
+        cleanup_leftovers()
+        if shutil.which("iptables") is None:
+            raise RuntimeError("iptables is not installed: run scripts/setup.sh")
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{HARNESS_IP}/24", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+        for h in self.hosts:
+            outside = f"{PREFIX}v{h.index}"
+            sh("ip", "netns", "add", h.netns)
+            sh("ip", "link", "add", outside, "type", "veth", "peer", "name", "eth0",
+               "netns", h.netns)
+            sh("ip", "link", "set", outside, "master", BRIDGE)
+            sh("ip", "link", "set", outside, "up")
+            for cmd in (["ip", "addr", "add", f"{h.ip}/24", "dev", "eth0"],
+                        ["ip", "link", "set", "eth0", "up"], ["ip", "link", "set", "lo", "up"]):
+                sh("ip", "netns", "exec", h.netns, *cmd)
+            disk = self.nsqd_data(h)
+            os.makedirs(disk, exist_ok=True)
+            sh("mount", "-t", "tmpfs", "-o", f"size={self.disk_mb}m", h.netns, disk)
+        super().setup()
+
+    def teardown(self) -> None:
+        super().teardown()
+        cleanup_leftovers()
+
+    def fill_disk(self, host: Host) -> None:
+        """Take every free block of the host's nsqd disk (a real ENOSPC for nsqd)."""
+        disk = self.nsqd_data(host)
+        for name, chunk in zip(self.FILLERS, (1 << 16, 512)):
+            with open(os.path.join(disk, name), "ab", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * chunk)
+                except OSError:
+                    pass
+
+    def free_disk(self, host: Host) -> None:
+        for name in self.FILLERS:
+            try:
+                os.unlink(os.path.join(self.nsqd_data(host), name))
+            except FileNotFoundError:
+                pass
+
+    def drop(self, host: Host, sources: list[Host]) -> None:
+        """`host` drops every packet from `sources` (one way; call both ways to cut)."""
+        for s in sources:
+            sh("ip", "netns", "exec", host.netns, "iptables", "-w", "-A", "INPUT",
+               "-s", s.ip, "-j", "DROP")
+
+    def heal_network(self) -> None:
+        for h in self.hosts:
+            sh("ip", "netns", "exec", h.netns, "iptables", "-w", "-F", "INPUT", check=False)
+
+
+def cleanup_leftovers() -> list[str]:
+    """Remove whatever an earlier run left (its processes, namespaces, links); return
+    what was removed. Safe to call any time: it touches only `jep-` names."""
+    removed = []
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return removed
+    mounts = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            source, target = line.split()[:2]
+            if source.startswith(PREFIX):
+                mounts.append(target.encode().decode("unicode_escape"))
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(PREFIX):
+            continue
+        for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5  # the processes must die before the namespace goes
+        while sh("ip", "netns", "pids", name, check=False).stdout.strip():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        sh("ip", "netns", "del", name, check=False)
+        removed.append(f"netns {name}")
+    for target in mounts:  # after the processes that used them are gone
+        sh("umount", "-l", target, check=False)
+        removed.append(f"mount {target}")
+    for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        parts = line.split(":")
+        if len(parts) > 1:
+            name = parts[1].strip().split("@")[0]
+            if name.startswith(PREFIX):
+                sh("ip", "link", "del", name, check=False)
+                removed.append(f"link {name}")
+    return removed
+
+
+def make_cluster(store: str, nodes: int, lookupds: int, nsqd_flags=(), loopback: bool = False,
+                 disk_mb: int = 64) -> Cluster:
+    """A NetnsCluster when we are root with `ip` and iptables, else the loopback one."""
+    if not loopback and os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables"):
+        return NetnsCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)
+    return LoopbackCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)

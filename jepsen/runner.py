@@ -1,0 +1,146 @@
+"""One run: set the cluster up, create the topic, run the workload while the nemesis
+faults and heals at intervals, heal everything, drain, check, write the report, tear
+down. Teardown always runs (an exception, Ctrl-C, SIGTERM: the handler turns SIGTERM
+into KeyboardInterrupt)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+
+import structlog
+
+from jepsen import checker, report
+from jepsen.cluster import make_cluster
+from jepsen.clients import Workload
+from jepsen.history import History, read
+from jepsen.nemesis import Nemesis
+
+TOPIC = "jepsen"
+
+
+@dataclass
+class RunOptions:
+    nemesis: list[str] = field(default_factory=lambda: ["partition", "kill", "pause"])
+    time_limit: float = 120.0
+    nodes: int = 5
+    lookupds: int = 3
+    replicas: int = 1
+    partitions: int = 6
+    interval: float = 10.0  # seconds of quiet, then seconds of fault, in turn
+    store: str = ""
+    loopback: bool = False
+    nsqd_flags: list[str] = field(default_factory=list)
+    seed: int = 0
+    drain_timeout: float = 90.0
+    keep_data: bool = False
+    classic: bool = True
+    pause_s: float = 0.05  # each producer's pause between its operations
+    unkeyed: int = 2  # unkeyed producer processes (beside one keyed per partition)
+    disk_mb: int = 64  # each nsqd's tmpfs (network namespaces only)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _client_logs(path: str):
+    """The clients' logs (nsqclient's structlog, pynsq's logging) go to one file."""
+    f = open(path, "a", buffering=1)
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.dev.ConsoleRenderer(colors=False)],
+        logger_factory=structlog.WriteLoggerFactory(f), cache_logger_on_first_use=False)
+    handler = logging.StreamHandler(f)
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    return f, handler
+
+
+def run(opts: RunOptions) -> dict:
+    """Run once; returns the summary (its `valid` says pass or fail)."""
+    seed = opts.seed or int(time.time())
+    rng = random.Random(seed)
+    cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
+                           opts.loopback, opts.disk_mb)
+    nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
+    os.makedirs(os.path.join(opts.store, "logs"), exist_ok=True)
+    log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
+    history_path = os.path.join(opts.store, "history.jsonl")
+    history = History(history_path)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    info = dict(asdict(opts), seed=seed, cluster=type(cluster).__name__)
+    try:
+        print(f"jepsen: setting up {opts.nodes} hosts ({type(cluster).__name__}) in "
+              f"{opts.store}", flush=True)
+        cluster.setup()
+        cluster.create_topic(TOPIC, opts.partitions, opts.replicas)
+        info["ordered"] = cluster.ordered(TOPIC)
+        asyncio.run(_phases(opts, cluster, nemesis, history, info))
+    finally:
+        history.close()
+        cluster.teardown()
+        signal.signal(signal.SIGTERM, previous)
+        logging.getLogger().removeHandler(handler)
+        structlog.reset_defaults()
+        log_file.close()
+    ops = read(history_path)
+    results = checker.check(ops, info.get("ordered", False))
+    index = report.write(opts.store, ops, results, info)
+    if results["valid"] and not opts.keep_data:
+        shutil.rmtree(cluster.data, ignore_errors=True)
+    summary = {"valid": results["valid"], "index": index, **{
+        k: v for k, v in results.items() if k != "valid"}}
+    return summary
+
+
+async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
+                  info: dict) -> None:
+    lookupds = cluster.lookupd_http_addresses
+    nsqds = [h.nsqd_tcp for h in cluster.hosts]
+    workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
+                        unkeyed=opts.unkeyed, pause_s=opts.pause_s, classic=opts.classic)
+    await workload.start()
+    try:
+        deadline = time.monotonic() + opts.time_limit
+        while opts.nemesis and time.monotonic() + 2 * opts.interval <= deadline:
+            await asyncio.sleep(opts.interval)
+            fault = await asyncio.to_thread(nemesis.start)
+            history.record("info", "start", "nemesis", fault)
+            print(f"jepsen: {history.now():6.1f} s fault {fault}", flush=True)
+            await asyncio.sleep(opts.interval)
+            healed = await asyncio.to_thread(nemesis.stop)
+            history.record("info", "stop", "nemesis", healed)
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        healed = await asyncio.to_thread(nemesis.final_heal)
+        history.record("info", "final-heal", "nemesis", healed)
+        print(f"jepsen: {history.now():6.1f} s final heal {healed}", flush=True)
+        await asyncio.to_thread(cluster.wait, lambda: len(cluster.leaders(TOPIC)) ==
+                                opts.partitions, 60, "every partition led after the heal")
+        await workload.stop_producing()
+        history.record("info", "drain", "nemesis", {"acknowledged": len(workload.acknowledged)})
+        info["drain_s"] = await _drain(workload, opts.drain_timeout)
+    finally:
+        await workload.close()
+
+
+async def _drain(workload: Workload, timeout: float) -> float:
+    """Consumers read until every acknowledged enqueue was seen, or nothing new came for
+    10 s, or `timeout`; returns how long it took."""
+    start = time.monotonic()
+    last, seen = start, len(workload.dequeued)
+    while time.monotonic() - start < timeout and workload.missing():
+        await asyncio.sleep(0.5)
+        if len(workload.dequeued) != seen:
+            last, seen = time.monotonic(), len(workload.dequeued)
+        elif time.monotonic() - last > 10:
+            break
+    await asyncio.sleep(1.0)  # late redeliveries still count as duplicates
+    return round(time.monotonic() - start, 2)

@@ -1,0 +1,184 @@
+"""jepsen/: the checkers on small written histories, and real runs of the harness
+(network namespaces as root, else the loopback fallback): a 60-second run with kill and
+pause against R=1 topics must pass; the deliberately broken build
+(`--test-ack-before-sync`) must be caught by the total-queue checker under the
+disk-full nemesis; Ctrl-C leaves nothing behind. The hour-long run is behind --long."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jepsen import checker
+from jepsen.cluster import PREFIX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def op(type_, f, t, process, value=None):
+    return {"type": type_, "f": f, "time": t, "process": process, "value": value,
+            "node": None}
+
+
+def enq(t, process, vid, outcome, key=None, seq=0, partition=None, latency=0.01):
+    v = {"id": vid, "key": key, "seq": seq, "partition": partition}
+    out = [op("invoke", "enqueue", t, process, v)]
+    if outcome:
+        out.append(op(outcome, "enqueue", t + latency, process, v))
+    return out
+
+
+def deq(t, vid, key=None, seq=0):
+    return op("ok", "dequeue", t, "c1", {"id": vid, "key": key, "seq": seq})
+
+
+# ---- checkers on written histories --------------------------------------------------
+
+
+def test_total_queue_counts_lost_unexpected_duplicates_and_recovered():
+    h = (enq(0, "p1", "a", "ok") + enq(1, "p1", "b", "ok") + enq(2, "p1", "c", "info")
+         + enq(3, "p1", "d", "fail") + enq(4, "p1", "e", None)
+         + [deq(5, "a"), deq(6, "a"), deq(7, "c"), deq(8, "zz"), deq(9, "d")])
+    r = checker.total_queue(h)
+    assert r["valid"] is False
+    assert (r["attempted"], r["acknowledged"], r["indeterminate"], r["failed"]) == (5, 2, 2, 1)
+    assert (r["lost"], r["lost_ids"]) == (1, ["b"])
+    assert sorted(r["unexpected_ids"]) == ["d", "zz"]  # never attempted; failed yet seen
+    assert (r["duplicated"], r["duplicate_deliveries"], r["recovered"]) == (1, 1, 1)
+
+
+def test_total_queue_valid_when_every_acknowledged_is_dequeued():
+    h = enq(0, "p1", "a", "ok") + enq(0, "p2", "b", "info") + [deq(1, "a")]
+    r = checker.total_queue(h)
+    assert r["valid"] is True and r["lost"] == 0 and r["unexpected"] == 0
+
+
+def test_order_reorderings_per_key_and_skipped_without_ordered_topic():
+    h = [deq(1, "k-0", "k", 0), deq(2, "k-2", "k", 2), deq(3, "k-1", "k", 1),
+         deq(4, "k-0", "k", 0),  # a redelivery: a duplicate, not a reordering
+         deq(5, "j-1", "j", 1), deq(6, "j-3", "j", 3)]
+    r = checker.order(h, ordered=True)
+    assert r["valid"] is False and r["reorderings"] == 1
+    assert r["examples"][0] == {"key": "k", "seq": 1, "after": 2, "time": 3}
+    assert checker.order(h, ordered=False)["valid"] == "skipped"
+
+
+def test_failover_is_fault_start_to_first_acknowledged_publish_of_each_partition():
+    h = (enq(0, "p1", "a", "ok", "k", 0, partition=3)
+         + [op("info", "start", 10.0, "nemesis", {"kind": "kill", "partitions": [3]})]
+         + enq(10.5, "p1", "b", "info", "k", 1, partition=3, latency=3)
+         + enq(14, "p1", "c", "ok", "k", 2, partition=3, latency=2.5)
+         + [op("info", "stop", 18.0, "nemesis", {"kind": "kill"})])
+    r = checker.failover(h)
+    assert r["faults"][0]["partitions_s"] == {3: 6.5}
+    assert r["max_s"] == 6.5 and r["never"] == 0
+    a = checker.availability(h)
+    assert a["enqueues"] == 3 and a["ok"] == 2 and a["success_rate"] == 0.6667
+
+
+# ---- real runs ----------------------------------------------------------------------
+
+
+def leftovers() -> list[str]:
+    """jep- namespaces, links and mounts."""
+    out = []
+    if os.geteuid() == 0:
+        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        out += [line.split()[0] for line in ns.splitlines() if line.startswith(PREFIX)]
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        out += [line.split(":")[1].strip() for line in links.splitlines()
+                if line.split(":")[1].strip().startswith(PREFIX)]
+        with open("/proc/mounts") as f:
+            out += [line.split()[1] for line in f if line.startswith(PREFIX)]
+    return out
+
+
+def jepsen(store, *args: str, timeout: float) -> tuple[int, dict]:
+    """Run `python -m jepsen` to the end: (exit status, summary.json)."""
+    proc = subprocess.run([sys.executable, "-m", "jepsen", "--store", str(store), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    try:
+        with open(os.path.join(store, "summary.json")) as f:
+            summary = json.load(f)
+    except OSError:
+        raise AssertionError(f"no summary (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                             f"\n{proc.stderr[-3000:]}")
+    return proc.returncode, summary
+
+
+def test_kill_and_pause_r1_for_60_s_lose_nothing(tmp_path):
+    """R=1: a killed or paused node's partitions wait for it; what was acknowledged
+    survives kill -9 and the restart of the final heal."""
+    store = tmp_path / "run"
+    status, s = jepsen(store, "--nemesis", "kill,pause", "--time-limit", "60", "--nodes",
+                       "3", "--interval", "8", "--seed", "7", timeout=300)
+    tq = s["total_queue"]
+    assert status == 0, s
+    assert s["valid"] is True
+    assert tq["lost"] == 0 and tq["unexpected"] == 0
+    assert tq["acknowledged"] > 1000
+    assert {f["kind"] for f in s["failover"]["faults"]} <= {"kill", "pause"}
+    kinds = [json.loads(line)["value"]["kind"] for line in open(store / "history.jsonl")
+             if '"process":"nemesis","value":{' in line and '"f":"start"' in line]
+    assert kinds == ["kill", "pause", "kill"]
+    assert s["order"]["valid"] == "skipped"
+    for name in ("index.html", "latency.png", "throughput.png", "history.jsonl",
+                 "logs/n1-nsqd.log", "logs/clients.log"):
+        assert (store / name).exists(), name
+    assert leftovers() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the disk-full nemesis needs root (tmpfs)")
+def test_broken_build_ack_before_sync_is_caught(tmp_path):
+    """--test-ack-before-sync answers OK before the batch is written: when the write then
+    fails (the disk-full nemesis fills the node's disk) the acknowledged messages are
+    gone, and the total-queue checker fails the run (exit 1). The same run without the
+    flag passes: nsqd refuses those publishes (E_PUB_FAILED), nothing acknowledged is
+    lost."""
+    runs = {}
+    for name, flags in (("broken", ["--nsqd-flag=--test-ack-before-sync"]), ("sound", [])):
+        runs[name] = jepsen(tmp_path / name, "--nemesis", "disk-full", "--time-limit", "25",
+                            "--nodes", "3", "--interval", "5", "--no-classic", "--seed", "5",
+                            *flags, timeout=300)
+        assert leftovers() == []
+    status, s = runs["broken"]
+    tq = s["total_queue"]
+    assert status == 1 and s["valid"] is False
+    assert tq["lost"] > 10 and tq["unexpected"] == 0, tq
+    status, s = runs["sound"]
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, tq
+    assert tq["lost"] == 0 and tq["failed"] > 10  # refused while the disk was full
+
+
+def test_interrupt_leaves_nothing_behind(tmp_path):
+    """Ctrl-C (SIGINT) during the run: exit 2, no namespace, link or process left."""
+    store = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "jepsen", "--store", str(store),
+                             "--nemesis", "kill", "--time-limit", "60", "--nodes", "3"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (store / "logs" / "n3-nsqd.log").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out[-2000:]
+    assert leftovers() == []
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(store) not in ps
+
+
+@pytest.mark.long
+def test_every_nemesis_for_an_hour(tmp_path):
+    status, s = jepsen(tmp_path / "long", "--nemesis", "partition,kill,pause,restart,disk-full",
+                       "--long", "--nodes", "5", timeout=4500)
+    assert status == 0 and s["total_queue"]["lost"] == 0, s["total_queue"]
