@@ -89,8 +89,8 @@ class Producer:
     key=None)` (one MPUB, to one partition), `await close()`."""
 
     def __init__(self, lookupd_http_addresses: list[str] | None = None, *,
-                 lookup: LookupSource | None = None, max_attempts: int = 10,
-                 max_retry_time: float = 30.0, backoff: float = 0.05, max_backoff: float = 2.0,
+                 lookup: LookupSource | None = None, max_attempts: int = 40,
+                 max_retry_time: float = 30.0, backoff: float = 0.05, max_backoff: float = 0.5,
                  connect_timeout: float = 3.0, response_timeout: float = 10.0):
         self.source = lookup_source(lookupd_http_addresses, lookup)
         self.max_attempts = max_attempts
