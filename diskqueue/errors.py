@@ -15,6 +15,12 @@ class QueueClosedError(Exception):
     """The queue is closed or closing."""
 
 
+class NotCommitted(Exception):
+    """A replicated queue's batch written here but never committed (the in-sync replicas
+    fell below min_isr, the leader stepped down, the queue closed): its outcome is unknown,
+    since replicas may hold it and a new leader may still commit it. The text says why."""
+
+
 class _Unrecoverable(Exception):
     """Raised by the worker thread when the queue must fail (see QueueFailedError)."""
 

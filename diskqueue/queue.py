@@ -49,7 +49,7 @@ from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import make_dirs, read_json, write_json_atomic
-from .errors import (AppendError, DiskFullError, GapError, OffsetOutOfRange,  # noqa: F401
+from .errors import (AppendError, DiskFullError, GapError, NotCommitted, OffsetOutOfRange,  # noqa: F401
                      QueueClosedError, QueueFailedError, _Unrecoverable)
 from nsqwire.ids import PARTITION_SHIFT
 
@@ -246,7 +246,7 @@ class DiskQueue(Replicated):
             self._idle = self._loop.create_future()
             self._kick()
             await self._idle
-        self.fail_uncommitted(QueueClosedError(f"{self.path} closed before this was committed"))
+        self.fail_uncommitted(QueueClosedError(f"{self.path} closed"))
         if self._sync_timer is not None:
             self._sync_timer.cancel()
         try:
@@ -482,7 +482,11 @@ class DiskQueue(Replicated):
         """A batch came back from the worker (loop): account for it, start the next batch,
         then resolve this one."""
         if error is not None:
-            self._fail_batch(batch, self._batch_error(error))
+            pushed = self.on_batch is not None
+            err = self._batch_error(error)
+            if pushed:  # the followers may hold it, and a new leader may commit it
+                err = NotCommitted(f"not written here ({err}): it may still be delivered")
+            self._fail_batch(batch, err)
             self._write_next()
             return
         self.stats["batches"] += 1

@@ -34,6 +34,7 @@ from .atomic import fsync_dir
 from .errors import (
     AppendError,
     GapError,
+    NotCommitted,
     OffsetOutOfRange,
     QueueClosedError,
     _Unrecoverable,
@@ -161,8 +162,10 @@ class Replicated:
                 self._settle(waiter, result, None)
 
     def fail_uncommitted(self, error: Exception) -> None:
-        """Fail every written, uncommitted batch with `error`; their data stays in the log."""
-        self._fail_parked(error, lambda end: True)
+        """Fail every written, uncommitted batch with NotCommitted (saying `error`); their data
+        stays in the log, and may still be committed by whoever leads next."""
+        self._fail_parked(NotCommitted(f"written, not committed ({error}): it may still be "
+                                       "delivered"), lambda end: True)
 
     def _fail_parked(self, error: Exception, which) -> None:
         if not self._parked:

@@ -21,6 +21,9 @@ from nsqclient.producer import Producer, PublishError
 
 CHANNEL = "jepsen"
 PUBLISH_TIMEOUT_S = 8.0
+# what a node says of a publish it wrote but could not commit (nsqd: diskqueue NotCommitted):
+# its outcome is unknown, so it is recorded as info, not fail
+UNKNOWN = "may still be delivered"
 
 
 def keys_for(partitions: int, per_partition: int = 1) -> list[str]:
@@ -103,7 +106,9 @@ class Workload:
                     self.history.record("ok", "enqueue", process, value)
                     self.acknowledged.add(value["id"])
                 except PublishError as e:
-                    refused = "refused" in str(e)
+                    # refused: never stored; unless the node says it was written and may
+                    # still be delivered (replicated, not committed: the outcome is unknown)
+                    refused = "refused" in str(e) and UNKNOWN not in str(e)
                     self.history.record("fail" if refused else "info", "enqueue", process,
                                         dict(value, error=str(e)[:200]))
                 except (asyncio.TimeoutError, OSError) as e:
@@ -148,7 +153,8 @@ class Workload:
                     # no connection at all, or an E_* answer: not stored; a closed
                     # connection: unknown
                     error = str(data)
-                    sure = conn is None and "no open connections" in error or "E_" in error
+                    sure = (conn is None and "no open connections" in error
+                            or "E_" in error and UNKNOWN not in error)
                     self.history.record("fail" if sure else "info", "enqueue", process,
                                         dict(value, error=error[:200]), node)
                     await asyncio.sleep(0.2)

@@ -82,6 +82,7 @@ from .cluster import ClusterUnavailable
 from .assignment import MAX_PARTITIONS
 from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
+from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire.httpapi import V1_HEADER, go_json, parse_query, v1_answer
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
@@ -273,7 +274,7 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
         raise HTTPError(400, "BAD_PARTITION") from None
     except PartitionNotLed:
         raise HTTPError(400, "E_FAILED_ON_NOT_LEADER") from None
-    except NotWritable:
+    except (NotWritable, NotCommitted):  # NotCommitted: written, outcome unknown
         raise HTTPError(503, "E_FAILED_ON_NOT_WRITABLE") from None
     except QueueClosedError:
         raise HTTPError(503, "EXITING") from None

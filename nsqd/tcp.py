@@ -27,6 +27,7 @@ from collections import deque
 
 import structlog
 
+from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
@@ -421,6 +422,8 @@ class ClientConnection(asyncio.Protocol):
             if exc is not None:
                 err = (exc if isinstance(exc, errors.ProtocolError)
                        else errors.not_writable(command) if isinstance(exc, NotWritable)
+                       else errors.not_writable(command, str(exc))
+                       if isinstance(exc, NotCommitted)
                        else errors.publish_failed(command, str(exc)))
                 self._fail(err)
                 if err.fatal:

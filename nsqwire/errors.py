@@ -253,8 +253,12 @@ def not_leader(command: str) -> ProtocolError:
                          fatal=command not in _PUBLISHING)
 
 
-def not_writable(command: str) -> ProtocolError:
-    return ProtocolError("E_FAILED_ON_NOT_WRITABLE", f"{command} failed: partition not writable",
+def not_writable(command: str, reason: str = "") -> ProtocolError:
+    """The partition takes no publish now; `reason` (optional) says more: a publish written
+    but never committed says it may still be delivered (its outcome is unknown)."""
+    detail = f": {reason}" if reason else ""
+    return ProtocolError("E_FAILED_ON_NOT_WRITABLE",
+                         f"{command} failed: partition not writable{detail}",
                          fatal=command not in _PUBLISHING)
 
 

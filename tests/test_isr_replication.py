@@ -160,7 +160,7 @@ async def test_a_sigstopped_follower_times_out_and_is_dropped(tmp_path):
 
 
 async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_path):
-    from isr.leader import NotWritable
+    from diskqueue.errors import NotCommitted
     states, hosts = await cluster(tmp_path, repl_timeout=0.5, min_isr=2)
     try:
         lq = hosts[0].queues[(T, 0)]
@@ -170,7 +170,7 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
         for h in hosts[1:]:
             h.followers[(T, 0)].handle = _never
         fut = lq.append([b"parked"])
-        with pytest.raises(NotWritable):
+        with pytest.raises(NotCommitted):
             await asyncio.wait_for(fut, 5)
         s = states.states[(T, 0)]
         assert s.isr == (A,) and set(s.catchup) == {B, C}
@@ -339,7 +339,7 @@ async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
     """A is cut off (it hears nothing of the failover); B leads at epoch 2 with C. A's
     publish is pushed to B (no longer a follower) and C (fenced at epoch 2): it fails,
     A commits nothing more and stops taking publishes; B's and C's logs never see it."""
-    from isr.leader import NotWritable
+    from diskqueue.errors import NotCommitted
     states, hosts = await cluster(tmp_path, min_isr=2)
     a, b, _ = hosts
     try:
@@ -350,7 +350,7 @@ async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
         await b.lead(T, 0)
         await bq.append([b"new leader"])
         committed = aq.committed_end
-        with pytest.raises(NotWritable):
+        with pytest.raises(NotCommitted):
             await asyncio.wait_for(aq.append([b"stale"]), 5)
         assert aq.committed_end == committed
         leader = a.leaders[(T, 0)]
