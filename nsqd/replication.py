@@ -150,11 +150,11 @@ class Replication:
 
     def gave_up(self, topic: str, n: int, state: PartitionState) -> bool:
         """Whether this node gave up leading the partition at `state`'s epoch: its
-        LeaderLog closed for good (a failed local write, a newer epoch seen) while etcd
-        still names it. It then holds no leader key, and the master elects another ISR
+        LeaderLog closed for good (a newer epoch seen) or its log failed, while etcd still
+        names it. It then holds no leader key, and the master elects another ISR
         member once the key has been missing for the lease TTL."""
         leader = self.leaders.get((topic, n))
-        if leader is not None and leader.closed and leader.state.leader == self.node_id:
+        if leader is not None and _given_up(leader, self.node_id):
             self.refused[(topic, n)] = state.epoch
             log.warning("leadership_given_up", topic=topic, partition=n, epoch=state.epoch,
                         reason=leader.reason)
@@ -162,8 +162,7 @@ class Replication:
 
     def any_given_up(self) -> bool:
         """A LeaderLog closed for good while etcd still names this node (see gave_up)."""
-        me = self.node_id
-        return any(lg.closed and lg.state.leader == me for lg in self.leaders.values())
+        return any(_given_up(lg, self.node_id) for lg in self.leaders.values())
 
     async def release(self, name: str, keep: dict[int, PartitionState]) -> None:
         """Before NSQD.apply_assignment: close the followers of `name` not in `keep`."""
@@ -263,6 +262,12 @@ class _Stopped:
     reason = "it is changing leader"
 
 
+def _given_up(leader: LeaderLog, me: str) -> bool:
+    """Closed for good, or its log failed (a write or sync that failed after the batch was
+    pushed: that place must never take another batch), while etcd still names this node."""
+    return (leader.closed or leader.q.failed is not None) and leader.state.leader == me
+
+
 class _Gate:
     """The gate of a partition led here: writable while the LeaderLog says so and the
     node's lease is current (one that cannot renew it takes no publish, at once)."""
@@ -275,10 +280,13 @@ class _Gate:
 
     @property
     def writable(self) -> bool:
-        return self.cluster.lease_held and self.leader.writable
+        return (self.cluster.lease_held and self.leader.writable
+                and self.leader.q.failed is None)
 
     @property
     def reason(self) -> str:
         if not self.cluster.lease_held:
             return "this node's etcd lease is lost"
+        if self.leader.q.failed is not None:
+            return f"its log failed: {self.leader.q.failed}"
         return self.leader.reason
