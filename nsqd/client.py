@@ -32,10 +32,14 @@ import random
 import time
 import zlib
 
+import structlog
+
 from nsqwire.frames import encode_messages
 from nsqwire.ids import PARTITION_SHIFT, encode_msg_id
 
 from .identify import ClientSettings
+
+log = structlog.get_logger("nsqd.client")
 
 
 class TurnFlush:
@@ -54,7 +58,10 @@ class TurnFlush:
         clients, self._clients = self._clients, []
         for client in clients:
             client._answering = False
-            client.flush()
+            try:
+                client.flush()
+            except Exception:  # one client's broken stream never holds back the others
+                log.exception("answer_flush_failed", client=client.remote_address)
 
 
 class Client:
