@@ -19,10 +19,11 @@ reached RDY), or output_buffer_timeout passes; any other frame goes out at once,
 after what the buffer holds. A timeout of 0 (the client sent -1) sends each
 delivery at once.
 
-Answers to publishes (`answer`) join the same buffer and go out at the end of the
-loop's turn (`TurnFlush`): the OKs of a connection's publishes written by one batch,
-and anything else it is sent in that turn, leave in one write (one system call)
-instead of one write each. Order is kept: any frame written later sends them first.
+Answers given with `answer` join the same buffer and go out at the end of the loop's
+turn (`TurnFlush`): tcp.py gives the OKs of a connection that still has publishes in
+flight this way, so the OKs of its publishes written by one batch, and anything else it
+is sent in that turn, leave in one write (one system call) instead of one each. Order is
+kept: any frame written later sends them first.
 """
 
 from __future__ import annotations

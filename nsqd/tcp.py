@@ -412,11 +412,19 @@ class ClientConnection(asyncio.Protocol):
                 return
 
     def _published(self, slot: list, appended, exc) -> None:
+        """A publish's append is done: answer every publish now done at the head, in order.
+        Their OKs leave in one write: at once when no other publish of this connection is in
+        flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
+        others that this turn answers (pipelined publishes written by one batch)."""
         slot[0], slot[1] = True, exc
         publishing = self._publishing
+        oks = 0
         while publishing and publishing[0][0]:
             _, exc, topic, bodies, command = publishing.popleft()
             if exc is not None:
+                if oks:
+                    self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
+                    oks = 0
                 err = (exc if isinstance(exc, errors.ProtocolError)
                        else errors.publish_failed(command, str(exc)))
                 self._fail(err)
@@ -426,7 +434,12 @@ class ClientConnection(asyncio.Protocol):
                 continue
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
-            self.client.answer(p.OK)  # one write for every OK of this connection in the turn
+            oks += 1
+        if oks:
+            if publishing:
+                self.client.answer(p.OK * oks)
+            else:
+                self.client.write(p.OK * oks)  # after any answers buffered earlier in the turn
         if self._backlog or self._eof:  # else the parser waits for bytes: nothing to run
             self._work()
 
