@@ -34,6 +34,8 @@ def cpu_seconds() -> float:
 class ProduceJob:
     """Connections that each send `cmd` (a PUB or an MPUB), wait for OK, and send again:
     for a time window (`warm_s` unmeasured, then `dur_s` measured) or `batches` times.
+    With `answers` N (default 1), `cmd` holds N requests sent together (pipelined) and the
+    next send waits for all N OKs (`per_cmd` counts the messages of all N).
     With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics);
     with `targets` (a list of (host, port, cmd), one per connection), connection i goes to
     its own node with its own command (a cluster's leaders)."""
@@ -100,13 +102,16 @@ class Producer(asyncio.Protocol):
         self.t_sent = 0.0
         self.left = 0
         self.finished = False
+        self.answers = job.spec.get("answers", 1)  # OKs that answer one send
+        self.pending = 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         transport.write(p.MAGIC_V2)
 
-    def send(self) -> None:
-        self.t_sent = time.monotonic()
+    def send(self, now: float | None = None) -> None:
+        self.t_sent = time.monotonic() if now is None else now
+        self.pending = self.answers
         self.transport.write(self.cmd)
 
     def data_received(self, data: bytes) -> None:
@@ -115,7 +120,9 @@ class Producer(asyncio.Protocol):
         for kind, payload in f.frames():
             if kind == p.FRAME_RESPONSE:
                 if payload == b"OK":
-                    self._ok()
+                    self.pending -= 1
+                    if not self.pending:
+                        self._ok()
                 elif payload == b"_heartbeat_":
                     self.transport.write(cmd_nop())
             else:
@@ -130,8 +137,7 @@ class Producer(asyncio.Protocol):
                 job.count += job.per_cmd
                 job.lat.append(now - self.t_sent)
             if now < job.m_end:
-                self.t_sent = now
-                self.transport.write(self.cmd)
+                self.send(now)
             else:
                 job.finished(self)
         else:
@@ -140,8 +146,7 @@ class Producer(asyncio.Protocol):
             job.t_last = now
             self.left -= 1
             if self.left > 0:
-                self.t_sent = now
-                self.transport.write(self.cmd)
+                self.send(now)
             else:
                 job.finished(self)
 

@@ -24,6 +24,9 @@ used. Messages have 200-byte bodies.
   (g) isolation:  16 topics at once (100 connections spread over them, one PUB at a time
                   each): total msgs/s and its ratio to (a); then a light topic (1 connection,
                   one PUB at a time) beside a saturated one (100 connections): its p99
+  (h) pipelined:  4 connections, each sending 32 PUBs together and the next 32 once all are
+                  answered (as a client with many publishers on one connection): msgs/s and
+                  the server's CPU per message (their answers leave in one write per turn)
 and all of it twice: nsqd's defaults (durable: every batch synced before OK), then
 `--sync-every 10000`. Every part gives the server's CPU per message (`*_server_cpu_us_per_msg`,
 from /proc/PID/stat of the server over the measured span). Prints readable lines, then ONE
@@ -399,13 +402,15 @@ def part_channels20(report: Report, cfg: str, flags: list[str], P: dict, args,
 
 
 def timed_produce(srv: Server, cmd, per_cmd: int, conns: int, warm_s: float, dur_s: float,
-                  args, profile: str | None = None, cmds: list[bytes] | None = None):
-    """`conns` connections, one request in flight each, for `dur_s` after `warm_s`:
-    (msgs/s, sorted latencies in s, phase)."""
+                  args, profile: str | None = None, cmds: list[bytes] | None = None,
+                  answers: int = 1):
+    """`conns` connections, one send in flight each (of `answers` requests), for `dur_s`
+    after `warm_s`: (msgs/s, sorted latencies in s, phase)."""
     specs = produce_specs(cmd, per_cmd, conns, min(args.procs, conns), warm_s=warm_s,
                           dur_s=dur_s)
-    if cmds:
-        for s in specs:
+    for s in specs:
+        s["answers"] = answers
+        if cmds:
             s["cmds"] = cmds
     results, _, phase = run_load(srv, specs, profile, args.py_spy_rate, args.py_spy_native)
     lat = array.array("d")
@@ -499,12 +504,33 @@ def part_isolation(report: Report, cfg: str, flags: list[str], P: dict, args) ->
                    target=(f"< {TARGET_LIGHT_P99_MS:g}", p99 < TARGET_LIGHT_P99_MS))
 
 
+PIPELINE_CONNS = 4
+PIPELINE_DEPTH = 32
+
+
+def part_pipelined(report: Report, cfg: str, flags: list[str], P: dict, args) -> None:
+    key = f"{cfg}_pipelined"
+    report.section(f"[{cfg}] (h) {PIPELINE_CONNS} connections, {PIPELINE_DEPTH} {BODY_LEN}-byte "
+                   f"PUBs sent together on each, the next {PIPELINE_DEPTH} once all are answered "
+                   f"({P['conns_s']:g} s)")
+    with Server(flags, args.dir) as srv:
+        srv.command(cmd_pub(TOPIC, b"x" * BODY_LEN))
+        prof = profile_path(args, cfg, "pipelined")
+        rate, lat, phase = timed_produce(srv, cmd_pub(TOPIC, bodies(1)[0]) * PIPELINE_DEPTH,
+                                         PIPELINE_DEPTH, PIPELINE_CONNS, P["pub_warm_s"],
+                                         P["conns_s"], args, prof, answers=PIPELINE_DEPTH)
+        report.add(f"{key}_msgs_per_s", rate, "PUB msgs/s", fmt=",.0f")
+        latency_figures(report, key, lat, f"{PIPELINE_DEPTH} PUBs")
+        cpu_note(report, key, phase, f"1 process, {PIPELINE_CONNS} connections", rate)
+    print_profile(report, prof)
+
+
 # =============================================================================
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller: under a minute")
-    ap.add_argument("--only", default="a,b,c,d,e,f,g",
+    ap.add_argument("--only", default="a,b,c,d,e,f,g,h",
                     help="parts to run, e.g. a,c (d needs c for its ratio)")
     ap.add_argument("--configs", default="durable,sync10000",
                     help="server configurations: durable (defaults), sync10000 (--sync-every 10000)")
@@ -576,6 +602,8 @@ def main() -> int:
             part_pubconns(report, cfg, flags, P, args)
         if "g" in parts:
             part_isolation(report, cfg, flags, P, args)
+        if "h" in parts:
+            part_pipelined(report, cfg, flags, P, args)
 
     report.section("end")
     report.add("fsync_bound_end_syncs_per_s", fsync_bound(args.dir, P["fsync_s"]),

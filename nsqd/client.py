@@ -18,6 +18,12 @@ until it holds output_buffer_size bytes, the client can take no more (in flight
 reached RDY), or output_buffer_timeout passes; any other frame goes out at once,
 after what the buffer holds. A timeout of 0 (the client sent -1) sends each
 delivery at once.
+
+Answers given with `answer` join the same buffer and go out at the end of the loop's
+turn (`TurnFlush`): tcp.py gives the OKs of a connection that still has publishes in
+flight this way, so the OKs of its publishes written by one batch, and anything else it
+is sent in that turn, leave in one write (one system call) instead of one each. Order is
+kept: any frame written later sends them first.
 """
 
 from __future__ import annotations
@@ -27,14 +33,41 @@ import random
 import time
 import zlib
 
+import structlog
+
 from nsqwire.frames import encode_messages
 from nsqwire.ids import PARTITION_SHIFT, encode_msg_id
 
 from .identify import ClientSettings
 
+log = structlog.get_logger("nsqd.client")
+
+
+class TurnFlush:
+    """The clients given answers in this turn of the event loop, flushed together at its
+    end: one `call_soon` per turn for the whole server, not one per answer."""
+
+    def __init__(self):
+        self._clients: list = []
+
+    def add(self, client) -> None:
+        if not self._clients:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._clients.append(client)
+
+    def _flush(self) -> None:
+        clients, self._clients = self._clients, []
+        for client in clients:
+            client._answering = False
+            try:
+                client.flush()
+            except Exception:  # one client's broken stream never holds back the others
+                log.exception("answer_flush_failed", client=client.remote_address)
+
 
 class Client:
-    def __init__(self, client_id: int, remote_address: str, settings: ClientSettings):
+    def __init__(self, client_id: int, remote_address: str, settings: ClientSettings,
+                 turn_flush: TurnFlush | None = None):
         self.id = client_id
         self.remote_address = remote_address
         self.settings = settings
@@ -59,7 +92,9 @@ class Client:
         self.tls = False
         self._transport = None
         self._compress = None
-        self._buffered: list[bytes] = []  # message frames not sent yet
+        self._buffered: list[bytes] = []  # message frames and answers not sent yet
+        self._turn_flush = turn_flush or TurnFlush()
+        self._answering = False  # in `_turn_flush`: the buffer goes out at the turn's end
         self._buffered_bytes = 0
         self._flush_timer: asyncio.TimerHandle | None = None
         self.bytes_out = 0  # handed to the transport; minus its buffer: what the kernel took
@@ -150,8 +185,17 @@ class Client:
             data = self._take_buffered() + data
         self._send(data)
 
+    def answer(self, frame: bytes) -> None:
+        """Send a response frame at the end of this turn of the loop, in one write with
+        whatever else this client is sent in the turn (after the frames buffered before it)."""
+        self._buffered.append(frame)
+        self._buffered_bytes += len(frame)
+        if not self._answering:
+            self._answering = True
+            self._turn_flush.add(self)
+
     def flush(self) -> None:
-        """Send the buffered message frames now."""
+        """Send the buffered message frames (and answers) now."""
         if self._buffered:
             self._send(self._take_buffered())
 

@@ -32,7 +32,7 @@ from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .channel import defer_ext
-from .client import Client
+from .client import Client, TurnFlush
 from .cluster import ClusterUnavailable
 from .identify import IdentifyLimits, initial_settings, negotiate
 from .nsqd import TopicNotFound
@@ -72,8 +72,9 @@ def _snappy_installed() -> bool:
 class ClientConnection(asyncio.Protocol):
     INIT, SUBSCRIBED, CLOSING = range(3)
 
-    def __init__(self, nsqd):
+    def __init__(self, nsqd, turn_flush: TurnFlush | None = None):
         self.nsqd = nsqd
+        self.turn_flush = turn_flush  # the server's: answers leave once per turn of the loop
         o = nsqd.options
         # DPUB's limit (ours) is --max-req-timeout, checked by the parser.
         self.parser = p.CommandParser(max_msg_size=o.max_msg_size, max_body_size=o.max_body_size,
@@ -108,7 +109,7 @@ class ClientConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername") or ("", 0)
         host = str(peer[0])
         self.client = Client(self.nsqd.next_client_id(), f"{host}:{peer[1]}",
-                             initial_settings(self.limits, host, host))
+                             initial_settings(self.limits, host, host), self.turn_flush)
         self.client.attach(transport)
         self.nsqd.connections.add(self)
         self._schedule_heartbeat()
@@ -223,6 +224,7 @@ class ClientConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
+            self.client.flush()  # answers given in this turn go out before the close
             self.transport.close()
 
     def _fail(self, err: errors.ProtocolError) -> None:
@@ -325,6 +327,7 @@ class ClientConnection(asyncio.Protocol):
             self._update_reading()
         if (self._eof and not self._backlog and not self._publishing and not self._deflated
                 and not transport.is_closing()):
+            self.client.flush()  # the answers of this turn go first
             transport.close()
 
     def _run_async(self, step) -> None:
@@ -415,11 +418,19 @@ class ClientConnection(asyncio.Protocol):
                 return
 
     def _published(self, slot: list, appended, exc) -> None:
+        """A publish's append is done: answer every publish now done at the head, in order.
+        Their OKs leave in one write: at once when no other publish of this connection is in
+        flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
+        others that this turn answers (pipelined publishes written by one batch)."""
         slot[0], slot[1] = True, exc
         publishing = self._publishing
+        oks = 0
         while publishing and publishing[0][0]:
             _, exc, topic, bodies, command = publishing.popleft()
             if exc is not None:
+                if oks:
+                    self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
+                    oks = 0
                 err = (exc if isinstance(exc, errors.ProtocolError)
                        else errors.not_writable(command) if isinstance(exc, NotWritable)
                        else errors.not_writable(command, str(exc))
@@ -432,7 +443,12 @@ class ClientConnection(asyncio.Protocol):
                 continue
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
-            self.client.write(p.OK)
+            oks += 1
+        if oks:
+            if publishing:
+                self.client.answer(p.OK * oks)
+            else:
+                self.client.write(p.OK * oks)  # after any answers buffered earlier in the turn
         if self._backlog or self._eof:  # else the parser waits for bytes: nothing to run
             self._work()
 
@@ -689,7 +705,8 @@ class ClientConnection(asyncio.Protocol):
 async def start_tcp(nsqd):
     host, port = nsqd.options.tcp_host_port
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: ClientConnection(nsqd), host, port,
+    turn_flush = TurnFlush()
+    server = await loop.create_server(lambda: ClientConnection(nsqd, turn_flush), host, port,
                                       reuse_address=True)
     return server, server.sockets[0].getsockname()[1]
 

@@ -486,25 +486,36 @@ class CommandParser:
             self._count = count
             self._consumed = 4
         bodies = self._bodies
-        while len(bodies) < self._count and end - pos >= 4:
-            size = _I32.unpack_from(buf, pos)[0]
-            if size <= 0:
-                raise invalid_mpub_message_size(name, len(bodies), size)
-            if size > self.max_msg_size:
-                raise message_too_big(name, size, self.max_msg_size)
-            total = self._consumed + 4 + size
-            if total > self.max_body_size:
-                raise body_too_big(name, total, self.max_body_size)
-            if end - pos - 4 < size:
-                break
-            bodies.append(bytes(buf[pos + 4:pos + 4 + size]))
-            pos += 4 + size
-            self._consumed = total
-        self._pos = pos
+        count, consumed = self._count, self._consumed
+        max_msg_size, max_body_size = self.max_msg_size, self.max_body_size
+        unpack, add = _I32.unpack_from, bodies.append
+        with memoryview(buf) as view:  # one copy per body (a bytearray slice would be two)
+            while len(bodies) < count and end - pos >= 4:
+                size = unpack(buf, pos)[0]
+                start = pos + 4
+                stop = start + size
+                if size <= 0 or size > max_msg_size or consumed + 4 + size > max_body_size:
+                    self._consumed = consumed
+                    raise self._mpub_size_error(len(bodies), size)
+                if stop > end:
+                    break
+                add(bytes(view[start:stop]))
+                pos = stop
+                consumed += 4 + size
+        self._pos, self._consumed = pos, consumed
         if len(bodies) < self._count:
             return None
         self._state = _LINE
         return self._build(bodies)
+
+    def _mpub_size_error(self, index: int, size: int) -> ProtocolError:
+        """Why the MPUB message at `index`, of `size` bytes, is refused (nsqd's order)."""
+        name = self._name
+        if size <= 0:
+            return invalid_mpub_message_size(name, index, size)
+        if size > self.max_msg_size:
+            return message_too_big(name, size, self.max_msg_size)
+        return body_too_big(name, self._consumed + 4 + size, self.max_body_size)
 
     # One handler per command, each checking its arguments in nsqd's order.
 

@@ -94,3 +94,31 @@ async def test_auth_holds_for_every_publish(node, auth_server):  # noqa: F811
         assert server.calls == calls + 3  # AUTH, then the expired grant renewed per publish
     assert "u" not in n.topics
     assert await bodies_of(n, "t") == [b for name in PUBLISHES for b in BODIES[name] * 2]
+
+
+async def test_the_answers_of_pipelined_publishes_leave_in_one_write(node):
+    """The OKs of one connection's publishes written by one batch go out together, in one
+    write per turn of the loop (not one system call each), and still in command order."""
+    n = await node()
+    await (await connect(n)).pub("t", b"made")
+    reader, writer = await asyncio.open_connection("127.0.0.1", n.tcp_port)
+    writer.write(p.MAGIC_V2)
+    port = writer.get_extra_info("sockname")[1]
+    conn = None
+    while conn is None:  # the server's side of this connection, once it is accepted
+        await asyncio.sleep(0.01)
+        conn = next((x for x in n.connections
+                     if x.client.remote_address.endswith(f":{port}")), None)
+    sends = []
+    send = conn.client._send
+    conn.client._send = lambda data: (sends.append(data), send(data))
+    writer.write(b"".join(c.cmd_pub("t", b"%d" % i) for i in range(64)))
+    frames = c.FrameParser()
+    got = []
+    while len(got) < 64:
+        frames.feed(await asyncio.wait_for(reader.read(65536), 5))
+        got += [f for f in frames.frames() if f[1] != b"_heartbeat_"]
+    writer.close()
+    assert got == [(p.FRAME_RESPONSE, b"OK")] * 64
+    assert len(sends) <= 3, f"{len(sends)} writes for 64 answers"
+    assert await bodies_of(n, "t") == [b"made"] + [b"%d" % i for i in range(64)]
