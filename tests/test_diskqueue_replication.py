@@ -24,7 +24,6 @@ from diskqueue.queue import (
     GapError,
     NotCommitted,
     OffsetOutOfRange,
-    QueueClosedError,
     QueueFailedError,
     QueueOptions,
 )
