@@ -40,8 +40,6 @@ from bench import common  # noqa: E402
 from bench.cluster import P_DUR, leader_targets, report_part, run, spec  # noqa: E402
 from bench.common import Report  # noqa: E402
 from cluster import Cluster, wait_until  # noqa: E402
-from isr.etcd import Etcd  # noqa: E402
-from isr.metadata import Metadata  # noqa: E402
 from nsqclient.consumer import Consumer  # noqa: E402
 from nsqclient.partitioning import partition_of  # noqa: E402
 from nsqclient.producer import Producer  # noqa: E402
@@ -56,27 +54,6 @@ FULL = dict(pub_conns=100, mpub_conns=6, warm_s=1.0, dur_s=10.0, kills=20)
 QUICK = dict(pub_conns=100, mpub_conns=6, warm_s=0.5, dur_s=3.0, kills=3)
 
 
-async def partition_states(cl: Cluster, topic: str) -> dict:
-    etcd = Etcd(cl.etcd.endpoint)
-    try:
-        view = await Metadata(etcd, "test").read()
-    finally:
-        await etcd.close()
-    tv = view.topics.get(topic)
-    return dict(tv.partitions) if tv is not None else {}
-
-
-async def until_state(cl: Cluster, topic: str, ok, timeout: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = await partition_states(cl, topic)
-        if s and ok(s):
-            return s
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not within {timeout:g} s: {what}")
-        await asyncio.sleep(0.05)
-
-
 def throughput(report: Report, cl: Cluster, P: dict) -> dict:
     out = {}
     pids = [n.proc.pid for n in cl.nsqds]
@@ -86,7 +63,7 @@ def throughput(report: Report, cl: Cluster, P: dict) -> dict:
         report.section(f"{PARTITIONS} partitions, R={r} (durable)")
         status, body = cl.create_topic(topic, PARTITIONS, replicas=r)
         assert status == 200, body
-        asyncio.run(until_state(cl, topic, lambda s: len(s) == PARTITIONS and all(
+        asyncio.run(cl.until_states(topic, lambda s: len(s) == PARTITIONS and all(
             len(p.isr) == r and p.leader for p in s.values()), 20, "every partition in sync"))
         time.sleep(1.0)  # the leaders' replication connected
         targets = asyncio.run(leader_targets(lookupds, P["pub_conns"], topic))
@@ -119,7 +96,7 @@ async def failover(report: Report, cl: Cluster, kills: int) -> None:
     report.section(f"failover: {kills} kills of partition 0's leader under keyed publishing")
     status, body = cl.create_topic(topic, 2, replicas=3)
     assert status == 200, body
-    await until_state(cl, topic, lambda s: all(len(p.isr) == 3 for p in s.values()), 20,
+    await cl.until_states(topic, lambda s: all(len(p.isr) == 3 for p in s.values()), 20,
                       "3 in sync")
     key0 = next(f"k{i}" for i in range(1000) if partition_of(f"k{i}", 2) == 0)
     producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
@@ -148,11 +125,11 @@ async def failover(report: Report, cl: Cluster, kills: int) -> None:
     try:
         await asyncio.sleep(1.0)
         for k in range(kills):
-            before = await partition_states(cl, topic)
+            before = await cl.states(topic)
             victim = cl.nsqd_at(before[0].leader)
             victim.kill()
             killed = time.monotonic()  # dead: kill() waited for it
-            await until_state(cl, topic, lambda s: s[0].leader not in (None, before[0].leader),
+            await cl.until_states(topic, lambda s: s[0].leader not in (None, before[0].leader),
                               30, "a new leader")
             # the first publish invoked after the kill (an OK already on its way when the
             # leader died is not the new leader's)
@@ -164,7 +141,7 @@ async def failover(report: Report, cl: Cluster, kills: int) -> None:
             times.append(first - killed)
             report.note(f"kill {k + 1}: {times[-1]:.2f} s to the first acknowledged publish")
             await asyncio.to_thread(victim.start)
-            await until_state(cl, topic, lambda s: all(len(p.isr) == 3 for p in s.values()),
+            await cl.until_states(topic, lambda s: all(len(p.isr) == 3 for p in s.values()),
                               60, "the restarted node back in sync")
     finally:
         stop.set()

@@ -7,6 +7,7 @@ from typing import Callable
 
 import structlog
 
+from .background import stop_task
 from .etcd import Etcd, EtcdError, WatchLost
 from .lease import KeptLease
 
@@ -44,12 +45,7 @@ class Election:
 
     async def close(self) -> None:
         """Stop campaigning; a master resigns (its key goes with its lease)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         self._set(False, None if self.is_master else self.master_id)
         if self._lease is not None:
             await self._lease.revoke()

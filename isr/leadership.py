@@ -25,6 +25,7 @@ from typing import Iterable
 import structlog
 
 from . import keys
+from .background import stop_task
 from .etcd import Etcd, EtcdError, absent, delete_op, put_op, value_is
 from .registry import Registration
 
@@ -75,12 +76,7 @@ class LeaderKeys:
         return self
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
 
     async def hold(self, partitions: Iterable[Partition]) -> set[Partition]:
         """Want these keys held; write the ones not held under the current lease: the

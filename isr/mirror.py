@@ -8,6 +8,7 @@ from typing import Callable
 import structlog
 
 from . import keys
+from .background import stop_task
 from .etcd import Etcd, EtcdError, KeyValue, WatchLost
 from .metadata import ClusterView, build_view
 
@@ -46,12 +47,7 @@ class ClusterMirror:
         return self
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
 
     async def _run(self) -> None:
         failing = False

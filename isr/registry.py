@@ -6,6 +6,7 @@ import asyncio
 
 import structlog
 
+from .background import stop_task
 from .etcd import Etcd, EtcdError
 from .lease import KeptLease
 
@@ -78,12 +79,7 @@ class Registration:
                 log.warning("registration_update_failed", key=self.key, error=str(e))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         self.registered.clear()
         self._pulse()
         if self._lease is not None:

@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 import structlog
 
+from isr.background import stop_task
 from isr.etcd import EtcdError
 from isr.metadata import MAX_BATCH, ClusterView, Conflict, Metadata
 from isr.placement import elect
@@ -148,12 +149,7 @@ class Failover:
         return self
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
 
     def poke(self) -> None:
         """Decide now (a new view, a new role)."""

@@ -3,6 +3,7 @@ process on free loopback ports, each restartable and killable on its own."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -10,6 +11,11 @@ import urllib.error
 import urllib.request
 
 from etcdserver import EtcdProcess
+from isr.etcd import Etcd
+from isr.metadata import Metadata
+from isr.state import PartitionState
+from nsqclient.conn import Connection
+from nsqwire import commands as c
 from servers import NsqdProcess, NsqlookupdProcess, free_port
 
 LEASE_TTL_S = 2
@@ -27,6 +33,16 @@ def http_json(method: str, url: str, timeout: float = 5) -> tuple[int, dict]:
             return e.code, json.loads(body)
         except ValueError:
             return e.code, {"raw": body.decode(errors="replace")}
+
+
+async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
+    """`PUB topic partition` on a fresh connection to `address`: the answer (NSQError raised)."""
+    host, port = address.rsplit(":", 1)
+    conn = await Connection(host, int(port)).connect()
+    try:
+        return await conn.command(c.cmd_pub(topic, body, partition=partition))
+    finally:
+        await conn.close()
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
@@ -123,3 +139,27 @@ class Cluster:
 
     def nsqd_at(self, tcp_address: str) -> NsqdProcess:
         return next(n for n in self.nsqds if n.tcp_address == tcp_address)
+
+    # ---- partition states, read from etcd ---------------------------------------------
+
+    async def states(self, topic: str) -> dict[int, PartitionState]:
+        """partition -> its state in etcd (leader, isr, catchup, epoch); {} without the topic."""
+        etcd = Etcd(self.etcd.endpoint)
+        try:
+            view = await Metadata(etcd, "test").read()
+        finally:
+            await etcd.close()
+        tv = view.topics.get(topic)
+        return dict(tv.partitions) if tv is not None else {}
+
+    async def until_states(self, topic: str, ok, timeout: float,
+                           what: str) -> dict[int, PartitionState]:
+        """The first states of `topic` for which `ok(states)` holds, within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = await self.states(topic)
+            if s and ok(s):
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout:g} s: {what}; states {s}")
+            await asyncio.sleep(0.05)

@@ -17,9 +17,8 @@ from collections import Counter
 
 import pytest
 
-from cluster import LEASE_TTL_S, Cluster, http_json, wait_until
-from nsqclient.conn import Connection, NSQError
-from nsqwire import commands as c
+from cluster import LEASE_TTL_S, Cluster, http_json, pub, wait_until
+from nsqclient.conn import NSQError
 
 
 @pytest.fixture
@@ -27,15 +26,6 @@ def cluster(tmp_path):
     cl = Cluster(str(tmp_path)).start()
     yield cl
     cl.stop()
-
-
-async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
-    host, port = address.rsplit(":", 1)
-    conn = await Connection(host, int(port)).connect()
-    try:
-        return await conn.command(c.cmd_pub(topic, body, partition=partition))
-    finally:
-        await conn.close()
 
 
 async def pub_or_error(address: str, partition: int) -> bytes | None:

@@ -23,9 +23,7 @@ import time
 
 import pytest
 
-from cluster import LEASE_TTL_S, Cluster
-from isr.etcd import Etcd
-from isr.metadata import Metadata
+from cluster import LEASE_TTL_S, Cluster, pub
 from nsqclient.conn import Connection, NSQError
 from nsqclient.consumer import Consumer
 from nsqclient.producer import Producer
@@ -47,39 +45,9 @@ def cluster(tmp_path):
     cl.stop()
 
 
-async def states(cl: Cluster, topic: str) -> dict:
-    etcd = Etcd(cl.etcd.endpoint)
-    try:
-        view = await Metadata(etcd, "test").read()
-    finally:
-        await etcd.close()
-    tv = view.topics.get(topic)
-    return dict(tv.partitions) if tv is not None else {}
-
-
-async def wait_state(cl: Cluster, topic: str, ok, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        s = await states(cl, topic)
-        if s and ok(s):
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}; states {s}")
-        await asyncio.sleep(0.1)
-
-
 def make_topic(cl: Cluster, topic: str, partitions: int) -> None:
     status, body = cl.create_topic(topic, partitions, replicas=3)
     assert status == 200, body
-
-
-async def pub(address: str, topic: str, partition: int, body: bytes) -> bytes:
-    host, port = address.rsplit(":", 1)
-    conn = await Connection(host, int(port)).connect()
-    try:
-        return await conn.command(c.cmd_pub(topic, body, partition=partition))
-    finally:
-        await conn.close()
 
 
 async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: float,
@@ -104,50 +72,60 @@ async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: fl
     return seen
 
 
+class KeyedLoad:
+    """8 publishers through the partition-aware client, keyed (`keys` keys), each publish
+    retried within 10 s: what was acknowledged and how many calls failed."""
+
+    def __init__(self, cl: Cluster, topic: str, keys: int):
+        self.topic, self.keys = topic, keys
+        self.acked: set[bytes] = set()
+        self.failed = 0
+        self._stop = asyncio.Event()
+        self._producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
+        self._workers = [asyncio.create_task(self._publish(w)) for w in range(8)]
+
+    async def _publish(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            body = f"{worker}-{i}".encode()
+            try:
+                await self._producer.publish(self.topic, body, key=f"k{i % self.keys}")
+                self.acked.add(body)
+            except Exception:
+                self.failed += 1
+            i += 1
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._workers)
+        await self._producer.close()
+
+
 async def test_no_acknowledged_message_is_lost_when_the_leader_is_killed(cluster):
     cl = cluster
     make_topic(cl, "pay", 2)
-    await wait_state(cl, "pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
+    await cl.until_states("pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
                      "every partition with 3 in sync")
-    acked: set[bytes] = set()
-    failed = 0
-    stop = asyncio.Event()
-    producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
-
-    async def publish(worker: int) -> None:
-        nonlocal failed
-        i = 0
-        while not stop.is_set():
-            body = f"{worker}-{i}".encode()
-            try:
-                await producer.publish("pay", body, key=f"k{i % 16}")
-                acked.add(body)
-            except Exception:
-                failed += 1
-            i += 1
-
-    workers = [asyncio.create_task(publish(w)) for w in range(8)]
+    load = KeyedLoad(cl, "pay", 16)
     await asyncio.sleep(2)
-    before = await states(cl, "pay")
+    before = await cl.states("pay")
     victim = cl.nsqd_at(before[0].leader)
     killed_at = time.monotonic()
     victim.kill()
-    after = await wait_state(cl, "pay", lambda s: s[0].leader not in (None, before[0].leader),
+    after = await cl.until_states("pay", lambda s: s[0].leader not in (None, before[0].leader),
                              LEASE_TTL_S + 1 + SLACK_S, "partition 0 has a new leader")
     assert after[0].epoch > before[0].epoch
-    n_at_failover = len(acked)
-    await wait_until_async(lambda: len(acked) > n_at_failover + 50,
+    n_at_failover = len(load.acked)
+    await wait_until_async(lambda: len(load.acked) > n_at_failover + 50,
                            LEASE_TTL_S + 1 + SLACK_S, "publishes acknowledged again")
     failover_s = time.monotonic() - killed_at
     await asyncio.sleep(1)
     victim.start()
-    await wait_state(cl, "pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 30,
+    await cl.until_states("pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 30,
                      "the restarted node back in every ISR")
-    stop.set()
-    await asyncio.gather(*workers)
-    await producer.close()
-    total = len(acked) + failed
-    assert len(acked) >= 0.99 * total, (len(acked), failed)
+    await load.stop()
+    acked, failed = load.acked, load.failed
+    assert len(acked) >= 0.99 * (len(acked) + failed), (len(acked), failed)
     seen = await consume_all(cl, "pay", acked, 60)
     lost = acked - seen.keys()
     duplicates = sum(n - 1 for n in seen.values())
@@ -159,7 +137,7 @@ async def test_no_acknowledged_message_is_lost_when_the_leader_is_killed(cluster
 async def test_below_min_isr_publishes_are_refused_until_a_follower_is_back(cluster):
     cl = cluster
     make_topic(cl, "few", 1)
-    s = await wait_state(cl, "few", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    s = await cl.until_states("few", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
     leader = s[0].leader
     assert await pub(leader, "few", 0, b"before") == b"OK"
     followers = [cl.nsqd_at(n) for n in s[0].isr if n != leader]
@@ -170,7 +148,7 @@ async def test_below_min_isr_publishes_are_refused_until_a_follower_is_back(clus
             await pub(leader, "few", 0, b"refused")
             await asyncio.sleep(0.1)
     followers[0].start()
-    await wait_state(cl, "few", lambda s: len(s[0].isr) >= 2, 30, "a follower back in sync")
+    await cl.until_states("few", lambda s: len(s[0].isr) >= 2, 30, "a follower back in sync")
     assert await pub(leader, "few", 0, b"after") == b"OK"
     seen = await consume_all(cl, "few", {b"before", b"after"}, 20)
     assert {b"before", b"after"} <= seen.keys()
@@ -179,13 +157,13 @@ async def test_below_min_isr_publishes_are_refused_until_a_follower_is_back(clus
 async def test_a_stale_leader_commits_nothing(cluster):
     cl = cluster
     make_topic(cl, "stale", 1)
-    s = await wait_state(cl, "stale", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    s = await cl.until_states("stale", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
     old = cl.nsqd_at(s[0].leader)
     host, port = old.tcp_address.rsplit(":", 1)
     conn = await Connection(host, int(port)).connect()
     assert await conn.command(c.cmd_pub("stale", b"first", partition=0)) == b"OK"
     os.kill(old.proc.pid, signal.SIGSTOP)
-    new = await wait_state(cl, "stale", lambda s: s[0].leader not in (None, old.tcp_address),
+    new = await cl.until_states("stale", lambda s: s[0].leader not in (None, old.tcp_address),
                            LEASE_TTL_S + 1 + SLACK_S, "a new leader")
     # sent while the old leader sleeps: it reads them when it wakes, on its old epoch
     answers = [asyncio.ensure_future(conn.command(c.cmd_pub("stale", f"late-{i}".encode(),
@@ -217,7 +195,7 @@ async def test_a_new_leader_takes_the_channels_where_the_old_one_left_them(tmp_p
                  "--checkpoint-interval", "200ms").start()
     try:
         make_topic(cl, "chan", 1)
-        s = await wait_state(cl, "chan", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+        s = await cl.until_states("chan", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
         host, port = s[0].leader.rsplit(":", 1)
         got: list = []
         conn = await Connection(host, int(port), on_messages=got.extend).connect()
@@ -236,7 +214,7 @@ async def test_a_new_leader_takes_the_channels_where_the_old_one_left_them(tmp_p
             m.fin()
         await asyncio.sleep(2.0)  # checkpoints (200 ms) sent to the followers (200 ms)
         cl.nsqd_at(s[0].leader).kill()
-        await wait_state(cl, "chan", lambda t: t[0].leader not in (None, s[0].leader),
+        await cl.until_states("chan", lambda t: t[0].leader not in (None, s[0].leader),
                          LEASE_TTL_S + 1 + SLACK_S, "a new leader")
         seen = await consume_all(cl, "chan", (set(bodies) - finished) | {b"deferred"}, 30, "c")
         redelivered = len(finished & seen.keys())
@@ -255,42 +233,24 @@ async def test_a_hundred_leader_kills_lose_nothing(cluster):
     message is consumed."""
     cl = cluster
     make_topic(cl, "many", 3)
-    await wait_state(cl, "many", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
+    await cl.until_states("many", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
                      "3 in sync")
-    acked: set[bytes] = set()
-    failed = 0
-    stop = asyncio.Event()
-    producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
-
-    async def publish(worker: int) -> None:
-        nonlocal failed
-        i = 0
-        while not stop.is_set():
-            body = f"{worker}-{i}".encode()
-            try:
-                await producer.publish("many", body, key=f"k{i % 32}")
-                acked.add(body)
-            except Exception:
-                failed += 1
-            i += 1
-
-    workers = [asyncio.create_task(publish(w)) for w in range(8)]
+    load = KeyedLoad(cl, "many", 32)
     rng = random.Random()
     try:
         for k in range(100):
-            before = await states(cl, "many")
+            before = await cl.states("many")
             n = rng.randrange(len(before))
             victim = cl.nsqd_at(before[n].leader)
             victim.kill()
-            await wait_state(cl, "many", lambda s: s[n].leader not in (None, before[n].leader),
+            await cl.until_states("many", lambda s: s[n].leader not in (None, before[n].leader),
                              LEASE_TTL_S + 1 + SLACK_S, f"kill {k}: a new leader")
             await asyncio.to_thread(victim.start)
-            await wait_state(cl, "many", lambda s: all(len(p.isr) == 3 for p in s.values()),
+            await cl.until_states("many", lambda s: all(len(p.isr) == 3 for p in s.values()),
                              60, f"kill {k}: back in sync")
     finally:
-        stop.set()
-        await asyncio.gather(*workers)
-        await producer.close()
+        await load.stop()
+    acked, failed = load.acked, load.failed
     seen = await consume_all(cl, "many", acked, 300)
     lost = acked - seen.keys()
     print(f"100 kills: acked {len(acked)}, failed {failed}, lost {len(lost)}, "
