@@ -22,8 +22,9 @@ The model (strict POSIX, the worst a real file system may do):
 The whole tree lives in this process's memory (tests hold a few MB). The backing folder is
 the disk: read at mount; written with what survived at the cut itself (before `cut` is
 answered), and with everything at a clean unmount (as a clean unmount flushes). So what a
-cut kept never depends on how the process ends: one killed after a cut (an unmount that
-did not finish in time on a loaded machine) loses nothing. A cut makes every later
+cut kept never depends on how the process ends: one killed after a cut loses nothing (an
+unmount never reaches the process while another mount namespace, made meanwhile by `ip
+netns exec` or `unshare`, holds a copy of the mount; `unmount()` kills it after 10 s). A cut makes every later
 operation fail with EIO until the unmount, so nothing the kernel still flushes (pages of a
 shared memory map) comes back to life.
 
