@@ -20,8 +20,11 @@ The model (strict POSIX, the worst a real file system may do):
   the mode the power-loss test uses to prove that it catches a missing folder sync.
 
 The whole tree lives in this process's memory (tests hold a few MB). The backing folder is
-the disk: read at mount; written at unmount, with everything after a clean unmount (as a
-clean unmount flushes) and with what survived after a cut. A cut makes every later
+the disk: read at mount; written with what survived at the cut itself (before `cut` is
+answered), and with everything at a clean unmount (as a clean unmount flushes). So what a
+cut kept never depends on how the process ends: one killed after a cut loses nothing (an
+unmount never reaches the process while another mount namespace, made meanwhile by `ip
+netns exec` or `unshare`, holds a copy of the mount; `unmount()` kills it after 10 s). A cut makes every later
 operation fail with EIO until the unmount, so nothing the kernel still flushes (pages of a
 shared memory map) comes back to life.
 
@@ -191,7 +194,8 @@ def fuse_operations(backing: str, dir_sync: bool = True):
         # -- the model ------------------------------------------------------
 
         def cut(self) -> None:
-            """Everything unsynced is gone; from now on every call fails (EIO)."""
+            """Everything unsynced is gone, and what survived is on the disk (the backing
+            folder); from now on every call fails (EIO)."""
             with self.mutex:
                 seen, todo = set(), [self.root]
                 while todo:
@@ -202,6 +206,7 @@ def fuse_operations(backing: str, dir_sync: bool = True):
                     if isinstance(node, Folder):
                         todo.extend(node.synced.values())
                     node.cut()
+                save(self.root, backing)
                 self.is_cut = True
 
         def _node(self, path: str | None, fh: int | None = None):
@@ -334,7 +339,8 @@ def fuse_operations(backing: str, dir_sync: bool = True):
 
         def destroy(self, path):
             with self.mutex:
-                save(self.root, backing)
+                if not self.is_cut:  # else the cut saved what survived
+                    save(self.root, backing)
 
     def locked(method):
         def call(self, *args):
@@ -411,7 +417,10 @@ class PowerFS:
         self.mount()
 
     def unmount(self, timeout: float = 10) -> None:
-        """Unmount (lazily if busy) and wait for the process: safe to call at any time."""
+        """Unmount (lazily if busy) and wait for the process: safe to call at any time.
+        A process that does not exit in time is killed (noted in its log): after a cut that
+        loses nothing, the cut saved what survived; without one, what was written since the
+        mount is lost."""
         if self.mounted():
             if subprocess.run(["fusermount3", "-u", self.mountpoint],
                               capture_output=True).returncode != 0:
@@ -420,6 +429,9 @@ class PowerFS:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                with open(self.log_path, "a") as log:
+                    print(f"powerfs killed: it did not exit within {timeout} s of the unmount",
+                          file=log)
                 self.proc.kill()
                 self.proc.wait()
             for pipe in (self.proc.stdin, self.proc.stdout):

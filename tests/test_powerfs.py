@@ -163,6 +163,22 @@ def test_a_clean_unmount_keeps_everything(fs):
     assert read(path(fs, "d", "f")) == b"never synced"
 
 
+def test_what_survived_a_cut_is_on_the_disk_before_the_cut_is_answered(fs):
+    """The cut writes the survivors to the backing folder itself: a PowerFS process that
+    then has to be killed (an unmount that did not finish in time, on a loaded machine)
+    loses nothing the cut kept. Before, only the process's clean exit wrote them, and a
+    killed process left the previous mount's state: a whole round of synced data gone."""
+    write(path(fs, "f"), b"synced", sync=True)
+    sync_dir(fs.mountpoint)
+    fs.proc.stdin.write("cut\n")
+    fs.proc.stdin.flush()
+    assert fs.proc.stdout.readline().strip() == "cut"
+    fs.proc.kill()  # no clean exit: what the process did not write is gone
+    fs.unmount()
+    fs.mount()
+    assert read(path(fs, "f")) == b"synced"
+
+
 def test_without_dir_sync_a_folder_sync_syncs_nothing(tmp_path):
     with PowerFS(str(tmp_path / "disk"), str(tmp_path / "mnt"), dir_sync=False) as fs:
         write(path(fs, "f"), b"data", sync=True)
