@@ -421,7 +421,8 @@ class Watch:
                 if self._closed.is_set():
                     break
                 if self.connected:  # a stream that was up (idle timeout, etcd gone): reopen
-                    log.info("etcd_watch_interrupted", key=self._key, error=str(e)[:200])
+                    if "Read timed out" not in str(e):  # idle: reopened every idle timeout
+                        log.info("etcd_watch_interrupted", key=self._key, error=str(e)[:200])
                     backoff = 0.05
                 elif not failing and not self._closed.is_set():
                     log.warning("etcd_watch_failing", key=self._key, error=str(e)[:200],

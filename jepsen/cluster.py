@@ -185,11 +185,13 @@ class Cluster:
         if etcd_bin is None:
             raise RuntimeError("etcd is not installed: run scripts/setup.sh")
         initial = ",".join(f"{h.name}={h.etcd_peer}" for h in self.hosts)
-        endpoints = ",".join(h.etcd_client for h in self.hosts)
-        common = ["--etcd-endpoints", endpoints, "--cluster-id", CLUSTER_ID,
-                  "--etcd-lease-ttl", self.lease_ttl]
         py = sys.executable
         for h in self.hosts:
+            # each host's daemons talk to their own etcd member first (then the others)
+            endpoints = ",".join(x.etcd_client for x in sorted(self.hosts,
+                                                               key=lambda x: x is not h))
+            common = ["--etcd-endpoints", endpoints, "--cluster-id", CLUSTER_ID,
+                      "--etcd-lease-ttl", self.lease_ttl]
             p = h.ports
             listen_client = f"http://{h.ip}:{p['etcd']}"
             h.daemons["etcd"] = Daemon(h, "etcd", [
@@ -198,7 +200,10 @@ class Cluster:
                 "--listen-peer-urls", h.etcd_peer, "--initial-advertise-peer-urls", h.etcd_peer,
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", CLUSTER_ID, "--heartbeat-interval", "100",
-                "--election-timeout", "1000", "--max-txn-ops", "2048", "--log-level", "warn"],
+                "--election-timeout", "1000", "--max-txn-ops", "2048", "--log-level", "warn",
+                # a member that comes back from a partition must not depose the leader
+                # (etcd 3.4 leaves pre-vote off; 3.5 turns it on)
+                "--pre-vote"],
                 h.etcd_client + "/health")
             if h in self.lookupd_hosts:
                 h.daemons["nsqlookupd"] = Daemon(h, "nsqlookupd", [

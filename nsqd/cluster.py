@@ -73,7 +73,10 @@ class Cluster:
         self.cluster_id = o.cluster_id
         ttl_s = max(1, o.etcd_lease_ttl_ms // 1000)
         # a call never outlasts half the lease: a lost lease is noticed while it can matter
-        self.etcd = Etcd(o.etcd_endpoints, timeout=max(1.0, min(3.0, ttl_s / 2)))
+        # and a watch silent for a TTL is opened again (an endpoint cut off from the rest
+        # sends nothing and raises nothing: a watch kept on it would see no failover)
+        self.etcd = Etcd(o.etcd_endpoints, timeout=max(1.0, min(3.0, ttl_s / 2)),
+                         watch_idle_timeout=float(ttl_s))
         self.metadata = Metadata(self.etcd, o.cluster_id)
         self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
         self.replication = Replication(nsqd, self)

@@ -50,7 +50,10 @@ class Cluster:
         self.cluster_id = keys.check_cluster(options.cluster_id)
         self.ttl = int(options.etcd_lease_ttl)
         self.version = version
-        self.etcd = Etcd(options.etcd_endpoints, timeout=max(1.0, min(3.0, self.ttl / 2)))
+        # a watch silent for a TTL is opened again: an etcd endpoint cut off from the rest
+        # sends nothing and raises nothing, and a master watching it would fail nothing over
+        self.etcd = Etcd(options.etcd_endpoints, timeout=max(1.0, min(3.0, self.ttl / 2)),
+                         watch_idle_timeout=float(self.ttl))
         self.metadata = Metadata(self.etcd, self.cluster_id)
         self.directory = ClusterDirectory(None)
         self.info: LookupdInfo | None = None
