@@ -134,6 +134,20 @@ def test_kill_and_pause_r1_for_60_s_lose_nothing(tmp_path):
     assert leftovers() == []
 
 
+def test_kill_and_pause_r3_fail_over_and_lose_nothing(tmp_path):
+    """R=3 (min_isr 2): a killed or paused leader's partitions move to another in-sync
+    replica within seconds (lease TTL 2 s), while publishing goes on; nothing acknowledged
+    is lost, nothing failed for sure is delivered."""
+    status, s = jepsen(tmp_path / "run", "--nemesis", "kill,pause", "--time-limit", "45",
+                       "--nodes", "3", "--replicas", "3", "--interval", "8", "--seed", "7",
+                       timeout=300)
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, s
+    assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["acknowledged"] > 1000
+    assert s["failover"]["never"] == 0 and s["failover"]["max_s"] < 8, s["failover"]
+    assert leftovers() == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the disk-full nemesis needs root (tmpfs)")
 def test_broken_build_ack_before_sync_is_caught(tmp_path):
     """--test-ack-before-sync answers OK before the batch is written: when the write then
