@@ -78,6 +78,14 @@ class LeaderKeys:
     async def close(self) -> None:
         await stop_task(self._task)
 
+    def want(self, partitions: Iterable[Partition]) -> None:
+        """Want these keys held, written by the background task (within RETRY_S), not now:
+        for partitions served whether or not the key is held (one replica)."""
+        partitions = set(partitions)
+        for topic, n in partitions:
+            keys.partition_leader(self.cluster, topic, n)  # BadName if not a name
+        self.wanted |= partitions
+
     async def hold(self, partitions: Iterable[Partition]) -> set[Partition]:
         """Want these keys held; write the ones not held under the current lease: the
         given partitions held now (etcd away or another node's key: not held)."""

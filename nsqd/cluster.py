@@ -228,10 +228,15 @@ class Cluster:
         stale = {p for p in self.leader_keys.wanted if p[0] == name and p[1] not in named}
         if stale:
             await self.leader_keys.release(stale)
-        held = await self.leader_keys.hold({(name, n) for n in named}) if named else set()
         # One replica: nobody else can take over (the master never moves it), so it serves
-        # without its key too (while etcd is away, say). More: only with the key held.
+        # at once, its key written in the background (and while etcd is away, say, without
+        # it). More replicas: only with the key held.
         single = tv.meta.replicas == 1
+        if single:
+            self.leader_keys.want({(name, n) for n in named})
+            held = set()
+        else:
+            held = await self.leader_keys.hold({(name, n) for n in named}) if named else set()
         leading, follow = self.replication.wanted(tv, lambda n: single or (name, n) in held)
         if not single and len(held) < len(named):  # another's key not expired yet: retried
             self.errors[name] = (f"leader keys of partitions "
