@@ -211,7 +211,9 @@ class Replication:
                      epoch=state.epoch, in_isr=self.node_id in state.isr)
 
     async def drop_topic(self, name: str) -> None:
-        """A topic deleted (or no longer in the view): stop everything of it."""
+        """A topic deleted (or no longer in the view): stop everything of it, and forget the
+        epochs given up (a topic made again under the name starts again at epoch 1)."""
+        self.refused = {k: e for k, e in self.refused.items() if k[0] != name}
         for key in [k for k in self.leaders if k[0] == name]:
             await self._stop_leader(key)
         for key in [k for k in self.followers if k[0] == name]:
