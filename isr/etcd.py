@@ -351,7 +351,8 @@ class _Compacted(Exception):
 class Watch:
     """One watch stream, read by a thread of its own; iterate it with `async for`.
 
-    Invariant: events come in etcd's revision order, each once; after a reconnect the
+    Invariant: events come in etcd's revision order, each once, the events of one revision
+    queued together (`pending()` counts the rest of a transaction); after a reconnect the
     stream restarts at the revision after the last delivered one. `connected` tells
     whether the stream is up now.
     """
@@ -497,14 +498,15 @@ class Watch:
             log.info("etcd_watch_started", key=self._key, revision=self._next_revision)
             self.connected = True
             return
-        last = 0
+        events = []
         for event in result.get("events", []):
             kv = KeyValue.from_json(event["kv"])
-            kind = "delete" if event.get("type") == "DELETE" else "put"
-            self._deliver(WatchEvent(kind, kv))
-            last = max(last, kv.mod_revision)
-        if last:
-            self._next_revision = last + 1
+            events.append(WatchEvent("delete" if event.get("type") == "DELETE" else "put", kv))
+        if events:
+            # one message holds whole revisions (a transaction's every key): queued together,
+            # so a consumer that waits for `pending() == 0` never sees half a transaction
+            self._deliver(events)
+            self._next_revision = max(e.kv.mod_revision for e in events) + 1
 
     def _deliver(self, item) -> None:
         try:
@@ -513,6 +515,10 @@ class Watch:
             self._closed.set()
 
     def _put(self, item) -> None:
+        if isinstance(item, list):  # the events of one message
+            for event in item:
+                self._put(event)
+            return
         if self._lost or self._closed.is_set():
             return
         if isinstance(item, WatchLost) or self._queue.qsize() >= self._max_pending:

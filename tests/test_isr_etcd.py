@@ -138,6 +138,21 @@ async def test_watch_delivers_in_order_and_only_the_prefix(etcd):
         await next_event(watch)
 
 
+async def test_a_transaction_is_queued_whole(etcd):
+    """The events of one revision reach the queue together: a consumer that acts once
+    `pending()` is 0 (ClusterMirror) never sees half a transaction (a topic's meta without
+    its partition states made nsqd lead nothing of a new topic for a moment)."""
+    start = await etcd.put("/t/seed", b"0")
+    async with etcd.watch_prefix("/t/", start + 1) as watch:
+        for round_ in range(5):
+            await etcd.txn([], [put_op(f"/t/{round_}/{i}", b"x") for i in range(50)])
+            seen = 0
+            while seen < 50:
+                await next_event(watch)
+                seen += 1
+                assert watch.pending() == 50 - seen, (round_, seen)
+
+
 async def test_watch_from_now_and_cancel(etcd):
     await etcd.put("/n/old", b"0")
     watch = etcd.watch_prefix("/n/")
