@@ -174,9 +174,23 @@ async def test_a_stale_leader_commits_nothing(cluster):
     results = await asyncio.gather(*answers, return_exceptions=True)
     await conn.close()
     ok = {f"late-{i}".encode() for i, r in enumerate(results) if r == b"OK"}
-    assert await pub(new[0].leader, "stale", 0, b"on-new") == b"OK"
+    assert await pub_when_led(new[0].leader, "stale", 0, b"on-new") == b"OK"
     seen = await consume_all(cl, "stale", {b"first", b"on-new"} | ok, 20)
     assert ({b"first", b"on-new"} | ok) <= seen.keys(), (results, sorted(seen))
+
+
+async def pub_when_led(address: str, topic: str, partition: int, body: bytes,
+                       timeout: float = 10.0) -> bytes:
+    """PUB on a just-elected leader: retried while it is still taking the partition over
+    (E_FAILED_ON_NOT_LEADER / E_FAILED_ON_NOT_WRITABLE), as a client does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await pub(address, topic, partition, body)
+        except NSQError as e:
+            if time.monotonic() > deadline or "E_FAILED_ON_NOT_" not in str(e):
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def wait_until_async(predicate, timeout: float, what: str) -> None:
