@@ -184,7 +184,7 @@ def test_interrupt_leaves_nothing_behind(tmp_path):
         time.sleep(0.2)
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=180)  # teardown of 3 hosts on a loaded machine
     assert proc.returncode == 2, out[-2000:]
     assert leftovers() == []
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
