@@ -14,8 +14,10 @@ Two kinds of host:
 
 Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
 process, namespace, veth, bridge or mount behind; `cleanup_leftovers()` removes those of
-an earlier run that could not (every name starts with `jep-`). iptables rules live
-inside the namespaces and die with them.
+an earlier run that could not (every name starts with `jep-`), even one whose harness was
+SIGKILLed: every daemon carries `JEPSEN_DAEMON` in its environment, so it is found
+wherever it runs, and another harness still running is stopped first (it would restart
+its daemons). iptables rules live inside the namespaces and die with them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ BRIDGE = PREFIX + "br0"
 SUBNET = "10.213.0"
 HARNESS_IP = f"{SUBNET}.254"
 CLUSTER_ID = "jepsen"
+MARK = "JEPSEN_DAEMON"  # in the environment of every daemon a harness starts
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -80,7 +83,8 @@ class Daemon:
             # its own session: a Ctrl-C reaches the harness only, which stops everything
             self.proc = subprocess.Popen(self.host.wrap(self.argv), stdout=log,
                                          stderr=subprocess.STDOUT, cwd=ROOT,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         env={**os.environ, MARK: self.host.cluster.store})
         self.paused = False
 
     def wait_serving(self, timeout: float = 30) -> None:
@@ -414,7 +418,7 @@ class NetnsCluster(Cluster):
 def cleanup_leftovers() -> list[str]:
     """Remove whatever an earlier run left (its processes, namespaces, links); return
     what was removed. Safe to call any time: it touches only `jep-` names."""
-    removed = []
+    removed = [f"process {pid}" for pid in _kill_stray_processes()]
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return removed
     mounts = []
@@ -450,6 +454,46 @@ def cleanup_leftovers() -> list[str]:
                 sh("ip", "link", "del", name, check=False)
                 removed.append(f"link {name}")
     return removed
+
+
+def _kill_stray_processes() -> list[int]:
+    """SIGKILL every other jepsen harness, then every daemon a harness started (MARK in its
+    environment), wherever it runs; return their pids. Our own process and its ancestors
+    are spared: a harness started by a test has the test runner above it."""
+    spared, pid = set(), os.getpid()
+    while pid > 1:
+        spared.add(pid)
+        pid = _parent_of(pid)
+    harnesses, daemons = [], []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in spared:
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{name}/environ", "rb") as f:
+                marked = any(v.startswith(MARK.encode() + b"=") for v in f.read().split(b"\0"))
+        except OSError:  # gone, or not ours to read
+            continue
+        if b"-m" in args and args[args.index(b"-m") + 1:][:1] == [b"jepsen"]:
+            harnesses.append(int(name))
+        elif marked:
+            daemons.append(int(name))
+    for pids in (harnesses, daemons):
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    return harnesses + daemons
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def make_cluster(store: str, nodes: int, lookupds: int, nsqd_flags=(), loopback: bool = False,

@@ -45,8 +45,10 @@ What the classic numbers mean here (channels are cursors over the partition's lo
   classic e2e percentile option is not implemented).
 - Lists are `[]`, never `null`, where Go's nil slices would print `null` (an
   unknown `topic=` filter, `include_clients=false`, no producers).
-- `memory`: same keys as Go's runtime stats, from Python's: `heap_objects` are
-  objects tracked by the gc, `heap_in_use_bytes` the resident set size,
+- `memory`: same keys as Go's runtime stats, from Python's: `heap_objects` are the
+  memory blocks the allocator holds (`sys.getallocatedblocks`; never `gc.get_objects()`,
+  whose list of every object, taken while a worker thread is building a tuple, makes
+  that thread fail with SystemError), `heap_in_use_bytes` the resident set size,
   `gc_pause_usec_*` percentiles of the last 256 collections (timed by a gc callback
   installed with `install_gc_timer`), `gc_total_runs` collections of every
   generation; `heap_idle_bytes`, `heap_released_bytes`, `next_gc_bytes` are 0.
@@ -57,6 +59,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import sys
 import time
 from collections import deque
 from datetime import datetime, timezone
@@ -350,7 +353,7 @@ def _rss_bytes() -> int:
 def memory_stats() -> dict:
     pauses = list(_gc_pauses)
     return {
-        "heap_objects": len(gc.get_objects()),
+        "heap_objects": sys.getallocatedblocks(),
         "heap_idle_bytes": 0,
         "heap_in_use_bytes": _rss_bytes(),
         "heap_released_bytes": 0,

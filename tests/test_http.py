@@ -922,3 +922,34 @@ def test_go_duration():
     assert go_duration(65 * 10**9) == "1m5s"
     assert go_duration(3600 * 10**9) == "1h0m0s"
     assert go_duration(1_500_000) == "1.5ms"
+
+
+def test_memory_stats_never_break_a_thread_building_a_tuple():
+    """`/stats` runs on the loop while write workers run Python in threads: taking the list
+    of every gc object there gave a tuple being built in a worker a second reference, and
+    the worker failed with SystemError (seen once in a full run, on a delay-store write)."""
+    import sys
+    import threading
+
+    from nsqd.stats import memory_stats
+
+    errors = []
+
+    def build_tuples():
+        try:
+            for _ in range(50_000):
+                tuple(i for i in range(30))
+        except SystemError as e:
+            errors.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        worker = threading.Thread(target=build_tuples)
+        worker.start()
+        while worker.is_alive() and not errors:
+            assert memory_stats()["heap_objects"] > 0
+        worker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from jepsen import checker
-from jepsen.cluster import PREFIX
+from jepsen.cluster import PREFIX, cleanup_leftovers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,11 +184,44 @@ def test_interrupt_leaves_nothing_behind(tmp_path):
         time.sleep(0.2)
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=180)  # teardown of 3 hosts on a loaded machine
+    try:
+        out, _ = proc.communicate(timeout=180)  # teardown of 3 hosts on a loaded machine
+    except subprocess.TimeoutExpired:
+        proc.kill()  # never leave a harness running for the tests after this one
+        cleanup_leftovers()
+        raise
     assert proc.returncode == 2, out[-2000:]
     assert leftovers() == []
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(store) not in ps
+
+
+def test_cleanup_stops_a_harness_left_running_and_its_hosts(tmp_path):
+    """A harness left running (as a test that timed out leaves it) would go on killing and
+    restarting its hosts: the cleanup every run starts with (and `--cleanup`) stops it
+    first, then every process it started, and removes every name."""
+    store = tmp_path / "orphan"
+    proc = subprocess.Popen([sys.executable, "-m", "jepsen", "--store", str(store),
+                             "--nemesis", "kill", "--time-limit", "60", "--nodes", "3"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (store / "logs" / "n3-nsqd.log").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(2)
+        removed = cleanup_leftovers()
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+    assert f"process {proc.pid}" in removed
+    assert leftovers() == []
+    deadline = time.monotonic() + 10  # SIGKILLed processes are gone once reaped by init
+    while str(store) in subprocess.run(["ps", "-eo", "args"], capture_output=True,
+                                       text=True).stdout:
+        assert time.monotonic() < deadline, "a process of the stopped run is still running"
+        time.sleep(0.2)
 
 
 @pytest.mark.long
