@@ -26,12 +26,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from jepsen.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "jep-"
@@ -57,12 +58,6 @@ def http_json(method: str, url: str, timeout: float = 2) -> tuple[int, object]:
             return e.code, json.loads(e.read())
         except ValueError:
             return e.code, None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Daemon:
