@@ -89,7 +89,7 @@ class LeaderLog:
         self._closed = False
         self._recheck: asyncio.TimerHandle | None = None
         self.stats = {"pushes": 0, "acks": 0, "isr_shrinks": 0, "isr_grows": 0, "fetches": 0,
-                      "channels_sent": 0}
+                      "channels_sent": 0, "channels_pushed": 0}
 
     @property
     def closed(self) -> bool:
@@ -343,8 +343,51 @@ class LeaderLog:
     # ---- channels ----
 
     def send_channels(self, channels: dict) -> None:
-        """The latest channel states; sent to the ISR at most every 200 ms (latest wins)."""
-        self._channels = channels
+        """The latest channel states; sent to the ISR at most every 200 ms (latest wins per
+        channel: states of other channels waiting to be sent are kept)."""
+        if self._channels is None:
+            self._channels = dict(channels)
+        else:
+            self._channels.update(channels)
+
+    async def push_channels(self, channels: dict) -> None:
+        """Send channel states to the ISR now and return once every ISR follower stored them
+        (an ordered channel's FIN). A follower that fails or does not answer within
+        `repl_timeout` is dropped from the ISR (as a failed push is), and the wait goes on
+        until the CAS that drops it is written. Raises NotWritable when this log closes."""
+        self.stats["channels_pushed"] += 1
+        stored: set[str] = set()
+        while True:
+            if self._closed:
+                raise NotWritable(self.reason)
+            header = {**self._base, "epoch": self.state.epoch, "channels": channels}
+            me = self.host.node_id
+            waiting = [node for node in self.state.isr if node != me and node not in stored]
+            if not waiting:
+                return
+            asked = []
+            for node in waiting:
+                f = self.followers.get(node)
+                if f is None or f.failed or f.held is not None:
+                    continue  # waits for the CAS that drops it, or for its join to end
+                try:
+                    asked.append((f, f.peer.send(Kind.CHANNELS, header)))
+                except PeerError as e:
+                    self._fail(f, f"channels: {e}")
+            if not asked:
+                await asyncio.sleep(TICK)
+                continue
+            done, _ = await asyncio.wait([fut for _, fut in asked], timeout=self.repl_timeout)
+            for f, fut in asked:
+                if fut not in done:
+                    fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+                    self._fail(f, f"no answer to channels in {self.repl_timeout} s")
+                elif fut.exception() is not None:
+                    self._fail(f, f"channels: {fut.exception()}")
+                elif fut.result().kind is Kind.OK:
+                    stored.add(f.node)
+                else:
+                    await asyncio.sleep(TICK)  # refused (an epoch moving on): asked again
 
     def _send_channels(self, channels: dict) -> None:
         header = {**self._base, "epoch": self.state.epoch, "channels": channels}

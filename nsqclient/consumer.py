@@ -10,12 +10,18 @@ RDY over the subscriptions, at least 1 each. Each message runs `handler(message)
 function or a coroutine function) in its own task: FIN when it returns, REQ when it
 raises. `close()` sends RDY 0, waits (up to `drain_timeout`) for the handlers running,
 requeues what still arrives, then CLS and closes.
+
+`ordered=True`: `SUB_ORDERED` (the server has one message of a partition out at a time,
+whatever RDY says), and the handler runs for one message of a partition at a time, in
+arrival order. An ordered partition's throughput is at most 1 / (handler time + round
+trip): `partitions_needed` says how many partitions a rate needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import socket
 
 import structlog
@@ -38,6 +44,16 @@ def targets(tmap: TopicMap) -> set[Target]:
     return {(node, n) for n, node in tmap.leaders.items()}
 
 
+def partitions_needed(messages_per_s: float, seconds_per_message: float) -> int:
+    """Partitions an ordered topic needs to carry `messages_per_s`: an ordered partition has
+    one message out at a time, so it carries at most 1 / `seconds_per_message` (the handler's
+    time plus one round trip to nsqd, FIN to the next delivery; more on a replicated topic,
+    whose FIN waits for the ISR). partitions = ceil(messages/s x seconds per message), >= 1."""
+    if messages_per_s < 0 or seconds_per_message <= 0:
+        raise ValueError("a rate >= 0 and a time per message > 0 are needed")
+    return max(1, math.ceil(messages_per_s * seconds_per_message - 1e-9))
+
+
 def spread_rdy(max_in_flight: int, count: int) -> list[int]:
     """max_in_flight split over `count` connections as evenly as can be, at least 1 each."""
     base, extra = divmod(max_in_flight, count)
@@ -49,7 +65,8 @@ class Consumer:
                  handler=None, max_in_flight: int = 1, *, lookup: LookupSource | None = None,
                  lookup_interval: float = 30.0, backoff: float = 0.1, max_backoff: float = 2.0,
                  requeue_delay_ms: int = 0, connect_timeout: float = 3.0,
-                 drain_timeout: float = 10.0, identify: dict | None = None):
+                 drain_timeout: float = 10.0, identify: dict | None = None,
+                 ordered: bool = False):
         if not valid_topic_name(topic) or not valid_channel_name(channel):
             raise ValueError(f"invalid topic or channel name: {topic!r} {channel!r}")
         if handler is None or max_in_flight < 1:
@@ -65,6 +82,8 @@ class Consumer:
         self.drain_timeout = drain_timeout
         self.identify = {"hostname": socket.gethostname(), "user_agent": USER_AGENT,
                          **(identify or {})}
+        self.ordered = ordered
+        self._in_turn: dict[Connection, asyncio.Lock] = {}  # ordered: one handler a partition
         self.subscriptions: dict[Target, Connection] = {}
         self._rdy: dict[Connection, int] = {}
         self._handlers: set[asyncio.Task] = set()
@@ -137,8 +156,10 @@ class Consumer:
                           on_messages=lambda batch: self._on_messages(batch))
         try:
             await asyncio.wait_for(conn.connect(self.identify), self.connect_timeout)
-            await asyncio.wait_for(conn.command(c.cmd_sub(self.topic, self.channel, partition)),
-                                   self.connect_timeout)
+            sub = (c.cmd_sub_ordered(self.topic, self.channel, partition)
+                   if self.ordered and partition is not None
+                   else c.cmd_sub(self.topic, self.channel, partition))
+            await asyncio.wait_for(conn.command(sub), self.connect_timeout)
         except (OSError, TimeoutError, NSQError) as e:
             log.info("consumer_subscribe_failed", topic=self.topic, partition=partition,
                      node=node.address, error=str(e))
@@ -158,6 +179,7 @@ class Consumer:
         if self.subscriptions.get(target) is conn:
             del self.subscriptions[target]
             self._rdy.pop(conn, None)
+            self._in_turn.pop(conn, None)
             log.info("consumer_subscription_lost", topic=self.topic, partition=target[1],
                      node=target[0].address, errors=conn.errors[-1:])
             self._spread_rdy()
@@ -183,6 +205,14 @@ class Consumer:
             task.add_done_callback(self._handlers.discard)
 
     async def _handle(self, m: Message) -> None:
+        if self.ordered:  # tasks start in arrival order and the lock is fair: in order
+            lock = self._in_turn.setdefault(m.conn, asyncio.Lock())
+            async with lock:
+                await self._run(m)
+        else:
+            await self._run(m)
+
+    async def _run(self, m: Message) -> None:
         try:
             result = self.handler(m)
             if inspect.isawaitable(result):

@@ -36,6 +36,7 @@ from nsqwire.ids import PARTITION_SHIFT, SEQUENCE_MASK
 
 from .cursor import Cursor, Ranges, pack_u64, unpack_u64
 from .delaying import ChannelDelay
+from .ordered import OrderedDispatch
 
 log = structlog.get_logger("nsqd.channel")
 
@@ -146,7 +147,7 @@ class Channel:
                  max_window: int = 100_000, read_batch: int = 1024,
                  delay_path: str | None = None, delay_threshold_ms: int = 60_000,
                  max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False,
-                 saved: SavedWindow | None = None):
+                 saved: SavedWindow | None = None, ordered: bool = False, confirm_fin=None):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -182,6 +183,10 @@ class Channel:
         self.timeout_count = 0
         self.finish_count = 0
         self.dirty = True  # cursor changed since the last checkpoint
+        self.confirm_fin = confirm_fin  # ordered, replicated: awaited after a FIN (ordered.py)
+        self.ordered: OrderedDispatch | None = None
+        if ordered:
+            self.set_ordered(True)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -193,6 +198,8 @@ class Channel:
         """Stop delivering; write what the delay store still has pending."""
         self._closed = True
         self._wake.set()
+        if self.ordered is not None:
+            self.ordered.close()
         if self.wake in self.queue.commit_listeners:
             self.queue.commit_listeners.remove(self.wake)
         if self._task is not None:
@@ -202,6 +209,20 @@ class Channel:
             await self.delay.close()
 
     def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def set_ordered(self, on: bool) -> None:
+        """Turn the ordered rule (ordered.py) on or off; saved with the next checkpoint."""
+        if on == (self.ordered is not None):
+            return
+        if self.ordered is not None:
+            self.ordered.close()
+        self.ordered = OrderedDispatch(self, self.confirm_fin) if on else None
+        self.dirty = True
         self._wake.set()
 
     def checkpoint(self) -> dict:
@@ -227,6 +248,7 @@ class Channel:
         return {"confirmed": c.confirmed, "confirmed_count": c.confirmed_count,
                 "next_read": next_read, "finished": finished,
                 "attempts": self._saved_attempts(), "paused": self.paused,
+                "ordered": self.ordered is not None,
                 "delay_store": d is not None and (d.store is not None or d.expected)}
 
     def replica_state(self, state: dict) -> dict:
@@ -330,6 +352,10 @@ class Channel:
                     room = c.room_in(self, room)
                 if room > 0 and c.writable:
                     capacity += room
+            if self.ordered is not None:
+                capacity = self.ordered.room(capacity)
+                if not capacity:
+                    return
             if not capacity:
                 await self._hold_deferred_ahead()
                 return
@@ -443,6 +469,8 @@ class Channel:
     def _defer_if_due_later(self, msg: Message) -> bool:
         """A DPUB's message read before it is due: held in memory when due soon, moved to
         the delay store when due later."""
+        if self.ordered is not None:  # the log's order rules (ordered.py)
+            return False
         due_ms = defer_until_ms(msg.ext)
         if not due_ms or due_ms <= self.clock() * 1000:
             return False
@@ -530,6 +558,8 @@ class Channel:
         self.finish_count += len(msgs)
         self.dirty = True
         self._wake.set()
+        if self.ordered is not None:
+            self.ordered.finished()
 
     def requeue(self, msg: Message, delay_ms: int) -> None:
         """A consumer's REQ: counted in `requeue_count`, as classic nsqd does."""
@@ -541,13 +571,22 @@ class Channel:
         msg.client = None
         if not msg.delayed:
             self.put_back[msg.offset] = msg  # its attempts go with the next checkpoint
-        if delay_ms > 0 or msg.attempts >= self.max_attempts_in_memory:
+        if self.ordered is not None:  # first in line again, whatever the delay
+            self.ordered.put_back((msg,))
+        elif delay_ms > 0 or msg.attempts >= self.max_attempts_in_memory:
             self._hold(msg, int(self.clock() * 1000) + delay_ms)
         else:
             self.requeued.append(msg)
             self._wake.set()
 
     def _requeue_all(self, msgs: list[Message]) -> None:
+        if self.ordered is not None and len(msgs) > 1:  # back in log order
+            for m in msgs:
+                m.client = None
+                if not m.delayed:
+                    self.put_back[m.offset] = m
+            self.ordered.put_back(msgs)
+            return
         for m in msgs:
             self._put_back(m, 0)
 
@@ -564,8 +603,8 @@ class Channel:
                     expired.append(m)
             for m in expired:
                 del client.in_flight[m.wire_id]
-                self.timeout_count += 1
-                self._put_back(m, 0)
+            self.timeout_count += len(expired)
+            self._requeue_all(expired)
             moved += len(expired)
         deferred = self.deferred
         wall = self.clock()

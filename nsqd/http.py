@@ -142,6 +142,14 @@ def arg(params: dict[str, list[str]], name: str) -> str | None:
     return values[0] if values else None
 
 
+def _bool_arg(params, name: str, code: str) -> bool:
+    """A true|false|1|0 argument (absent: False), else 400 `code`."""
+    text = (arg(params, name) or "false").lower()
+    if text not in ("true", "false", "1", "0"):
+        raise HTTPError(400, code)
+    return text in ("true", "1")
+
+
 def topic_arg(params) -> str:
     """getTopicFromQuery: the topic name, present and valid."""
     name = arg(params, "topic")
@@ -408,8 +416,9 @@ async def do_topic_create(nsqd, request):
     raw = arg(q, "partition_num")
     partition_num = (None if raw is None
                      else _bounded(raw, int, 1, MAX_PARTITIONS, "INVALID_PARTITION_NUM"))
+    ordered = _bool_arg(q, "ordered", "INVALID_ARG_ORDERED")
     try:
-        topic = await nsqd.create_topic(name, partition_num)
+        topic = await nsqd.create_topic(name, partition_num, ordered)
     except TopicConflict as e:
         log.info("topic_create_conflict", topic=name, error=str(e))
         raise HTTPError(409, "TOPIC_PARTITION_NUM_CONFLICT") from None
@@ -572,6 +581,20 @@ async def _channel_pause(nsqd, request, pause: bool):
     return None
 
 
+async def do_channel_setorder(nsqd, request):
+    """Ours: `order=true|false` turns a channel's ordered rule (nsqd/ordered.py) on or off;
+    an ordered topic's channels stay ordered (400 `ORDERED_TOPIC`)."""
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    order = _bool_arg(params, "order", "INVALID_ARG_ORDER")
+    if not order and topic.assignment.ordered:
+        raise HTTPError(400, "ORDERED_TOPIC")
+    channels = _existing_channels(topic, params, channel_name)
+    for c in channels:
+        c.set_ordered(order)
+    await _persist_channels(nsqd, channels)
+    return None
+
+
 async def do_channel_pause(nsqd, request):
     return await _channel_pause(nsqd, request, True)
 
@@ -646,6 +669,7 @@ ROUTES = {
     "/channel/delete": {"POST": do_channel_delete},
     "/channel/empty": {"POST": do_channel_empty},
     "/channel/pause": {"POST": do_channel_pause},
+    "/channel/setorder": {"POST": do_channel_setorder},
     "/channel/unpause": {"POST": do_channel_unpause},
     "/channel/delay/empty": {"POST": do_channel_delay_empty},
     "/channel/delay/requeue": {"POST": do_channel_delay_requeue},

@@ -121,7 +121,14 @@ class NSQD:
     def channel_settings(self) -> dict:
         o = self.options
         return {"max_window": o.max_channel_window, "delay_threshold_ms": o.delay_threshold_ms,
-                "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock}
+                "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock,
+                "confirm_fin": self.confirm_ordered_fin}
+
+    async def confirm_ordered_fin(self, channel: Channel) -> None:
+        """An ordered channel's FIN on a replicated partition: returns once every ISR
+        follower stored the channel's new state (nsqd/ordered.py)."""
+        if self.cluster is not None:
+            await self.cluster.replication.push_channel(channel)
 
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)
@@ -237,16 +244,18 @@ class NSQD:
                 topic = await self._create_topic(name, Assignment.single())
         return topic
 
-    async def create_topic(self, name: str, partition_num: int | None = None) -> Topic:
+    async def create_topic(self, name: str, partition_num: int | None = None,
+                           ordered: bool = False) -> Topic:
         """POST /topic/create: the topic with `partition_num` partitions, all led here
         (None: an existing topic as it is, a new one with one). Raises TopicConflict when
         it exists with another count, AssignmentError for a count out of range. In
-        cluster mode the topic is made in etcd (cluster.py)."""
+        cluster mode the topic is made in etcd (cluster.py; an ordered one through nsqlookupd).
+        `ordered`: a new topic takes only SUB_ORDERED and keyed publishes (ordered.py)."""
         if not valid_topic_name(name):
             raise NameError_(name)
         if self.cluster is not None:
             return await self.cluster.create_topic(name, partition_num)
-        assignment = Assignment.all_led(partition_num or 1)
+        assignment = Assignment.all_led(partition_num or 1).with_(ordered=ordered)
         async with self._create_lock:
             topic = self.topics.get(name)
             if topic is None:
@@ -255,6 +264,8 @@ class NSQD:
         if partition_num is not None and have != partition_num:
             raise TopicConflict(f"topic {name} exists with partition_num {have}, "
                                 f"not {partition_num}")
+        if ordered and not topic.assignment.ordered:
+            raise TopicConflict(f"topic {name} exists and is not ordered")
         return topic
 
     async def _create_topic(self, name: str, assignment: Assignment) -> Topic:

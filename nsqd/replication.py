@@ -30,7 +30,7 @@ import structlog
 
 from diskqueue.queue import DiskQueue
 from isr.follower import FollowerLog
-from isr.leader import LeaderLog
+from isr.leader import LeaderLog, NotWritable
 from isr.metadata import TopicView
 from isr.peer import Peers
 from isr.rpc import RpcServer
@@ -118,6 +118,16 @@ class Replication:
         leader = self.leaders.get((channel.topic_name, channel.partition))
         if leader is not None:
             leader.send_channels({channel.name: state_to_wire(channel.replica_state(state))})
+
+    async def push_channel(self, channel) -> None:
+        """An ordered channel's FIN: its checkpoint, stored here, to every ISR follower now;
+        returns once they all stored it (LeaderLog.push_channels)."""
+        leader = self.leaders.get((channel.topic_name, channel.partition))
+        if leader is None:
+            raise NotWritable(f"partition {channel.partition} is not led here")
+        state = channel.checkpoint()
+        self.nsqd.meta.put(channel_key(channel.topic_name, channel.partition, channel.name), state)
+        await leader.push_channels({channel.name: state_to_wire(channel.replica_state(state))})
 
     # ---- lifecycle -------------------------------------------------------------------
 

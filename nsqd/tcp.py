@@ -658,7 +658,9 @@ class ClientConnection(asyncio.Protocol):
             raise errors.unauthorized(command, topic, channel)
         return True
 
-    async def _sub(self, cmd: p.Sub) -> None:
+    async def _sub(self, cmd: p.Sub | p.SubOrdered) -> None:
+        """SUB and SUB_ORDERED (which makes the channels ordered: nsqd/ordered.py)."""
+        ordered = type(cmd) is p.SubOrdered
         if self.state != self.INIT:
             raise errors.invalid_state("SUB")
         if self.client.settings.heartbeat_interval_ms <= 0:  # as nsqd: no SUB without heartbeats
@@ -680,10 +682,14 @@ class ClientConnection(asyncio.Protocol):
         except StorageError as e:  # a full disk, or a partition that does not serve
             raise errors.sub_failed(str(e)) from None
         # No await from here on: `channels` is what the node serves now (NSQD.subscription).
+        if not ordered and self.nsqd.topics[cmd.topic].assignment.ordered:
+            raise errors.sub_order_is_must()
         client = self.client
         client.topic_name, client.channel_name = cmd.topic, cmd.channel
         client.all_partitions = cmd.partition is None
         for channel in channels.values():
+            if ordered:
+                channel.set_ordered(True)
             client.subscribe(channel)
         self.state = self.SUBSCRIBED
         client.write(p.OK)
@@ -694,12 +700,11 @@ class ClientConnection(asyncio.Protocol):
         self._fail(errors.not_leader("SUB"))
 
     async def _not_yet(self, cmd) -> None:
-        name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED",
-                p.PubTrace: "PUB_TRACE"}[type(cmd)]
+        name = {p.SubAdvanced: "SUB_ADVANCED", p.PubTrace: "PUB_TRACE"}[type(cmd)]
         raise errors.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
-                       p.SubOrdered: _not_yet, p.SubAdvanced: _not_yet, p.PubTrace: _not_yet}
+                       p.SubOrdered: _sub, p.SubAdvanced: _not_yet, p.PubTrace: _not_yet}
 
 
 async def start_tcp(nsqd):

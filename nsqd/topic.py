@@ -151,7 +151,9 @@ class Partition:
                           state["confirmed_count"], paused=state.get("paused", False),
                           delay_path=delay_folder(self.queue.path, name),
                           delay_expected=state.get("delay_store", False),
-                          saved=self._saved_window(name, state), **settings)
+                          saved=self._saved_window(name, state),
+                          ordered=state.get("ordered", False) or self.topic.assignment.ordered,
+                          **settings)
         self.channels[name] = channel
         channel.start()
         return channel
@@ -364,6 +366,8 @@ class Topic:
         the log calls `callback(appended, error)` and the caller counts them
         (`count_published`) when it answers: TCP's path, with no task per publish."""
         if partition is None:
+            if self.assignment.ordered:  # a key's order needs its partition named
+                raise PartitionNotFound(None)
             spread = self._spread
             if not spread:
                 self._refuse_any()
