@@ -238,11 +238,13 @@ class Client:
             in_flight[wire_id] = m
         self.message_count += len(msgs)
         if msgs:
-            self._buffer_messages(encode_messages(msgs, self.settings.extend_support))
+            self._buffer_messages(encode_messages(msgs, self.settings.extend_support),
+                                  channel.ordered is not None)
 
-    def _buffer_messages(self, data: bytes) -> None:
+    def _buffer_messages(self, data: bytes, now: bool = False) -> None:
+        """`now`: an ordered channel's message (nothing follows it before its FIN)."""
         timeout_ms = self.settings.output_buffer_timeout_ms
-        if timeout_ms <= 0:
+        if timeout_ms <= 0 or now:
             self.write(data)
             return
         self._buffered.append(data)

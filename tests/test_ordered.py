@@ -57,6 +57,22 @@ async def test_one_message_in_flight_whatever_rdy_and_however_many_clients(node)
     assert got == [b"m%d" % i for i in range(6)]
 
 
+async def test_each_next_message_leaves_at_once_not_after_the_output_buffer_timeout(node):
+    """The one message out is sent at once (nothing follows it before its FIN), not after
+    the client's output_buffer_timeout (250 ms by default: 40 messages would take 10 s)."""
+    n = await node()
+    pub = await connect(n)
+    await pub.mpub("t", [b"m%d" % i for i in range(40)])
+    con = await connect(n)
+    await sub_ordered(con, "t", "c", rdy=100)
+    t0 = time.monotonic()
+    for i in range(40):
+        (m,) = await take(con, 1)
+        assert m.body == b"m%d" % i
+        m.fin()
+    assert time.monotonic() - t0 < 4
+
+
 async def test_a_plain_channel_is_not_limited_until_sub_ordered(node):
     """The check that the limit is the ordered rule's: a plain SUB gets RDY's worth."""
     n = await node()
