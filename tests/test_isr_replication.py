@@ -290,6 +290,44 @@ async def test_channel_states_reach_the_followers_latest_wins_at_most_every_200m
         await stop(hosts)
 
 
+async def test_states_of_two_channels_sent_within_one_interval_both_arrive(tmp_path):
+    """send_channels keeps the latest state per channel, not only the last call's."""
+    _, hosts = await cluster(tmp_path)
+    try:
+        leader = hosts[0].leaders[(T, 0)]
+        got = {B: {}, C: {}}
+        for h in hosts[1:]:
+            h.channels_received = lambda t, p, ch, node=h.node_id: got[node].update(ch)
+        leader.send_channels({"one": {"confirmed": 1}})
+        leader.send_channels({"two": {"confirmed": 2}})
+        leader.send_channels({"one": {"confirmed": 3}})
+        await until(lambda: all(len(g) == 2 for g in got.values()), 1)
+        for g in got.values():
+            assert g == {"one": {"confirmed": 3}, "two": {"confirmed": 2}}
+    finally:
+        await stop(hosts)
+
+
+async def test_push_channels_returns_once_every_isr_follower_stored_the_state(tmp_path):
+    """An ordered FIN's push: awaited, straight to the ISR (no 200 ms timer); a follower that
+    does not answer is dropped from the ISR (CAS) and the push then completes without it."""
+    states, hosts = await cluster(tmp_path, min_isr=1, repl_timeout=0.5)
+    try:
+        leader = hosts[0].leaders[(T, 0)]
+        got = {B: [], C: []}
+        for h in hosts[1:]:
+            h.channels_received = lambda t, p, ch, node=h.node_id: got[node].append(ch)
+        await asyncio.wait_for(leader.push_channels({"o": {"confirmed": 7}}), 1)
+        assert got[B] == got[C] == [{"o": {"confirmed": 7}}]
+        hosts[2].followers[(T, 0)].handle = _never
+        await asyncio.wait_for(leader.push_channels({"o": {"confirmed": 8}}), 5)
+        assert got[B][-1] == {"o": {"confirmed": 8}}
+        assert C not in states.states[(T, 0)].isr
+        assert leader.stats["channels_pushed"] == 2
+    finally:
+        await stop(hosts)
+
+
 async def test_a_stalled_partition_never_holds_back_another_on_the_same_connection(tmp_path):
     """Partitions 0 and 1 share the leader's connection to B. B's partition 0 stops
     answering: partition 0 drops B after repl_timeout; partition 1 keeps B in its ISR and
