@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-mb", type=int, default=64,
                     help="size of each nsqd's tmpfs (what disk-full fills)")
     ap.add_argument("--no-classic", action="store_true", help="without the pynsq producer")
+    ap.add_argument("--ordered", action="store_true",
+                    help="an ordered topic, ordered consumers (and no pynsq producer: a PUB "
+                         "without a partition is E_BAD_PARTITION there)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=90.0)
     ap.add_argument("--keep-data", action="store_true", help="keep the hosts' data")
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                       loopback=args.loopback, nsqd_flags=args.nsqd_flag, seed=args.seed,
                       drain_timeout=args.drain_timeout, keep_data=args.keep_data,
                       classic=not args.no_classic, pause_s=args.pause,
-                      unkeyed=args.unkeyed, disk_mb=args.disk_mb)
+                      unkeyed=args.unkeyed, disk_mb=args.disk_mb, ordered=args.ordered)
     try:
         summary = run(opts)
     except ValueError as e:

@@ -63,8 +63,7 @@ def total_queue(history: list[dict]) -> dict:
 
 def order(history: list[dict], ordered: bool) -> dict:
     if not ordered:
-        return {"valid": "skipped", "why": "the topic is not ordered (the cluster has no "
-                                           "ordered mode yet, #8)"}
+        return {"valid": "skipped", "why": "the topic is not ordered (run with --ordered)"}
     seen: dict[str, set] = defaultdict(set)
     high: dict[str, int] = {}
     reorderings = []

@@ -45,12 +45,14 @@ class Workload:
 
     def __init__(self, history: History, topic: str, partitions: int,
                  lookupds: list[str], nsqds: list[str], unkeyed: int = 2,
-                 pause_s: float = 0.05, consumers: int = 2, classic: bool = True):
+                 pause_s: float = 0.05, consumers: int = 2, classic: bool = True,
+                 ordered: bool = False):
         self.history, self.topic, self.partitions = history, topic, partitions
         self.lookupds, self.nsqds = lookupds, nsqds
         self.keys = keys_for(partitions)
         self.unkeyed, self.pause_s, self.consumers_n = unkeyed, pause_s, consumers
         self.classic = classic
+        self.ordered = ordered  # consumers SUB_ORDERED: one message of a partition at a time
         self.producing = True
         self.tasks: list[asyncio.Task] = []
         self.consumers: list[Consumer] = []
@@ -63,7 +65,7 @@ class Workload:
             name = f"c{i + 1}"
             c = Consumer(self.topic, CHANNEL, self.lookupds,
                          lambda m, name=name: self._dequeued(name, m), max_in_flight=50,
-                         lookup_interval=2.0, max_backoff=1.0)
+                         lookup_interval=2.0, max_backoff=1.0, ordered=self.ordered)
             self.consumers.append(await c.start())
         n = 0
         for key in self.keys:

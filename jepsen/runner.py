@@ -44,6 +44,7 @@ class RunOptions:
     pause_s: float = 0.05  # each producer's pause between its operations
     unkeyed: int = 2  # unkeyed producer processes (beside one keyed per partition)
     disk_mb: int = 64  # each nsqd's tmpfs (network namespaces only)
+    ordered: bool = False  # an ordered topic, ordered consumers (no classic producer then)
 
 
 def _raise_interrupt(signum, frame):
@@ -81,7 +82,7 @@ def run(opts: RunOptions) -> dict:
         print(f"jepsen: setting up {opts.nodes} hosts ({type(cluster).__name__}) in "
               f"{opts.store}", flush=True)
         cluster.setup()
-        cluster.create_topic(TOPIC, opts.partitions, opts.replicas)
+        cluster.create_topic(TOPIC, opts.partitions, opts.replicas, opts.ordered)
         info["ordered"] = cluster.ordered(TOPIC)
         asyncio.run(_phases(opts, cluster, nemesis, history, info))
     finally:
@@ -106,7 +107,8 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
     lookupds = cluster.lookupd_http_addresses
     nsqds = [h.nsqd_tcp for h in cluster.hosts]
     workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
-                        unkeyed=opts.unkeyed, pause_s=opts.pause_s, classic=opts.classic)
+                        unkeyed=opts.unkeyed, pause_s=opts.pause_s,
+                        classic=opts.classic and not opts.ordered, ordered=opts.ordered)
     await workload.start()
     try:
         deadline = time.monotonic() + opts.time_limit
