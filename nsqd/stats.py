@@ -22,7 +22,7 @@ them; ours are additive:
   `depth` (0) and `error`;
 - channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
   deferred_count, requeued_count, message_count, requeue_count, timeout_count,
-  finish_count, client_count, paused, confirmed, confirmed_count, next_read,
+  finish_count, client_count, paused, ordered, confirmed, confirmed_count, next_read,
   next_count, window, error}].
 
 What the classic numbers mean here (channels are cursors over the partition's log):
@@ -243,6 +243,7 @@ def channel_partition_stats(c) -> dict:
         "finish_count": c.finish_count,
         "client_count": len(c.clients),
         "paused": c.paused,
+        "ordered": c.ordered is not None,  # ours: nsqd/ordered.py
         "confirmed": cursor.confirmed,
         "confirmed_count": cursor.confirmed_count,
         "next_read": cursor.next_read,

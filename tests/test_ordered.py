@@ -23,6 +23,15 @@ async def http(port: int, path: str, data: bytes = b"") -> tuple[int, bytes]:
             return r.status, await r.read()
 
 
+async def channel_ordered(n, topic: str, channel: str) -> bool:
+    """/stats: the channel's `ordered` flag (of its partition 0)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{n.http_port}/stats?format=json"
+                               f"&topic={topic}&channel={channel}") as r:
+            stats = await r.json(content_type=None)
+    return stats["topics"][0]["channels"][0]["partitions"][0]["ordered"]
+
+
 async def sub_ordered(conn: Connection, topic: str, channel: str, partition: int = 0,
                       rdy: int = 10) -> None:
     await conn.command(c.cmd_sub_ordered(topic, channel, partition))
@@ -150,9 +159,11 @@ async def test_setorder_false_turns_a_channel_back_to_plain(node):
     await sub_ordered(con, "t", "c", rdy=5)
     (m,) = await take(con, 1)
     await nothing_arrives(con, 0.3)
+    assert await channel_ordered(n, "t", "c") is True
     assert (await http(n.http_port, "/channel/setorder?topic=t&channel=c&order=false"))[0] == 200
     m.fin()
     assert len(await take(con, 4)) == 4
+    assert await channel_ordered(n, "t", "c") is False
     assert (await http(n.http_port, "/channel/setorder?topic=t&channel=c&order=maybe"))[0] == 400
 
 
@@ -209,3 +220,51 @@ def test_order_kept_across_consumer_restarts_and_nsqd_kill_9(tmp_path):
     report = check.report()
     assert check.clean, report
     assert report["duplicates"] >= 1, report  # the dropped messages came back
+
+
+async def test_the_ordered_consumer_runs_one_handler_a_partition_at_a_time(node):
+    """nsqclient's Consumer(ordered=True): SUB_ORDERED on each partition (the topic is
+    ordered: a plain SUB would be refused), one handler call a partition at a time, in
+    order, however slow the handler and whatever max_in_flight."""
+    from nsqclient.consumer import Consumer
+    from nsqclient.lookup import StaticLookup
+
+    n = await node()
+    assert (await http(n.http_port, "/topic/create?topic=o&partition_num=2&ordered=true"))[0] == 200
+    pub = await connect(n)
+    for p in (0, 1):
+        await pub.command(c.cmd_mpub("o", [body(f"p{p}", i) for i in range(20)], p))
+    running: dict[str, int] = {"p0": 0, "p1": 0}
+    most = {"p0": 0, "p1": 0}
+    check = OrderCheck()
+
+    async def handler(m) -> None:
+        key = m.body.split(b":")[0].decode()
+        running[key] += 1
+        most[key] = max(most[key], running[key])
+        await asyncio.sleep(0.005)
+        check.observe_body(m.body)
+        running[key] -= 1
+
+    lookup = StaticLookup()
+    lookup.set("o", 2, {0: f"127.0.0.1:{n.tcp_port}", 1: f"127.0.0.1:{n.tcp_port}"})
+    consumer = await Consumer("o", "c", handler=handler, max_in_flight=50, lookup=lookup,
+                              ordered=True).start()
+    try:
+        deadline = time.monotonic() + 10
+        while check.received < 40 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await consumer.close()
+    check.finish({"p0": 20, "p1": 20})
+    assert check.clean and check.received == 40, check.report()
+    assert most == {"p0": 1, "p1": 1}
+
+
+def test_partitions_needed():
+    from nsqclient.consumer import partitions_needed
+
+    assert partitions_needed(10_000, 0.0013) == 13
+    assert partitions_needed(1000, 0.001) == 1
+    assert partitions_needed(0, 0.001) == 1
+    assert partitions_needed(1001, 0.001) == 2
