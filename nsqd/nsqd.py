@@ -473,7 +473,8 @@ class NSQD:
         """The channels a SUB consumes (made when missing): of `partition`, or of every
         partition of the topic this node leads (None). The caller attaches the client
         before its next await: what is returned is current at return. Raises
-        TopicNotFound, StorageError when no led partition serves but one failed, NameError_, what Topic.check_partition raises, StorageError."""
+        TopicNotFound, NameError_, what Topic.check_partition raises, and StorageError
+        (also when no led partition serves but one failed)."""
         while True:
             topic = await self.get_topic(topic_name)
             if topic is None:
