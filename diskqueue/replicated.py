@@ -265,6 +265,34 @@ class Replicated:
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
 
+    async def restart_at(self, offset: int, count: int) -> None:
+        """Drop the whole log and go on, empty, at (offset, count), ahead of the written end:
+        a follower whose every record is before its leader's start (retention dropped
+        them there) takes the leader's history from that start. ValueError when (offset,
+        count) is not ahead. A kill at any point leaves the old log or the empty new one
+        (meta.json first: open finishes the rest, as for `empty`)."""
+        if offset <= self.written_end or count < self.written_count:
+            raise ValueError(f"({offset}, {count}) is not ahead of the written end "
+                             f"{(self.written_end, self.written_count)}")
+        await self._exclusive(self._restart_job, offset, count, then=self._restarted)
+
+    def _restart_job(self, offset: int, count: int):
+        next_log_id = self.commitlog.next_log_id
+        dropped = self.written_end - self.start_offset
+        self._write_meta(offset, count, next_log_id)
+        self._segments.reset(offset)
+        self.commitlog.reset(next_log_id)
+        log.warning("restarted_at", path=self.path, partition=self.partition, offset=offset,
+                    count=count, dropped_bytes=dropped)
+        return offset, count
+
+    def _restarted(self, position) -> None:
+        self.written_end, self.written_count = position
+        self._unsynced_messages = 0
+        self._tail_end = self.written_end
+        self.shared_chunks.clear()
+        self._commit(*position)
+
     async def read_raw(self, offset: int, max_bytes: int) -> RawBatch:
         """Whole entries from the one that begins at `offset` (ValueError if none does), up to
         `max_bytes` of data (at least one entry), up to the written end. At the written end:

@@ -85,7 +85,8 @@ class FollowerLog:
         self._appender: asyncio.Task | None = None
         self._catch_up: asyncio.Task | None = None
         self._fence_path = os.path.join(q.path, FENCE_FILE)
-        self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0}
+        self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0,
+                      "restarts": 0}
 
     @property
     def end(self) -> tuple[int, int]:
@@ -204,6 +205,21 @@ class FollowerLog:
 
     # ---- divergence and catch-up ----
 
+    async def _restart_at_leader_start(self, start: tuple[int, int], leader: str) -> None:
+        """The leader's log starts past everything held here (its retention dropped what
+        follows our end): drop ours and take its history from its start. Raises FollowError
+        when the start is not ahead (a leader's answer that makes no sense here)."""
+        async with self._lock:
+            if start[0] <= self.q.written_end:
+                raise FollowError({"code": wire.E_OUT_OF_RANGE,
+                                   "message": f"leader starts at {list(start)}, at or before "
+                                              f"our end {list(self.end)}"})
+            log.warning("follower_restarting_at_leader_start", topic=self.topic,
+                        partition=self.partition, leader=leader, end=list(self.end),
+                        start=list(start))
+            await self.q.restart_at(*start)
+            self.stats["restarts"] += 1
+
     async def _reconcile(self, leader: str, epoch: int) -> None:
         """Truncate the log until it is a prefix of `leader`'s (KIP-101): ask where the
         leader's first entry newer than our last epoch starts; cut there; repeat."""
@@ -251,6 +267,9 @@ class FollowerLog:
                                                 "offset": offset, "count": count,
                                                 "max_bytes": self.fetch_bytes})
             if r.kind is not Kind.DATA:
+                if r.header.get("code") == wire.E_OUT_OF_RANGE and "start" in r.header:
+                    await self._restart_at_leader_start(tuple(r.header["start"]), leader)
+                    continue
                 if r.header.get("code") == wire.E_STALE_EPOCH and "epoch" in r.header:
                     self.state = self.state.evolve(epoch=max(self.state.epoch, r.header["epoch"]))
                 raise FollowError(r.header)

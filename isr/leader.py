@@ -390,7 +390,7 @@ class LeaderLog:
         try:
             raw = await self.q.read_raw(h["offset"], min(h["max_bytes"], MAX_FETCH))
         except OffsetOutOfRange as e:
-            return error(wire.E_OUT_OF_RANGE, str(e), end=end)
+            return error(wire.E_OUT_OF_RANGE, str(e), end=end, start=list(e.start))
         except ValueError as e:
             return error(wire.E_GAP, f"no entry starts at {h['offset']}: {e}", end=end)
         if raw.count != h["count"]:

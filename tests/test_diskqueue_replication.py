@@ -707,3 +707,33 @@ def test_check_batch_refuses_records_that_do_not_match_their_entry():
                    [body(0), body(1)])
     with pytest.raises(BadBatch, match="message id"):
         check_batch(0, 0, entries, b"".join(parts), 2, 0)
+
+
+async def test_restart_at_drops_the_log_and_goes_on_ahead(tmp_path, queues):
+    """restart_at: the log is empty at the new position, appends go on there, and a reopen
+    (a kill after it returned) finds the same; a position not ahead is refused."""
+    path = tmp_path / "q"
+    q = await queues(path, QueueOptions(replicated=True, segment_bytes=2048))
+    q.set_solo(True)
+    await fill(q, 12)
+    q.set_solo(False)
+    with pytest.raises(ValueError):
+        await q.restart_at(q.written_end, q.written_count)
+    leader = await queues(tmp_path / "leader", QueueOptions(replicated=True, segment_bytes=2048))
+    leader.set_solo(True)
+    await fill(leader, 40)
+    await leader.retain(before_offset=leader.committed_end)
+    assert leader.start_offset > q.written_end
+    await q.restart_at(leader.start_offset, leader.start_count)
+    assert (q.start_offset, q.start_count) == (leader.start_offset, leader.start_count)
+    assert (q.written_end, q.committed_end) == (leader.start_offset, leader.start_offset)
+    assert await read_all(q) == []
+    raw = await leader.read_raw(leader.start_offset, 1 << 20)
+    await q.append_raw(raw.offset, raw.count, raw.entries, raw.data)
+    q.replicated_to(q.written_end, q.written_count)
+    want = [(r.offset, r.msg_id, r.body) for r in await read_all(leader)]
+    assert [(r.offset, r.msg_id, r.body) for r in await read_all(q)] == want
+    await q.close()
+    again = await queues(path, QueueOptions(replicated=True, segment_bytes=2048))
+    assert (again.start_offset, again.start_count) == (leader.start_offset, leader.start_count)
+    assert [(r.offset, r.msg_id, r.body) for r in await read_all(again)] == want
