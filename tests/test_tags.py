@@ -389,3 +389,21 @@ async def test_a_classic_client_never_sees_an_ext_byte_and_gets_the_untagged(nsq
         if reader.redist_periodic is not None:
             reader.redist_periodic.stop()
         await a.close()
+
+
+def test_extended_frames_use_youzans_ext_versions_byte_for_byte():
+    """go-nsq's DecodeMessageWithExt reads no length after version 0, and Youzan's nsqd
+    numbers a JSON header 4 (2 is a bare tag): the bytes after the id, exactly."""
+    from nsqwire.frames import encode_messages
+
+    class M:
+        timestamp, attempts, wire_id, trace_id = 1, 0, b"0" * 16, 0
+
+        def __init__(self, ext, body):
+            self.ext, self.body = ext, body
+
+    frames = c.FrameParser()
+    frames.feed(encode_messages([M(b"", b"body"), M(b'{"k":"v"}', b"b2")], extended=True))
+    (_, plain), (_, with_header) = frames.frames()
+    assert plain[26:] == b"\x00body"
+    assert with_header[26:] == b"\x04\x00\x09" + b'{"k":"v"}' + b"b2"
