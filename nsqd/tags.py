@@ -31,7 +31,6 @@ TAG_KEY = "##client_dispatch_tag"
 MAX_TAG = 100  # Youzan's limit; a tag is [a-zA-Z0-9_-]+
 MAX_PATTERN = 1024  # characters of a filter's regexp, glob or exact value
 MAX_RULES = 64  # entries of a multi-key filter's filter_data_list
-MAX_STUCK = 1024  # messages a dispatch pass skips for busy consumers before it stops
 
 FILTER_EXACT, FILTER_REGEXP, FILTER_GLOB, FILTER_MULTI = 1, 2, 3, 4
 
@@ -221,98 +220,103 @@ def room_of(channel, client) -> int:
 
 
 class Router:
-    """The messages a routed channel holds for its consumers, by the tag they carry ("" for
-    none), and the consumers by desired tag. Every message it holds is one the channel took
-    from its log (or delay store) and has not finished: the channel counts them in `depth`
-    and saves their attempts like its requeued ones."""
+    """The messages a routed channel holds for its consumers, and the consumers by desired
+    tag. Each message is queued under the consumers that may take it now (`takers`: its
+    tag's group, less those whose filter refuses it), or under None when that group is
+    empty (it waits). A message no consumer of its group takes is `refused` (auto-FIN).
+    Handing out is per queue, so messages waiting for a busy consumer cost nothing while
+    others are delivered. Every message held is one the channel took from its log (or
+    delay store) and has not finished: the channel counts them in `depth` and saves their
+    attempts like its requeued ones."""
 
     def __init__(self):
-        self.waiting: dict[str, deque] = {}
+        self.waiting: dict[tuple | None, deque] = {}
+        self.refused: list = []
         self.count = 0
         self.groups: dict[str, list] = {}
 
     def regroup(self, clients) -> None:
-        """Consumers changed: group them by desired tag."""
+        """Consumers changed: group them by desired tag, and queue what is held again."""
         groups: dict[str, list] = {}
         for c in clients:
             groups.setdefault(c.settings.desired_tag, []).append(c)
         self.groups = groups
+        self.add(self.take_all())
+
+    def takers(self, msg) -> tuple | None:
+        """The consumers that may take `msg` now; None when its group is empty."""
+        route = msg.route
+        if route is None:
+            header = header_of(msg.ext)
+            route = msg.route = (tag_of(header), header)
+        tag, header = route
+        groups = self.groups
+        group = groups.get(tag) if tag else None
+        if group is None:
+            group = groups.get("")
+            if group is None:
+                return None
+        return tuple(c for c in group if c.settings.ext_filter is None
+                     or c.settings.ext_filter.accepts(header))
 
     def add(self, msgs) -> None:
         waiting = self.waiting
+        n = 0
         for m in msgs:
-            route = m.route
-            if route is None:
-                header = header_of(m.ext)
-                route = m.route = (tag_of(header), header)
-            queue = waiting.get(route[0])
+            n += 1
+            key = self.takers(m)
+            if key == ():
+                self.refused.append(m)
+                continue
+            queue = waiting.get(key)
             if queue is None:
-                queue = waiting[route[0]] = deque()
+                queue = waiting[key] = deque()
             queue.append(m)
-        self.count += len(msgs)
+        self.count += n
 
     def messages(self):
+        yield from self.refused
         for queue in self.waiting.values():
             yield from queue
 
     def take_all(self) -> list:
-        """Every message held (the channel no longer routes, or is emptied)."""
-        out = [m for queue in self.waiting.values() for m in queue]
+        """Every message held (the channel no longer routes, is emptied, or regroups)."""
+        out = list(self.messages())
         self.waiting.clear()
+        self.refused = []
         self.count = 0
         return out
 
     def dispatch(self, channel) -> tuple[dict, list]:
         """Hand out what consumers with room may take. Returns (client -> messages to
-        deliver, messages no eligible consumer's filter accepts: to auto-FIN)."""
-        groups = self.groups
-        untagged = groups.get("", ())
+        deliver, messages refused by every consumer that could take them: to auto-FIN)."""
         out: dict = {}
-        filtered: list = []
-        for tag, queue in list(self.waiting.items()):
-            group = groups.get(tag, untagged) if tag else untagged
-            if not group:
+        rooms: dict = {}
+        for key, queue in list(self.waiting.items()):
+            if key is None:
                 continue  # nobody may take these yet: they wait
-            rooms = {c: room_of(channel, c) for c in group}
-            ready = [c for c in group if rooms[c] > 0]
-            filters = [c for c in group if c.settings.ext_filter is not None]
-            if not ready and not filters:
-                continue
-            taken = 0
-            stuck: list = []
+            ready = []
+            for c in key:
+                room = rooms.get(c)
+                if room is None:
+                    room = rooms[c] = room_of(channel, c)
+                if room > 0:
+                    ready.append(c)
             k = 0
-            while queue:
-                if not ready and not filters:
-                    break
-                m = queue.popleft()
-                taken += 1
-                if filters:
-                    header = m.route[1]
-                    takers = [c for c in group if c.settings.ext_filter is None
-                              or c.settings.ext_filter.accepts(header)]
-                    if not takers:
-                        filtered.append(m)
-                        continue
-                    pick = next((c for c in ready if c in takers), None)
-                    if pick is None:
-                        stuck.append(m)
-                        if len(stuck) >= MAX_STUCK or not ready:
-                            break
-                        continue
-                else:
-                    pick = ready[k % len(ready)]
-                    k += 1
-                out.setdefault(pick, []).append(m)
+            while queue and ready:
+                pick = ready[k % len(ready)]
+                out.setdefault(pick, []).append(queue.popleft())
+                self.count -= 1
                 rooms[pick] -= 1
-                if not rooms[pick]:
+                if rooms[pick] <= 0:
                     ready.remove(pick)
-            if stuck:
-                queue.extendleft(reversed(stuck))
-                taken -= len(stuck)
-            self.count -= taken
+                else:
+                    k += 1
             if not queue:
-                del self.waiting[tag]
-        return out, filtered
+                del self.waiting[key]
+        refused, self.refused = self.refused, []
+        self.count -= len(refused)
+        return out, refused
 
 
 def deliver_routed(channel, router: Router) -> int:
