@@ -407,3 +407,29 @@ def test_extended_frames_use_youzans_ext_versions_byte_for_byte():
     (_, plain), (_, with_header) = frames.frames()
     assert plain[26:] == b"\x00body"
     assert with_header[26:] == b"\x04\x00\x09" + b'{"k":"v"}' + b"b2"
+
+
+async def test_held_messages_survive_kill_9_and_filtered_ones_never_come_back(nsqd):
+    """Messages held for a tag nobody consumes are unfinished: after SIGKILL they are all
+    delivered. Auto-finished ones are finished: once a checkpoint saved them, never again."""
+    port = nsqd.tcp_port
+    await publish(port, [(None, b"warm-up")])
+    b = await Consumer("b", {"desired_tag": "b"}).start(port)
+    red = await Consumer("red", {"desired_tag": "r", "ext_filter": {
+        "type": 1, "filter_ext_key": "c", "filter_data": "red"}}).start(port)
+    await publish(port, tagged("held", 30)
+                  + [({"##client_dispatch_tag": "r", "c": c}, f"{c}{i}".encode())
+                     for i in range(10) for c in ("red", "blue")])
+    await until(lambda: len(red.bodies) == 10, what="red")
+    await until(lambda: channel_stats(nsqd)["partitions"][0]["filtered_count"] == 10, what="blue")
+    assert channel_stats(nsqd)["depth"] == 31  # warm-up and the held ones
+    await asyncio.sleep(1.5)  # a checkpoint (every second) saves the finished ones
+    nsqd.kill()
+    nsqd.start()
+    u = await Consumer("u", {}).start(port)
+    want = sorted([b"warm-up"] + [m for _, m in tagged("held", 30)])
+    await until(lambda: len(u.bodies) >= len(want), what="held ones after the crash")
+    await asyncio.sleep(0.5)
+    assert sorted(u.bodies) == want  # nothing lost, no red or blue again
+    for x in (b, red, u):
+        await x.close()
