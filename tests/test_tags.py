@@ -433,3 +433,29 @@ async def test_held_messages_survive_kill_9_and_filtered_ones_never_come_back(ns
     assert sorted(u.bodies) == want  # nothing lost, no red or blue again
     for x in (b, red, u):
         await x.close()
+
+
+async def test_our_consumer_sends_desired_tag_and_ext_filter(nsqd):
+    from nsqclient.consumer import Consumer as ClientConsumer
+    from nsqclient.lookup import StaticLookup
+
+    port = nsqd.tcp_port
+    await publish(port, [(None, b"warm-up")])
+    lookup = StaticLookup()
+    lookup.set(TOPIC, None, producers=[f"127.0.0.1:{port}"])
+    got: list[bytes] = []
+    consumer = await ClientConsumer(
+        TOPIC, CHANNEL, lookup=lookup, handler=lambda m: got.append(m.body), max_in_flight=10,
+        desired_tag="a", ext_filter={"type": 1, "filter_ext_key": "k", "filter_data": "yes"}
+    ).start()
+    try:
+        untagged = await Consumer("u", {}).start(port)
+        await until(lambda: untagged.bodies == [b"warm-up"], what="warm-up untagged")
+        await publish(port, [({"##client_dispatch_tag": "a", "k": "yes"}, b"a-yes"),
+                             ({"##client_dispatch_tag": "a", "k": "no"}, b"a-no"),
+                             ({"k": "yes"}, b"untagged-yes")])
+        await until(lambda: got == [b"a-yes"] and untagged.bodies[1:] == [b"untagged-yes"])
+        await until(lambda: channel_stats(nsqd)["partitions"][0]["filtered_count"] == 1)
+        await untagged.close()
+    finally:
+        await consumer.close()
