@@ -14,7 +14,8 @@ a message is handed out:
   `finish_count` and `filtered_count`, and it never comes back).
 
 The matching is pure (`tag_of`, `compile_filter`, `ExtFilter.accepts`); `Router` keeps the
-messages a routed channel holds for its consumers, grouped by tag, and hands them out.
+messages a routed channel holds, queued by the consumers that may take them, and hands
+them out (`deliver_routed`, called by Channel while a client has a tag or a filter).
 Regexps and globs run on RE2 (linear time, bounded memory): no pattern can hang the
 server; patterns are at most MAX_PATTERN characters.
 """
@@ -353,9 +354,8 @@ class Router:
         return out, refused
 
 
-def deliver_routed(channel, router: Router) -> int:
-    """One dispatch pass of a routed channel: deliver, auto-FIN what filters refuse.
-    Returns how many messages left the router."""
+def deliver_routed(channel, router: Router) -> None:
+    """One dispatch pass of a routed channel: deliver, auto-FIN what filters refuse."""
     out, filtered = router.dispatch(channel)
     now = time.monotonic()
     fresh = 0
@@ -366,4 +366,3 @@ def deliver_routed(channel, router: Router) -> int:
     if filtered:
         channel.filtered_count += len(filtered)
         channel.finish_many(filtered)
-    return sum(len(msgs) for msgs in out.values()) + len(filtered)

@@ -10,6 +10,8 @@ import time
 import urllib.request
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nsqclient.conn import Connection
 from nsqd import tags
@@ -104,6 +106,70 @@ def test_identify_takes_the_tag_and_the_filter_and_names_the_tag_in_its_reply():
     assert json.loads(reply)["desired_tag"] == "t1"
     settings, reply = negotiate(b'{"feature_negotiation":true,"desired_tag":""}', IdentifyLimits())
     assert settings.desired_tag == "" and "desired_tag" not in json.loads(reply)
+
+
+class FakeClient:
+    """What Router reads of a client: settings, RDY, in flight, writable."""
+
+    channel = "one channel"  # not None: it consumes one partition
+
+    def __init__(self, tag, spec, ready):
+        self.settings, _ = negotiate(json.dumps({"desired_tag": tag, "ext_filter": spec}).encode(),
+                                     IdentifyLimits())
+        self.ready_count, self.in_flight, self.writable = ready, {}, True
+
+
+class FakeMessage:
+    def __init__(self, header):
+        self.ext = json.dumps(header, separators=(",", ":")).encode() if header else b""
+        self.route, self.attempts, self.header = None, 0, header
+
+
+FILTER_CHOICES = [None, {"type": 1, "filter_ext_key": "c", "filter_data": "red"},
+                  {"type": 2, "filter_ext_key": "c", "filter_data": "^(red|blue)$"},
+                  {"type": 3, "filter_ext_key": "c", "filter_data": "g*"},
+                  {"type": 1, "filter_ext_key": "c", "filter_data": "red", "inverse": True}]
+
+
+@given(clients=st.lists(st.tuples(st.sampled_from(["", "a", "b"]), st.sampled_from(FILTER_CHOICES),
+                                  st.integers(0, 4)), max_size=5),
+       headers=st.lists(st.one_of(st.none(), st.fixed_dictionaries({}, optional={
+           "##client_dispatch_tag": st.sampled_from(["a", "b", "z", ""]),
+           "c": st.sampled_from(["red", "blue", "green"])})), max_size=30))
+@settings(max_examples=300, deadline=None)
+def test_the_router_hands_each_message_to_a_consumer_that_may_take_it(clients, headers):
+    """Model check: each message is delivered once to a consumer of its group (its tag's, or
+    the untagged ones when nobody desires its tag) whose filter takes it, within RDY; refused
+    only when its group is not empty and no filter there takes it; else still held, and then
+    every consumer that would take it is full, or its group is empty."""
+    cs = [FakeClient(*x) for x in clients]
+    msgs = [FakeMessage(h) for h in headers]
+    router = tags.Router()
+    router.regroup(cs)
+    router.add(msgs)
+    out, refused = router.dispatch(None)
+
+    def group(m):
+        tag = (m.header or {}).get("##client_dispatch_tag", "")
+        desired = {cl.settings.desired_tag for cl in cs}
+        tag = tag if tag and tag in desired else ""
+        return [cl for cl in cs if cl.settings.desired_tag == tag]
+
+    def takes(cl, m):
+        return cl.settings.ext_filter is None or cl.settings.ext_filter.accepts(m.header or None)
+
+    held = list(router.messages())
+    assert sorted(map(id, [m for ms in out.values() for m in ms] + refused + held)) == sorted(
+        map(id, msgs))
+    assert router.count == len(held)
+    for cl, ms in out.items():
+        assert len(ms) <= cl.ready_count and all(cl in group(m) and takes(cl, m) for m in ms)
+    for m in refused:
+        assert group(m) and not any(takes(cl, m) for cl in group(m))
+    full = {cl for cl in cs if len(out.get(cl, ())) >= cl.ready_count}
+    for m in held:
+        assert all(cl in full for cl in group(m) if takes(cl, m))
+        assert not group(m) or any(takes(cl, m) for cl in group(m))
 
 
 # ---- real nsqd processes ---------------------------------------------------------
