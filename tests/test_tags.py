@@ -90,6 +90,26 @@ def test_a_bad_filter_is_a_value_error_and_identify_refuses_it(spec):
     assert e.value.code == "E_BAD_BODY" and e.value.fatal
 
 
+json_leaf = st.none() | st.booleans() | st.integers(-3, 6) | st.text(max_size=6) | st.sampled_from(
+    ["any", "all", "k", "(", "[a", "{a,", "*", "\\"])
+json_any = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["type", "filter_ext_key", "filter_data", "filter_data_list", "inverse", "x"]),
+    inner, max_size=5), max_leaves=12)
+
+
+@given(spec=json_any, tag=json_any)
+@settings(max_examples=400, deadline=None)
+def test_any_ext_filter_or_tag_gives_a_filter_or_a_fatal_bad_body(spec, tag):
+    try:
+        settings_, _ = negotiate(json.dumps({"ext_filter": spec, "desired_tag": tag}).encode(),
+                                 IdentifyLimits())
+    except ProtocolError as e:
+        assert e.fatal and e.code == "E_BAD_BODY"
+        return
+    f = settings_.ext_filter
+    assert f is None or f.accepts({"k": "v"}) in (True, False)
+
+
 def test_a_regexp_cannot_hang_the_matcher():
     """RE2 runs in linear time: the classic catastrophic pattern on a long value."""
     evil = f(2, "k", "^(a+)+$")
@@ -525,3 +545,26 @@ async def test_our_consumer_sends_desired_tag_and_ext_filter(nsqd):
         await untagged.close()
     finally:
         await consumer.close()
+
+
+async def test_tags_over_two_partitions_consumed_through_one_connection(nsqd):
+    """SUB without a partition consumes both partitions of the topic over one connection
+    (RDY shared between them): tags route on each, nothing lost or twice."""
+    url = f"http://127.0.0.1:{nsqd.http_port}"
+    for path in (f"/topic/create?topic={TOPIC}&partition_num=2",
+                 f"/channel/create?topic={TOPIC}&channel={CHANNEL}"):
+        urllib.request.urlopen(urllib.request.Request(url + path, method="POST"), timeout=5).close()
+    port = nsqd.tcp_port
+    a = await Consumer("a", {"desired_tag": "a"}).start(port, rdy=7)
+    u = await Consumer("u", {}).start(port, rdy=5)
+    plain = [(None, f"p{i}".encode()) for i in range(120)]
+    await publish(port, tagged("a", 120) + plain)
+    await until(lambda: len(a.bodies) + len(u.bodies) >= 240, what="all")
+    await asyncio.sleep(0.3)
+    assert sorted(a.bodies) == sorted(b for _, b in tagged("a", 120))
+    assert sorted(u.bodies) == sorted(b for _, b in plain)
+    parts = channel_stats(nsqd)["partitions"]
+    assert len(parts) == 2 and sum(x["confirmed_count"] for x in parts) == 240
+    assert all(x["confirmed_count"] for x in parts)  # both partitions had some
+    await a.close()
+    await u.close()
