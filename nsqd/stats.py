@@ -282,6 +282,10 @@ def client_stats(client, conn, topic_filter: str) -> dict:
         "snappy": settings.snappy,
         "user_agent": settings.user_agent,
     }
+    if settings.desired_tag:  # Youzan's client stats name these; only when set
+        out["desired_tag"] = settings.desired_tag
+    if settings.ext_filter is not None:
+        out["ext_filter"] = settings.ext_filter.spec
     if client.authorizations is not None:
         out["authed"] = True
         if client.auth_identity:

@@ -314,6 +314,8 @@ async def test_tagged_and_untagged_consumers_each_get_exactly_their_share(nsqd):
     await until(lambda: channel_stats(nsqd)["depth"] == 0, what="depth 0")
     part = channel_stats(nsqd)["partitions"][0]
     assert part["confirmed_count"] == total and part["filtered_count"] == 0
+    assert sorted(cl.get("desired_tag", "") for cl in channel_stats(nsqd)["clients"]) == [
+        "", "", "a", "a", "b"]
     for x in everyone:
         await x.close()
 
@@ -374,6 +376,7 @@ async def test_a_filter_delivers_what_matches_and_finishes_the_rest_for_good(nsq
     assert sorted(filtered.bodies) == sorted(list(want) * 3)
     part = channel_stats(nsqd)["partitions"][0]
     assert part["filtered_count"] == 21 - 3 * len(want) and part["depth"] == 0
+    assert [cl["ext_filter"] for cl in channel_stats(nsqd)["clients"]] == [spec]
     await filtered.close()
     nsqd.stop()  # a clean restart: nothing filtered is delivered again
     nsqd.start()
