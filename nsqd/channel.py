@@ -34,6 +34,7 @@ from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
 from nsqwire.ids import PARTITION_SHIFT, SEQUENCE_MASK
 
+from . import tags
 from .cursor import Cursor, Ranges, pack_u64, unpack_u64
 from .delaying import ChannelDelay
 
@@ -49,7 +50,7 @@ class Message:
     (offset, end, count, done), so taking a message costs one object."""
 
     __slots__ = ("offset", "end", "count", "done", "msg_id", "trace_id", "timestamp", "attempts",
-                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id")
+                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id", "route")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -67,6 +68,7 @@ class Message:
         self.delivered_at = 0.0
         self.wire_id = b""  # the id as sent (16 hex characters), set at delivery
         self.delayed = False  # True: it lives in the delay store, not in the cursor's window
+        self.route = None  # (tag, header) once a routed channel looked (tags.py)
 
     @classmethod
     def from_store(cls, d) -> "Message":
@@ -82,6 +84,7 @@ class Message:
         msg.client = None
         msg.delayed = True
         msg.wire_id = b""
+        msg.route = None
         return msg
 
 
@@ -181,6 +184,8 @@ class Channel:
         self.requeue_count = 0
         self.timeout_count = 0
         self.finish_count = 0
+        self.filtered_count = 0  # auto-finished: no consumer's ext_filter took them (tags.py)
+        self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
         self.dirty = True  # cursor changed since the last checkpoint
 
     # ---- lifecycle -------------------------------------------------------
@@ -259,7 +264,8 @@ class Channel:
         if any(m.done for m in put_back.values()):
             put_back = self.put_back = {o: m for o, m in put_back.items() if not m.done}
         saved = {o: m.attempts for o, m in put_back.items()}
-        for m in self.requeued:
+        for m in (self.requeued if self.router is None
+                  else (*self.requeued, *self.router.messages())):
             if m.attempts == 0 and not m.delayed:
                 saved[m.offset] = 0
         if self.saved is not None:
@@ -275,6 +281,7 @@ class Channel:
 
     def add_client(self, client) -> None:
         self.clients.append(client)
+        self._reroute()
         self._wake.set()
 
     def remove_client(self, client) -> None:
@@ -288,6 +295,19 @@ class Channel:
             for m in mine:
                 del client.in_flight[m.wire_id]
         self._requeue_all(mine)
+        self._reroute()
+
+    def _reroute(self) -> None:
+        """Clients changed: route by tags and filters while any client has one (tags.py);
+        when none has any more, what the router held is requeued."""
+        if tags.routed(self.clients):
+            if self.router is None:
+                self.router = tags.Router()
+            self.router.regroup(self.clients)
+        elif self.router is not None:
+            self.requeued.extendleft(reversed(self.router.take_all()))
+            self.router = None
+            self._wake.set()
 
     # ---- delivery --------------------------------------------------------
 
@@ -323,6 +343,8 @@ class Channel:
 
     async def _deliver_ready(self) -> None:
         while not self.paused and not self.topic.paused and not self._closed:
+            if self.router is not None:
+                return await self._deliver_routed(self.router)
             capacity = 0
             for c in self.clients:
                 room = c.ready_count - len(c.in_flight)
@@ -357,6 +379,34 @@ class Channel:
                 self._distribute(msgs)
             elif not held:  # nothing to hand out, and nothing read that was kept back
                 return
+
+    async def _deliver_routed(self, router) -> None:
+        """`_deliver_ready` while clients have tags or filters: each message goes only to a
+        client that may take it (tags.py). Reading goes on while any client has room and the
+        window allows, so messages waiting for a busy client never hold back the others."""
+        while (router is self.router and not self.paused and not self.topic.paused
+               and not self._closed):
+            for waiting in (self.requeued, self.from_delay):
+                if waiting:
+                    router.add(waiting)
+                    waiting.clear()
+            tags.deliver_routed(self, router)
+            room = sum(max(0, tags.room_of(self, c)) for c in self.clients)
+            window_room = self.max_window - self.cursor.window_size
+            if window_room <= 0:
+                self._spill_deferred()
+            if room <= 0:
+                await self._hold_deferred_ahead()
+                return
+            if window_room <= 0:
+                return
+            self.error = None
+            fresh: list[Message] = []
+            held = await self._take(await self._reader.read(min(room, window_room,
+                                                                self.read_batch)), fresh)
+            if not fresh and not held:
+                return
+            router.add(fresh)
 
     async def _take(self, records, out: list) -> int:
         """Take records read from the log: to `out` the ones to deliver now; the rest are
@@ -605,6 +655,8 @@ class Channel:
             now_ms = int(self.clock() * 1000)
             held = [m for c in self.clients for m in c.in_flight_of(self.partition)]
             held += [*self.requeued, *self.from_delay, *(entry[2] for entry in self.deferred)]
+            if self.router is not None:
+                held += self.router.messages()
             for m in held:
                 if m.delayed:
                     delay.move(m, now_ms)
@@ -614,6 +666,8 @@ class Channel:
         self.requeued.clear()
         self.from_delay.clear()
         self.deferred.clear()
+        if self.router is not None:
+            self.router.take_all()
         self.put_back.clear()
         self.saved = None
         self.cursor.reset(self.queue.committed_end, self.queue.committed_count)
@@ -652,7 +706,8 @@ class Channel:
 
     @property
     def depth(self) -> int:
-        return self.backend_depth + len(self.requeued) + len(self.from_delay)
+        routed = self.router.count if self.router is not None else 0
+        return self.backend_depth + len(self.requeued) + len(self.from_delay) + routed
 
     @property
     def in_flight_count(self) -> int:

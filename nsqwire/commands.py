@@ -168,12 +168,17 @@ _EXT_HEAD = struct.Struct(">BH")  # ext version, header length
 
 def parse_ext_message(data: bytes) -> tuple[int, int, bytes, int, bytes, bytes]:
     """Message frame data sent to an extend_support client -> (timestamp_ns, attempts,
-    msg_id, ext_version, header, body); the header is b"" when the version is 0."""
-    start = _MESSAGE_FIELDS.size + _EXT_HEAD.size
-    if len(data) < start:
+    msg_id, ext_version, header, body); version 0 has no length and no header (b"")."""
+    fields = _MESSAGE_FIELDS.size
+    if len(data) < fields + 1:
         raise ValueError(f"message frame data of {len(data)} bytes")
     timestamp_ns, attempts, msg_id = _MESSAGE_FIELDS.unpack_from(data)
-    version, length = _EXT_HEAD.unpack_from(data, _MESSAGE_FIELDS.size)
+    if data[fields] == 0:
+        return timestamp_ns, attempts, msg_id, 0, b"", data[fields + 1:]
+    start = fields + _EXT_HEAD.size
+    if len(data) < start:
+        raise ValueError(f"message frame data of {len(data)} bytes")
+    version, length = _EXT_HEAD.unpack_from(data, fields)
     if len(data) < start + length:
         raise ValueError(f"ext header of {length} bytes in {len(data)} bytes")
     return timestamp_ns, attempts, msg_id, version, data[start:start + length], data[start + length:]

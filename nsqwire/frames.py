@@ -2,9 +2,9 @@
 
 `size` counts the type and the data. Type 0 is a response, 1 an error, 2 a
 message, whose data is `[8-byte timestamp ns][2-byte attempts][16-byte id][body]`;
-to a client that negotiated `extend_support`, `[1-byte ext version][2-byte length][header]`
-follows the id in every message frame (version 2 and a JSON header, or 0 and length 0;
-see ext.py). All integers big-endian. The server builds every frame it sends here.
+to a client that negotiated `extend_support`, the ext version byte follows the id in every
+message frame: 4, then `[2-byte length][JSON header]`; or 0 alone when there is no header
+(Youzan's layout, see ext.py). All integers big-endian. The server builds every frame it sends here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _FRAME_HEADER = struct.Struct(">ii")  # size (type + data), type
 _MESSAGE_HEAD = struct.Struct(">iiqH")  # size, type, timestamp ns, attempts; then the id
 _MESSAGE_OVERHEAD = _MESSAGE_HEAD.size - 4 + 16  # what the size field counts besides the body
 _EXT_HEAD = struct.Struct(">BH")  # ext version, header length
-_NO_EXT = _EXT_HEAD.pack(EXT_VERSION_NONE, 0)
+_NO_EXT = bytes([EXT_VERSION_NONE])  # version 0 has no length after it
 _TRACE_REPLY = struct.Struct(">2sQQqI")
 
 
@@ -58,10 +58,11 @@ def encode_messages(messages: Iterable, extended: bool = False) -> bytes:
             add(m.wire_id)
         else:
             header = delivered(m.ext, m.trace_id) if m.ext or m.trace_id else b""
-            add(pack(len(body) + len(header) + _MESSAGE_OVERHEAD + 3, FRAME_MESSAGE, m.timestamp,
-                     attempts))
+            ext_head = _EXT_HEAD.pack(EXT_VERSION_JSON, len(header)) if header else _NO_EXT
+            add(pack(len(body) + len(header) + len(ext_head) + _MESSAGE_OVERHEAD, FRAME_MESSAGE,
+                     m.timestamp, attempts))
             add(m.wire_id)
-            add(_EXT_HEAD.pack(EXT_VERSION_JSON, len(header)) if header else _NO_EXT)
+            add(ext_head)
             add(header)
         add(body)
     return b"".join(parts)
