@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import zlib
 
 import structlog
 
@@ -206,7 +207,7 @@ class LeaderLog:
         self.pushed_end = end
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
-                  "commit": list(self.committed)}
+                  "crc": zlib.crc32(data), "commit": list(self.committed)}
         payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
