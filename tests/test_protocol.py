@@ -337,7 +337,11 @@ def test_json_nested_too_deeply_is_a_value_error():
 def test_consume_start():
     assert p.parse_consume_start("end") == ("end", None)
     assert p.parse_consume_start("timestamp:1700000000") == ("timestamp", 1700000000)
-    for bad in ("", "end:1", "offset:", "count:-1", "count:1 ", "virtual_queue:5"):
+    assert p.parse_consume_start("special:-1") == ("end", None)
+    assert p.parse_consume_start("virtual_queue:5") == ("offset", 5)
+    assert p.parse_consume_start("msgcount:7") == ("count", 7)
+    for bad in ("", "end:1", "offset:", "count:-1", "count:1 ", "virtual_queue:x", "special:0",
+                "special:1", "msgcount:"):
         with pytest.raises(ValueError):
             p.parse_consume_start(bad)
 
@@ -412,7 +416,7 @@ partitions = st.none() | st.integers(0, p.MAX_PARTITION)
 msg_ids = st.integers(0, 2**64 - 1).map(p.encode_msg_id)
 headers = st.dictionaries(st.from_regex(r"[0-9a-zA-Z_#-]{1,8}", fullmatch=True),
                           st.text(max_size=6) | st.integers() | st.booleans(), max_size=3)
-starts = st.none() | st.just("end") | st.builds("{}:{}".format, st.sampled_from(["timestamp", "offset", "count"]),
+starts = st.none() | st.just("end") | st.just("special:-1") | st.builds("{}:{}".format, st.sampled_from(["timestamp", "offset", "count", "virtual_queue", "msgcount"]),
                                                 st.integers(0, 10**15))
 
 
