@@ -245,3 +245,72 @@ async def test_a_time_before_retention_moves_to_the_oldest_record_kept(tmp_path)
         await pub.close()
     finally:
         proc.kill()
+
+
+async def test_sub_advanced_starts_the_first_client_at_each_start_form(tmp_path):
+    """SUB_ADVANCED with each start form (ours and Youzan's spellings) moves a channel with
+    no client yet, and its frames carry each record's offset and size; without a start a new
+    channel starts at the end, as SUB's does. A second client's start is ignored (the channel
+    has a client). A bad start is E_INVALID; a start inside a record is refused with its
+    boundaries. A move made by SUB_ADVANCED is stored: after kill -9 the channel starts there."""
+    proc = NsqdProcess(str(tmp_path / "n"), "--segment-bytes", "4096", "--checkpoint-interval",
+                       "1h", "--retention-check-interval", "1h").start()
+    conns = []
+
+    async def connect() -> Connection:
+        conn = await Connection("127.0.0.1", proc.tcp_port).connect()
+        conns.append(conn)
+        return conn
+
+    async def consumer(channel: str, start: str | None, rdy: int = 500) -> Connection:
+        conn = await connect()
+        await conn.sub_advanced("t", channel, 0, start, rdy=rdy)
+        return conn
+
+    try:
+        assert post(proc, "/topic/create?topic=t")[0] == 200
+        pub = await connect()
+        groups = await publish_groups(pub)
+        every = [b for g in groups for b in g]
+        msgs = await take(await consumer("first", None), len(every))  # the topic's first channel
+        assert bodies(msgs) == every
+        second = msgs[PER_GROUP - 1].timestamp // 10**9 + 1
+        k_time = next(i for i, m in enumerate(msgs) if m.timestamp >= second * 10**9)
+        assert k_time == PER_GROUP
+        for n, (start, k) in enumerate((
+                (f"timestamp:{second}", k_time), (f"offset:{msgs[30].offset}", 30),
+                (f"virtual_queue:{msgs[31].offset}", 31), ("count:7", 7), ("msgcount:8", 8),
+                ("end", len(every)), ("special:-1", len(every)), (None, len(every)))):
+            conn = await consumer(f"c{n}", start)
+            got = await take(conn, len(every) - k)
+            assert bodies(got) == every[k:], start
+            assert [(m.offset, m.size) for m in got] == [(m.offset, m.size) for m in msgs[k:]]
+            await conn.close()
+
+        # a second client's start does not move the channel its first client reads
+        a = await consumer("shared", "count:50", rdy=1)
+        m50 = await asyncio.wait_for(a.messages.get(), 10)
+        assert m50.body == every[50]
+        await consumer("shared", "count:0", rdy=0)
+        m50.fin()
+        assert bodies(await take(a, len(every) - 51)) == every[51:]
+
+        for start, error in (("bogus:1", "E_INVALID SUB_ADVANCED invalid consume start"),
+                             (f"offset:{msgs[3].offset + 1}",
+                              "E_INVALID SUB_ADVANCED OFFSET_NOT_A_RECORD_BOUNDARY")):
+            conn = await connect()
+            with pytest.raises(NSQError) as e:
+                await conn.sub_advanced("t", "refused", 0, start)
+            assert str(e.value).startswith(error), str(e.value)
+        assert f"before={msgs[3].offset} after={msgs[4].offset}" in str(e.value)
+
+        await consumer("kept", "count:40", rdy=0)
+        proc.kill()
+        proc.start()
+        conn = await connect()
+        await conn.sub("t", "kept", rdy=500)
+        assert bodies(await take(conn, len(every) - 40)) == every[40:]
+    finally:
+        for conn in conns:
+            await conn.close()
+        proc.kill()
