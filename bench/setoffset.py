@@ -12,8 +12,10 @@ search (no scan), the channel's seek, and the cursor's SQLite commit (in a worke
 Also `count:` moves (the same search by count, plus a walk of one request's records), and
 `end` moves (no search: what the seek and the commit cost alone).
 
-Figures: `write_mb_per_s` (filling the partition), `timestamp_median_ms`, `_p99_ms`,
-`_max_ms`, and the same for `count_` and `end_`; `entries` (commitlog entries), `partition_gb`.
+Figures: `write_mb_per_s` (filling the partition), `locate_timestamp_median_us` / `_p99_us`
+(DiskQueue.locate by time alone, in the filling process, on the queue just written);
+`timestamp_median_ms`, `_p99_ms`, `_max_ms` (the whole HTTP answer), and the same for
+`count_` and `end_`; `entries` (commitlog entries), `partition_gb`.
 Target: `timestamp_p99_ms` < 50. The commitlog (64 bytes an entry) was just written, so
 the searches read it from the page cache, as they do on a node that serves the partition.
 
@@ -54,6 +56,7 @@ BODY = 1024
 PER_REQUEST = 10
 IN_FLIGHT = 256  # write requests queued at once (the writer batches them)
 SPAN_S = 30 * 86400  # the records' timestamps span this (HistoryClock)
+LOCATES = 2000  # searches by time timed in-process (the search alone)
 
 
 class Nsqd:
@@ -116,9 +119,10 @@ class HistoryClock:
         return getattr(time, name)
 
 
-async def fill(path: str, size: int) -> tuple[float, int, int, int]:
+async def fill(path: str, size: int) -> tuple[float, int, int, int, list[float]]:
     """Write `size` bytes of records to the partition at `path`: (seconds, entries, first
-    timestamp ns, last timestamp ns)."""
+    timestamp ns, last timestamp ns, microseconds of each of LOCATES searches by time,
+    sorted: DiskQueue.locate alone, in this process, on the queue just written)."""
     tune_gc()
     q = await DiskQueue.open(path, QueueOptions(sync=SyncPolicy(every_messages=1 << 30)))
     bodies = [os.urandom(BODY // 2).hex().encode() for _ in range(PER_REQUEST)]
@@ -131,11 +135,18 @@ async def fill(path: str, size: int) -> tuple[float, int, int, int]:
         n = min(IN_FLIGHT, requests - done)
         await asyncio.gather(*(q.append(bodies) for _ in range(n)))
         done += n
+    seconds = time.perf_counter() - t0
     entries = len(q.commitlog)
     first, last = q.commitlog.get(q.commitlog.first_log_id), q.commitlog.last()
-    await q.close()
     diskqueue.queue.time = time
-    return time.perf_counter() - t0, entries, first.timestamp, last.timestamp
+    rng = random.Random(9)
+    searches = []
+    for _ in range(LOCATES):
+        t = time.perf_counter()
+        await q.locate("timestamp", rng.randint(first.timestamp, last.timestamp))
+        searches.append((time.perf_counter() - t) * 1e6)
+    await q.close()
+    return seconds, entries, first.timestamp, last.timestamp, sorted(searches)
 
 
 def timed_moves(address: str, targets: list[bytes]) -> list[float]:
@@ -181,13 +192,16 @@ def main() -> None:
         nsqd.post("/topic/create?topic=big")
         nsqd.post("/channel/create?topic=big&channel=replay")
         nsqd.stop()
-        seconds, entries, first_ns, last_ns = asyncio.run(
+        seconds, entries, first_ns, last_ns, searches = asyncio.run(
             fill(os.path.join(data, "big.topic", "0"), size))
         report.add("partition_gb", size / GIB, "partition GiB", ",.2f")
         report.add("entries", entries, "commitlog entries", ",d")
         report.add("write_mb_per_s", size / seconds / (1 << 20), "filled at MiB/s")
         report.add("history_days", (last_ns - first_ns) / 86400e9, "days between first and last",
                    ",.1f")
+        report.add("locate_timestamp_median_us", statistics.median(searches),
+                   "the search alone (in-process): median us", ",.0f")
+        report.add("locate_timestamp_p99_us", percentile(searches, 99), "... p99 us", ",.0f")
         t0 = time.perf_counter()
         nsqd.start()
         report.add("nsqd_start_s", time.perf_counter() - t0, "nsqd start on it, s", ",.2f")

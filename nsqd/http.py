@@ -58,6 +58,8 @@ Ours, beyond classic:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
 - GET /metrics: Prometheus text (metrics.py).
+- POST /channel/setoffset?topic=&channel=[&partition=], body `timestamp:<s>|offset:<n>|
+  count:<n>|end`: moves the channel's cursor (replay.py; its errors carry extra keys).
 """
 
 from __future__ import annotations
