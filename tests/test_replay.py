@@ -5,6 +5,7 @@ SUB_ADVANCED), on real nsqd processes; and the locate search under it, on a Disk
 import asyncio
 import json
 import os
+import random
 import time
 import urllib.error
 import urllib.request
@@ -313,4 +314,55 @@ async def test_sub_advanced_starts_the_first_client_at_each_start_form(tmp_path)
     finally:
         for conn in conns:
             await conn.close()
+        proc.kill()
+
+
+async def test_moves_while_delivering_never_mislabel_a_message(tmp_path):
+    """A consumer at full speed while the channel is moved 100 times (random counts) and
+    messages keep coming: every message delivered is the record at the offset its frame
+    names (a move during a read must not hand out the bytes read for the old place), and
+    after the last move the channel delivers everything from there."""
+    proc = NsqdProcess(str(tmp_path / "n"), "--retention-check-interval", "1h").start()
+    try:
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        got: list = []
+        consumer = await Connection("127.0.0.1", proc.tcp_port, on_messages=got.extend).connect()
+        await consumer.sub_advanced("t", "c", 0, rdy=2500)
+        total = 3000
+        sent = [b"%05d-" % i + b"y" * 4000 for i in range(total)]
+        for i in range(0, 1500, 100):
+            await pub.mpub("t", sent[i:i + 100])
+
+        async def keep_publishing():
+            for i in range(1500, total, 50):
+                await pub.mpub("t", sent[i:i + 50])
+                await asyncio.sleep(0.01)
+
+        publishing = asyncio.create_task(keep_publishing())
+        rng = random.Random(3)
+        loop = asyncio.get_running_loop()
+        for _ in range(100):
+            k = rng.randrange(1500)
+            entry = (await loop.run_in_executor(None, moved, proc, f"count:{k}"))
+            assert entry["count"] == k
+            for m in got:
+                m.fin()
+            await asyncio.sleep(rng.random() * 0.02)
+        await publishing
+        offsets = {}
+        for m in got:
+            i = int(m.body[:5])
+            assert m.body == sent[i], i
+            assert offsets.setdefault(i, m.offset) == m.offset, (i, m.offset, offsets[i])
+            assert m.size == len(sent[i]) + 36
+        assert len(offsets) > 1500
+        await consumer.close()
+        await asyncio.sleep(0.2)  # the node has let it go: its messages are back in the channel
+        assert moved(proc, "count:1000")["count"] == 1000
+        consumer = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await consumer.sub("t", "c", rdy=2500)
+        assert bodies(await take(consumer, total - 1000)) == sent[1000:]
+        await consumer.close()
+        await pub.close()
+    finally:
         proc.kill()
