@@ -101,6 +101,7 @@ class Replicated:
 
     def _init_replication(self) -> None:
         self.on_batch = None  # fn(offset, count, entries, n_entries, data, epoch), on the loop
+        self.on_written = None  # fn(), on the loop, after each batch is written and parked
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
@@ -180,10 +181,15 @@ class Replicated:
 
     def _park(self, batch, results) -> None:
         """A batch was written (loop, from `_written`): keep its waiters until it is
-        committed, start the next batch, then settle what is committed."""
+        committed, start the next batch, settle what is committed, tell `on_written`."""
         self._parked.append((self.written_end, batch.requests, results))
         self._write_next()
         self.replicated_to(self.committed_end, self.committed_count)
+        if self.on_written is not None:  # the ISR may already hold it: commit it now
+            try:
+                self.on_written()
+            except Exception:  # the leader's bug must never stop the writer
+                log.exception("on_written_failed", path=self.path)
 
     def _announce(self, data: bytes, clog: bytes, n_entries: int) -> None:
         """A batch was handed to the write worker: tell `on_batch` (the leader pushes it).

@@ -416,6 +416,21 @@ async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
         q.set_solo(False)
 
 
+async def test_retention_never_drops_uncommitted_records(tmp_path, queues):
+    """A leader's segments its ISR may lack stay, whatever the age and size bounds say."""
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
+    q.set_solo(True)
+    await fill(q, 12)
+    q.set_solo(False)
+    await write_uncommitted(q, 30, first=100)
+    committed = q.committed_end
+    assert len(segment_files(q)) > 3 and committed < q.written_end
+    start = await q.retain(before_offset=10**9, max_age_s=0, max_bytes=0)
+    assert 0 < start <= committed
+    q.replicated_to(q.written_end, q.written_count)
+    assert await q.retain(before_offset=10**9) > committed
+
+
 async def test_read_raw(tmp_path, queues):
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048,
                                                   clog_entries_per_segment=4))
