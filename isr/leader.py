@@ -342,8 +342,8 @@ class LeaderLog:
     # ---- channels ----
 
     def send_channels(self, channels: dict) -> None:
-        """The latest channel states; sent to the ISR at most every 200 ms (latest wins)."""
-        self._channels = channels
+        """The latest channel states; sent to the ISR at most every 200 ms (the latest of each)."""
+        self._channels = {**(self._channels or {}), **channels}  # a channel per call: keep the others
 
     def _send_channels(self, channels: dict) -> None:
         header = {**self._base, "epoch": self.state.epoch, "channels": channels}
