@@ -14,6 +14,7 @@ import pytest
 
 from diskqueue.queue import DiskQueue, NotABoundary, QueueOptions
 from nsqclient.conn import Connection, NSQError
+from nsqwire import commands as c
 from servers import NsqdProcess
 
 
@@ -364,5 +365,31 @@ async def test_moves_while_delivering_never_mislabel_a_message(tmp_path):
         assert bodies(await take(consumer, total - 1000)) == sent[1000:]
         await consumer.close()
         await pub.close()
+    finally:
+        proc.kill()
+
+
+async def test_a_move_with_tagged_consumers_replays_to_each_its_share(tmp_path):
+    """While consumers have tags (the routed delivery of tags.py), a move drops what the
+    router held and each consumer gets its share again from the new place, exactly once."""
+    proc = NsqdProcess(str(tmp_path / "n"), "--retention-check-interval", "1h").start()
+    try:
+        pub = await Connection("127.0.0.1", proc.tcp_port).connect()
+        red = await Connection("127.0.0.1", proc.tcp_port).connect({"desired_tag": "red"})
+        plain = await Connection("127.0.0.1", proc.tcp_port).connect()
+        await red.sub("t", "c", rdy=100)
+        await plain.sub("t", "c", rdy=100)
+        reds = [b"red-%02d" % i for i in range(10)]
+        plains = [b"plain-%02d" % i for i in range(10)]
+        for r, p in zip(reds, plains):
+            assert await pub.command(c.cmd_pub_ext("t", {"##client_dispatch_tag": "red"}, r, 0)) == b"OK"
+            await pub.pub("t", p)
+        assert sorted(bodies(await take(red, 10))) == reds
+        assert sorted(bodies(await take(plain, 10))) == plains
+        assert moved(proc, "count:10")["count"] == 10  # the second half again
+        assert sorted(bodies(await take(red, 5))) == reds[5:]
+        assert sorted(bodies(await take(plain, 5))) == plains[5:]
+        for conn in (pub, red, plain):
+            await conn.close()
     finally:
         proc.kill()
