@@ -55,6 +55,7 @@ from nsqwire.ids import PARTITION_SHIFT
 
 from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
+from .locate import KINDS, NotABoundary, Position, locate  # noqa: F401  (importable here)
 from .reader import Reader, SharedChunks
 from .recovery import recover
 from .replicated import Replicated
@@ -665,29 +666,47 @@ class DiskQueue(Replicated):
         fn = getattr(self.commitlog, f"find_by_{method}")
         return await self._exclusive(fn, value)
 
+    async def locate(self, kind: str, value: int | None = None) -> Position:
+        """The record boundary for a replay (locate.py): kind "timestamp" (ns), "offset",
+        "count" or "end". Raises NotABoundary for an offset inside a record."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}")
+        end = (self.committed_end, self.committed_count)  # a consistent pair, read on the loop
+        return await self._exclusive(self._locate_sync, end, kind, value)
+
+    def _locate_sync(self, end: tuple[int, int], kind: str, value: int | None) -> Position:
+        return locate(self._segments.read, self.commitlog, (self.start_offset, self.start_count),
+                      end, kind, value)
+
     # ---- retention and emptying ------------------------------------------
 
     async def retain(self, before_offset: int = 0, max_age_s: float | None = None,
-                     max_bytes: int | None = None) -> int:
-        """Drop whole old segments: those ending at or before `before_offset`, older than
-        `max_age_s`, or beyond `max_bytes` in total (oldest first). Never the active one.
-        Returns the new start offset."""
+                     max_bytes: int | None = None, min_age_s: float = 0.0) -> int:
+        """Drop whole old segments: those ending at or before `before_offset` (what every
+        channel is past) once their last write is `min_age_s` old, those older than
+        `max_age_s`, or beyond `max_bytes` in total (oldest first). Never the active one,
+        never one holding a record past the committed end (a leader's records its ISR may
+        lack). Returns the new start offset."""
         before = self.start_offset
-        start = await self._exclusive(self._retain_sync, before_offset, max_age_s, max_bytes)
+        start = await self._exclusive(self._retain_sync, before_offset, max_age_s, max_bytes,
+                                      min_age_s)
         if start != before:
             self.shared_chunks.clear()  # what was dropped is served from nowhere
         return start
 
-    def _retain_sync(self, before_offset, max_age_s, max_bytes) -> int:
+    def _retain_sync(self, before_offset, max_age_s, max_bytes, min_age_s) -> int:
         segs = self._segments.sizes()
         total = sum(size for _, size, _ in segs)
         now = time.time()
+        committed = self._committed_at[0]
         new_start = self._segments.start
         for base, size, mtime in segs[:-1]:
             end = base + size
-            old = max_age_s is not None and now - mtime > max_age_s
+            age = now - mtime
+            consumed = end <= before_offset and age >= min_age_s
+            old = max_age_s is not None and age > max_age_s
             big = max_bytes is not None and total > max_bytes
-            if end <= before_offset or old or big:
+            if end <= committed and (consumed or old or big):
                 new_start = end
                 total -= size
             else:

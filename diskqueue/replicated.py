@@ -101,6 +101,7 @@ class Replicated:
 
     def _init_replication(self) -> None:
         self.on_batch = None  # fn(offset, count, entries, n_entries, data, epoch), on the loop
+        self.on_written = None  # fn(), on the loop, after each batch is written and parked
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
@@ -180,10 +181,15 @@ class Replicated:
 
     def _park(self, batch, results) -> None:
         """A batch was written (loop, from `_written`): keep its waiters until it is
-        committed, start the next batch, then settle what is committed."""
+        committed, start the next batch, settle what is committed, tell `on_written`."""
         self._parked.append((self.written_end, batch.requests, results))
         self._write_next()
         self.replicated_to(self.committed_end, self.committed_count)
+        if self.on_written is not None:  # the ISR may already hold it: commit it now
+            try:
+                self.on_written()
+            except Exception:  # the leader's bug must never stop the writer
+                log.exception("on_written_failed", path=self.path)
 
     def _announce(self, data: bytes, clog: bytes, n_entries: int) -> None:
         """A batch was handed to the write worker: tell `on_batch` (the leader pushes it).
@@ -201,13 +207,14 @@ class Replicated:
 
     # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
 
-    async def append_raw(self, offset: int, count: int, entries: bytes,
-                         data: bytes) -> tuple[int, int]:
+    async def append_raw(self, offset: int, count: int, entries: bytes, data: bytes,
+                         records_checked: bool = False) -> tuple[int, int]:
         """Append a leader's batch starting at (offset, count) and return the written end,
         once it is written and synced as the sync policy says. A batch wholly at or before
         the written end (a duplicate) returns at once; one that does not start there raises
         GapError(written end); a bad one BadBatch; a failed write AppendError (DiskFullError
-        for ENOSPC) with nothing written."""
+        for ENOSPC) with nothing written. `records_checked`: the data's checksum as a whole
+        matched its leader's (see check_batch's `records`)."""
         if self._closing:
             raise QueueClosedError(self.path)
         if self.failed is not None:
@@ -216,18 +223,19 @@ class Replicated:
             return self.written_end, self.written_count
         try:
             await self._exclusive(self._append_raw_job, offset, count, entries, data,
-                                  then=self._appended_raw)
+                                  records_checked, then=self._appended_raw)
         except (OSError, _Unrecoverable) as e:
             raise self._batch_error(e) from None
         return self.written_end, self.written_count
 
-    def _append_raw_job(self, offset, count, entries, data):
+    def _append_raw_job(self, offset, count, entries, data, records_checked):
         """Check, renumber, write and (as the policy says) sync a raw batch (write worker)."""
         if offset + len(data) <= self.written_end:
             return None
         if (offset, count) != (self.written_end, self.written_count):
             raise GapError(self.written_end, self.written_count)
-        checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch)
+        checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch,
+                              records=not records_checked)
         if checked[0].epoch > self.last_epoch:
             self.commitlog.sync()  # a power loss never regenerates them with an older epoch
         flags = SYNCED_BEFORE if not self._unsynced_messages else 0
@@ -258,6 +266,34 @@ class Replicated:
         self._tail_epoch, self._tail_end = last.epoch, self.written_end
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
+
+    async def restart_at(self, offset: int, count: int) -> None:
+        """Drop the whole log and go on, empty, at (offset, count), ahead of the written end:
+        a follower whose every record is before its leader's start (retention dropped
+        them there) takes the leader's history from that start. ValueError when (offset,
+        count) is not ahead. A kill at any point leaves the old log or the empty new one
+        (meta.json first: open finishes the rest, as for `empty`)."""
+        if offset <= self.written_end or count < self.written_count:
+            raise ValueError(f"({offset}, {count}) is not ahead of the written end "
+                             f"{(self.written_end, self.written_count)}")
+        await self._exclusive(self._restart_job, offset, count, then=self._restarted)
+
+    def _restart_job(self, offset: int, count: int):
+        next_log_id = self.commitlog.next_log_id
+        dropped = self.written_end - self.start_offset
+        self._write_meta(offset, count, next_log_id)
+        self._segments.reset(offset)
+        self.commitlog.reset(next_log_id)
+        log.warning("restarted_at", path=self.path, partition=self.partition, offset=offset,
+                    count=count, dropped_bytes=dropped)
+        return offset, count
+
+    def _restarted(self, position) -> None:
+        self.written_end, self.written_count = position
+        self._unsynced_messages = 0
+        self._tail_end = self.written_end
+        self.shared_chunks.clear()
+        self._commit(*position)
 
     async def read_raw(self, offset: int, max_bytes: int) -> RawBatch:
         """Whole entries from the one that begins at `offset` (ValueError if none does), up to

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import zlib
 
 import structlog
 
@@ -65,6 +66,18 @@ def _answer_error(e: Exception, end: tuple[int, int]) -> Answer:
     return error(wire.E_FAILED, repr(e), end=list(end))
 
 
+def _checksums_match(group) -> bool:
+    """Whether every push of `group` carries the checksum of its data, and it matches (its
+    leader computed it from its own encoding: the records need no walk one by one). A
+    mismatch is a BadBatch: the push was damaged on its way."""
+    for h, payload, _ in group:
+        if "crc" not in h:
+            return False
+        if zlib.crc32(memoryview(payload)[h["n"] * wire.ENTRY_SIZE:]) != h["crc"]:
+            raise BadBatch(f"push at {[h['offset'], h['count']]}: data checksum mismatch")
+    return True
+
+
 class FollowerLog:
     """Keeps one partition's log a copy of its leader's."""
 
@@ -85,7 +98,8 @@ class FollowerLog:
         self._appender: asyncio.Task | None = None
         self._catch_up: asyncio.Task | None = None
         self._fence_path = os.path.join(q.path, FENCE_FILE)
-        self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0}
+        self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0,
+                      "restarts": 0}
 
     @property
     def end(self) -> tuple[int, int]:
@@ -186,7 +200,8 @@ class FollowerLog:
         self.stats["pushes"] += len(group)
         try:
             if entries:
-                await self.q.append_raw(h["offset"], h["count"], entries, data)
+                await self.q.append_raw(h["offset"], h["count"], entries, data,
+                                        records_checked=_checksums_match(group))
                 self.stats["appends"] += 1
         except (AppendError, GapError, BadBatch, ValueError) as e:
             if not isinstance(e, DiskFullError):
@@ -203,6 +218,21 @@ class FollowerLog:
         return len(group)
 
     # ---- divergence and catch-up ----
+
+    async def _restart_at_leader_start(self, start: tuple[int, int], leader: str) -> None:
+        """The leader's log starts past everything held here (its retention dropped what
+        follows our end): drop ours and take its history from its start. Raises FollowError
+        when the start is not ahead (a leader's answer that makes no sense here)."""
+        async with self._lock:
+            if start[0] <= self.q.written_end:
+                raise FollowError({"code": wire.E_OUT_OF_RANGE,
+                                   "message": f"leader starts at {list(start)}, at or before "
+                                              f"our end {list(self.end)}"})
+            log.warning("follower_restarting_at_leader_start", topic=self.topic,
+                        partition=self.partition, leader=leader, end=list(self.end),
+                        start=list(start))
+            await self.q.restart_at(*start)
+            self.stats["restarts"] += 1
 
     async def _reconcile(self, leader: str, epoch: int) -> None:
         """Truncate the log until it is a prefix of `leader`'s (KIP-101): ask where the
@@ -251,6 +281,9 @@ class FollowerLog:
                                                 "offset": offset, "count": count,
                                                 "max_bytes": self.fetch_bytes})
             if r.kind is not Kind.DATA:
+                if r.header.get("code") == wire.E_OUT_OF_RANGE and "start" in r.header:
+                    await self._restart_at_leader_start(tuple(r.header["start"]), leader)
+                    continue
                 if r.header.get("code") == wire.E_STALE_EPOCH and "epoch" in r.header:
                     self.state = self.state.evolve(epoch=max(self.state.epoch, r.header["epoch"]))
                 raise FollowError(r.header)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import zlib
 
 import structlog
 
@@ -87,7 +88,6 @@ class LeaderLog:
         self._channels_sent = 0.0
         self._commit_sent = 0.0
         self._closed = False
-        self._recheck: asyncio.TimerHandle | None = None
         self.stats = {"pushes": 0, "acks": 0, "isr_shrinks": 0, "isr_grows": 0, "fetches": 0,
                       "channels_sent": 0, "channels_pushed": 0}
 
@@ -106,6 +106,7 @@ class LeaderLog:
         await self.q.set_epoch(self.state.epoch)
         self.pushed_end = (self.q.written_end, self.q.written_count)
         self.q.on_batch = self._on_batch
+        self.q.on_written = self._advance
         self._apply(self.state)
         self._ticker = asyncio.create_task(self._tick())
         return self
@@ -116,6 +117,8 @@ class LeaderLog:
         self._set_writable(False, reason)
         if self.q.on_batch == self._on_batch:
             self.q.on_batch = None
+        if self.q.on_written == self._advance:
+            self.q.on_written = None
         for t in [self._ticker, *self._tasks]:
             if t is not None:
                 t.cancel()
@@ -137,6 +140,7 @@ class LeaderLog:
             self._closed = True
             self._set_writable(False, reason)
             self.q.on_batch = None
+            self.q.on_written = None
             log.warning("leader_stepping_down", topic=self.topic, partition=self.partition,
                         reason=reason)
 
@@ -203,7 +207,7 @@ class LeaderLog:
         self.pushed_end = end
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
-                  "commit": list(self.committed)}
+                  "crc": zlib.crc32(data), "commit": list(self.committed)}
         payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
@@ -249,7 +253,9 @@ class LeaderLog:
 
     def _advance(self) -> None:
         """Commit the minimum acked end over the ISR's followers (never backwards; never
-        once closed: a stepped-down leader commits nothing)."""
+        once closed: a stepped-down leader commits nothing). Called on each ACK and after
+        each local write (`q.on_written`): followers may ack a batch before it is written
+        here, and it is committed as soon as both hold it."""
         if self._closed:
             return
         me = self.host.node_id
@@ -267,13 +273,6 @@ class LeaderLog:
         if low > self.committed:
             self.q.replicated_to(*low)
             self.committed = (self.q.committed_end, self.q.committed_count)
-            if low > self.committed and not self._recheck:
-                # the followers are ahead of the local write: commit when it lands
-                self._recheck = asyncio.get_running_loop().call_later(0.001, self._readvance)
-
-    def _readvance(self) -> None:
-        self._recheck = None
-        self._advance()
 
     def _fail(self, f: _Follower, reason: str) -> None:
         """Stop pushing to `f`; a joining one is forgotten, an ISR one dropped by CAS."""
@@ -435,7 +434,7 @@ class LeaderLog:
         try:
             raw = await self.q.read_raw(h["offset"], min(h["max_bytes"], MAX_FETCH))
         except OffsetOutOfRange as e:
-            return error(wire.E_OUT_OF_RANGE, str(e), end=end)
+            return error(wire.E_OUT_OF_RANGE, str(e), end=end, start=list(e.start))
         except ValueError as e:
             return error(wire.E_GAP, f"no entry starts at {h['offset']}: {e}", end=end)
         if raw.count != h["count"]:

@@ -1,7 +1,8 @@
 """The client side of the replication port: one pipelined connection per peer NODE.
 
 `Peer.request` writes a frame at once and returns the response frame; responses carry
-their request's id (they may come in any order: the server answers each when it is ready). The connection (and its HELLO)
+their request's id (they may come in any order: the server answers each when it is
+ready). The connection (and its HELLO)
 is made by the first request; a broken connection fails every pending request with
 `PeerError` and the next request connects again. `Peers` keeps one `Peer` per node id
 for a whole node (every partition shares it). An ERROR response is returned as a frame:

@@ -66,6 +66,7 @@ class Consumer:
                  lookup_interval: float = 30.0, backoff: float = 0.1, max_backoff: float = 2.0,
                  requeue_delay_ms: int = 0, connect_timeout: float = 3.0,
                  drain_timeout: float = 10.0, identify: dict | None = None,
+                 desired_tag: str = "", ext_filter: dict | None = None,
                  ordered: bool = False):
         if not valid_topic_name(topic) or not valid_channel_name(channel):
             raise ValueError(f"invalid topic or channel name: {topic!r} {channel!r}")
@@ -84,6 +85,10 @@ class Consumer:
                          **(identify or {})}
         self.ordered = ordered
         self._in_turn: dict[Connection, asyncio.Lock] = {}  # ordered: one handler a partition
+        if desired_tag:  # only messages published with this ##client_dispatch_tag
+            self.identify["desired_tag"] = desired_tag
+        if ext_filter is not None:  # messages it does not match are finished unseen
+            self.identify["ext_filter"] = ext_filter
         self.subscriptions: dict[Target, Connection] = {}
         self._rdy: dict[Connection, int] = {}
         self._handlers: set[asyncio.Task] = set()

@@ -34,6 +34,7 @@ from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
 from nsqwire.ids import PARTITION_SHIFT, SEQUENCE_MASK
 
+from . import tags
 from .cursor import Cursor, Ranges, pack_u64, unpack_u64
 from .delaying import ChannelDelay
 from .ordered import OrderedDispatch
@@ -50,7 +51,7 @@ class Message:
     (offset, end, count, done), so taking a message costs one object."""
 
     __slots__ = ("offset", "end", "count", "done", "msg_id", "trace_id", "timestamp", "attempts",
-                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id")
+                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id", "route")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -68,6 +69,7 @@ class Message:
         self.delivered_at = 0.0
         self.wire_id = b""  # the id as sent (16 hex characters), set at delivery
         self.delayed = False  # True: it lives in the delay store, not in the cursor's window
+        self.route = None  # (tag, header) once a routed channel looked (tags.py)
 
     @classmethod
     def from_store(cls, d) -> "Message":
@@ -83,6 +85,7 @@ class Message:
         msg.client = None
         msg.delayed = True
         msg.wire_id = b""
+        msg.route = None
         return msg
 
 
@@ -182,7 +185,10 @@ class Channel:
         self.requeue_count = 0
         self.timeout_count = 0
         self.finish_count = 0
+        self.filtered_count = 0  # auto-finished: no consumer's ext_filter took them (tags.py)
+        self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
         self.dirty = True  # cursor changed since the last checkpoint
+        self.seeks = 0  # moves of the cursor (seek) so far
         self.confirm_fin = confirm_fin  # ordered, replicated: awaited after a FIN (ordered.py)
         self.ordered: OrderedDispatch | None = None
         if ordered:
@@ -281,7 +287,8 @@ class Channel:
         if any(m.done for m in put_back.values()):
             put_back = self.put_back = {o: m for o, m in put_back.items() if not m.done}
         saved = {o: m.attempts for o, m in put_back.items()}
-        for m in self.requeued:
+        for m in (self.requeued if self.router is None
+                  else (*self.requeued, *self.router.messages())):
             if m.attempts == 0 and not m.delayed:
                 saved[m.offset] = 0
         if self.saved is not None:
@@ -297,6 +304,7 @@ class Channel:
 
     def add_client(self, client) -> None:
         self.clients.append(client)
+        self._reroute()
         self._wake.set()
 
     def remove_client(self, client) -> None:
@@ -310,6 +318,19 @@ class Channel:
             for m in mine:
                 del client.in_flight[m.wire_id]
         self._requeue_all(mine)
+        self._reroute()
+
+    def _reroute(self) -> None:
+        """Clients changed: route by tags and filters while any client has one (tags.py);
+        when none has any more, what the router held is requeued."""
+        if tags.routed(self.clients):
+            if self.router is None:
+                self.router = tags.Router()
+            self.router.regroup(self.clients)
+        elif self.router is not None:
+            self.requeued.extendleft(reversed(self.router.take_all()))
+            self.router = None
+            self._wake.set()
 
     # ---- delivery --------------------------------------------------------
 
@@ -345,6 +366,8 @@ class Channel:
 
     async def _deliver_ready(self) -> None:
         while not self.paused and not self.topic.paused and not self._closed:
+            if self.router is not None and self.ordered is None:  # ordered: tags ignored
+                return await self._deliver_routed(self.router)
             capacity = 0
             for c in self.clients:
                 room = c.ready_count - len(c.in_flight)
@@ -378,20 +401,59 @@ class Channel:
             held = 0
             if room > 0:
                 self.error = None
+                seeks = self.seeks
                 held = await self._take(await self._reader.read(room), msgs)
+                if self.seeks != seeks:  # moved meanwhile (replay): what this pass holds is stale
+                    self._drop_stale(msgs)
+                    continue
             if msgs:
                 self._distribute(msgs)
             elif not held:  # nothing to hand out, and nothing read that was kept back
                 return
+
+    async def _deliver_routed(self, router) -> None:
+        """`_deliver_ready` while clients have tags or filters: each message goes only to a
+        client that may take it (tags.py). Reading goes on while any client has room and the
+        window allows, so messages waiting for a busy client never hold back the others."""
+        while (router is self.router and not self.paused and not self.topic.paused
+               and not self._closed):
+            for waiting in (self.requeued, self.from_delay):
+                if waiting:
+                    router.add(waiting)
+                    waiting.clear()
+            tags.deliver_routed(self, router)
+            room = sum(max(0, tags.room_of(self, c)) for c in self.clients)
+            window_room = self.max_window - self.cursor.window_size
+            if window_room <= 0:
+                self._spill_deferred()
+            if room <= 0:
+                await self._hold_deferred_ahead()
+                return
+            if window_room <= 0:
+                return
+            self.error = None
+            fresh: list[Message] = []
+            seeks = self.seeks
+            held = await self._take(await self._reader.read(min(room, window_room,
+                                                                self.read_batch)), fresh)
+            if self.seeks != seeks:  # moved meanwhile (replay): what this pass holds is stale
+                self._drop_stale(fresh)
+                continue
+            if not fresh and not held:
+                return
+            router.add(fresh)
 
     async def _take(self, records, out: list) -> int:
         """Take records read from the log: to `out` the ones to deliver now; the rest are
         held (deferred, or already in the delay store). Returns how many were held."""
         held = 0
         delay = self.delay
+        seeks = self.seeks
         in_store = (await delay.holding(records)  # only after a restart, briefly
                     if delay is not None and records
                     and records[0].offset <= delay.max_origin else ())
+        if self.seeks != seeks:  # moved meanwhile: the records are from before the move
+            return 0
         cursor = self.cursor
         take = cursor.take
         saved = self.saved
@@ -433,8 +495,9 @@ class Channel:
         reader = self._reader
         while reader.offset != self._undeferred_at and not self.topic.paused:
             room = min(self.read_batch, self.max_window - self.cursor.window_size)
+            seeks = self.seeks
             records = await reader.read(room) if room > 0 else []
-            if not records:
+            if not records or self.seeks != seeks:  # nothing, or moved meanwhile (stale)
                 return
             now_ms = self.clock() * 1000
             k = 0
@@ -644,6 +707,8 @@ class Channel:
             now_ms = int(self.clock() * 1000)
             held = [m for c in self.clients for m in c.in_flight_of(self.partition)]
             held += [*self.requeued, *self.from_delay, *(entry[2] for entry in self.deferred)]
+            if self.router is not None:
+                held += self.router.messages()
             for m in held:
                 if m.delayed:
                     delay.move(m, now_ms)
@@ -653,6 +718,8 @@ class Channel:
         self.requeued.clear()
         self.from_delay.clear()
         self.deferred.clear()
+        if self.router is not None:
+            self.router.take_all()
         self.put_back.clear()
         self.saved = None
         self.cursor.reset(self.queue.committed_end, self.queue.committed_count)
@@ -660,11 +727,23 @@ class Channel:
         self.dirty = True
 
     def seek(self, offset: int, count: int) -> None:
-        """Move the cursor (replay or skip); what was taken is forgotten."""
+        """Move the cursor (replay or skip); what was taken is forgotten. A delivery pass
+        that awaited meanwhile sees `seeks` changed and drops what it held (_drop_stale)."""
         self.empty()
         self.cursor.reset(offset, count)
         self._reader.seek(offset)
+        self.seeks += 1
         self._wake.set()
+
+    def _drop_stale(self, msgs: list[Message]) -> None:
+        """Messages a delivery pass took before a seek: dropped as `empty` drops them (one
+        brought back from the delay store goes back to it, due now)."""
+        delay = self.delay
+        if delay is not None and delay.available:
+            now_ms = int(self.clock() * 1000)
+            for m in msgs:
+                if m.delayed:
+                    delay.move(m, now_ms)
 
     async def empty_delayed(self) -> int:
         """Drop every message in the delay store; return how many."""
@@ -691,7 +770,8 @@ class Channel:
 
     @property
     def depth(self) -> int:
-        return self.backend_depth + len(self.requeued) + len(self.from_delay)
+        routed = self.router.count if self.router is not None else 0
+        return self.backend_depth + len(self.requeued) + len(self.from_delay) + routed
 
     @property
     def in_flight_count(self) -> int:

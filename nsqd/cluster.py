@@ -249,6 +249,8 @@ class Cluster:
         if topic is None or topic.assignment != want:
             topic = await self.nsqd.apply_assignment(name, want.partition_num, want.leading,
                                                      want.ordered, replicas=want.replicas)
+        await self.nsqd.apply_topic_settings(
+            topic, (tv.meta.sync_every, tv.meta.sync_timeout_ms), tv.meta.retention_ms or None)
         await self.replication.apply(name, tv, follow)
         # Channels: decided on the latest view, not the pass's (a SUB may have added one).
         for n in sorted(topic.writable):

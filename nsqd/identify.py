@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from nsqwire.errors import compression_conflict, identify_bad_json, identify_rejected
 from nsqwire.protocol import decode_json
 
+from .tags import ExtFilter, check_tag, compile_filter
+
 
 @dataclass(frozen=True, slots=True)
 class IdentifyLimits:
@@ -64,6 +66,8 @@ class ClientSettings:
     deflate_level: int
     feature_negotiation: bool
     extend_support: bool
+    desired_tag: str = ""  # tags.py: takes only messages with this tag ("" none)
+    ext_filter: ExtFilter | None = None  # tags.py: messages it refuses are auto-finished
 
 
 def initial_settings(limits: IdentifyLimits, client_id: str = "", hostname: str = "") -> ClientSettings:
@@ -87,6 +91,7 @@ _FIELDS: dict[str, type | tuple[int, int]] = {
     "heartbeat_interval": _INT64, "output_buffer_size": _INT64, "output_buffer_timeout": _INT64,
     "deflate_level": _INT64, "msg_timeout": _INT64, "sample_rate": _INT32,
     "feature_negotiation": bool, "tls_v1": bool, "snappy": bool, "deflate": bool, "extend_support": bool,
+    "desired_tag": str, "ext_filter": dict,  # Youzan's tag dispatch and filters (tags.py)
 }
 
 
@@ -169,6 +174,14 @@ def negotiate(body: bytes, limits: IdentifyLimits,
     deflate_level = min(requested_level if deflate and requested_level > 0 else 6, limits.max_deflate_level)
     if deflate and snappy:
         raise compression_conflict()
+    try:
+        desired_tag = check_tag(f.get("desired_tag", current.desired_tag))
+    except ValueError as e:
+        raise identify_rejected(str(e)) from None
+    try:
+        ext_filter = compile_filter(f["ext_filter"]) if "ext_filter" in f else current.ext_filter
+    except ValueError as e:
+        raise identify_rejected(f"invalid ext_filter: {e}") from None
 
     settings = replace(
         current,
@@ -177,7 +190,8 @@ def negotiate(body: bytes, limits: IdentifyLimits,
         msg_timeout_ms=msg_timeout, sample_rate=sample_rate,
         tls_v1=tls_v1, snappy=snappy, deflate=deflate, deflate_level=deflate_level,
         feature_negotiation=negotiating,
-        extend_support=current.extend_support or f.get("extend_support", False))
+        extend_support=current.extend_support or f.get("extend_support", False),
+        desired_tag=desired_tag, ext_filter=ext_filter)
     if not negotiating:
         return settings, b"OK"
     reply = {  # nsqd's key order
@@ -195,4 +209,6 @@ def negotiate(body: bytes, limits: IdentifyLimits,
         "output_buffer_size": size,
         "output_buffer_timeout": timeout,
     }
+    if desired_tag:  # Youzan's reply names it (omitempty)
+        reply["desired_tag"] = desired_tag
     return settings, json.dumps(reply, separators=(",", ":")).encode()

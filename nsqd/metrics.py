@@ -207,6 +207,8 @@ def render(stats: dict) -> str:
         ("nsqd_channel_requeues_total", "requeue_count", "Messages requeued by REQ."),
         ("nsqd_channel_timeouts_total", "timeout_count", "In-flight messages that timed out."),
         ("nsqd_channel_finishes_total", "finish_count", "Messages finished."),
+        ("nsqd_channel_filtered_total", "filtered_count",
+         "Messages auto-finished: no consumer's ext_filter took them."),
     ]
     for name, key, help_text in counters:
         out.family(name, "counter", help_text, [(cl(*x), x[2][key]) for x in channels])

@@ -204,6 +204,7 @@ class NSQD:
         sync = state.get("sync")
         topic = Topic(name, path, self.queue_options(tuple(sync) if sync else None))
         topic.sync = tuple(sync) if sync else None
+        topic.retention_ms = state.get("retention_ms")
         if topic.ephemeral:  # never stored: what a run before this one left is not ours
             await asyncio.to_thread(shutil.rmtree, path, True)
             create = True
@@ -483,7 +484,8 @@ class NSQD:
         """The channels a SUB consumes (made when missing): of `partition`, or of every
         partition of the topic this node leads (None). The caller attaches the client
         before its next await: what is returned is current at return. Raises
-        TopicNotFound, StorageError when no led partition serves but one failed, NameError_, what Topic.check_partition raises, StorageError."""
+        TopicNotFound, NameError_, what Topic.check_partition raises, and StorageError
+        (also when no led partition serves but one failed)."""
         while True:
             topic = await self.get_topic(topic_name)
             if topic is None:
@@ -587,6 +589,19 @@ class NSQD:
             if conn.client.channels.get(channel.partition) is channel:
                 conn.close()
 
+    async def apply_topic_settings(self, topic: Topic, sync: tuple[int, int],
+                                   retention_ms: int | None) -> None:
+        """A cluster topic's own sync policy and retention, as its metadata says; stored
+        when they change (a restart opens it with them before etcd answers)."""
+        if topic.sync == sync and topic.retention_ms == retention_ms:
+            return
+        topic.set_sync(sync)
+        topic.retention_ms = retention_ms
+        self._store_topic(topic)
+        await self.meta.flush()
+        log.info("topic_settings_applied", topic=topic.name, sync_every=sync[0],
+                 sync_timeout_ms=sync[1], retention_ms=retention_ms)
+
     def _store_topic(self, topic: Topic) -> None:
         if not topic.ephemeral:
             self.meta.put(topic_key(topic.name), topic.state())
@@ -632,18 +647,27 @@ class NSQD:
                 self.checkpoint_failures.ok()
 
     async def _retention_loop(self) -> None:
+        """Drop old segments of every partition held here, led or followed (retain's rules:
+        what every channel finished once `retention_min_age` old, or the topic's own
+        retention; beyond --retention-max-age / --retention-max-bytes; never uncommitted)."""
         o = self.options
         while True:
             await asyncio.sleep(o.retention_check_interval_ms / 1000)
-            for topic in list(self.topics.values()):
-                for p in list(topic.partitions.values()):
-                    if p.queue.failed is not None:  # a failed log waits for its reopen
-                        continue
-                    try:
-                        await p.queue.retain(
-                            before_offset=p.retention_floor(),
-                            max_age_s=o.retention_max_age_ms / 1000 if o.retention_max_age_ms
-                            else None,
-                            max_bytes=o.retention_max_bytes or None)
-                    except Exception:
-                        log.exception("retention_failed", topic=topic.name, partition=p.number)
+            held = [(t, p.number, p.queue, p.retention_floor())
+                    for t in list(self.topics.values()) for p in list(t.partitions.values())]
+            if self.cluster is not None:
+                held += [(self.topics.get(name), n, q, floor) for name, n, q, floor
+                         in self.cluster.replication.followed_floors()]
+            for topic, n, queue, floor in held:
+                if topic is None or queue.failed is not None:  # a failed log waits for its reopen
+                    continue
+                min_age = topic.retention_ms if topic.retention_ms is not None \
+                    else o.retention_min_age_ms
+                try:
+                    await queue.retain(
+                        before_offset=floor, min_age_s=min_age / 1000,
+                        max_age_s=o.retention_max_age_ms / 1000 if o.retention_max_age_ms
+                        else None,
+                        max_bytes=o.retention_max_bytes or None)
+                except Exception:
+                    log.exception("retention_failed", topic=topic.name, partition=n)

@@ -76,6 +76,7 @@ class Options:
     sync_timeout_ms: int = 2000  # with sync_every > 1, also sync when data is this old
     mem_queue_size: int = 10000  # accepted for compatibility; every message goes to disk
     retention_max_age_ms: int = 0  # 0: keep what a channel still needs, forever
+    retention_min_age_ms: int = 0  # keep history this long even when every channel is past it
     retention_max_bytes: int = 0  # 0: no size bound per partition
     retention_check_interval_ms: int = 10_000
     checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
@@ -146,6 +147,7 @@ _DURATIONS = {
     "max_output_buffer_timeout": "max_output_buffer_timeout_ms",
     "min_output_buffer_timeout": "min_output_buffer_timeout_ms",
     "retention_max_age": "retention_max_age_ms",
+    "retention_min_age": "retention_min_age_ms",
     "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
     "checkpoint_interval": "checkpoint_interval_ms",
@@ -192,6 +194,9 @@ _HELP = {
     "retention_max_age": "drop segments older than this even if a channel still needs them "
                          "(0: never)",
     "retention_max_bytes": "drop the oldest segments beyond this size per partition (0: never)",
+    "retention_min_age": "keep a segment every channel has finished until its last message is "
+                         "this old, for replay (0: drop it at the next check; a cluster "
+                         "topic's own retention overrides it)",
     "checkpoint_interval": "how often channel cursors are saved (after a crash a channel "
                            "redelivers what was finished since)",
     "max_msg_size": "largest message body (bytes)",

@@ -68,6 +68,9 @@ class Replication:
         # partitions whose leadership this node gave up at an epoch (its LeaderLog closed
         # for good while etcd still names it): not taken again before a newer epoch
         self.refused: dict[tuple[str, int], int] = {}
+        # the confirmed offset of each channel of each followed partition, as its leader
+        # last sent it: what retention may drop here (see followed_floors)
+        self._confirmed: dict[tuple[str, int], dict[str, int]] = {}
 
     # ---- the host interface isr calls ----------------------------------------------
 
@@ -105,10 +108,13 @@ class Replication:
         if (topic, partition) not in self.followers:
             return
         meta = self.nsqd.meta
+        confirmed = self._confirmed.setdefault((topic, partition), {})
         for name, state in channels.items():
             try:
-                meta.put(channel_key(topic, partition, name), state_from_wire(state))
-            except (TypeError, ValueError, AttributeError) as e:
+                state = state_from_wire(state)
+                meta.put(channel_key(topic, partition, name), state)
+                confirmed[name] = int(state["confirmed"])
+            except (TypeError, ValueError, AttributeError, KeyError) as e:
                 log.warning("channel_state_refused", topic=topic, partition=partition,
                             channel=name, error=str(e))
 
@@ -220,6 +226,18 @@ class Replication:
             log.info("following", topic=name, partition=n, leader=state.leader,
                      epoch=state.epoch, in_isr=self.node_id in state.isr)
 
+    def followed_floors(self):
+        """(topic, partition, queue, floor) of each partition followed here: `floor` is the
+        lowest offset a channel of the topic (in the cluster's view) has not confirmed, as the
+        leader last said; 0, keep everything, until the leader has said it for each."""
+        topics = self.cluster.mirror.view.topics
+        for (name, n), follower in list(self.followers.items()):
+            tv = topics.get(name)
+            confirmed = self._confirmed.get((name, n), {})
+            channels = tv.channels if tv is not None else ()
+            floor = min((confirmed.get(c, 0) for c in channels), default=0) if channels else 0
+            yield name, n, follower.q, floor
+
     async def drop_topic(self, name: str) -> None:
         """A topic deleted (or no longer in the view): stop everything of it, and forget the
         epochs given up (a topic made again under the name starts again at epoch 1)."""
@@ -249,6 +267,7 @@ class Replication:
 
     async def _stop_follower(self, key) -> None:
         follower = self.followers.pop(key)
+        self._confirmed.pop(key, None)
         try:
             await follower.close()
         finally:

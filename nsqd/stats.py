@@ -22,8 +22,8 @@ them; ours are additive:
   `depth` (0) and `error`;
 - channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
   deferred_count, requeued_count, message_count, requeue_count, timeout_count,
-  finish_count, client_count, paused, ordered, confirmed, confirmed_count, next_read,
-  next_count, window, error}].
+  finish_count, filtered_count (auto-finished by an ext_filter), client_count, paused,
+  ordered, confirmed, confirmed_count, next_read, next_count, window, error}].
 
 What the classic numbers mean here (channels are cursors over the partition's log):
 - topic `depth`: messages held for channels that do not exist yet (classic: the
@@ -241,6 +241,7 @@ def channel_partition_stats(c) -> dict:
         "requeue_count": c.requeue_count,
         "timeout_count": c.timeout_count,
         "finish_count": c.finish_count,
+        "filtered_count": c.filtered_count,  # ours: auto-finished by ext_filter (tags.py)
         "client_count": len(c.clients),
         "paused": c.paused,
         "ordered": c.ordered is not None,  # ours: nsqd/ordered.py
@@ -282,6 +283,10 @@ def client_stats(client, conn, topic_filter: str) -> dict:
         "snappy": settings.snappy,
         "user_agent": settings.user_agent,
     }
+    if settings.desired_tag:  # Youzan's client stats name these; only when set
+        out["desired_tag"] = settings.desired_tag
+    if settings.ext_filter is not None:
+        out["ext_filter"] = settings.ext_filter.spec
     if client.authorizations is not None:
         out["authed"] = True
         if client.auth_identity:

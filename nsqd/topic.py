@@ -222,6 +222,7 @@ class Topic:
         self.queue_options = queue_options
         self.paused = False
         self.sync: tuple[int, int] | None = None  # its own (sync_every, sync_timeout_ms)
+        self.retention_ms: int | None = None  # its own history kept (min age), else the node's
         self.partitions: dict[int, Partition] = {}
         self.failed: dict[int, str] = {}  # partitions held here that did not open: why
         # Stored floors of partitions not open: failed ones, and ones no longer led here
@@ -336,11 +337,14 @@ class Topic:
                  "floors": floors, "assignment": self.assignment.state()}
         if self.sync is not None:
             state["sync"] = list(self.sync)
+        if self.retention_ms is not None:
+            state["retention_ms"] = self.retention_ms
         return state
 
     def set_sync(self, sync: tuple[int, int]) -> None:
         """Give the topic its own sync policy (messages per sync, ms), from now on."""
         self.sync = sync
+        self.queue_options = dataclasses.replace(self.queue_options, sync=sync_policy(*sync))
         for p in self.partitions.values():
             p.queue.set_sync(sync_policy(*sync))
 

@@ -168,12 +168,36 @@ _EXT_HEAD = struct.Struct(">BH")  # ext version, header length
 
 def parse_ext_message(data: bytes) -> tuple[int, int, bytes, int, bytes, bytes]:
     """Message frame data sent to an extend_support client -> (timestamp_ns, attempts,
-    msg_id, ext_version, header, body); the header is b"" when the version is 0."""
-    start = _MESSAGE_FIELDS.size + _EXT_HEAD.size
-    if len(data) < start:
+    msg_id, ext_version, header, body); version 0 has no length and no header (b"")."""
+    fields = _MESSAGE_FIELDS.size
+    if len(data) < fields + 1:
         raise ValueError(f"message frame data of {len(data)} bytes")
     timestamp_ns, attempts, msg_id = _MESSAGE_FIELDS.unpack_from(data)
-    version, length = _EXT_HEAD.unpack_from(data, _MESSAGE_FIELDS.size)
+    if data[fields] == 0:
+        return timestamp_ns, attempts, msg_id, 0, b"", data[fields + 1:]
+    start = fields + _EXT_HEAD.size
+    if len(data) < start:
+        raise ValueError(f"message frame data of {len(data)} bytes")
+    version, length = _EXT_HEAD.unpack_from(data, fields)
     if len(data) < start + length:
         raise ValueError(f"ext header of {length} bytes in {len(data)} bytes")
     return timestamp_ns, attempts, msg_id, version, data[start:start + length], data[start + length:]
+
+
+_OFFSET = struct.Struct(">qI")  # record offset and size (SUB_ADVANCED)
+
+
+def parse_offset_message(data: bytes, extended: bool = False) -> tuple[int, int, bytes, bytes, int,
+                                                                          int, bytes]:
+    """Message frame data sent to a SUB_ADVANCED client -> (timestamp_ns, attempts, msg_id,
+    header, offset, size, body): the record's offset and size follow the id (and the ext
+    header, b"" unless `extended`)."""
+    if extended:
+        ts, attempts, msg_id, _version, header, rest = parse_ext_message(data)
+    else:
+        ts, attempts, msg_id, rest = parse_message(data)
+        header = b""
+    if len(rest) < _OFFSET.size:
+        raise ValueError(f"no offset in message frame data of {len(data)} bytes")
+    offset, size = _OFFSET.unpack_from(rest)
+    return ts, attempts, msg_id, header, offset, size, rest[_OFFSET.size:]

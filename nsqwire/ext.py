@@ -19,9 +19,11 @@ TRACE_ID_KEY = "##trace_id"
 RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##client_dispatch_tag"})
 
 # The 1-byte version before an extension header in a message frame sent to an
-# extend_support client: 2 is a JSON header (as Youzan's), 0 none (length 0).
+# extend_support client, Youzan's numbers (their internal/ext, go-nsq's DecodeMessageWithExt):
+# 4 is a JSON header, then a 2-byte length and the header; 0 is none, and nothing follows
+# it (no length). Their 2 is a bare tag (no JSON), which we never send.
 EXT_VERSION_NONE = 0
-EXT_VERSION_JSON = 2
+EXT_VERSION_JSON = 4
 
 _MAX_TRACE_ID = (1 << 64) - 1
 

@@ -121,12 +121,15 @@ class Cluster:
                 return i
         return None
 
-    def create_topic(self, topic: str, partitions: int, replicas: int = 1) -> tuple[int, dict]:
+    def create_topic(self, topic: str, partitions: int, replicas: int = 1,
+                     **settings) -> tuple[int, dict]:
+        """/topic/create on the master nsqlookupd; `settings` go as more query arguments."""
+        extra = "".join(f"&{k}={v}" for k, v in settings.items())
         master = wait_until(lambda: self.master() is not None and self.master() + 1, 10,
                             "a master nsqlookupd") - 1
         return http_json("POST", f"http://{self.lookupds[master].http_address}/topic/create"
                                  f"?topic={topic}&partition_num={partitions}"
-                                 f"&replicator={replicas}")
+                                 f"&replicator={replicas}{extra}")
 
     def lookup(self, topic: str) -> dict:
         status, body = self.lookupd_get(f"/lookup?topic={topic}")

@@ -172,6 +172,22 @@ async def test_retention_keeps_what_a_channel_needs(node, tmp_path):
     assert len(glob.glob(os.path.join(seg_dir, "*.dat"))) == 1, "confirmed segments were not dropped"
 
 
+async def test_retention_min_age_keeps_finished_history_for_replay(node, tmp_path):
+    n = await node(segment_bytes=4096, retention_check_interval_ms=100,
+                   retention_min_age_ms=2000)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=500)
+    pub = await connect(n)
+    for _ in range(20):
+        await pub.mpub("t", [b"y" * 200 for _ in range(10)])
+    for m in await take(c, 200):
+        m.fin()
+    seg_dir = os.path.join(str(tmp_path / "data"), "t.topic", "0", "data")
+    await asyncio.sleep(0.6)
+    assert len(glob.glob(os.path.join(seg_dir, "*.dat"))) > 10, "finished history went early"
+    await until(lambda: len(glob.glob(os.path.join(seg_dir, "*.dat"))) == 1, timeout=6)
+
+
 async def test_retention_by_size_passes_a_stalled_channel(node, tmp_path):
     """--retention-max-bytes bounds a partition's data even when a channel never reads:
     the oldest segments go, and the stalled channel goes on from the oldest one left."""

@@ -590,6 +590,22 @@ async def test_retention_by_age(tmp_path, queues):
     await _check_retained(q, 6120, queues)
 
 
+async def test_retention_keeps_finished_history_for_its_min_age(tmp_path, queues):
+    """What every channel finished stays until its last write is min_age_s old (replay)."""
+    q = await _four_segments(tmp_path, queues)
+    files = segment_files(q)
+    now = time.time()
+    for f, age in zip(files, (5000, 4000, 10, 3000)):
+        os.utime(f, (now - age, now - age))
+    assert await q.retain(before_offset=10**9, min_age_s=3600) == 4080  # the third is young
+    assert await q.retain(before_offset=2040, min_age_s=0) == 4080
+    for f in segment_files(q):
+        os.utime(f, (now - 5000, now - 5000))
+    assert await q.retain(before_offset=4095, min_age_s=3600) == 4080  # not finished past it
+    assert await q.retain(before_offset=10**9, min_age_s=3600) == 6120
+    await _check_retained(q, 6120, queues)
+
+
 async def _check_retained(q, start, queues):
     first = start // 136
     assert q.start_offset == start and q.start_count == first

@@ -416,6 +416,21 @@ async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
         q.set_solo(False)
 
 
+async def test_retention_never_drops_uncommitted_records(tmp_path, queues):
+    """A leader's segments its ISR may lack stay, whatever the age and size bounds say."""
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
+    q.set_solo(True)
+    await fill(q, 12)
+    q.set_solo(False)
+    await write_uncommitted(q, 30, first=100)
+    committed = q.committed_end
+    assert len(segment_files(q)) > 3 and committed < q.written_end
+    start = await q.retain(before_offset=10**9, max_age_s=0, max_bytes=0)
+    assert 0 < start <= committed
+    q.replicated_to(q.written_end, q.written_count)
+    assert await q.retain(before_offset=10**9) > committed
+
+
 async def test_read_raw(tmp_path, queues):
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048,
                                                   clog_entries_per_segment=4))
@@ -692,3 +707,46 @@ def test_check_batch_refuses_records_that_do_not_match_their_entry():
                    [body(0), body(1)])
     with pytest.raises(BadBatch, match="message id"):
         check_batch(0, 0, entries, b"".join(parts), 2, 0)
+
+
+async def test_restart_at_drops_the_log_and_goes_on_ahead(tmp_path, queues):
+    """restart_at: the log is empty at the new position, appends go on there, and a reopen
+    (a kill after it returned) finds the same; a position not ahead is refused."""
+    path = tmp_path / "q"
+    q = await queues(path, QueueOptions(replicated=True, segment_bytes=2048))
+    q.set_solo(True)
+    await fill(q, 12)
+    q.set_solo(False)
+    with pytest.raises(ValueError):
+        await q.restart_at(q.written_end, q.written_count)
+    leader = await queues(tmp_path / "leader", QueueOptions(replicated=True, segment_bytes=2048))
+    leader.set_solo(True)
+    await fill(leader, 40)
+    await leader.retain(before_offset=leader.committed_end)
+    assert leader.start_offset > q.written_end
+    await q.restart_at(leader.start_offset, leader.start_count)
+    assert (q.start_offset, q.start_count) == (leader.start_offset, leader.start_count)
+    assert (q.written_end, q.committed_end) == (leader.start_offset, leader.start_offset)
+    assert await read_all(q) == []
+    raw = await leader.read_raw(leader.start_offset, 1 << 20)
+    await q.append_raw(raw.offset, raw.count, raw.entries, raw.data)
+    q.replicated_to(q.written_end, q.written_count)
+    want = [(r.offset, r.msg_id, r.body) for r in await read_all(leader)]
+    assert [(r.offset, r.msg_id, r.body) for r in await read_all(q)] == want
+    await q.close()
+    again = await queues(path, QueueOptions(replicated=True, segment_bytes=2048))
+    assert (again.start_offset, again.start_count) == (leader.start_offset, leader.start_count)
+    assert [(r.offset, r.msg_id, r.body) for r in await read_all(again)] == want
+
+
+def test_check_batch_without_records_trusts_them_but_not_the_entries():
+    """records=False (a push whose data matched its leader's checksum) skips the record
+    walk; the entries are still checked."""
+    entries, data = _batch(n=2, per=2)
+    bad = bytearray(data)
+    bad[-1] ^= 0xFF
+    with pytest.raises(BadBatch, match="checksum"):
+        check_batch(0, 0, entries, bytes(bad), 2, 0)
+    assert len(check_batch(0, 0, entries, bytes(bad), 2, 0, records=False)) == 2
+    with pytest.raises(BadBatch, match="cover"):
+        check_batch(0, 0, entries, data + b"x", 2, 0, records=False)

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from repl_host import Host, States
 
+from diskqueue.queue import DiskQueue, QueueOptions
 from isr import wire
 from isr.peer import Peer
 from isr.state import PartitionState
@@ -421,5 +422,38 @@ async def test_the_fence_survives_a_restart(tmp_path):
         r = await peer.request(Kind.PUSH, {**header, "epoch": 6})
         assert r.header["code"] == wire.E_STALE_EPOCH and r.header["epoch"] == 7
         await peer.close()
+    finally:
+        await stop(hosts)
+
+
+async def test_a_replica_behind_the_leaders_retained_start_restarts_there_and_joins(tmp_path):
+    """A replica whose whole log is older than the leader's start (retention dropped the
+    rest there) gets E_OUT_OF_RANGE: it drops its log, takes the history from the leader's
+    start, and joins (it retried forever before)."""
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B), catchup=(C,), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=1).start()
+             for n in (A, B, C)]
+    try:
+        await hosts[1].open(T, 0)
+        opts = QueueOptions(partition=0, replicated=True, segment_bytes=4096)
+        aq = await hosts[0].open(T, 0, await DiskQueue.open(str(tmp_path / "a" / "0"), opts))
+        for i in range(5):
+            await aq.append([b"early %d" % i])
+        old = await DiskQueue.open(str(tmp_path / "c" / "0"), opts)
+        prefix = await aq.read_raw(0, 1 << 20)  # C held the leader's first records, then left
+        await old.append_raw(prefix.offset, prefix.count, prefix.entries, prefix.data)
+        old.replicated_to(old.written_end, old.written_count)
+        for i in range(40):
+            await aq.append([b"m%03d" % i + b"x" * 300] * 3)
+        start = await aq.retain(before_offset=aq.committed_end)
+        assert start > old.written_end
+        cq = await hosts[2].open(T, 0, old)
+        await until(lambda: C in states.states[(T, 0)].isr, 10)
+        assert hosts[2].followers[(T, 0)].stats["restarts"] == 1
+        assert (cq.start_offset, cq.start_count) == (aq.start_offset, aq.start_count)
+        await aq.append([b"after"])
+        await until(lambda: cq.committed_end == aq.committed_end, 2)
+        assert await records(cq) == await records(aq)
     finally:
         await stop(hosts)

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from cluster import LEASE_TTL_S, Cluster, pub
+from cluster import LEASE_TTL_S, Cluster, http_json, pub
 from nsqclient.conn import Connection, NSQError
 from nsqclient.consumer import Consumer
 from nsqclient.producer import Producer
@@ -270,3 +270,46 @@ async def test_a_hundred_leader_kills_lose_nothing(cluster):
     print(f"100 kills: acked {len(acked)}, failed {failed}, lost {len(lost)}, "
           f"duplicates {sum(n - 1 for n in seen.values())}")
     assert not lost, sorted(lost)[:20]
+
+
+async def test_a_topics_sync_policy_and_retention_from_etcd_rule_its_replicas(tmp_path):
+    """/topic/create's syncdisk and retention reach every replica: the leader syncs as the
+    topic says; finished history stays on the leader and the followers until it is
+    `retention` old, then goes from all three (followers retain by the cursors their leader
+    sends), and the segment holding the committed end is never dropped."""
+    cl = Cluster(str(tmp_path), 3, 1, "--segment-bytes", "4096",
+                 "--retention-check-interval", "200ms", "--checkpoint-interval", "200ms").start()
+    try:
+        status, body = cl.create_topic("kept", 1, replicas=3, syncdisk=7, retention="4s")
+        assert status == 200, body
+        s = await cl.until_states("kept", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+        leader = cl.nsqd_at(s[0].leader)
+        host, port = s[0].leader.rsplit(":", 1)
+        conn = await Connection(host, int(port)).connect()
+        for i in range(12):  # ~12 segments of ~2.4 KB writes, on each replica
+            assert await conn.command(c.cmd_mpub("kept", [b"%03d" % i + b"y" * 200] * 10, 0)) == b"OK"
+        status, stats = http_json("GET", f"http://{leader.http_address}/stats?format=json&topic=kept")
+        assert status == 200, stats
+        (part,) = stats["topics"][0]["partitions"]
+        assert part["sync_every"] == 7
+
+        def segments(n) -> int:
+            folder = os.path.join(n.data_path, "kept.topic", "0", "data")
+            return len([f for f in os.listdir(folder) if f.endswith(".dat")])
+
+        assert all(segments(n) > 8 for n in cl.nsqds)
+        got: list = []
+        consumer = await Connection(host, int(port), on_messages=got.extend).connect()
+        await consumer.sub("kept", "c")
+        consumer.rdy(200)
+        await wait_until_async(lambda: len(got) == 120, 10, "120 messages")
+        for m in got:
+            m.fin()
+        await asyncio.sleep(1.5)  # confirmed, checkpointed, sent to the followers
+        assert all(segments(n) > 8 for n in cl.nsqds), "finished history went before 4 s"
+        await wait_until_async(lambda: all(segments(n) == 1 for n in cl.nsqds), 10,
+                               "finished segments dropped on every replica")
+        await consumer.close()
+        await conn.close()
+    finally:
+        cl.stop()
