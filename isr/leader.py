@@ -82,6 +82,7 @@ class LeaderLog:
         self.reason = "not started"
         self._isr_lock = asyncio.Lock()
         self._joining: set[str] = set()
+        self._counted: set[str] = set()  # joiners whose acks the commit waits for (not in isr yet)
         self._tasks: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
         self._channels: dict | None = None
@@ -260,7 +261,7 @@ class LeaderLog:
             return
         me = self.host.node_id
         ends = []
-        for node in self.state.isr:
+        for node in (*self.state.isr, *self._counted):
             if node == me:
                 continue
             f = self.followers.get(node)
@@ -471,10 +472,30 @@ class LeaderLog:
                 del self.followers[node]
             return error(wire.E_FAILED, f"join: {e!r}")
         self._release(f)
+        self._counted.add(node)  # from now on nothing commits without it...
+        try:
+            return await self._join_isr(f)
+        finally:
+            self._counted.discard(node)
+            self._advance()
+
+    async def _join_isr(self, f: _Follower) -> Answer:
+        """...so it enters the ISR only once it acked every commit (a joiner whose held pushes
+        failed, or that lags past JOIN_TIMEOUT, does not: it would lack committed data)."""
+        node = f.node
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while f.acked < self.committed:
+            if f.failed or self.followers.get(node) is not f or time.monotonic() > deadline:
+                if self.followers.get(node) is f:
+                    del self.followers[node]
+                return error(wire.E_FAILED, "join: not level with the commit")
+            await asyncio.sleep(0.01)
         for _ in range(50):
             state = self.state
             if self._closed:
                 return error(wire.E_NOT_LEADER, self.reason)
+            if f.failed or self.followers.get(node) is not f:
+                return error(wire.E_FAILED, "join: failed while joining")
             new = state.evolve(isr=(*state.isr, node),
                                catchup=tuple(x for x in state.catchup if x != node),
                                epoch=state.epoch + 1)
@@ -492,6 +513,8 @@ class LeaderLog:
                  isr=list(done.isr), epoch=done.epoch)
         await self.q.set_epoch(done.epoch)
         self.update_state(done)
+        if f.failed:  # failed while the CAS was on its way: out again
+            self._spawn(self._shrink(node))
         return Kind.OK, {"epoch": done.epoch}, b""
 
     async def _copy(self, f: _Follower, at: tuple[int, int]) -> None:
