@@ -137,9 +137,17 @@ async def test_a_new_leader_starts_exactly_after_the_last_fin(cluster):
     s = await cl.until_states("exact", lambda s: len(s[0].isr) == 3, 15, "3 in sync")
     leader = s[0].leader
     host, port = leader.rsplit(":", 1)
-    pub = await Connection(host, int(port)).connect()
-    await pub.command(c.cmd_mpub("exact", [body("k", i) for i in range(100)], 0))
-    await pub.close()
+    deadline = time.monotonic() + 10
+    while True:  # the leader's view may lag the state just read (as a client, retried)
+        pub = await Connection(host, int(port)).connect()
+        try:
+            await pub.command(c.cmd_mpub("exact", [body("k", i) for i in range(100)], 0))
+            break
+        except NSQError as e:
+            assert "E_FAILED_ON_NOT_" in str(e) and time.monotonic() < deadline, e
+            await asyncio.sleep(0.1)
+        finally:
+            await pub.close()
     con = await Connection(host, int(port)).connect()
     await con.command(c.cmd_sub_ordered("exact", "c", 0))
     con.rdy(10)
