@@ -9,41 +9,23 @@ with no gap: 0 reorderings, 0 gaps."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
-import pytest
 
-from cluster import LEASE_TTL_S, Cluster, http_json, wait_until
+from cluster import LEASE_TTL_S, Cluster
 from nsqclient.conn import Connection, NSQError
 from nsqclient.consumer import Consumer
 from nsqclient.producer import Producer
 from nsqwire import commands as c
 from ordercheck import OrderCheck, body
+from test_replication import cluster  # noqa: F401  (a fixture: 3 nsqds, SIGCONT before stop)
 
 SLACK_S = 4
 KEYS = 12
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    cl = Cluster(str(tmp_path), 3, 1).start()
-    yield cl
-    for n in cl.nsqds:
-        if n.proc is not None and n.proc.poll() is None:
-            try:
-                os.kill(n.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-    cl.stop()
-
-
 def make_ordered_topic(cl: Cluster, topic: str, partitions: int) -> None:
-    wait_until(lambda: cl.master() is not None, 10, "a master nsqlookupd")
-    status, answer = http_json("POST", f"http://{cl.lookupds[cl.master()].http_address}"
-                                       f"/topic/create?topic={topic}&partition_num={partitions}"
-                                       f"&replicator=3&orderedmulti=true")
+    status, answer = cl.create_topic(topic, partitions, replicas=3, orderedmulti="true")
     assert status == 200, answer
 
 
@@ -73,7 +55,7 @@ class KeyedSequences:
         await self._producer.close()
 
 
-async def test_no_reorder_no_gap_across_leader_kill_and_consumer_restart(cluster):
+async def test_no_reorder_no_gap_across_leader_kill_and_consumer_restart(cluster):  # noqa: F811
     cl = cluster
     make_ordered_topic(cl, "ord", 2)
     await cl.until_states("ord", lambda s: all(len(p.isr) == 3 for p in s.values()), 15,
@@ -127,7 +109,7 @@ async def test_no_reorder_no_gap_across_leader_kill_and_consumer_restart(cluster
     assert report["reorders"] == 0 and report["gaps"] == 0, report
 
 
-async def test_a_new_leader_starts_exactly_after_the_last_fin(cluster):
+async def test_a_new_leader_starts_exactly_after_the_last_fin(cluster):  # noqa: F811
     """The FIN of an ordered channel is in the ISR before the next message goes out: kill -9
     the leader the moment message 50 arrives (49 finished just before) and the new leader's
     first delivery is message 50, not an earlier one (the 200 ms checkpoint timer alone
