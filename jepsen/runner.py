@@ -69,7 +69,7 @@ def run(opts: RunOptions) -> dict:
     seed = opts.seed or int(time.time())
     rng = random.Random(seed)
     cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
-                           opts.loopback, opts.disk_mb)
+                           opts.loopback, opts.disk_mb, powerfs="power-cut" in opts.nemesis)
     nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
     os.makedirs(os.path.join(opts.store, "logs"), exist_ok=True)
     log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
