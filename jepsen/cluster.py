@@ -302,14 +302,16 @@ class Cluster:
         body = self.lookupd_get(f"/lookup?topic={topic}") or {}
         return bool((body.get("meta") or {}).get("ordered", False))
 
-    def create_topic(self, topic: str, partitions: int, replicas: int) -> None:
+    def create_topic(self, topic: str, partitions: int, replicas: int, sync_every: int = 1
+                     ) -> None:
         def created():
             m = self.master()
             if m is None:
                 return False
             status, body = http_json(
                 "POST", f"http://{m.lookupd_http}/topic/create?topic={topic}"
-                        f"&partition_num={partitions}&replicator={replicas}", timeout=5)
+                        f"&partition_num={partitions}&replicator={replicas}"
+                        f"&syncdisk={sync_every}", timeout=5)
             if status != 200:
                 raise RuntimeError(f"/topic/create answered {status}: {body}")
             return True

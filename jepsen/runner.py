@@ -44,6 +44,7 @@ class RunOptions:
     pause_s: float = 0.05  # each producer's pause between its operations
     unkeyed: int = 2  # unkeyed producer processes (beside one keyed per partition)
     disk_mb: int = 64  # each nsqd's tmpfs (network namespaces only)
+    sync_every: int = 1  # the topic's syncdisk: 1 syncs every batch before its OK
 
 
 def _raise_interrupt(signum, frame):
@@ -81,7 +82,7 @@ def run(opts: RunOptions) -> dict:
         print(f"jepsen: setting up {opts.nodes} hosts ({type(cluster).__name__}) in "
               f"{opts.store}", flush=True)
         cluster.setup()
-        cluster.create_topic(TOPIC, opts.partitions, opts.replicas)
+        cluster.create_topic(TOPIC, opts.partitions, opts.replicas, opts.sync_every)
         info["ordered"] = cluster.ordered(TOPIC)
         asyncio.run(_phases(opts, cluster, nemesis, history, info))
     finally:
