@@ -15,9 +15,9 @@ Two kinds of host:
   and no user-space proxy yet): only the process nemeses (kill, pause, restart) run there.
 
 Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
-process, namespace, veth, bridge or mount (tmpfs or PowerFS) behind; `cleanup_leftovers()` removes those of
-an earlier run that could not (every name starts with `jep-`), even one whose harness was
-SIGKILLed: every daemon carries `JEPSEN_DAEMON` in its environment, so it is found
+process, namespace, veth, bridge or mount (tmpfs or PowerFS) behind; `cleanup_leftovers()`
+removes those of an earlier run that could not (every name starts with `jep-`), even one
+whose harness was SIGKILLed: every daemon (and PowerFS process) carries `JEPSEN_DAEMON` in its environment, so it is found
 wherever it runs, and another harness still running is stopped first (it would restart
 its daemons). iptables rules live inside the namespaces and die with them.
 """
