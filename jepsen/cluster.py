@@ -17,9 +17,9 @@ Two kinds of host:
 Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
 process, namespace, veth, bridge or mount (tmpfs or PowerFS) behind; `cleanup_leftovers()`
 removes those of an earlier run that could not (every name starts with `jep-`), even one
-whose harness was SIGKILLed: every daemon (and PowerFS process) carries `JEPSEN_DAEMON` in its environment, so it is found
-wherever it runs, and another harness still running is stopped first (it would restart
-its daemons). iptables rules live inside the namespaces and die with them.
+whose harness was SIGKILLed: every daemon (and PowerFS process) carries `JEPSEN_DAEMON`
+in its environment, so it is found wherever it runs, and another harness still running is
+stopped first (it would restart its daemons). iptables rules live inside the namespaces and die with them.
 """
 
 from __future__ import annotations
