@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="unkeyed producer processes (beside one keyed per partition)")
     ap.add_argument("--disk-mb", type=int, default=64,
                     help="size of each nsqd's tmpfs (what disk-full fills)")
+    ap.add_argument("--sync-every", type=int, default=1,
+                    help="the topic's syncdisk: messages per fsync (1: every batch before its "
+                         "OK; more acknowledges unsynced data, which only power-cut shows)")
     ap.add_argument("--no-classic", action="store_true", help="without the pynsq producer")
     ap.add_argument("--ordered", action="store_true",
                     help="an ordered topic, ordered consumers (and no pynsq producer: a PUB "
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                       loopback=args.loopback, nsqd_flags=args.nsqd_flag, seed=args.seed,
                       drain_timeout=args.drain_timeout, keep_data=args.keep_data,
                       classic=not args.no_classic, pause_s=args.pause,
-                      unkeyed=args.unkeyed, disk_mb=args.disk_mb, ordered=args.ordered)
+                      unkeyed=args.unkeyed, disk_mb=args.disk_mb, ordered=args.ordered,
+                      sync_every=args.sync_every)
     try:
         summary = run(opts)
     except ValueError as e:

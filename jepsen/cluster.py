@@ -7,17 +7,19 @@ Two kinds of host:
   namespace at 10.213.0.254 and reaches every host. Partitions are iptables DROP rules
   inside the hosts' namespaces, so they never touch the harness's own traffic.
   Each nsqd's data path is a small tmpfs of its own (`--disk-mb`, source `jep-nI`), which
-  the disk-full nemesis fills.
+  the disk-full nemesis fills; or, when the power-cut nemesis runs (`powerfs=True`), a
+  PowerFS mount (tests/powerfs.py, FUSE, source `jep-nI`) that loses what was not synced
+  when `power_cut()` cuts it. etcd's data stays on the normal disk either way.
 - `LoopbackCluster` (no root): the same processes on 127.0.0.1 with their own ports. It
-  cannot partition or fill a disk (no namespaces, no iptables, no mounts, and no
-  user-space proxy yet): only the process nemeses (kill, pause, restart) run there.
+  cannot partition, fill a disk or cut the power (no namespaces, no iptables, no mounts,
+  and no user-space proxy yet): only the process nemeses (kill, pause, restart) run there.
 
 Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
-process, namespace, veth, bridge or mount behind; `cleanup_leftovers()` removes those of
-an earlier run that could not (every name starts with `jep-`), even one whose harness was
-SIGKILLed: every daemon carries `JEPSEN_DAEMON` in its environment, so it is found
-wherever it runs, and another harness still running is stopped first (it would restart
-its daemons). iptables rules live inside the namespaces and die with them.
+process, namespace, veth, bridge or mount (tmpfs or PowerFS) behind; `cleanup_leftovers()`
+removes those of an earlier run that could not (every name starts with `jep-`), even one
+whose harness was SIGKILLed: every daemon (and PowerFS process) carries `JEPSEN_DAEMON`
+in its environment, so it is found wherever it runs, and another harness still running is
+stopped first (it would restart its daemons). iptables rules live inside the namespaces and die with them.
 """
 
 from __future__ import annotations
@@ -156,11 +158,14 @@ class Cluster:
     host_class = Host
     can_partition = False
     can_fill_disk = False
+    can_power_cut = False
 
     def __init__(self, store: str, nodes: int = 5, lookupds: int = 3,
-                 nsqd_flags: tuple[str, ...] = (), lease_ttl: str = "2s", disk_mb: int = 64):
+                 nsqd_flags: tuple[str, ...] = (), lease_ttl: str = "2s", disk_mb: int = 64,
+                 powerfs: bool = False):
         self.store = store
         self.disk_mb = disk_mb
+        self.powerfs = powerfs  # nsqd's data on PowerFS (network namespaces only)
         self.logs = os.path.join(store, "logs")
         self.data = os.path.join(store, "data")
         self.nsqd_flags = list(nsqd_flags)
@@ -298,7 +303,7 @@ class Cluster:
         return bool((body.get("meta") or {}).get("ordered", False))
 
     def create_topic(self, topic: str, partitions: int, replicas: int,
-                     ordered: bool = False) -> None:
+                     ordered: bool = False, sync_every: int = 1) -> None:
         def created():
             m = self.master()
             if m is None:
@@ -306,7 +311,8 @@ class Cluster:
             status, body = http_json(
                 "POST", f"http://{m.lookupd_http}/topic/create?topic={topic}"
                         f"&partition_num={partitions}&replicator={replicas}"
-                        f"&orderedmulti={str(ordered).lower()}", timeout=5)
+                        f"&orderedmulti={str(ordered).lower()}&syncdisk={sync_every}",
+                timeout=5)
             if status != 200:
                 raise RuntimeError(f"/topic/create answered {status}: {body}")
             return True
@@ -328,6 +334,9 @@ class Cluster:
     def free_disk(self, host: Host) -> None:
         pass
 
+    def power_cut(self, host: Host) -> None:
+        raise RuntimeError("this cluster has no PowerFS disks (loopback fallback)")
+
     def nsqd_data(self, host: Host) -> str:
         return os.path.join(self.data, host.name, "nsqd")
 
@@ -346,10 +355,21 @@ class LoopbackCluster(Cluster):
 class NetnsCluster(Cluster):
     host_class = NetnsHost
     can_partition = True
-    can_fill_disk = True
     FILLERS = ("jepsen-fill", "jepsen-fill-small")
     PORTS = {"etcd": 2379, "etcd_peer": 2380, "nsqd_tcp": 4150, "nsqd_http": 4151,
              "nsqd_rpc": 4250, "lookupd_tcp": 4160, "lookupd_http": 4161}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.disks = {}  # host name -> its PowerFS (powerfs=True)
+
+    @property
+    def can_fill_disk(self) -> bool:
+        return not self.powerfs
+
+    @property
+    def can_power_cut(self) -> bool:
+        return self.powerfs
 
     def ip_of(self, index: int) -> str:
         return f"{SUBNET}.{index}"
@@ -376,12 +396,36 @@ class NetnsCluster(Cluster):
                 sh("ip", "netns", "exec", h.netns, *cmd)
             disk = self.nsqd_data(h)
             os.makedirs(disk, exist_ok=True)
-            sh("mount", "-t", "tmpfs", "-o", f"size={self.disk_mb}m", h.netns, disk)
+            if self.powerfs:
+                self._mount_powerfs(h)
+            else:
+                sh("mount", "-t", "tmpfs", "-o", f"size={self.disk_mb}m", h.netns, disk)
         super().setup()
+
+    def _mount_powerfs(self, host: Host) -> None:
+        """The host's nsqd data path becomes a PowerFS over `<data path>.disk` (what survives
+        a cut, and everything after a clean unmount). Its process carries MARK, so the
+        cleanup of a killed harness finds it; the mount's source is `jep-nI`."""
+        from tests.powerfs import PowerFS  # a test tool: the harness runs from a checkout
+
+        disk = self.nsqd_data(host)
+        fs = PowerFS(disk + ".disk", disk, fsname=host.netns, env={MARK: self.store})
+        os.makedirs(self.logs, exist_ok=True)
+        fs.log_path = os.path.join(self.logs, f"{host.name}-powerfs.log")
+        self.disks[host.name] = fs
+        fs.mount()
 
     def teardown(self) -> None:
         super().teardown()
+        for fs in self.disks.values():  # every nsqd is dead: a clean unmount keeps it all
+            fs.unmount()
         cleanup_leftovers()
+
+    def power_cut(self, host: Host) -> None:
+        """SIGKILL the host's nsqd, drop what its PowerFS holds unsynced, unmount it and
+        mount it again on what survived (the caller starts the nsqd again)."""
+        host.daemons["nsqd"].kill()
+        self.disks[host.name].cut()
 
     def fill_disk(self, host: Host) -> None:
         """Take every free block of the host's nsqd disk (a real ENOSPC for nsqd)."""
@@ -494,8 +538,10 @@ def _parent_of(pid: int) -> int:
 
 
 def make_cluster(store: str, nodes: int, lookupds: int, nsqd_flags=(), loopback: bool = False,
-                 disk_mb: int = 64) -> Cluster:
-    """A NetnsCluster when we are root with `ip` and iptables, else the loopback one."""
+                 disk_mb: int = 64, powerfs: bool = False) -> Cluster:
+    """A NetnsCluster when we are root with `ip` and iptables, else the loopback one (which
+    has no PowerFS: `powerfs` is for the network namespaces only)."""
     if not loopback and os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables"):
-        return NetnsCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)
+        return NetnsCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb,
+                            powerfs=powerfs)
     return LoopbackCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)

@@ -13,19 +13,25 @@ in the History as `info` operations of process `nemesis`.
 - restart: SIGKILL every nsqd at once; heal: start them all.
 - disk-full (network namespaces only): fill the nsqd disk (its own tmpfs) of a random
   host or of a partition's leader; heal: delete the filler.
+- power-cut (network namespaces only; every nsqd's data on PowerFS instead of a tmpfs, so
+  not with disk-full): SIGKILL the nsqd of a random host or of a partition's leader, cut
+  the power of its file system (what was not synced is gone), unmount, mount again on
+  what survived, start the nsqd; heal: it must be serving (a node that cannot start on
+  what a power cut left ends the run).
 
 `final_heal()` undoes everything: network healed, disks freed, paused processes
-continued, every dead daemon started again. A power-cut nemesis is not built (README).
+continued, every dead daemon started again.
 """
 
 from __future__ import annotations
 
 import random
 import signal
+import time
 
 from jepsen.cluster import Cluster, Host
 
-KINDS = ("kill", "pause", "partition", "restart", "disk-full")
+KINDS = ("kill", "pause", "partition", "restart", "disk-full", "power-cut")
 
 
 class Nemesis:
@@ -36,6 +42,13 @@ class Nemesis:
         if "partition" in kinds and not cluster.can_partition:
             raise ValueError("the partition nemesis needs network namespaces (root, ip, "
                              "iptables); this is the loopback fallback")
+        if "disk-full" in kinds and "power-cut" in kinds:
+            raise ValueError("disk-full and power-cut cannot run together: with power-cut "
+                             "every nsqd's data is on PowerFS (in memory, never full), not "
+                             "on a tmpfs")
+        if "power-cut" in kinds and not cluster.can_power_cut:
+            raise ValueError("the power-cut nemesis needs root (a FUSE mount per host); "
+                             "this is the loopback fallback")
         if "disk-full" in kinds and not cluster.can_fill_disk:
             raise ValueError("the disk-full nemesis needs root (a tmpfs per host); this is "
                              "the loopback fallback")
@@ -117,6 +130,20 @@ class Nemesis:
         for h in self._hosts(fault["hosts"]):
             self.cluster.free_disk(h)
         return {"kind": "disk-full", "freed": fault["hosts"]}
+
+    def _start_power_cut(self) -> dict:
+        host, why = self._target()
+        affected = self._affected([host])
+        began = time.monotonic()
+        self.cluster.power_cut(host)
+        host.daemons["nsqd"].start()  # its serving is the heal's to check
+        return {"mode": why, "hosts": [host.name], "partitions": affected,
+                "cut_s": round(time.monotonic() - began, 2)}
+
+    def _stop_power_cut(self, fault: dict) -> dict:
+        for h in self._hosts(fault["hosts"]):
+            h.daemons["nsqd"].wait_serving()
+        return {"kind": "power-cut", "serving": fault["hosts"]}
 
     def _start_partition(self) -> dict:
         hosts = list(self.cluster.hosts)

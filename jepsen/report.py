@@ -11,7 +11,8 @@ from jepsen.checker import fault_windows, pairs
 
 COLORS = {"ok": "#2a9d4b", "fail": "#d62728", "info": "#ff9f1c"}
 FAULT_COLORS = {"kill": "#d62728", "pause": "#9467bd", "partition": "#1f77b4",
-                "restart": "#8c564b", "disk-full": "#7f7f7f"}
+                "restart": "#8c564b", "disk-full": "#7f7f7f",
+                "power-cut": "#e6b800"}
 
 
 def _shade(ax, windows: list[dict], end: float) -> None:

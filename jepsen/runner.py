@@ -45,6 +45,7 @@ class RunOptions:
     unkeyed: int = 2  # unkeyed producer processes (beside one keyed per partition)
     disk_mb: int = 64  # each nsqd's tmpfs (network namespaces only)
     ordered: bool = False  # an ordered topic, ordered consumers (no classic producer then)
+    sync_every: int = 1  # the topic's syncdisk: 1 syncs every batch before its OK
 
 
 def _raise_interrupt(signum, frame):
@@ -70,7 +71,7 @@ def run(opts: RunOptions) -> dict:
     seed = opts.seed or int(time.time())
     rng = random.Random(seed)
     cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
-                           opts.loopback, opts.disk_mb)
+                           opts.loopback, opts.disk_mb, powerfs="power-cut" in opts.nemesis)
     nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
     os.makedirs(os.path.join(opts.store, "logs"), exist_ok=True)
     log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
@@ -82,7 +83,8 @@ def run(opts: RunOptions) -> dict:
         print(f"jepsen: setting up {opts.nodes} hosts ({type(cluster).__name__}) in "
               f"{opts.store}", flush=True)
         cluster.setup()
-        cluster.create_topic(TOPIC, opts.partitions, opts.replicas, opts.ordered)
+        cluster.create_topic(TOPIC, opts.partitions, opts.replicas, opts.ordered,
+                             opts.sync_every)
         info["ordered"] = cluster.ordered(TOPIC)
         asyncio.run(_phases(opts, cluster, nemesis, history, info))
     finally:

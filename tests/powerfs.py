@@ -28,11 +28,13 @@ netns exec` or `unshare`, holds a copy of the mount; `unmount()` kills it after 
 operation fail with EIO until the unmount, so nothing the kernel still flushes (pages of a
 shared memory map) comes back to life.
 
-Run as a process (`python tests/powerfs.py BACKING MOUNTPOINT [--no-dir-sync]`): it
-mounts in the foreground and reads commands on stdin, one a line; `cut` drops everything
+Run as a process (`python tests/powerfs.py BACKING MOUNTPOINT [--no-dir-sync]
+[--fsname NAME]`): it mounts in the foreground (NAME, `powerfs` by default, is the mount's
+source in /proc/mounts) and reads commands on stdin, one a line; `cut` drops everything
 unsynced and answers `cut` on stdout. `PowerFS` below drives it: mount, `cut()` (cut,
 unmount, mount again on what survived: a new mount also drops the kernel's caches) and
-`unmount()`, which a test calls in its teardown whatever happened.
+`unmount()`, which a test calls in its teardown whatever happened. jepsen's power-cut
+nemesis uses it too (a mount per host, named `jep-nI`).
 """
 
 from __future__ import annotations
@@ -363,6 +365,7 @@ def main(argv: list[str]) -> None:
     import mfusepy as fuse
 
     backing, mountpoint = argv[0], argv[1]
+    fsname = argv[argv.index("--fsname") + 1] if "--fsname" in argv else "powerfs"
     ops = fuse_operations(backing, dir_sync="--no-dir-sync" not in argv)
 
     def commands():
@@ -375,16 +378,20 @@ def main(argv: list[str]) -> None:
     # One thread: calls are serialized anyway. hard_remove: an unlinked open file is
     # dropped at once, not renamed to .fuse_hidden (it lives on through its handle).
     fuse.FUSE(ops, mountpoint, foreground=True, nothreads=True, hard_remove=True,
-              fsname="powerfs")
+              fsname=fsname)
 
 
 class PowerFS:
-    """A PowerFS process mounted at `mountpoint` over the backing folder `backing`."""
+    """A PowerFS process mounted at `mountpoint` over the backing folder `backing`; `fsname`
+    is the mount's source, `env` more environment for the process."""
 
-    def __init__(self, backing: str, mountpoint: str, dir_sync: bool = True):
+    def __init__(self, backing: str, mountpoint: str, dir_sync: bool = True,
+                 fsname: str = "powerfs", env: dict[str, str] | None = None):
         self.backing = backing
         self.mountpoint = mountpoint
         self.dir_sync = dir_sync
+        self.fsname = fsname
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.log_path = backing.rstrip("/") + ".log"
         self.cuts = 0
@@ -395,9 +402,9 @@ class PowerFS:
         args = [sys.executable, os.path.abspath(__file__), self.backing, self.mountpoint]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args + ([] if self.dir_sync else ["--no-dir-sync"]), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, "FUSE_LIBRARY_NAME": "fuse3"})
+                args + ([] if self.dir_sync else ["--no-dir-sync"]) + ["--fsname", self.fsname],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env={**os.environ, "FUSE_LIBRARY_NAME": "fuse3", **self.env})
         deadline = time.monotonic() + timeout
         while not os.path.ismount(self.mountpoint):  # mounted and answering
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -413,7 +420,9 @@ class PowerFS:
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "cut", self.log()
         self.cuts += 1
-        self.unmount()
+        # what survived is in the backing folder already: a process that does not exit at
+        # once (a copy of the mount in another mount namespace keeps it alive) loses nothing
+        self.unmount(timeout=1)
         self.mount()
 
     def unmount(self, timeout: float = 10) -> None:
