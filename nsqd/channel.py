@@ -187,6 +187,7 @@ class Channel:
         self.filtered_count = 0  # auto-finished: no consumer's ext_filter took them (tags.py)
         self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
         self.dirty = True  # cursor changed since the last checkpoint
+        self.trace = None  # the node's Tracer while this channel's events are on (tracing.py)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -506,6 +507,8 @@ class Channel:
                 due_ms - self.clock() * 1000 >= self.delay_threshold_ms
                 or msg.attempts >= self.max_attempts_in_memory):
             delay.move(msg, due_ms)
+            if self.trace is not None:
+                self.trace.delay_in(self, msg, due_ms)
         else:
             heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
 
@@ -521,6 +524,8 @@ class Channel:
                 keep.append(entry)
             else:
                 delay.move(entry[2], int(entry[0] * 1000))
+                if self.trace is not None:
+                    self.trace.delay_in(self, entry[2], int(entry[0] * 1000))
         if len(keep) != len(self.deferred):
             heapq.heapify(keep)
             self.deferred = keep
@@ -559,6 +564,8 @@ class Channel:
                 if m.attempts == 0:
                     fresh += 1
             client.deliver(self, chunk, now)
+            if self.trace is not None:
+                self.trace.delivered(self, chunk, client)
         self._rr = (self._rr + 1) % max(n, 1)
         self.message_count += fresh
         if i < len(msgs):
@@ -577,6 +584,8 @@ class Channel:
                 self.delay.finish(msg)
             else:
                 finish(msg)
+        if self.trace is not None:
+            self.trace.finished(self, msgs)
         self.finish_count += len(msgs)
         self.dirty = True
         self._wake.set()
@@ -584,6 +593,8 @@ class Channel:
     def requeue(self, msg: Message, delay_ms: int) -> None:
         """A consumer's REQ: counted in `requeue_count`, as classic nsqd does."""
         self.requeue_count += 1
+        if self.trace is not None:
+            self.trace.requeued(self, msg, delay_ms)
         self._put_back(msg, delay_ms)
 
     def _put_back(self, msg: Message, delay_ms: int) -> None:
@@ -612,6 +623,8 @@ class Channel:
                     break
                 if m.msg_id >> PARTITION_SHIFT == partition:  # else another channel's
                     expired.append(m)
+            if expired and self.trace is not None:
+                self.trace.timed_out(self, expired)
             for m in expired:
                 del client.in_flight[m.wire_id]
                 self.timeout_count += 1
@@ -633,6 +646,8 @@ class Channel:
     async def _take_due(self, now_ms: int) -> None:
         for d in await self.delay.take_due(now_ms, self.delay.take_limit - len(self.from_delay)):
             self.from_delay.append(Message.from_store(d))
+            if self.trace is not None:
+                self.trace.delay_out(self, self.from_delay[-1])
         self._wake.set()
 
     # ---- operations ------------------------------------------------------
@@ -660,6 +675,8 @@ class Channel:
             for m in held:
                 if m.delayed:
                     delay.move(m, now_ms)
+        if self.trace is not None:
+            self.trace.emptied(self)
         for client in self.clients:
             for m in client.in_flight_of(self.partition):
                 del client.in_flight[m.wire_id]
@@ -677,6 +694,8 @@ class Channel:
     def seek(self, offset: int, count: int) -> None:
         """Move the cursor (replay or skip); what was taken is forgotten."""
         self.empty()
+        if self.trace is not None:  # REPLAY: /channel/setoffset lands here
+            self.trace.replayed(self, offset)
         self.cursor.reset(offset, count)
         self._reader.seek(offset)
         self._wake.set()

@@ -41,7 +41,7 @@ from .topic import PartitionNotFound, PartitionNotLed, StorageError
 log = structlog.get_logger("nsqd.tcp")
 
 _PUBLISH = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB", p.PubExt: "PUB_EXT",
-            p.MpubExt: "MPUB_EXT"}
+            p.MpubExt: "MPUB_EXT", p.PubTrace: "PUB_TRACE"}
 MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
 TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
 INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
@@ -377,10 +377,12 @@ class ClientConnection(asyncio.Protocol):
                 extension = defer_ext(cmd.defer_ms, nsqd.clock())
             elif kind is p.PubExt:
                 trace_id, extension = ext.stored(cmd.header)
-        slot = [False, None, topic, bodies, command]
+            elif kind is p.PubTrace:
+                trace_id = cmd.trace_id
+        slot = [False, None, topic, bodies, command, trace_id, None]  # done, error, ..., appended
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
-                          trace_ids=trace_ids, exts=exts,
+                          trace_ids=trace_ids, exts=exts, source=self.client.remote_address,
                           callback=functools.partial(self._published, slot))
         except PartitionNotFound:
             raise errors.bad_partition(command, str(cmd.partition)) from None
@@ -422,11 +424,11 @@ class ClientConnection(asyncio.Protocol):
         Their OKs leave in one write: at once when no other publish of this connection is in
         flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
         others that this turn answers (pipelined publishes written by one batch)."""
-        slot[0], slot[1] = True, exc
+        slot[0], slot[1], slot[6] = True, exc, appended
         publishing = self._publishing
         oks = 0
         while publishing and publishing[0][0]:
-            _, exc, topic, bodies, command = publishing.popleft()
+            _, exc, topic, bodies, command, trace_id, appended = publishing.popleft()
             if exc is not None:
                 if oks:
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
@@ -443,6 +445,12 @@ class ClientConnection(asyncio.Protocol):
                 continue
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
+            if command == "PUB_TRACE" and appended is not None:  # OK, id, trace id, offset, size
+                self.client.answer(p.OK * oks + p.encode_response(p.pub_trace_reply(
+                    appended.first_id, trace_id, appended.offset,
+                    appended.end_offset - appended.offset)))
+                oks = 0
+                continue
             oks += 1
         if oks:
             if publishing:
@@ -694,12 +702,11 @@ class ClientConnection(asyncio.Protocol):
         self._fail(errors.not_leader("SUB"))
 
     async def _not_yet(self, cmd) -> None:
-        name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED",
-                p.PubTrace: "PUB_TRACE"}[type(cmd)]
+        name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED"}[type(cmd)]
         raise errors.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
-                       p.SubOrdered: _not_yet, p.SubAdvanced: _not_yet, p.PubTrace: _not_yet}
+                       p.SubOrdered: _not_yet, p.SubAdvanced: _not_yet}
 
 
 async def start_tcp(nsqd):
