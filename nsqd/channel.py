@@ -295,6 +295,8 @@ class Channel:
         else:
             for m in mine:
                 del client.in_flight[m.wire_id]
+        if mine and self.trace is not None:
+            self.trace.given_back(self, mine)
         self._requeue_all(mine)
         self._reroute()
 

@@ -135,6 +135,10 @@ class Tracer:
     def requeued(self, channel, msg, delay_ms: int) -> None:
         self.writer.add(self._event(channel, ev.REQ, msg, str(delay_ms)))
 
+    def given_back(self, channel, msgs) -> None:
+        """In flight at a client that left: requeued at once (a REQ the server made)."""
+        self.writer.add_many([self._event(channel, ev.REQ, m, "client gone") for m in msgs])
+
     def timed_out(self, channel, msgs) -> None:
         self.writer.add_many([self._event(channel, ev.TIMEOUT, m) for m in msgs])
 

@@ -63,7 +63,9 @@ class TraceStore:
         self.path = path
         self.node = node
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None)
+        # a locked store fails a batch after 1 s (dropped and counted) rather than let the
+        # buffer fill behind it for sqlite3's default 5 s
+        self._db = sqlite3.connect(path, isolation_level=None, timeout=1.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)

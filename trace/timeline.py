@@ -19,7 +19,7 @@ def describe(e: dict) -> str:
     if kind == DELIVER:
         return f"delivered to {detail}{on} (attempt {e['attempts']})"
     if kind == REQ:
-        return f"requeued{on} (delay {detail} ms)"
+        return f"requeued{on} (delay {detail} ms)" if detail.isdigit() else f"requeued{on} ({detail})"
     if kind == TIMEOUT:
         return f"timed out{on}"
     if kind == FIN:
