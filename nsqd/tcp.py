@@ -240,7 +240,7 @@ class ClientConnection(asyncio.Protocol):
         if not self._publishing:
             self._fail(err)
             return
-        self._publishing.append([True, err, None, None, None])
+        self._publishing.append([True, err, None, None, None, 0, None])
         if err.fatal:
             self._parser_dead = True
             self._held = None

@@ -126,11 +126,16 @@ class Tracer:
                 msg.msg_id, msg.trace_id, msg.offset, msg.attempts, detail)
 
     def delivered(self, channel, msgs, client) -> None:
-        who = client.remote_address
-        self.writer.add_many([self._event(channel, ev.DELIVER, m, who) for m in msgs])
+        now, who = time.time_ns(), client.remote_address
+        t, n, c = channel.topic_name, channel.partition, channel.name
+        self.writer.add_many([(now, ev.DELIVER, t, n, c, m.msg_id, m.trace_id, m.offset,
+                               m.attempts, who) for m in msgs])
 
     def finished(self, channel, msgs) -> None:
-        self.writer.add_many([self._event(channel, ev.FIN, m) for m in msgs])
+        now = time.time_ns()
+        t, n, c = channel.topic_name, channel.partition, channel.name
+        self.writer.add_many([(now, ev.FIN, t, n, c, m.msg_id, m.trace_id, m.offset,
+                               m.attempts, "") for m in msgs])
 
     def requeued(self, channel, msg, delay_ms: int) -> None:
         self.writer.add(self._event(channel, ev.REQ, msg, str(delay_ms)))

@@ -20,7 +20,7 @@ DELAY_IN = "DELAY_IN"
 DELAY_OUT = "DELAY_OUT"
 REPLAY = "REPLAY"
 DROP = "DROP"
-NO_MESSAGE = (1 << 64) - 1  # never a message id: partitions use the top 14 bits, up to 1023
+NO_MESSAGE = (1 << 63) - 1  # never a message id: partition << 50 | sequence, partition <= 1023
 KINDS = (PUB, DELIVER, REQ, TIMEOUT, FIN, DELAY_IN, DELAY_OUT, REPLAY, DROP)
 
 FIELDS = ("time_ns", "kind", "topic", "partition", "channel", "msg_id", "trace_id", "offset",

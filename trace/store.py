@@ -42,8 +42,8 @@ CREATE INDEX IF NOT EXISTS events_msg_id ON events (msg_id);
 CREATE INDEX IF NOT EXISTS events_trace_id ON events (trace_id) WHERE trace_id != 0;
 CREATE INDEX IF NOT EXISTS events_topic_time ON events (topic, time_ns);
 """
-_INSERT = ("INSERT INTO events (time_ns, node, kind, topic, partition, channel, msg_id, "
-           "trace_id, offset, attempts, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
+_INSERT = ("INSERT INTO events (node, time_ns, kind, topic, partition, channel, msg_id, "
+           "trace_id, offset, attempts, detail) VALUES ({node},?,?,?,?,?,?,?,?,?,?)")
 _COLUMNS = "node, " + ", ".join(FIELDS)
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
@@ -69,22 +69,29 @@ class TraceStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self._insert = _INSERT.format(node="'" + node.replace("'", "''") + "'")
 
     def close(self) -> None:
         self._db.close()
 
     def write(self, events: list[tuple]) -> None:
-        """Insert a batch of events (events.py's tuples) in one transaction."""
-        node = self.node
-        rows = [(e[0], node, e[1], e[2], e[3], e[4], _signed(e[5]), _signed(e[6]), e[7], e[8],
-                 e[9]) for e in events]
+        """Insert a batch of events (events.py's tuples) in one transaction. The tuples go
+        to SQLite as they are; only a batch holding an id of 2^63 or more (a trace id)
+        is converted to SQLite's signed form first."""
         db = self._db
         db.execute("BEGIN")
         try:
-            db.executemany(_INSERT, rows)
+            try:
+                db.executemany(self._insert, events)
+            except OverflowError:
+                db.execute("ROLLBACK")
+                db.execute("BEGIN")
+                db.executemany(self._insert, [(*e[:5], _signed(e[5]), _signed(e[6]), *e[7:])
+                                              for e in events])
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
 
     def retain(self, max_age_s: float | None, max_bytes: int | None,
