@@ -14,7 +14,6 @@ Retention runs on the same thread every `retain_every_s`.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 
@@ -28,7 +27,7 @@ log = structlog.get_logger("nsqtrace.writer")
 class EventWriter:
     def __init__(self, path: str, node: str, *, bound: int = 100_000, batch: int = 5000,
                  max_age_s: float | None = None, max_bytes: int | None = None,
-                 retain_every_s: float = 10.0, idle_s: float = 0.05, nice: int = 10):
+                 retain_every_s: float = 10.0, idle_s: float = 0.05):
         self.path = path
         self.node = node
         self.bound = bound
@@ -37,7 +36,6 @@ class EventWriter:
         self.max_bytes = max_bytes
         self.retain_every_s = retain_every_s
         self.idle_s = idle_s
-        self.nice = nice
         self._buffer: collections.deque = collections.deque()
         self.written = 0
         self.dropped_full = 0  # past the bound
@@ -93,11 +91,6 @@ class EventWriter:
     # ---- the thread ---------------------------------------------------------------
 
     def _run(self) -> None:
-        if self.nice:
-            try:  # Linux: a thread has its own nice value; the event loop comes first
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-            except (OSError, AttributeError):
-                pass
         store = None
         next_retain = time.monotonic() + self.retain_every_s
         buf = self._buffer
