@@ -1,7 +1,10 @@
 """HTTP endpoints of message trace (added to http.py's ROUTES at start):
 
 - `POST /message/trace/enable|disable?topic=[&channel=]`: the switches (tracing.py); the
-  topic need not exist yet. Stored before the answer.
+  topic need not exist yet. Stored before the answer. In cluster mode written to etcd
+  (the topic's meta or the channel's `trace`), which every leader follows: 404
+  `TOPIC_NOT_FOUND` / `CHANNEL_NOT_FOUND` when etcd has no such one, 503
+  `CLUSTER_UNAVAILABLE` while etcd is away.
 - `GET /trace/search?msg_id=|trace_id=|topic=[&channel=&since=&until=&limit=]`: the events
   in time order, grouped into each message's timeline (nsqtrace.timeline). `msg_id` is the
   16 hex characters clients see; `since`/`until` unix seconds (fractions allowed) or ISO
@@ -26,6 +29,7 @@ from nsqtrace.timeline import timelines
 from nsqwire.ids import PARTITION_SHIFT
 from nsqwire.protocol import valid_channel_name
 
+from .cluster import ClusterUnavailable
 from .http import HTTPError, arg, partition_arg, query, topic_arg
 
 MAX_LIMIT = 10_000
@@ -37,7 +41,12 @@ async def _switch(nsqd, request, on: bool):
     channel = arg(params, "channel")
     if channel is not None and not valid_channel_name(channel):
         raise HTTPError(400, "INVALID_CHANNEL")
-    await nsqd.tracer.switch(topic, channel, on)
+    try:
+        found = await nsqd.tracer.switch(topic, channel, on)
+    except ClusterUnavailable:
+        raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+    if not found:  # cluster mode: etcd has no such topic or channel
+        raise HTTPError(404, "TOPIC_NOT_FOUND" if channel is None else "CHANNEL_NOT_FOUND")
     return "OK"
 
 

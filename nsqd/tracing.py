@@ -69,16 +69,37 @@ class Tracer:
     def for_channel(self, topic: str, channel: str):
         return self if self.channel_on(topic, channel) else None
 
-    async def switch(self, topic: str, channel: str | None, on: bool) -> None:
+    async def switch(self, topic: str, channel: str | None, on: bool) -> bool:
         """Switch tracing of a topic (channel None) or of one channel; stored before it
-        returns, applied at once to what is open."""
+        returns, applied at once to what is open. In cluster mode the switch is etcd's
+        (cluster.set_trace: False when etcd has no such topic or channel; raises
+        ClusterUnavailable), and every leader follows it (`follow`)."""
+        if self.nsqd.cluster is not None:  # applied by the apply loop's `follow`
+            return await self.nsqd.cluster.set_trace(topic, channel, on)
+        topics, channels = set(self.topics), set(self.channels)
         if channel is None:
-            (self.topics.add if on else self.topics.discard)(topic)
+            (topics.add if on else topics.discard)(topic)
         else:
-            (self.channels.add if on else self.channels.discard)((topic, channel))
+            (channels.add if on else channels.discard)((topic, channel))
+        await self._apply(topic, topics, channels)
+        return True
+
+    async def follow(self, topic: str, on: bool, traced_channels: set[str]) -> None:
+        """Cluster mode: a topic's switches as etcd has them (cluster.py's apply loop);
+        stored here too, so a restart while etcd is away keeps them."""
+        if (topic in self.topics) == on and traced_channels == {
+                c for t, c in self.channels if t == topic}:
+            return  # every pass of the apply loop, for every topic: nothing new, nothing made
+        topics = self.topics | {topic} if on else self.topics - {topic}
+        channels = {tc for tc in self.channels if tc[0] != topic}
+        channels |= {(topic, c) for c in traced_channels}
+        await self._apply(topic, topics, channels)
+
+    async def _apply(self, topic: str, topics: set[str], channels: set[tuple[str, str]]) -> None:
+        self.topics, self.channels = topics, channels
         meta = self.nsqd.meta
-        meta.put(SWITCHES_KEY, {"topics": sorted(self.topics),
-                                "channels": sorted(list(tc) for tc in self.channels)})
+        meta.put(SWITCHES_KEY, {"topics": sorted(topics),
+                                "channels": sorted(list(tc) for tc in channels)})
         await meta.flush()
         t = self.nsqd.topics.get(topic)
         if t is not None:

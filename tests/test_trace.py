@@ -348,3 +348,63 @@ async def test_untraced_publish_and_consume_make_no_events_at_all(traced):
     assert t["written"] == 0 and t["dropped"] == 0 and t["topics"] == []
     await pub.close()
     await sub.close()
+
+
+async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, etcd_server):
+    from isr.etcd import Etcd
+    from isr.metadata import Metadata
+    from isr.placement import place
+    from isr.state import ChannelMeta, TopicMeta
+
+    etcd = Etcd(etcd_server.endpoint)
+    meta = Metadata(etcd, "tr")
+    nodes = [NsqdProcess(str(tmp_path / f"n{i}"), "--etcd-endpoints", etcd_server.endpoint,
+                         "--cluster-id", "tr", "--etcd-lease-ttl", "2s").start() for i in range(2)]
+    try:
+        for _ in range(250):
+            ids = sorted((await meta.read()).nodes)
+            if len(ids) == 2:
+                break
+            await asyncio.sleep(0.02)
+        placement = place(ids, 2, 1)
+        await meta.create_topic("ct", TopicMeta(partitions=2), placement)
+        await meta.create_channel("ct", "ch", ChannelMeta())
+        leader = {n: next(x for x in nodes if x.tcp_address == r[0])
+                  for n, r in enumerate(placement)}
+        assert leader[0] is not leader[1]
+        assert http(nodes[0], "POST", "/message/trace/enable?topic=nope")[0] == 404
+        assert http(nodes[0], "POST", "/message/trace/enable?topic=ct&channel=nope")[0] == 404
+        ok(nodes[0], "POST", "/message/trace/enable?topic=ct")  # asked of one node
+        assert (await meta.read()).topics["ct"].meta.trace
+        ids_by_partition = {}
+        for n in (0, 1):
+            for _ in range(250):  # the leader serves once it applied the view
+                status, _ = http(leader[n], "POST", f"/pub?topic=ct&partition={n}", b"m%d" % n)
+                if status == 200:
+                    break
+                await asyncio.sleep(0.02)
+            found = await events_of(leader[n], "topic=ct", 1, timeout=3)
+            print("DEBUG", n, status, found, [ok(x, "GET", "/stats?format=json")["trace"] for x in nodes])
+            [e] = found
+            assert (e["kind"], e["partition"]) == ("PUB", n)  # the other node followed etcd
+            ids_by_partition[n] = e["msg_id"]
+        ok(nodes[1], "POST", "/message/trace/disable?topic=ct")
+        ok(nodes[1], "POST", "/message/trace/enable?topic=ct&channel=ch")
+        view = (await meta.read()).topics["ct"]
+        assert not view.meta.trace and view.channels["ch"].trace
+        await asyncio.sleep(0.5)  # both nodes applied the view
+        for n in (0, 1):
+            ok(leader[n], "POST", f"/pub?topic=ct&partition={n}", b"untraced")
+        sub = await conn(leader[0])
+        await sub.sub("ct", "ch", rdy=5)
+        msgs = await take(sub, 2)
+        for m in msgs:
+            m.fin()
+        events = await events_of(leader[0], "topic=ct", 5)
+        # no PUB of the second messages (the topic is off), the channel's DELIVER and FIN
+        assert sorted(e["kind"] for e in events) == ["DELIVER", "DELIVER", "FIN", "FIN", "PUB"]
+        await sub.close()
+    finally:
+        for node in nodes:
+            node.kill()
+        await etcd.close()
