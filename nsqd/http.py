@@ -58,6 +58,8 @@ Ours, beyond classic:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
 - GET /metrics: Prometheus text (metrics.py).
+- `/pub?trace_id=` (the record's trace id, message trace); /trace/search, /message/get and
+  /message/trace/enable|disable are tracehttp.py's, added to ROUTES at start.
 """
 
 from __future__ import annotations

@@ -350,6 +350,14 @@ async def test_untraced_publish_and_consume_make_no_events_at_all(traced):
     await sub.close()
 
 
+async def following(node, check, timeout: float = 10.0) -> None:
+    """Until the node's /stats `trace` passes `check`."""
+    deadline = time.monotonic() + timeout
+    while not check(ok(node, "GET", "/stats?format=json")["trace"]):
+        assert time.monotonic() < deadline, "the node did not follow etcd's trace switch"
+        await asyncio.sleep(0.05)
+
+
 async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, etcd_server):
     from isr.etcd import Etcd
     from isr.metadata import Metadata
@@ -376,6 +384,8 @@ async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, e
         assert http(nodes[0], "POST", "/message/trace/enable?topic=ct&channel=nope")[0] == 404
         ok(nodes[0], "POST", "/message/trace/enable?topic=ct")  # asked of one node
         assert (await meta.read()).topics["ct"].meta.trace
+        assert "ct" in ok(nodes[0], "GET", "/stats?format=json")["trace"]["topics"]  # applied
+        await following(nodes[1], lambda t: "ct" in t["topics"])  # the other follows etcd
         ids_by_partition = {}
         for n in (0, 1):
             for _ in range(250):  # the leader serves once it applied the view
@@ -392,7 +402,8 @@ async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, e
         ok(nodes[1], "POST", "/message/trace/enable?topic=ct&channel=ch")
         view = (await meta.read()).topics["ct"]
         assert not view.meta.trace and view.channels["ch"].trace
-        await asyncio.sleep(0.5)  # both nodes applied the view
+        for node in nodes:
+            await following(node, lambda t: t["topics"] == [] and t["channels"] == ["ct/ch"])
         for n in (0, 1):
             ok(leader[n], "POST", f"/pub?topic=ct&partition={n}", b"untraced")
         sub = await conn(leader[0])
