@@ -55,6 +55,7 @@ from nsqwire.ids import PARTITION_SHIFT
 
 from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD, encode_records
+from .locate import KINDS, NotABoundary, Position, locate  # noqa: F401  (importable here)
 from .reader import Reader, SharedChunks
 from .recovery import recover
 from .replicated import Replicated
@@ -664,6 +665,18 @@ class DiskQueue(Replicated):
         An exclusive job, so retention never drops the segment it reads."""
         fn = getattr(self.commitlog, f"find_by_{method}")
         return await self._exclusive(fn, value)
+
+    async def locate(self, kind: str, value: int | None = None) -> Position:
+        """The record boundary for a replay (locate.py): kind "timestamp" (ns), "offset",
+        "count" or "end". Raises NotABoundary for an offset inside a record."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}")
+        end = (self.committed_end, self.committed_count)  # a consistent pair, read on the loop
+        return await self._exclusive(self._locate_sync, end, kind, value)
+
+    def _locate_sync(self, end: tuple[int, int], kind: str, value: int | None) -> Position:
+        return locate(self._segments.read, self.commitlog, (self.start_offset, self.start_count),
+                      end, kind, value)
 
     # ---- retention and emptying ------------------------------------------
 

@@ -166,8 +166,11 @@ class Reader:
             if have:  # a record that should be whole is not: the segment was cut
                 raise CorruptRecordError(self.offset, "record cut short", path)
             return
-        self._fd, data = await _pread_off_loop(self._fd, path, want, self.offset - base,
+        start = self.offset
+        self._fd, data = await _pread_off_loop(self._fd, path, want, start - base,
                                                executor=self.queue.read_worker)
+        if self.offset != start:  # sought elsewhere meanwhile: these bytes are not from there
+            return
         if len(data) <= have:
             raise CorruptRecordError(self.offset, "segment ends before its committed data", path)
         self._buf = data

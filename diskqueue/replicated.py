@@ -207,13 +207,14 @@ class Replicated:
 
     # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
 
-    async def append_raw(self, offset: int, count: int, entries: bytes,
-                         data: bytes) -> tuple[int, int]:
+    async def append_raw(self, offset: int, count: int, entries: bytes, data: bytes,
+                         records_checked: bool = False) -> tuple[int, int]:
         """Append a leader's batch starting at (offset, count) and return the written end,
         once it is written and synced as the sync policy says. A batch wholly at or before
         the written end (a duplicate) returns at once; one that does not start there raises
         GapError(written end); a bad one BadBatch; a failed write AppendError (DiskFullError
-        for ENOSPC) with nothing written."""
+        for ENOSPC) with nothing written. `records_checked`: the data's checksum as a whole
+        matched its leader's (see check_batch's `records`)."""
         if self._closing:
             raise QueueClosedError(self.path)
         if self.failed is not None:
@@ -222,18 +223,19 @@ class Replicated:
             return self.written_end, self.written_count
         try:
             await self._exclusive(self._append_raw_job, offset, count, entries, data,
-                                  then=self._appended_raw)
+                                  records_checked, then=self._appended_raw)
         except (OSError, _Unrecoverable) as e:
             raise self._batch_error(e) from None
         return self.written_end, self.written_count
 
-    def _append_raw_job(self, offset, count, entries, data):
+    def _append_raw_job(self, offset, count, entries, data, records_checked):
         """Check, renumber, write and (as the policy says) sync a raw batch (write worker)."""
         if offset + len(data) <= self.written_end:
             return None
         if (offset, count) != (self.written_end, self.written_count):
             raise GapError(self.written_end, self.written_count)
-        checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch)
+        checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch,
+                              records=not records_checked)
         if checked[0].epoch > self.last_epoch:
             self.commitlog.sync()  # a power loss never regenerates them with an older epoch
         flags = SYNCED_BEFORE if not self._unsynced_messages else 0

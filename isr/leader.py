@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import zlib
 
 import structlog
 
@@ -206,7 +207,7 @@ class LeaderLog:
         self.pushed_end = end
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
-                  "commit": list(self.committed)}
+                  "crc": zlib.crc32(data), "commit": list(self.committed)}
         payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
@@ -341,8 +342,8 @@ class LeaderLog:
     # ---- channels ----
 
     def send_channels(self, channels: dict) -> None:
-        """The latest channel states; sent to the ISR at most every 200 ms (latest wins)."""
-        self._channels = channels
+        """The latest channel states; sent to the ISR at most every 200 ms (the latest of each)."""
+        self._channels = {**(self._channels or {}), **channels}  # a channel per call: keep the others
 
     def _send_channels(self, channels: dict) -> None:
         header = {**self._base, "epoch": self.state.epoch, "channels": channels}

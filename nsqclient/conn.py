@@ -19,15 +19,19 @@ class NSQError(Exception):
 
 
 class Message:
-    __slots__ = ("conn", "timestamp", "attempts", "id", "body")
+    """`offset` and `size`: the record's place in its partition (SUB_ADVANCED), else None."""
+
+    __slots__ = ("conn", "timestamp", "attempts", "id", "body", "offset", "size")
 
     def __init__(self, conn: "Connection", timestamp: int, attempts: int, msg_id: bytes,
-                 body: bytes):
+                 body: bytes, offset: int | None = None, size: int | None = None):
         self.conn = conn
         self.timestamp = timestamp
         self.attempts = attempts
         self.id = msg_id
         self.body = body
+        self.offset = offset
+        self.size = size
 
     def fin(self) -> None:
         self.conn.send(c.cmd_fin(self.id))
@@ -50,6 +54,7 @@ class Connection:
         self._reader_task: asyncio.Task | None = None
         self._writer: asyncio.StreamWriter | None = None
         self.closed = asyncio.Event()
+        self.frame_offsets = False  # set by sub_advanced: frames carry offset and size
 
     async def connect(self, identify: dict | None = None) -> "Connection":
         reader, self._writer = await asyncio.open_connection(self.host, self.port)
@@ -86,6 +91,15 @@ class Connection:
         if rdy:
             self.rdy(rdy)
 
+    async def sub_advanced(self, topic: str, channel: str, partition: int,
+                           start: str | None = None, rdy: int = 0) -> None:
+        """SUB_ADVANCED: start (`timestamp:<s>`, `offset:<n>`, `count:<n>`, `end`) applies
+        when this is the channel's first client; messages then carry `offset` and `size`."""
+        self.frame_offsets = True
+        await self.command(c.cmd_sub_advanced(topic, channel, partition, start))
+        if rdy:
+            self.rdy(rdy)
+
     def rdy(self, count: int) -> None:
         self._writer.write(c.cmd_rdy(count))
 
@@ -109,7 +123,10 @@ class Connection:
                 frames.feed(data)
                 batch = []
                 for kind, payload in frames.frames():
-                    if kind == p.FRAME_MESSAGE:
+                    if kind == p.FRAME_MESSAGE and self.frame_offsets:
+                        ts, attempts, msg_id, _, offset, size, body = c.parse_offset_message(payload)
+                        batch.append(Message(self, ts, attempts, msg_id, body, offset, size))
+                    elif kind == p.FRAME_MESSAGE:
                         ts, attempts, msg_id, body = c.parse_message(payload)
                         batch.append(Message(self, ts, attempts, msg_id, body))
                     elif payload == b"_heartbeat_":

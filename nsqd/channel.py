@@ -187,6 +187,7 @@ class Channel:
         self.filtered_count = 0  # auto-finished: no consumer's ext_filter took them (tags.py)
         self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
         self.dirty = True  # cursor changed since the last checkpoint
+        self.seeks = 0  # moves of the cursor (seek) so far
         self.trace = None  # the node's Tracer while this channel's events are on (tracing.py)
 
     # ---- lifecycle -------------------------------------------------------
@@ -377,7 +378,11 @@ class Channel:
             held = 0
             if room > 0:
                 self.error = None
+                seeks = self.seeks
                 held = await self._take(await self._reader.read(room), msgs)
+                if self.seeks != seeks:  # moved meanwhile (replay): what this pass holds is stale
+                    self._drop_stale(msgs)
+                    continue
             if msgs:
                 self._distribute(msgs)
             elif not held:  # nothing to hand out, and nothing read that was kept back
@@ -405,8 +410,12 @@ class Channel:
                 return
             self.error = None
             fresh: list[Message] = []
+            seeks = self.seeks
             held = await self._take(await self._reader.read(min(room, window_room,
                                                                 self.read_batch)), fresh)
+            if self.seeks != seeks:  # moved meanwhile (replay): what this pass holds is stale
+                self._drop_stale(fresh)
+                continue
             if not fresh and not held:
                 return
             router.add(fresh)
@@ -416,9 +425,12 @@ class Channel:
         held (deferred, or already in the delay store). Returns how many were held."""
         held = 0
         delay = self.delay
+        seeks = self.seeks
         in_store = (await delay.holding(records)  # only after a restart, briefly
                     if delay is not None and records
                     and records[0].offset <= delay.max_origin else ())
+        if self.seeks != seeks:  # moved meanwhile: the records are from before the move
+            return 0
         cursor = self.cursor
         take = cursor.take
         saved = self.saved
@@ -460,8 +472,9 @@ class Channel:
         reader = self._reader
         while reader.offset != self._undeferred_at and not self.topic.paused:
             room = min(self.read_batch, self.max_window - self.cursor.window_size)
+            seeks = self.seeks
             records = await reader.read(room) if room > 0 else []
-            if not records:
+            if not records or self.seeks != seeks:  # nothing, or moved meanwhile (stale)
                 return
             now_ms = self.clock() * 1000
             k = 0
@@ -694,13 +707,25 @@ class Channel:
         self.dirty = True
 
     def seek(self, offset: int, count: int) -> None:
-        """Move the cursor (replay or skip); what was taken is forgotten."""
+        """Move the cursor (replay or skip); what was taken is forgotten. A delivery pass
+        that awaited meanwhile sees `seeks` changed and drops what it held (_drop_stale)."""
         self.empty()
         if self.trace is not None:  # REPLAY: /channel/setoffset lands here
             self.trace.replayed(self, offset)
         self.cursor.reset(offset, count)
         self._reader.seek(offset)
+        self.seeks += 1
         self._wake.set()
+
+    def _drop_stale(self, msgs: list[Message]) -> None:
+        """Messages a delivery pass took before a seek: dropped as `empty` drops them (one
+        brought back from the delay store goes back to it, due now)."""
+        delay = self.delay
+        if delay is not None and delay.available:
+            now_ms = int(self.clock() * 1000)
+            for m in msgs:
+                if m.delayed:
+                    delay.move(m, now_ms)
 
     async def empty_delayed(self) -> int:
         """Drop every message in the delay store; return how many."""

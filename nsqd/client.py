@@ -77,6 +77,7 @@ class Client:
         self.channels: dict = {}  # partition -> Channel consumed
         self.channel = None  # the one channel when it consumes exactly one, else None
         self.all_partitions = False  # SUB without a partition: follows the led partitions
+        self.frame_offsets = False  # SUB_ADVANCED: frames carry the record's offset and size
         self.topic_name = ""
         self.channel_name = ""
         self._wake_turn = 0
@@ -238,7 +239,8 @@ class Client:
             in_flight[wire_id] = m
         self.message_count += len(msgs)
         if msgs:
-            self._buffer_messages(encode_messages(msgs, self.settings.extend_support))
+            self._buffer_messages(encode_messages(msgs, self.settings.extend_support,
+                                                 self.frame_offsets))
 
     def _buffer_messages(self, data: bytes) -> None:
         timeout_ms = self.settings.output_buffer_timeout_ms

@@ -58,6 +58,8 @@ Ours, beyond classic:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
 - GET /metrics: Prometheus text (metrics.py).
+- POST /channel/setoffset?topic=&channel=[&partition=], body `timestamp:<s>|offset:<n>|
+  count:<n>|end`: moves the channel's cursor (replay.py; its errors carry extra keys).
 - `/pub?trace_id=` (the record's trace id, message trace); /trace/search, /message/get and
   /message/trace/enable|disable are tracehttp.py's, added to ROUTES at start.
 """
@@ -77,7 +79,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from diskqueue.queue import QueueClosedError
 
-from . import metrics, stats
+from . import metrics, replay, stats
 from .httpconn import Server
 from .channel import defer_ext
 from .cluster import ClusterUnavailable
@@ -548,6 +550,20 @@ async def do_channel_empty(nsqd, request):
     return None
 
 
+async def do_channel_setoffset(nsqd, request):
+    """Ours: move the channel's cursor; body `timestamp:<s>|offset:<n>|count:<n>|end` (replay.py)."""
+    params, topic, channel_name = _topic_channel(nsqd, request)
+    try:
+        channels = replay.channels_to_move(topic, partition_arg(params), channel_name)
+        kind, value = replay.parse_target((await read_body(request, replay.MAX_TARGET_BYTES)
+                                           or b"").decode("utf-8", "replace"))
+        return await replay.set_offsets(nsqd, channels, kind, value)
+    except replay.ReplayError as e:
+        body, content_type = v1_answer(e.status, e.code, e.extra)
+        return web.Response(status=e.status, body=body, content_type=content_type,
+                            charset="utf-8", headers=V1_HEADER)
+
+
 async def do_channel_delay_empty(nsqd, request):
     """Ours: drop every message in the channel's disk delay queue -> {"count": dropped}."""
     params, topic, channel_name = _topic_channel(nsqd, request)
@@ -653,6 +669,7 @@ ROUTES = {
     "/channel/empty": {"POST": do_channel_empty},
     "/channel/pause": {"POST": do_channel_pause},
     "/channel/unpause": {"POST": do_channel_unpause},
+    "/channel/setoffset": {"POST": do_channel_setoffset},
     "/channel/delay/empty": {"POST": do_channel_delay_empty},
     "/channel/delay/requeue": {"POST": do_channel_delay_requeue},
     "/metrics": {"GET": do_metrics},

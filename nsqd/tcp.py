@@ -33,6 +33,7 @@ from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .channel import defer_ext
 from .client import Client, TurnFlush
+from . import replay
 from .cluster import ClusterUnavailable
 from .identify import IdentifyLimits, initial_settings, negotiate
 from .nsqd import TopicNotFound
@@ -679,6 +680,8 @@ class ClientConnection(asyncio.Protocol):
             self._authorized("SUB", cmd.topic, cmd.channel, fresh=True)
         try:
             channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
+            if isinstance(cmd, p.SubAdvanced) and await replay.start_first(self.nsqd, cmd, channels):
+                channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
         except TopicNotFound:
             raise errors.topic_not_exist(cmd.topic, "SUB") from None
         except PartitionNotFound:
@@ -691,6 +694,7 @@ class ClientConnection(asyncio.Protocol):
         client = self.client
         client.topic_name, client.channel_name = cmd.topic, cmd.channel
         client.all_partitions = cmd.partition is None
+        client.frame_offsets = isinstance(cmd, p.SubAdvanced)
         for channel in channels.values():
             client.subscribe(channel)
         self.state = self.SUBSCRIBED
@@ -702,11 +706,11 @@ class ClientConnection(asyncio.Protocol):
         self._fail(errors.not_leader("SUB"))
 
     async def _not_yet(self, cmd) -> None:
-        name = {p.SubOrdered: "SUB_ORDERED", p.SubAdvanced: "SUB_ADVANCED"}[type(cmd)]
+        name = {p.SubOrdered: "SUB_ORDERED"}[type(cmd)]
         raise errors.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
-                       p.SubOrdered: _not_yet, p.SubAdvanced: _not_yet}
+                       p.SubOrdered: _not_yet, p.SubAdvanced: _sub}
 
 
 async def start_tcp(nsqd):

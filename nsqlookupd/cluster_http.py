@@ -11,6 +11,8 @@
          (aliases: partitions, replicas, sync_every, ordered); 200 (also when the topic
          exists with the same settings), 400 INVALID_ARG_*, 409 TOPIC_EXISTS
     POST /topic/delete?topic=, /channel/create?topic=&channel=, /channel/delete?...
+    POST /channel/setoffset?topic=&channel=[&partition=]   fanned out to every partition's
+         leader (setoffset.py); 502 SETOFFSET_FAILED naming the partitions that failed
 
 Writes on a non-master: 503 {"message": "NOT_MASTER", "master_http_address": "h:p"|null};
 etcd unreachable: 503 CLUSTER_METADATA_UNAVAILABLE with "error". A 400 carries "detail".
@@ -25,7 +27,7 @@ import re
 from isr.state import MAX_PARTITIONS, MAX_REPLICAS, TopicMeta, default_min_isr
 from nsqwire.protocol import valid_topic_name
 
-from . import http
+from . import http, setoffset
 from .http import HTTPError, _arg, _topic_channel
 from .options import parse_duration_s
 
@@ -155,4 +157,5 @@ ROUTES = {
     "/topic/delete": {"POST": do_topic_delete},
     "/channel/create": {"POST": do_channel_create},
     "/channel/delete": {"POST": do_channel_delete},
+    "/channel/setoffset": {"POST": setoffset.do_channel_setoffset},
 }

@@ -182,7 +182,11 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
     if path == "/ping":  # Go's PlainText decorator: no V1 header
         return web.Response(text="OK")
     try:
-        data = methods[request.method](lookupd, _query(request))
+        handler = methods[request.method]
+        args = (lookupd, _query(request))
+        if getattr(handler, "takes_body", 0):  # at most that many bytes (setoffset.py)
+            args += (await request.content.read(handler.takes_body),)
+        data = handler(*args)
         if inspect.isawaitable(data):
             data = await data
     except HTTPError as e:

@@ -182,3 +182,22 @@ def parse_ext_message(data: bytes) -> tuple[int, int, bytes, int, bytes, bytes]:
     if len(data) < start + length:
         raise ValueError(f"ext header of {length} bytes in {len(data)} bytes")
     return timestamp_ns, attempts, msg_id, version, data[start:start + length], data[start + length:]
+
+
+_OFFSET = struct.Struct(">qI")  # record offset and size (SUB_ADVANCED)
+
+
+def parse_offset_message(data: bytes, extended: bool = False) -> tuple[int, int, bytes, bytes, int,
+                                                                          int, bytes]:
+    """Message frame data sent to a SUB_ADVANCED client -> (timestamp_ns, attempts, msg_id,
+    header, offset, size, body): the record's offset and size follow the id (and the ext
+    header, b"" unless `extended`)."""
+    if extended:
+        ts, attempts, msg_id, _version, header, rest = parse_ext_message(data)
+    else:
+        ts, attempts, msg_id, rest = parse_message(data)
+        header = b""
+    if len(rest) < _OFFSET.size:
+        raise ValueError(f"no offset in message frame data of {len(data)} bytes")
+    offset, size = _OFFSET.unpack_from(rest)
+    return ts, attempts, msg_id, header, offset, size, rest[_OFFSET.size:]

@@ -40,7 +40,8 @@ _U16 = struct.Struct(">H")
 
 _NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
-_START = re.compile(r"(timestamp|offset|count):([0-9]{1,19})")
+_START = re.compile(r"(timestamp|offset|count|virtual_queue|msgcount):([0-9]{1,19})")
+_START_ALIASES = {"virtual_queue": "offset", "msgcount": "count"}  # Youzan's names
 _FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
 
 
@@ -55,13 +56,14 @@ def valid_channel_name(name: str) -> bool:
 
 
 def parse_consume_start(text: str) -> tuple[str, int | None]:
-    """`end`, `timestamp:<unix s>`, `offset:<virtual offset>` or `count:<n>` -> (kind, value)."""
-    if text == "end":
+    """`end`, `timestamp:<unix s>`, `offset:<virtual offset>` or `count:<n>` -> (kind, value);
+    Youzan's spellings too: `special:-1` (end), `virtual_queue:<n>`, `msgcount:<n>`."""
+    if text in ("end", "special:-1"):
         return "end", None
     m = _START.fullmatch(text)
     if m is None:
         raise ValueError(f"invalid consume start {text!r}")
-    return m[1], int(m[2])
+    return _START_ALIASES.get(m[1], m[1]), int(m[2])
 
 
 def _reject_constant(name: str) -> None:

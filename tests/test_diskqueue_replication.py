@@ -737,3 +737,16 @@ async def test_restart_at_drops_the_log_and_goes_on_ahead(tmp_path, queues):
     again = await queues(path, QueueOptions(replicated=True, segment_bytes=2048))
     assert (again.start_offset, again.start_count) == (leader.start_offset, leader.start_count)
     assert [(r.offset, r.msg_id, r.body) for r in await read_all(again)] == want
+
+
+def test_check_batch_without_records_trusts_them_but_not_the_entries():
+    """records=False (a push whose data matched its leader's checksum) skips the record
+    walk; the entries are still checked."""
+    entries, data = _batch(n=2, per=2)
+    bad = bytearray(data)
+    bad[-1] ^= 0xFF
+    with pytest.raises(BadBatch, match="checksum"):
+        check_batch(0, 0, entries, bytes(bad), 2, 0)
+    assert len(check_batch(0, 0, entries, bytes(bad), 2, 0, records=False)) == 2
+    with pytest.raises(BadBatch, match="cover"):
+        check_batch(0, 0, entries, data + b"x", 2, 0, records=False)

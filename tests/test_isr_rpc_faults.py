@@ -3,6 +3,7 @@ wrong cluster, a wrong epoch, gaps, a batch with a bad CRC, a follower whose dis
 Each is answered with its ERROR code; no crash, nothing written, replication goes on."""
 
 import asyncio
+import zlib
 import os
 import struct
 import subprocess
@@ -120,6 +121,9 @@ async def test_gaps_and_bad_batches_are_refused_and_nothing_is_written(tmp_path)
         bad[-1] ^= 0xFF
         r = await push(good, raw2.entries + bytes(bad))
         assert r.header["code"] == wire.E_BAD_BATCH and r.header["message"].startswith("record")
+        # a push whose data does not match its checksum (the leader's, over its encoding)
+        r = await push({**good, "crc": zlib.crc32(raw2.data)}, raw2.entries + bytes(bad))
+        assert r.header["code"] == wire.E_BAD_BATCH and "checksum" in r.header["message"]
         # an entry whose checksum fails
         bad = bytearray(raw2.entries)
         bad[10] ^= 0xFF

@@ -134,6 +134,33 @@ def test_message_frame_attempts_saturate():
     assert c.parse_message(data)[1] == 0xFFFF
 
 
+class PlacedMsg(NamedTuple):
+    """A message with its record's place (what a SUB_ADVANCED client's frames carry)."""
+    timestamp: int
+    attempts: int
+    wire_id: bytes
+    body: bytes
+    ext: bytes
+    trace_id: int
+    offset: int
+    end: int
+
+
+def test_message_frames_with_offsets_round_trip():
+    """A SUB_ADVANCED client's frames: [offset][size] after the id (and after the ext
+    header), before the body; size 0 when the record's end is unknown (-1)."""
+    msgs = [PlacedMsg(5, 1, b"0" * 16, b"body", b"", 0, 1 << 40, (1 << 40) + 80),
+            PlacedMsg(6, 2, b"1" * 16, b"", b'{"k":"v"}', 7, 300, -1)]
+    plain = [c.parse_offset_message(d) for _, d in frames_of(p.encode_messages(msgs, offsets=True))]
+    assert plain == [(5, 1, b"0" * 16, b"", 1 << 40, 80, b"body"), (6, 2, b"1" * 16, b"", 300, 0, b"")]
+    extended = [c.parse_offset_message(d, extended=True)
+                for _, d in frames_of(p.encode_messages(msgs, extended=True, offsets=True))]
+    assert [(m[4], m[5], m[6]) for m in extended] == [(1 << 40, 80, b"body"), (300, 0, b"")]
+    assert extended[0][3] == b"" and json.loads(extended[1][3]) == {"k": "v", "##trace_id": "7"}
+    with pytest.raises(ValueError):
+        c.parse_offset_message(frames_of(p.encode_messages(msgs[:1]))[0][1][:30])
+
+
 def test_reference_message_frames():
     for name, attempts in (("delivery", 1), ("requeue_redelivery", 2)):
         ref = TCP_CASES[name]["exchanges"][0]["frames"][0]
@@ -337,7 +364,11 @@ def test_json_nested_too_deeply_is_a_value_error():
 def test_consume_start():
     assert p.parse_consume_start("end") == ("end", None)
     assert p.parse_consume_start("timestamp:1700000000") == ("timestamp", 1700000000)
-    for bad in ("", "end:1", "offset:", "count:-1", "count:1 ", "virtual_queue:5"):
+    assert p.parse_consume_start("special:-1") == ("end", None)
+    assert p.parse_consume_start("virtual_queue:5") == ("offset", 5)
+    assert p.parse_consume_start("msgcount:7") == ("count", 7)
+    for bad in ("", "end:1", "offset:", "count:-1", "count:1 ", "virtual_queue:x", "special:0",
+                "special:1", "msgcount:"):
         with pytest.raises(ValueError):
             p.parse_consume_start(bad)
 
@@ -412,7 +443,7 @@ partitions = st.none() | st.integers(0, p.MAX_PARTITION)
 msg_ids = st.integers(0, 2**64 - 1).map(p.encode_msg_id)
 headers = st.dictionaries(st.from_regex(r"[0-9a-zA-Z_#-]{1,8}", fullmatch=True),
                           st.text(max_size=6) | st.integers() | st.booleans(), max_size=3)
-starts = st.none() | st.just("end") | st.builds("{}:{}".format, st.sampled_from(["timestamp", "offset", "count"]),
+starts = st.none() | st.just("end") | st.just("special:-1") | st.builds("{}:{}".format, st.sampled_from(["timestamp", "offset", "count", "virtual_queue", "msgcount"]),
                                                 st.integers(0, 10**15))
 
 
