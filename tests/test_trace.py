@@ -238,6 +238,26 @@ async def test_delay_queue_and_drops(traced):
     await sub.close()
 
 
+async def test_setoffset_is_a_replay(traced):
+    node = traced("--msg-timeout", "60s")
+    ok(node, "POST", "/message/trace/enable?topic=again&channel=ch")
+    for body in (b"a", b"b"):
+        ok(node, "POST", "/pub?topic=again", body)
+    sub = await conn(node)
+    await sub.sub("again", "ch", rdy=5)
+    for m in await take(sub, 2):
+        m.fin()
+    ok(node, "POST", "/channel/setoffset?topic=again&channel=ch", b"offset:0")
+    again = await take(sub, 2)
+    assert [m.body for m in again] == [b"a", b"b"]
+    events = await events_of(node, "topic=again", 7)
+    replay = [e for e in events if e["kind"] == "REPLAY"]
+    assert len(replay) == 1 and replay[0]["offset"] == 0 and replay[0]["channel"] == "ch"
+    after = [e["kind"] for e in events if e["time_ns"] > replay[0]["time_ns"]]
+    assert after == ["DELIVER", "DELIVER"]
+    await sub.close()
+
+
 async def test_store_that_cannot_be_written_loses_no_message_and_counts_events(traced):
     node = traced("--trace-all", "--trace-buffer", "50", "--msg-timeout", "60s")
     ok(node, "POST", "/pub?topic=jam", b"first")  # the store exists
