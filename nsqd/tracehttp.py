@@ -26,6 +26,7 @@ from aiohttp import web
 from nsqtrace import store as trace_store
 from nsqtrace.events import msg_id_hex, parse_msg_id
 from nsqtrace.timeline import timelines
+from nsqwire.httpapi import V1_HEADER
 from nsqwire.ids import PARTITION_SHIFT
 from nsqwire.protocol import valid_channel_name
 
@@ -86,7 +87,8 @@ def _msg_id(params) -> int | None:
 
 
 def _not_found(code: str, what: str) -> web.Response:
-    return web.json_response({"message": code, "detail": what}, status=404)
+    """404 with the code (as every error here) and a sentence saying what was not found."""
+    return web.json_response({"message": code, "detail": what}, status=404, headers=V1_HEADER)
 
 
 async def do_trace_search(nsqd, request):

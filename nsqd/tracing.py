@@ -170,7 +170,7 @@ class Tracer:
 
     def delay_in(self, channel, msg, due_ms: int) -> None:
         self.writer.add(self._event(channel, ev.DELAY_IN, msg,
-                                    str(max(0, due_ms - int(time.time() * 1000)))))
+                                    str(max(0, due_ms - int(channel.clock() * 1000)))))
 
     def delay_out(self, channel, msg) -> None:
         self.writer.add(self._event(channel, ev.DELAY_OUT, msg))
@@ -189,11 +189,11 @@ class Tracer:
     def replayed(self, channel, offset: int) -> None:
         """A channel's cursor moved (/channel/setoffset): one event, NO_MESSAGE."""
         self.writer.add((time.time_ns(), ev.REPLAY, channel.topic_name, channel.partition,
-                         channel.name, ev.NO_MESSAGE, 0, offset, 0, f"cursor moved to offset {offset}"))
+                         channel.name, ev.NO_MESSAGE, 0, offset, 0, f"offset {offset}"))
 
     def range_dropped(self, topic: str, partition: int, channel: str, offset: int,
                       reason: str) -> None:
-        """Messages dropped as a range (channel emptied, topic deleted, retention): one event,
-        NO_MESSAGE, `offset` where the range ends (or starts, for retention)."""
+        """Messages dropped as a range (channel emptied, topic deleted): one event,
+        NO_MESSAGE, `offset` where the range ends."""
         self.writer.add((time.time_ns(), ev.DROP, topic, partition, channel, ev.NO_MESSAGE, 0,
                          offset, 0, reason))
