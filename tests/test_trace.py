@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import struct
 import time
@@ -366,6 +367,7 @@ async def test_untraced_publish_and_consume_make_no_events_at_all(traced):
     await nothing_arrives(sub)
     t = await settled(node)
     assert t["written"] == 0 and t["dropped"] == 0 and t["topics"] == []
+    assert not os.path.exists(os.path.join(node.data_path, "trace.sqlite"))  # never made
     await pub.close()
     await sub.close()
 

@@ -8,12 +8,14 @@ transaction; a batch the store refuses (read-only file, full disk, locked) is dr
 counted in `dropped_failed`, and the thread goes on with the next (the store may come
 back). So tracing never waits on SQLite, and SQLite never waits on anything but itself.
 
-Retention runs on the same thread every `retain_every_s`.
+Retention runs on the same thread every `retain_every_s`. The store's file is made with
+the first event: a node that never traces has none.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 
@@ -96,7 +98,7 @@ class EventWriter:
         buf = self._buffer
         while True:
             stopping = self._stop.is_set()
-            if store is None:
+            if store is None and (buf or os.path.exists(self.path)):  # none made while off
                 store = self._open()
             if buf:
                 n = min(len(buf), self.batch)
