@@ -189,6 +189,7 @@ class Channel:
         self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
         self.dirty = True  # cursor changed since the last checkpoint
         self.seeks = 0  # moves of the cursor (seek) so far
+        self.trace = None  # the node's Tracer while this channel's events are on (tracing.py)
         self.confirm_fin = confirm_fin  # ordered, replicated: awaited after a FIN (ordered.py)
         self.ordered: OrderedDispatch | None = None
         if ordered:
@@ -317,6 +318,8 @@ class Channel:
         else:
             for m in mine:
                 del client.in_flight[m.wire_id]
+        if mine and self.trace is not None:
+            self.trace.given_back(self, mine)
         self._requeue_all(mine)
         self._reroute()
 
@@ -547,6 +550,8 @@ class Channel:
                 due_ms - self.clock() * 1000 >= self.delay_threshold_ms
                 or msg.attempts >= self.max_attempts_in_memory):
             delay.move(msg, due_ms)
+            if self.trace is not None:
+                self.trace.delay_in(self, msg, due_ms)
         else:
             heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
 
@@ -562,6 +567,8 @@ class Channel:
                 keep.append(entry)
             else:
                 delay.move(entry[2], int(entry[0] * 1000))
+                if self.trace is not None:
+                    self.trace.delay_in(self, entry[2], int(entry[0] * 1000))
         if len(keep) != len(self.deferred):
             heapq.heapify(keep)
             self.deferred = keep
@@ -600,6 +607,8 @@ class Channel:
                 if m.attempts == 0:
                     fresh += 1
             client.deliver(self, chunk, now)
+            if self.trace is not None:
+                self.trace.delivered(self, chunk, client)
         self._rr = (self._rr + 1) % max(n, 1)
         self.message_count += fresh
         if i < len(msgs):
@@ -618,6 +627,8 @@ class Channel:
                 self.delay.finish(msg)
             else:
                 finish(msg)
+        if self.trace is not None:
+            self.trace.finished(self, msgs)
         self.finish_count += len(msgs)
         self.dirty = True
         self._wake.set()
@@ -627,6 +638,8 @@ class Channel:
     def requeue(self, msg: Message, delay_ms: int) -> None:
         """A consumer's REQ: counted in `requeue_count`, as classic nsqd does."""
         self.requeue_count += 1
+        if self.trace is not None:
+            self.trace.requeued(self, msg, delay_ms)
         self._put_back(msg, delay_ms)
 
     def _put_back(self, msg: Message, delay_ms: int) -> None:
@@ -664,6 +677,8 @@ class Channel:
                     break
                 if m.msg_id >> PARTITION_SHIFT == partition:  # else another channel's
                     expired.append(m)
+            if expired and self.trace is not None:
+                self.trace.timed_out(self, expired)
             for m in expired:
                 del client.in_flight[m.wire_id]
             self.timeout_count += len(expired)
@@ -685,6 +700,8 @@ class Channel:
     async def _take_due(self, now_ms: int) -> None:
         for d in await self.delay.take_due(now_ms, self.delay.take_limit - len(self.from_delay)):
             self.from_delay.append(Message.from_store(d))
+            if self.trace is not None:
+                self.trace.delay_out(self, self.from_delay[-1])
         self._wake.set()
 
     # ---- operations ------------------------------------------------------
@@ -712,6 +729,8 @@ class Channel:
             for m in held:
                 if m.delayed:
                     delay.move(m, now_ms)
+        if self.trace is not None:
+            self.trace.emptied(self)
         for client in self.clients:
             for m in client.in_flight_of(self.partition):
                 del client.in_flight[m.wire_id]
@@ -730,6 +749,8 @@ class Channel:
         """Move the cursor (replay or skip); what was taken is forgotten. A delivery pass
         that awaited meanwhile sees `seeks` changed and drops what it held (_drop_stale)."""
         self.empty()
+        if self.trace is not None:  # REPLAY: /channel/setoffset lands here
+            self.trace.replayed(self, offset)
         self.cursor.reset(offset, count)
         self._reader.seek(offset)
         self.seeks += 1

@@ -35,11 +35,11 @@ import structlog
 from isr import keys
 from isr.etcd import Etcd, EtcdError
 from isr.leadership import LeaderKeys
-from isr.metadata import ClusterView, Metadata, TopicExists, TopicNotFound
+from isr.metadata import ClusterView, Conflict, Metadata, TopicExists, TopicNotFound
 from isr.mirror import ClusterMirror
 from isr.placement import load_of, place
 from isr.registry import Registration
-from isr.state import ChannelMeta, NodeInfo, TopicMeta, default_min_isr
+from isr.state import BadValue, ChannelMeta, NodeInfo, TopicMeta, default_min_isr
 
 from .assignment import Assignment
 from .nsqd import TopicConflict
@@ -251,6 +251,8 @@ class Cluster:
                                                      want.ordered, replicas=want.replicas)
         await self.nsqd.apply_topic_settings(
             topic, (tv.meta.sync_every, tv.meta.sync_timeout_ms), tv.meta.retention_ms or None)
+        await self.nsqd.tracer.follow(name, tv.meta.trace,
+                                      {c for c, meta in tv.channels.items() if meta.trace})
         await self.replication.apply(name, tv, follow)
         # Channels: decided on the latest view, not the pass's (a SUB may have added one).
         for n in sorted(topic.writable):
@@ -381,6 +383,22 @@ class Cluster:
             raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
         log.info("cluster_channel_created", topic=topic, channel=channel)
         await self._until(lambda: self._viewed, shown, f"channel {topic}/{channel}")
+
+    async def set_trace(self, topic: str, channel: str | None, on: bool) -> bool:
+        """/message/trace/enable|disable in cluster mode: the switch in etcd, which every
+        leader follows; returns once this node applied it (an apply pass of a view at least
+        that recent), so no later pass of an older view takes it back. False: etcd has no
+        such topic or channel. Raises ClusterUnavailable."""
+        self._check_connected()
+        try:
+            revision = await self.metadata.set_trace(topic, channel, on)
+        except (EtcdError, Conflict, BadValue) as e:
+            raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
+        if not revision:
+            return False
+        await self._until(lambda: self._passed, lambda: self.applied_revision >= revision,
+                          f"the trace switch of {topic}")
+        return True
 
     async def delete_topic(self, name: str) -> bool:
         """/topic/delete in cluster mode: delete it in etcd (every node deletes it)."""

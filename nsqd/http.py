@@ -60,6 +60,8 @@ Ours, beyond classic:
 - GET /metrics: Prometheus text (metrics.py).
 - POST /channel/setoffset?topic=&channel=[&partition=], body `timestamp:<s>|offset:<n>|
   count:<n>|end`: moves the channel's cursor (replay.py; its errors carry extra keys).
+- `/pub?trace_id=` (the record's trace id, message trace); /trace/search, /message/get and
+  /message/trace/enable|disable are tracehttp.py's, added to ROUTES at start.
 """
 
 from __future__ import annotations
@@ -272,14 +274,14 @@ async def _get_topic(nsqd, name: str, failed_code: str = "TOPIC_CREATE_FAILED"):
 
 
 async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
-                  ext: bytes = b"") -> None:
+                  ext: bytes = b"", trace_id: int = 0, source: str = "") -> None:
     if partition is not None and name not in nsqd.topics and partition != 0:
         raise HTTPError(400, "BAD_PARTITION")  # a new topic has one: before it is made
     topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return
     try:
-        await topic.publish(bodies, partition, ext)
+        await topic.publish(bodies, partition, ext, trace_id=trace_id, source=source)
     except PartitionNotFound:
         raise HTTPError(400, "BAD_PARTITION") from None
     except PartitionNotLed:
@@ -384,7 +386,11 @@ async def do_pub(nsqd, request):
     name = topic_arg(params)
     defer_ms = defer_arg(params, o.max_req_timeout_ms)
     partition = partition_arg(params)
-    await publish(nsqd, "PUB", name, [body], partition, defer_ext(defer_ms, nsqd.clock()))
+    trace_id = arg(params, "trace_id") or "0"  # ours: the record's trace id (message trace)
+    if not (trace_id.isdigit() and int(trace_id) < 1 << 64):
+        raise HTTPError(400, "INVALID_TRACE_ID")
+    await publish(nsqd, "PUB", name, [body], partition, defer_ext(defer_ms, nsqd.clock()),
+                  int(trace_id), f"http://{request.remote}")
     return "OK"
 
 
@@ -403,7 +409,7 @@ async def do_mpub(nsqd, request):
         bodies = parse_mpub_binary(body, o.max_msg_size, o.max_body_size)
     else:
         bodies = parse_mpub_text(body, o.max_msg_size)
-    await publish(nsqd, "MPUB", name, bodies, partition)
+    await publish(nsqd, "MPUB", name, bodies, partition, source=f"http://{request.remote}")
     return "OK"
 
 
@@ -745,6 +751,9 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
 
 
 async def start_http(nsqd):
+    from .tracehttp import ROUTES as TRACE_ROUTES  # /trace/search, /message/*: tracehttp.py
+
+    ROUTES.update(TRACE_ROUTES)
     stats.install_gc_timer()
     runner = web.ServerRunner(Server(functools.partial(dispatch, nsqd), access_log=None))
     await runner.setup()

@@ -69,6 +69,10 @@ class MetaStore:
                     out[k] = v
         return out
 
+    def get(self, key: str):
+        """One stored value (with the changes not flushed yet), or None."""
+        return self._items(key).get(key)
+
     def put(self, key: str, value: dict) -> None:
         """Store `value` at the next flush. It must not change until then (pass a new one)."""
         self._pending[key] = value

@@ -118,6 +118,17 @@ def render(stats: dict) -> str:
                    "Bytes free on the file system of the data path.",
                    [({}, stats["data_free_bytes"])])
 
+    trace = stats.get("trace")
+    if trace is not None:  # message trace (tracing.py)
+        out.family("nsqd_trace_events_written_total", "counter",
+                   "Trace events written to the trace store.", [({}, trace["written"])])
+        out.family("nsqd_trace_events_dropped_total", "counter",
+                   "Trace events dropped: the buffer was full, or the store refused them.",
+                   [({"reason": "buffer_full"}, trace["dropped_full"]),
+                    ({"reason": "store_failed"}, trace["dropped_failed"])])
+        out.family("nsqd_trace_events_buffered", "gauge",
+                   "Trace events waiting for the store.", [({}, trace["buffered"])])
+
     cluster = stats.get("cluster")
     if cluster is not None:
         out.family("nsqd_cluster_etcd_connected", "gauge",

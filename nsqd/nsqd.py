@@ -33,6 +33,7 @@ from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
+from .tracing import Tracer
 from .topic import (TOMBSTONE, StorageError, Topic, bury, buried_path, remove_grave,
                     sync_policy, topic_folder)
 
@@ -103,6 +104,7 @@ class NSQD:
         self.identify_limits = identify_limits(self)
         self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
         self.cluster = None  # cluster.Cluster in cluster mode (--etcd-endpoints)
+        self.tracer = Tracer(self)  # message trace (tracing.py): switches, events, store
 
     @property
     def health(self) -> str:
@@ -134,6 +136,7 @@ class NSQD:
         await asyncio.to_thread(make_dirs, self.options.data_path)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
+        await asyncio.to_thread(self.tracer.start, self.meta)
         for name, state in (await asyncio.to_thread(self.meta.topics)).items():
             self.topics[name] = await self._open_topic(name, state)
         from .http import start_http
@@ -185,6 +188,7 @@ class NSQD:
             await topic.close()  # never raises: what fails is logged per partition
         await attempt("checkpoint", self.checkpoint)
         await attempt("metadata close", lambda: asyncio.to_thread(self.meta.close))
+        await self.tracer.close()  # what it could not write in 10 s is lost: events only
         if failed:
             log.error("stopped_with_errors", errors=failed)
             return False
@@ -203,6 +207,7 @@ class NSQD:
         path = topic_folder(self.options.data_path, name)
         sync = state.get("sync")
         topic = Topic(name, path, self.queue_options(tuple(sync) if sync else None))
+        self.tracer.attach(topic)
         topic.sync = tuple(sync) if sync else None
         topic.retention_ms = state.get("retention_ms")
         if topic.ephemeral:  # never stored: what a run before this one left is not ours
@@ -522,6 +527,10 @@ class NSQD:
                 return False
             for c in topic.channels():
                 self._disconnect_clients(c)
+            if topic.trace is not None:
+                for p in topic.partitions.values():
+                    self.tracer.range_dropped(name, p.number, "", p.queue.committed_end,
+                                              "topic deleted")
             grave = await topic.close_and_bury()
             self.meta.delete(topic_key(name))
             self.meta.delete_prefix(f"channel/{name}/")

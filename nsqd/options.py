@@ -79,6 +79,11 @@ class Options:
     retention_min_age_ms: int = 0  # keep history this long even when every channel is past it
     retention_max_bytes: int = 0  # 0: no size bound per partition
     retention_check_interval_ms: int = 10_000
+    # message trace (tracing.py, ../trace): off per topic until switched on
+    trace_all: bool = False  # trace every topic and channel
+    trace_buffer: int = 100_000  # events waiting for the store; beyond, dropped and counted
+    trace_retention_max_age_ms: int = 7 * 86_400_000  # 0: keep trace events forever
+    trace_retention_max_bytes: int = 1 << 30  # live size of trace.sqlite (0: no bound)
     checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
     test_ack_before_sync: bool = False  # TEST ONLY (jepsen's broken build): never in use
     # messages
@@ -153,10 +158,11 @@ _DURATIONS = {
     "checkpoint_interval": "checkpoint_interval_ms",
     "etcd_lease_ttl": "etcd_lease_ttl_ms",
     "repl_timeout": "repl_timeout_ms",
+    "trace_retention_max_age": "trace_retention_max_age_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create",
-          "test_ack_before_sync"}
+          "test_ack_before_sync", "trace_all"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}
@@ -194,6 +200,11 @@ _HELP = {
     "retention_max_age": "drop segments older than this even if a channel still needs them "
                          "(0: never)",
     "retention_max_bytes": "drop the oldest segments beyond this size per partition (0: never)",
+    "trace_all": "record trace events of every topic and channel (else per topic or channel: "
+                 "POST /message/trace/enable)",
+    "trace_buffer": "trace events waiting for the store; beyond this they are dropped and counted",
+    "trace_retention_max_age": "delete trace events older than this (0: never)",
+    "trace_retention_max_bytes": "delete the oldest trace events beyond this size (0: never)",
     "retention_min_age": "keep a segment every channel has finished until its last message is "
                          "this old, for replay (0: drop it at the next check; a cluster "
                          "topic's own retention overrides it)",

@@ -97,6 +97,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     out["client_count"] = len(conns)
     out["data_free_bytes"] = free_bytes(nsqd.options.data_path)
     out["lookupd"] = nsqd.lookup.state()  # ours: each nsqlookupd peer (lookup.py)
+    out["trace"] = nsqd.tracer.state()  # ours: message trace (tracing.py)
     if nsqd.cluster is not None:  # ours: cluster mode (cluster.py)
         out["cluster"] = nsqd.cluster.state()
     return out

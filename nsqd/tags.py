@@ -362,6 +362,8 @@ def deliver_routed(channel, router: Router) -> None:
     for client, msgs in out.items():
         fresh += sum(1 for m in msgs if m.attempts == 0)
         client.deliver(channel, msgs, now)
+        if channel.trace is not None:
+            channel.trace.delivered(channel, msgs, client)
     channel.message_count += fresh
     if filtered:
         channel.filtered_count += len(filtered)

@@ -42,7 +42,7 @@ from .topic import PartitionNotFound, PartitionNotLed, StorageError
 log = structlog.get_logger("nsqd.tcp")
 
 _PUBLISH = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB", p.PubExt: "PUB_EXT",
-            p.MpubExt: "MPUB_EXT"}
+            p.MpubExt: "MPUB_EXT", p.PubTrace: "PUB_TRACE"}
 MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
 TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
 INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
@@ -241,7 +241,7 @@ class ClientConnection(asyncio.Protocol):
         if not self._publishing:
             self._fail(err)
             return
-        self._publishing.append([True, err, None, None, None])
+        self._publishing.append([True, err, None, None, None, 0, None])
         if err.fatal:
             self._parser_dead = True
             self._held = None
@@ -353,8 +353,9 @@ class ClientConnection(asyncio.Protocol):
     def _publish(self, cmd, fresh_auth: bool = False) -> bool:
         """Every publish: the rules (TLS, auth, the topic), then one write request to the
         partition's log through Topic.publish (HTTP's too), written whole or not at all;
-        its callback answers, in command order. Returns False, having appended nothing, when an await must come
-        first (a missing topic, an authorization whose ttl passed): see `_publish_after`."""
+        its callback answers, in command order. Returns False, having appended nothing,
+        when an await must come first (a missing topic, an authorization whose ttl passed):
+        see `_publish_after`."""
         command = _PUBLISH[type(cmd)]
         nsqd = self.nsqd
         o = nsqd.options
@@ -378,10 +379,12 @@ class ClientConnection(asyncio.Protocol):
                 extension = defer_ext(cmd.defer_ms, nsqd.clock())
             elif kind is p.PubExt:
                 trace_id, extension = ext.stored(cmd.header)
-        slot = [False, None, topic, bodies, command]
+            elif kind is p.PubTrace:
+                trace_id = cmd.trace_id
+        slot = [False, None, topic, bodies, command, trace_id, None]  # done, error, ..., appended
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
-                          trace_ids=trace_ids, exts=exts,
+                          trace_ids=trace_ids, exts=exts, source=self.client.remote_address,
                           callback=functools.partial(self._published, slot))
         except PartitionNotFound:
             raise errors.bad_partition(command, str(cmd.partition)) from None
@@ -423,11 +426,11 @@ class ClientConnection(asyncio.Protocol):
         Their OKs leave in one write: at once when no other publish of this connection is in
         flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
         others that this turn answers (pipelined publishes written by one batch)."""
-        slot[0], slot[1] = True, exc
+        slot[0], slot[1], slot[6] = True, exc, appended
         publishing = self._publishing
         oks = 0
         while publishing and publishing[0][0]:
-            _, exc, topic, bodies, command = publishing.popleft()
+            _, exc, topic, bodies, command, trace_id, appended = publishing.popleft()
             if exc is not None:
                 if oks:
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
@@ -444,6 +447,12 @@ class ClientConnection(asyncio.Protocol):
                 continue
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
+            if command == "PUB_TRACE" and appended is not None:  # OK, id, trace id, offset, size
+                self.client.answer(p.OK * oks + p.encode_response(p.pub_trace_reply(
+                    appended.first_id, trace_id, appended.offset,
+                    appended.end_offset - appended.offset)))
+                oks = 0
+                continue
             oks += 1
         if oks:
             if publishing:
@@ -704,12 +713,8 @@ class ClientConnection(asyncio.Protocol):
         apply_assignment took it out of the client): E_FAILED_ON_NOT_LEADER, then close."""
         self._fail(errors.not_leader("SUB"))
 
-    async def _not_yet(self, cmd) -> None:
-        name = {p.PubTrace: "PUB_TRACE"}[type(cmd)]
-        raise errors.ProtocolError("E_INVALID", f"{name} is not supported by this node yet")
-
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
-                       p.SubOrdered: _sub, p.SubAdvanced: _sub, p.PubTrace: _not_yet}
+                       p.SubOrdered: _sub, p.SubAdvanced: _sub}
 
 
 async def start_tcp(nsqd):

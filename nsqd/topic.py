@@ -154,6 +154,8 @@ class Partition:
                           saved=self._saved_window(name, state),
                           ordered=state.get("ordered", False) or self.topic.assignment.ordered,
                           **settings)
+        if self.topic.tracer is not None:  # nsqd/tracing.py
+            channel.trace = self.topic.tracer.for_channel(self.topic.name, name)
         self.channels[name] = channel
         channel.start()
         return channel
@@ -234,6 +236,8 @@ class Topic:
         self._next = 0
         self.message_count = 0  # messages published through this node since start
         self.message_bytes = 0
+        self.tracer = None  # the node's Tracer (nsqd/tracing.py), which sets `trace`
+        self.trace = None  # that Tracer while this topic's PUB events are on
 
     async def open(self, partitions: list[int], floors: dict[str, list[int]],
                    create: bool = False) -> None:
@@ -360,7 +364,7 @@ class Topic:
         return await asyncio.to_thread(bury, self.path)
 
     def publish(self, bodies: list[bytes], partition: int | None = None, ext: bytes = b"", *,
-                trace_id: int = 0, trace_ids=None, exts=None, callback=None):
+                trace_id: int = 0, trace_ids=None, exts=None, callback=None, source: str = ""):
         """One write request (every TCP publish, HTTP /pub and /mpub) to a partition's log,
         written whole or not at all (DiskQueue.append's arguments). `partition` None: the
         next writable partition, round-robin (one request stays whole in one partition).
@@ -368,7 +372,8 @@ class Topic:
         Without `callback`, returns an awaitable
         that ends (and counts the messages) once the log acknowledged the request; with one,
         the log calls `callback(appended, error)` and the caller counts them
-        (`count_published`) when it answers: TCP's path, with no task per publish."""
+        (`count_published`) when it answers: TCP's path, with no task per publish.
+        `source`: the publisher's address, for the PUB trace event (nsqd/tracing.py)."""
         if partition is None:
             if self.assignment.ordered:  # a key's order needs its partition named
                 raise PartitionNotFound(None)
@@ -387,6 +392,9 @@ class Topic:
             if gate is not None and not gate.writable:
                 raise PartitionNotWritable(f"topic {self.name} partition {partition} is not "
                                            f"writable: {gate.reason}")
+        if self.trace is not None:
+            return self.trace.publish(self, part, bodies, ext, trace_id, trace_ids, exts,
+                                      callback, source)
         appended = part.queue.append(bodies, trace_id, ext, callback=callback,
                                      trace_ids=trace_ids, exts=exts)
         if callback is None:

@@ -1,0 +1,262 @@
+"""What message trace costs, and how fast its store answers.
+
+1. Throughput, tracing off vs on for every message (`--trace-all`, the SQLite store), in
+   one run: a fresh nsqd (bench/nsqd_server.py) each time; 4 publishers each keep 64 PUBs
+   in flight (one message per PUB: the per-message path), one consumer (RDY 500, a FIN per
+   message) takes them as they come; the figure is messages published and finished per
+   second, wall clock from the first PUB to the last FIN (off and on alternated 3 times,
+   the best of each), and nsqd's CPU per message: all of it, its event loop's (the main
+   thread), the other threads' (the trace writer, file work).
+   With tracing on, /stats `trace` gives the events written and dropped.
+2. The switched-off hook: what `if x.trace is not None` costs (timeit), times the hooks a
+   message passes (publish, deliver, finish), as a share of nsqd's CPU per message.
+3. Search by message id: a store of 10 million events (`--quick`: 1 million; 3 per
+   message: PUB, DELIVER, FIN) is built with the store's own write path, a real nsqd opens
+   it as its trace store, and 1,000 random ids are searched over HTTP
+   (`GET /trace/search?msg_id=`) and directly (nsqtrace.store.search): p50, p99.
+
+    .venv/bin/python bench/trace.py [--quick] [--dir /mnt/fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import timeit
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: the bench modules are imported as bench.*
+    sys.path.append(ROOT)
+from bench.common import Report, machine_info, percentile  # noqa: E402
+from bench.nsqd_server import Server, _load_servers, pid_cpu_seconds  # noqa: E402
+from nsqtrace.store import TraceStore, search  # noqa: E402
+from nsqwire import commands as c  # noqa: E402
+from nsqwire import protocol as p  # noqa: E402
+
+TOPIC = "bench_trace"
+PUBLISHERS = 4
+WINDOW = 64
+ROUNDS = 3
+
+
+def loop_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of a process's main thread: nsqd's event loop."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def get(address: str, path: str) -> dict:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+async def publisher(server, count: int) -> None:
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    frames = c.FrameParser()
+    writer.write(p.MAGIC_V2)
+    body = b"x" * 200
+    sent = acked = 0
+    while acked < count:
+        while sent < count and sent - acked < WINDOW:
+            writer.write(c.cmd_pub(TOPIC, body))
+            sent += 1
+        frames.feed(await reader.read(65536))
+        for kind, payload in frames.frames():
+            if kind == p.FRAME_ERROR:
+                raise RuntimeError(payload)
+            if payload == b"OK":
+                acked += 1
+    writer.close()
+
+
+async def consumer(server, count: int) -> None:
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    frames = c.FrameParser()
+    writer.write(p.MAGIC_V2 + c.cmd_sub(TOPIC, "ch") + c.cmd_rdy(500))
+    done = 0
+    while done < count:
+        data = await reader.read(1 << 20)
+        if not data:
+            raise RuntimeError("consumer connection closed")
+        frames.feed(data)
+        out = []
+        for kind, payload in frames.frames():
+            if kind == p.FRAME_MESSAGE:
+                out.append(c.cmd_fin(payload[10:26]))
+            elif payload == b"_heartbeat_":
+                out.append(c.cmd_nop())
+        done += len(out)
+        writer.write(b"".join(out))
+    await writer.drain()
+    writer.close()
+
+
+async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict:
+    with Server(flags, base_dir) as server:
+        server.command(c.cmd_sub(TOPIC, "ch"))  # topic and channel made before timing
+        cpu0, t0 = pid_cpu_seconds(server.pid), time.monotonic()
+        loop0 = loop_cpu_seconds(server.pid)
+        each = count // PUBLISHERS
+        await asyncio.gather(consumer(server, each * PUBLISHERS),
+                             *(publisher(server, each) for _ in range(PUBLISHERS)))
+        wall, cpu = time.monotonic() - t0, pid_cpu_seconds(server.pid) - cpu0
+        loop_cpu = loop_cpu_seconds(server.pid) - loop0
+        trace = {}
+        for _ in range(600):  # the writer's backlog, written after the run
+            trace = get(server.proc.http_address, "/stats?format=json")["trace"]
+            if trace["buffered"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        return {"msgs_per_s": each * PUBLISHERS / wall, "cpu_us_per_msg": cpu / count * 1e6,
+                "loop_cpu_us_per_msg": loop_cpu / count * 1e6,
+                "threads_cpu_us_per_msg": (cpu - loop_cpu) / count * 1e6, "trace": trace}
+
+
+class _Holder:
+    __slots__ = ("trace",)
+
+    def __init__(self):
+        self.trace = None
+
+
+def off_hook_ns() -> float:
+    """ns of one switched-off hook test (`if h.trace is not None`), loop overhead removed."""
+    h = _Holder()
+    n = 2_000_000
+    test = min(timeit.repeat("if h.trace is not None: pass", globals={"h": h}, number=n,
+                             repeat=5))
+    empty = min(timeit.repeat("pass", number=n, repeat=5))
+    return max(test - empty, 0.0) / n * 1e9
+
+
+def build_store(path: str, events: int) -> float:
+    """A store of `events` (PUB, DELIVER, FIN per message, 100 ms apart, 4 partitions);
+    returns rows written per second."""
+    store = TraceStore(path, "bench:4150")
+    t0 = time.monotonic()
+    now = time.time_ns() - events * 1000
+    batch = []
+    msgs = events // 3
+    for i in range(msgs):
+        msg_id = (i % 4) << 50 | i // 4
+        ts = now + i * 1000
+        batch += [(ts, "PUB", TOPIC, i % 4, "", msg_id, i, i * 236, 0, "127.0.0.1:50000"),
+                  (ts + 100_000_000, "DELIVER", TOPIC, i % 4, "ch", msg_id, i, i * 236, 1,
+                   "127.0.0.1:50001"),
+                  (ts + 200_000_000, "FIN", TOPIC, i % 4, "ch", msg_id, i, i * 236, 1, "")]
+        if len(batch) >= 30_000:
+            store.write(batch)
+            batch = []
+    if batch:
+        store.write(batch)
+    store.close()
+    return msgs * 3 / (time.monotonic() - t0)
+
+
+def search_latency(report: Report, events: int, base_dir: str | None) -> None:
+    tmp = tempfile.mkdtemp(prefix="bench-trace-", dir=base_dir)
+    try:
+        data = os.path.join(tmp, "data")
+        os.makedirs(data)
+        path = os.path.join(data, "trace.sqlite")
+        report.note(f"building a store of {events:,} events ...")
+        rate = build_store(path, events)
+        report.add("store_build_events_per_s", rate, "store build: events written per second")
+        report.add("store_file_mb", os.path.getsize(path) / (1 << 20), "store file (MB)")
+        msgs = events // 3
+        ids = [(i % 4) << 50 | i // 4 for i in random.Random(7).sample(range(msgs), 1000)]
+        direct = []
+        for msg_id in ids:
+            t0 = time.perf_counter()
+            found = search(path, msg_id=msg_id)
+            direct.append((time.perf_counter() - t0) * 1000)
+            assert len(found) == 3, (msg_id, found)
+        direct.sort()
+        report.add("search_direct_p50_ms", percentile(direct, 50), "search by id, direct: p50 (ms)",
+                   fmt=".3f")
+        report.add("search_direct_p99_ms", percentile(direct, 99), "search by id, direct: p99 (ms)",
+                   fmt=".3f")
+        node = _load_servers().NsqdProcess(data, "--log-level", "warning").start()
+        try:
+            over_http = []
+            for msg_id in ids:
+                t0 = time.perf_counter()
+                got = get(node.http_address, f"/trace/search?msg_id={msg_id:016x}")
+                over_http.append((time.perf_counter() - t0) * 1000)
+                assert got["count"] == 3, got
+        finally:
+            node.stop(60)
+        over_http.sort()
+        report.add("search_http_p50_ms", percentile(over_http, 50),
+                   "search by id over HTTP: p50 (ms)", fmt=".3f")
+        report.add("search_http_p99_ms", percentile(over_http, 99),
+                   "search by id over HTTP: p99 (ms)", fmt=".3f",
+                   target=("< 20", percentile(over_http, 99) < 20))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def main_async(args) -> None:
+    count = 20_000 if args.quick else 100_000
+    events = 1_000_000 if args.quick else 10_000_000
+    report = Report("trace")
+    report.figures.update(machine_info())
+    report.figures.update({"messages": count, "store_events": events, "quick": args.quick})
+    report.section(f"publish + consume {count:,} messages ({PUBLISHERS} publishers x "
+                   f"{WINDOW} PUBs in flight, 1 consumer), tracing off then on for all")
+    off = on = None
+    for r in range(ROUNDS):  # alternated, the best of each: the machine is shared
+        report.note(f"round {r + 1} of {ROUNDS} ...")
+        o = await throughput([], count, args.dir)
+        t = await throughput(["--trace-all"], count, args.dir)
+        off = o if off is None or o["msgs_per_s"] > off["msgs_per_s"] else off
+        on = t if on is None or t["msgs_per_s"] > on["msgs_per_s"] else on
+    report.add("off_msgs_per_s", off["msgs_per_s"], "tracing off: messages per second")
+    report.add("on_msgs_per_s", on["msgs_per_s"], "tracing on (SQLite): messages per second")
+    loss = 1 - on["msgs_per_s"] / off["msgs_per_s"]
+    report.add("on_throughput_loss_share", loss, "throughput lost with tracing on", fmt=".3f",
+               target=("<= 0.20", loss <= 0.20))
+    report.add("off_cpu_us_per_msg", off["cpu_us_per_msg"], "tracing off: nsqd CPU per message (us)")
+    report.add("on_cpu_us_per_msg", on["cpu_us_per_msg"], "tracing on: nsqd CPU per message (us)")
+    report.add("off_loop_cpu_us_per_msg", off["loop_cpu_us_per_msg"],
+               "tracing off: event loop CPU per message (us)")
+    report.add("on_loop_cpu_us_per_msg", on["loop_cpu_us_per_msg"],
+               "tracing on: event loop CPU per message (us)")
+    report.add("on_threads_cpu_us_per_msg", on["threads_cpu_us_per_msg"],
+               "tracing on: other threads' CPU per message (us)")
+    report.add("off_threads_cpu_us_per_msg", off["threads_cpu_us_per_msg"],
+               "tracing off: other threads' CPU per message (us)")
+    t = on["trace"]
+    report.add("on_events_written", t["written"], "tracing on: events written", fmt=",")
+    report.add("on_events_dropped", t["dropped"], "tracing on: events dropped (buffer bound)",
+               fmt=",")
+    report.section("the switched-off hook")
+    hook = off_hook_ns()
+    report.add("off_hook_ns", hook, "one `trace is not None` test (ns)", fmt=".1f")
+    share = 4 * hook / 1000 / off["cpu_us_per_msg"]  # publish, deliver, finish (+ timeouts)
+    report.add("off_hooks_share_of_msg_cpu", share, "4 such tests per message, share of its CPU",
+               fmt=".5f", target=("< 0.02", share < 0.02))
+    report.section(f"search by message id in a store of {events:,} events")
+    search_latency(report, events, args.dir)
+    report.emit_json()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="20,000 messages and a store of 1 million events")
+    parser.add_argument("--dir", help="temporary folders inside this folder (default /tmp)")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

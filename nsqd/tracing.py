@@ -1,0 +1,199 @@
+"""Tracer: the node's side of message trace (the store and its writer are ../trace,
+imported as `nsqtrace`).
+
+It owns the switches (per topic, per topic + channel, `--trace-all`), stored in the
+node's metadata under `trace/switches` so a restart keeps them, and it makes the events.
+Topics and channels hold `trace`: this Tracer while their events are on, None while off,
+so a switched-off hook costs one attribute test (`if self.trace is not None`). A topic's
+switch covers its PUB and DROP events and the consumer events of all its channels; a
+channel's switch covers that channel's consumer events (DELIVER, REQ, TIMEOUT, FIN,
+DELAY_IN, DELAY_OUT, its DROP).
+
+Making an event is building a tuple and appending it to the writer's deque (no I/O, no
+await): the publish path's callback records PUB after the log acknowledged the write, and
+its answer is never delayed by the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from nsqtrace import events as ev
+from nsqtrace.writer import EventWriter
+
+SWITCHES_KEY = "trace/switches"
+STORE_FILE = "trace.sqlite"
+
+
+class Tracer:
+    def __init__(self, nsqd):
+        o = nsqd.options
+        self.nsqd = nsqd
+        self.trace_all = o.trace_all
+        self.topics: set[str] = set()
+        self.channels: set[tuple[str, str]] = set()
+        self.path = os.path.join(o.data_path, STORE_FILE)
+        self.writer = EventWriter(
+            self.path, f"{o.broadcast_address}:{o.tcp_host_port[1]}", bound=o.trace_buffer,
+            max_age_s=o.trace_retention_max_age_ms / 1000 or None,
+            max_bytes=o.trace_retention_max_bytes or None)
+
+    # ---- lifecycle and switches -------------------------------------------------
+
+    def start(self, meta) -> None:
+        """Load the stored switches (the metadata store is open) and start the writer."""
+        stored = meta.get(SWITCHES_KEY) or {}  # read once, at start
+        self.topics = set(stored.get("topics", []))
+        self.channels = {tuple(tc) for tc in stored.get("channels", [])}
+        self.writer.start()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.writer.close)
+
+    def topic_on(self, topic: str) -> bool:
+        return self.trace_all or topic in self.topics
+
+    def channel_on(self, topic: str, channel: str) -> bool:
+        return self.trace_all or topic in self.topics or (topic, channel) in self.channels
+
+    def attach(self, topic) -> None:
+        """Give a topic and its channels their `trace` (also `topic.tracer`, for channels
+        opened later: Partition.add_channel asks `for_channel`)."""
+        topic.tracer = self
+        topic.trace = self if self.topic_on(topic.name) else None
+        for c in topic.channels():
+            c.trace = self.for_channel(topic.name, c.name)
+
+    def for_channel(self, topic: str, channel: str):
+        return self if self.channel_on(topic, channel) else None
+
+    async def switch(self, topic: str, channel: str | None, on: bool) -> bool:
+        """Switch tracing of a topic (channel None) or of one channel; stored before it
+        returns, applied at once to what is open. In cluster mode the switch is etcd's
+        (cluster.set_trace: False when etcd has no such topic or channel; raises
+        ClusterUnavailable), and every leader follows it (`follow`)."""
+        if self.nsqd.cluster is not None:  # applied by the apply loop's `follow`
+            return await self.nsqd.cluster.set_trace(topic, channel, on)
+        topics, channels = set(self.topics), set(self.channels)
+        if channel is None:
+            (topics.add if on else topics.discard)(topic)
+        else:
+            (channels.add if on else channels.discard)((topic, channel))
+        await self._apply(topic, topics, channels)
+        return True
+
+    async def follow(self, topic: str, on: bool, traced_channels: set[str]) -> None:
+        """Cluster mode: a topic's switches as etcd has them (cluster.py's apply loop);
+        stored here too, so a restart while etcd is away keeps them."""
+        if (topic in self.topics) == on and traced_channels == {
+                c for t, c in self.channels if t == topic}:
+            return  # every pass of the apply loop, for every topic: nothing new, nothing made
+        topics = self.topics | {topic} if on else self.topics - {topic}
+        channels = {tc for tc in self.channels if tc[0] != topic}
+        channels |= {(topic, c) for c in traced_channels}
+        await self._apply(topic, topics, channels)
+
+    async def _apply(self, topic: str, topics: set[str], channels: set[tuple[str, str]]) -> None:
+        self.topics, self.channels = topics, channels
+        meta = self.nsqd.meta
+        meta.put(SWITCHES_KEY, {"topics": sorted(topics),
+                                "channels": sorted(list(tc) for tc in channels)})
+        await meta.flush()
+        t = self.nsqd.topics.get(topic)
+        if t is not None:
+            self.attach(t)
+
+    def state(self) -> dict:
+        """/stats `trace`."""
+        return {"trace_all": self.trace_all, "topics": sorted(self.topics),
+                "channels": [f"{t}/{c}" for t, c in sorted(self.channels)],
+                "store": self.path, **self.writer.stats()}
+
+    # ---- events -------------------------------------------------------------------
+
+    def publish(self, topic, part, bodies, ext, trace_id, trace_ids, exts, callback, source):
+        """Topic.publish while PUB events are on: the same append, with PUB events recorded
+        once the log acknowledged it (before the caller's own callback answers)."""
+        number = part.number
+        writer = self.writer
+
+        def published(appended, exc):
+            if exc is None:
+                now = time.time_ns()
+                name = topic.name
+                first, offsets = appended.first_id, appended.offsets
+                writer.add_many([
+                    (now, ev.PUB, name, number, "", first + i,
+                     trace_ids[i] if trace_ids is not None else trace_id, offsets[i], 0, source)
+                    for i in range(appended.count)])
+            if callback is not None:
+                callback(appended, exc)
+            elif not waiter.done():
+                if exc is None:
+                    waiter.set_result(appended)
+                else:
+                    waiter.set_exception(exc)
+
+        waiter = asyncio.get_running_loop().create_future() if callback is None else None
+        part.queue.append(bodies, trace_id, ext, callback=published, trace_ids=trace_ids,
+                          exts=exts)
+        if callback is None:
+            return topic._counted(waiter, bodies)
+
+    def _event(self, channel, kind: str, msg, detail: str = "") -> tuple:
+        return (time.time_ns(), kind, channel.topic_name, channel.partition, channel.name,
+                msg.msg_id, msg.trace_id, msg.offset, msg.attempts, detail)
+
+    def delivered(self, channel, msgs, client) -> None:
+        now, who = time.time_ns(), client.remote_address
+        t, n, c = channel.topic_name, channel.partition, channel.name
+        self.writer.add_many([(now, ev.DELIVER, t, n, c, m.msg_id, m.trace_id, m.offset,
+                               m.attempts, who) for m in msgs])
+
+    def finished(self, channel, msgs) -> None:
+        now = time.time_ns()
+        t, n, c = channel.topic_name, channel.partition, channel.name
+        self.writer.add_many([(now, ev.FIN, t, n, c, m.msg_id, m.trace_id, m.offset,
+                               m.attempts, "") for m in msgs])
+
+    def requeued(self, channel, msg, delay_ms: int) -> None:
+        self.writer.add(self._event(channel, ev.REQ, msg, str(delay_ms)))
+
+    def given_back(self, channel, msgs) -> None:
+        """In flight at a client that left: requeued at once (a REQ the server made)."""
+        self.writer.add_many([self._event(channel, ev.REQ, m, "client gone") for m in msgs])
+
+    def timed_out(self, channel, msgs) -> None:
+        self.writer.add_many([self._event(channel, ev.TIMEOUT, m) for m in msgs])
+
+    def delay_in(self, channel, msg, due_ms: int) -> None:
+        self.writer.add(self._event(channel, ev.DELAY_IN, msg,
+                                    str(max(0, due_ms - int(channel.clock() * 1000)))))
+
+    def delay_out(self, channel, msg) -> None:
+        self.writer.add(self._event(channel, ev.DELAY_OUT, msg))
+
+    def emptied(self, channel) -> None:
+        """A channel emptied (/channel/empty, or a cursor moved): a DROP for each message it
+        held in memory (in flight, requeued, deferred), and one for the log it skips up to
+        its end (NO_MESSAGE, offset = that end)."""
+        held = [m for c in channel.clients for m in c.in_flight_of(channel.partition)]
+        held += [*channel.requeued, *(entry[2] for entry in channel.deferred)]
+        reason = "channel emptied"
+        self.writer.add_many([self._event(channel, ev.DROP, m, reason) for m in held])
+        self.range_dropped(channel.topic_name, channel.partition, channel.name,
+                           channel.queue.committed_end, reason)
+
+    def replayed(self, channel, offset: int) -> None:
+        """A channel's cursor moved (/channel/setoffset): one event, NO_MESSAGE."""
+        self.writer.add((time.time_ns(), ev.REPLAY, channel.topic_name, channel.partition,
+                         channel.name, ev.NO_MESSAGE, 0, offset, 0, f"offset {offset}"))
+
+    def range_dropped(self, topic: str, partition: int, channel: str, offset: int,
+                      reason: str) -> None:
+        """Messages dropped as a range (channel emptied, topic deleted): one event,
+        NO_MESSAGE, `offset` where the range ends."""
+        self.writer.add((time.time_ns(), ev.DROP, topic, partition, channel, ev.NO_MESSAGE, 0,
+                         offset, 0, reason))

@@ -1,0 +1,443 @@
+"""Message trace (nsqd/tracing.py, trace/): events recorded by real nsqd processes for a
+real client (nsqclient's Connection, pynsq), searched over HTTP; the switches; the store
+across a restart, its retention, and a store that cannot be written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import struct
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from nsqclient.conn import Connection
+from nsqtrace.store import TraceStore, search
+from nsqwire import commands as c
+from servers import NsqdProcess
+from nodes import nothing_arrives, take
+
+
+def http(node, method: str, path: str, body: bytes | None = None) -> tuple[int, object]:
+    req = urllib.request.Request(f"http://{node.http_address}{path}", data=body, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def ok(node, method: str, path: str, body: bytes | None = None):
+    status, data = http(node, method, path, body)
+    assert status == 200, (path, status, data)
+    return data
+
+
+async def events_of(node, query: str, count: int, timeout: float = 10.0) -> list[dict]:
+    """The events a search finds, once it finds `count` of them (the writer batches)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, data = await asyncio.to_thread(http, node, "GET", f"/trace/search?{query}")
+        found = [] if status == 404 else [e for m in data["messages"] for e in m["events"]] + \
+            data["other"]
+        found.sort(key=lambda e: e["time_ns"])
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.1)
+
+
+async def settled(node) -> dict:
+    """/stats `trace` once nothing waits in the buffer."""
+    for _ in range(200):
+        t = ok(node, "GET", "/stats?format=json")["trace"]
+        if t["buffered"] == 0:
+            await asyncio.sleep(0.2)  # a batch taken but not yet counted
+            return ok(node, "GET", "/stats?format=json")["trace"]
+        await asyncio.sleep(0.05)
+    raise AssertionError("trace buffer never drained")
+
+
+async def conn(node, **identify) -> Connection:
+    return await Connection("127.0.0.1", node.tcp_port).connect(identify or None)
+
+
+@pytest.fixture
+def traced(tmp_path):
+    procs = []
+
+    def start(*extra):
+        proc = NsqdProcess(str(tmp_path / "nsqd"), "--msg-timeout", "1s", *extra).start()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for p in procs:
+        p.kill()
+
+
+async def test_a_message_timeline_has_each_event_when_it_happens(traced):
+    node = traced()
+    ok(node, "POST", "/message/trace/enable?topic=orders")
+    pub = await conn(node)
+    await pub.pub("orders", b"order 12345")
+    a = await conn(node)
+    await a.sub("orders", "billing", rdy=1)
+    first = (await take(a))[0]  # attempt 1, left to time out (--msg-timeout 1s)
+    a.rdy(0)
+    b = await conn(node)
+    await b.sub("orders", "billing", rdy=1)
+    second = (await take(b, timeout=10))[0]  # attempt 2, at another client
+    assert second.id == first.id
+    second.req(0)
+    await take(b)  # attempt 3
+    await b.close()  # in flight at a client that leaves: given back
+    a.rdy(1)
+    fourth = (await take(a))[0]
+    fourth.fin()
+    msg_id = first.id.decode()
+    events = await events_of(node, f"msg_id={msg_id}", 9)
+    assert [(e["kind"], e["attempts"]) for e in events] == [
+        ("PUB", 0), ("DELIVER", 1), ("TIMEOUT", 1), ("DELIVER", 2), ("REQ", 2), ("DELIVER", 3),
+        ("REQ", 3), ("DELIVER", 4), ("FIN", 4)]
+    assert events[1]["detail"] != events[3]["detail"]  # delivered to two clients
+    assert [events[4]["detail"], events[6]["detail"]] == ["0", "client gone"]
+    assert events[0]["detail"].startswith("127.0.0.1:") and events[0]["channel"] == ""
+    assert all(e["channel"] == "billing" for e in events[1:])
+    assert all(e["msg_id"] == msg_id and e["topic"] == "orders" and e["partition"] == 0
+               for e in events)
+    data = ok(node, "GET", f"/trace/search?msg_id={msg_id}")
+    [timeline] = data["messages"]
+    assert timeline["finished"] and timeline["story"].startswith(
+        "published by 127.0.0.1:") and "timed out on billing -> delivered to" in \
+        timeline["story"] and timeline["story"].endswith("finished on billing")
+    assert timeline["events"][2]["after_ms"] >= 900  # the timeout came after --msg-timeout
+    got = ok(node, "GET", f"/message/get?topic=orders&msg_id={msg_id}")
+    assert got["body"] == "order 12345" and got["msg_id"] == msg_id
+    assert ok(node, "GET", f"/message/get?topic=orders&partition=0&offset={got['offset']}") == got
+    await pub.close()
+    await a.close()
+
+
+async def test_unknown_ids_are_404_and_bad_arguments_400(traced):
+    node = traced()
+    status, data = http(node, "GET", "/trace/search?msg_id=00000000000000ff")
+    assert status == 404 and data["message"] == "MSG_NOT_FOUND" and "00000000000000ff" in \
+        data["detail"]
+    status, data = http(node, "GET", "/trace/search?trace_id=99")
+    assert status == 404 and data["message"] == "TRACE_ID_NOT_FOUND"
+    for bad in ("", "msg_id=12", "msg_id=zzzzzzzzzzzzzzzz", "trace_id=x", "topic=a%20b",
+                "topic=t&limit=0", "topic=t&since=yesterday", f"trace_id={1 << 64}"):
+        status, data = http(node, "GET", f"/trace/search?{bad}")
+        assert status == 400, (bad, status, data)
+    ok(node, "POST", "/pub?topic=t", b"x")
+    assert http(node, "GET", "/message/get?topic=t&msg_id=0000000000000009")[0] == 404
+    assert http(node, "GET", "/message/get?topic=t&partition=0&offset=1")[0] == 400
+    assert http(node, "GET", "/message/get?topic=t")[0] == 400
+    assert http(node, "GET", "/message/get?topic=nope&msg_id=0000000000000000")[0] == 404
+    assert http(node, "POST", "/pub?topic=t&trace_id=-1", b"x")[0] == 400
+    assert http(node, "POST", "/message/trace/enable")[0] == 400
+
+
+async def test_off_by_default_and_per_channel_switch(traced):
+    node = traced("--msg-timeout", "60s")
+    pub = await conn(node)
+    await pub.pub("quiet", b"1")
+    ok(node, "POST", "/message/trace/enable?topic=quiet&channel=c1")
+    c1, c2 = await conn(node), await conn(node)
+    await c1.sub("quiet", "c1", rdy=5)
+    await c2.sub("quiet", "c2", rdy=5)
+    await pub.pub("quiet", b"2")
+    for m in await take(c1, 2) + await take(c2, 1):  # c2 begins at the end: only "2"
+        m.fin()
+    events = await events_of(node, "topic=quiet", 4)
+    await asyncio.sleep(0.5)
+    events = await events_of(node, "topic=quiet", 4)
+    # no PUB (the topic is off), c1's DELIVER and FIN of both messages, nothing of c2
+    assert sorted((e["kind"], e["channel"]) for e in events) == [
+        ("DELIVER", "c1"), ("DELIVER", "c1"), ("FIN", "c1"), ("FIN", "c1")]
+    assert len(await events_of(node, "topic=quiet&channel=c2", 1, timeout=0.5)) == 0
+    ok(node, "POST", "/message/trace/disable?topic=quiet&channel=c1")
+    await pub.pub("quiet", b"3")
+    for m in await take(c1):
+        m.fin()
+    await asyncio.sleep(0.5)
+    assert len(await events_of(node, "topic=quiet", 5, timeout=0.5)) == 4
+    for x in (pub, c1, c2):
+        await x.close()
+
+
+async def test_trace_ids_from_pub_trace_pub_ext_and_http(traced):
+    node = traced("--trace-all")
+    pub = await conn(node, extend_support=True)
+    reply = await pub.command(c.cmd_pub_trace("tr", 1 << 63 | 5, b"a", 0))
+    okay, msg_id, trace_id, offset, size = struct.unpack(">2sQQqI", reply)
+    assert (okay, trace_id, offset) == (b"OK", 1 << 63 | 5, 0) and size > 0
+    await pub.command(c.cmd_pub_ext("tr", {"##trace_id": "42"}, b"b", 0))
+    ok(node, "POST", "/pub?topic=tr&trace_id=42", b"c")
+    assert [e["kind"] for e in await events_of(node, f"trace_id={1 << 63 | 5}", 1)] == ["PUB"]
+    by_42 = await events_of(node, "trace_id=42", 2)
+    assert [e["detail"].split(":")[0] for e in by_42] == ["127.0.0.1", "http"]
+    assert len({e["msg_id"] for e in by_42}) == 2
+    got = ok(node, "GET", f"/message/get?topic=tr&msg_id={msg_id:016x}")
+    assert got["trace_id"] == str(1 << 63 | 5) and got["body"] == "a" and got["size"] == size
+    await pub.close()
+
+
+async def test_switches_and_store_survive_a_restart_and_time_window(traced):
+    node = traced()
+    ok(node, "POST", "/message/trace/enable?topic=kept")
+    ok(node, "POST", "/pub?topic=kept", b"before")
+    await events_of(node, "topic=kept", 1)
+    middle = time.time()
+    await asyncio.sleep(0.05)
+    assert node.stop() == 0
+    node.start()
+    ok(node, "POST", "/pub?topic=kept", b"after")  # still traced: the switch was stored
+    events = await events_of(node, "topic=kept", 2)
+    assert [e["kind"] for e in events] == ["PUB", "PUB"]
+    later = await events_of(node, f"topic=kept&since={middle}", 1)
+    assert len(later) == 1 and later[0]["time_ns"] == events[1]["time_ns"]
+    earlier = await events_of(node, f"topic=kept&until={middle}", 1)
+    assert len(earlier) == 1 and earlier[0]["time_ns"] == events[0]["time_ns"]
+    ok(node, "POST", "/message/trace/disable?topic=kept")
+    node.stop()
+    node.start()
+    ok(node, "POST", "/pub?topic=kept", b"untraced")
+    await asyncio.sleep(0.5)
+    assert len(await events_of(node, "topic=kept", 3, timeout=0.5)) == 2
+
+
+async def test_delay_queue_and_drops(traced):
+    node = traced("--trace-all", "--delay-threshold", "100ms")
+    pub = await conn(node)
+    await pub.pub("slow", b"x")
+    sub = await conn(node)
+    await sub.sub("slow", "ch", rdy=1)
+    m = (await take(sub))[0]
+    m.req(300)  # past --delay-threshold: to the delay store, back when due
+    again = (await take(sub, timeout=10))[0]
+    events = await events_of(node, f"msg_id={m.id.decode()}", 6)
+    assert [e["kind"] for e in events] == ["PUB", "DELIVER", "REQ", "DELAY_IN", "DELAY_OUT",
+                                           "DELIVER"]
+    assert 0 < int(events[3]["detail"]) <= 300
+    ok(node, "POST", "/channel/empty?topic=slow&channel=ch")  # `again` is in flight: dropped
+    drops = [e for e in await events_of(node, "topic=slow", 8) if e["kind"] == "DROP"]
+    assert [(e["msg_id"], e["detail"]) for e in drops] == [
+        (again.id.decode(), "channel emptied"), ("", "channel emptied")]
+    ok(node, "POST", "/topic/delete?topic=slow")
+    drops = [e for e in await events_of(node, "topic=slow", 9) if e["kind"] == "DROP"]
+    assert drops[-1]["detail"] == "topic deleted" and drops[-1]["offset"] > 0
+    await pub.close()
+    await sub.close()
+
+
+async def test_setoffset_is_a_replay(traced):
+    node = traced("--msg-timeout", "60s")
+    ok(node, "POST", "/message/trace/enable?topic=again&channel=ch")
+    for body in (b"a", b"b"):
+        ok(node, "POST", "/pub?topic=again", body)
+    sub = await conn(node)
+    await sub.sub("again", "ch", rdy=5)
+    for m in await take(sub, 2):
+        m.fin()
+    ok(node, "POST", "/channel/setoffset?topic=again&channel=ch", b"offset:0")
+    again = await take(sub, 2)
+    assert [m.body for m in again] == [b"a", b"b"]
+    events = await events_of(node, "topic=again", 7)
+    replay = [e for e in events if e["kind"] == "REPLAY"]
+    assert len(replay) == 1 and replay[0]["offset"] == 0 and replay[0]["channel"] == "ch"
+    after = [e["kind"] for e in events if e["time_ns"] > replay[0]["time_ns"]]
+    assert after == ["DELIVER", "DELIVER"]
+    await sub.close()
+
+
+async def test_store_that_cannot_be_written_loses_no_message_and_counts_events(traced):
+    node = traced("--trace-all", "--trace-buffer", "50", "--msg-timeout", "60s")
+    ok(node, "POST", "/pub?topic=jam", b"first")  # the store exists
+    await settled(node)
+    blocker = sqlite3.connect(str(node.data_path) + "/trace.sqlite", isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # nobody else writes until it ends
+    sub = await conn(node)
+    await sub.sub("jam", "ch", rdy=100)
+    pub = await conn(node)
+    started = time.monotonic()
+    for i in range(300):
+        await pub.pub("jam", b"m%d" % i)
+    publish_s = time.monotonic() - started
+    got = []
+    for _ in range(301):
+        got += await take(sub, timeout=20)
+        got[-1].fin()
+    assert sorted(m.body for m in got) == sorted([b"first"] + [b"m%d" % i for i in range(300)])
+    await asyncio.sleep(2.5)  # past the store's 1 s lock timeout
+    stuck = ok(node, "GET", "/stats?format=json")["trace"]
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    t = await settled(node)
+    assert stuck["dropped_full"] > 0 and publish_s < 10, (stuck, publish_s)
+    # every event made is written or counted as dropped: PUB, DELIVER, FIN of 301 messages
+    assert t["written"] + t["dropped"] == 3 * 301, t
+    assert t["dropped_failed"] > 0 and "locked" in t["error"]
+    metrics = ok(node, "GET", "/metrics")
+    assert f'nsqd_trace_events_dropped_total{{reason="buffer_full"}} {t["dropped_full"]}' in metrics
+    since = time.time()
+    ok(node, "POST", "/pub?topic=jam", b"later")  # the store takes events again
+    (await take(sub))[0].fin()
+    assert [e["kind"] for e in await events_of(node, f"topic=jam&since={since}", 3)] == [
+        "PUB", "DELIVER", "FIN"]
+    t = await settled(node)
+    assert t["error"] is None and t["written"] + t["dropped"] == 3 * 302
+    await pub.close()
+    await sub.close()
+
+
+async def test_pynsq_classic_client_is_traced(traced):
+    import nsq
+    import tornado.ioloop  # noqa: F401  (pynsq runs on tornado, inside this asyncio loop)
+
+    node = traced()
+    ok(node, "POST", "/message/trace/enable?topic=classic")
+    got = []
+
+    def handler(message):
+        got.append(message.id.decode() if isinstance(message.id, bytes) else message.id)
+        return True
+
+    reader = nsq.Reader(topic="classic", channel="py", message_handler=handler,
+                        nsqd_tcp_addresses=[node.tcp_address], max_in_flight=5)
+    writer = nsq.Writer([node.tcp_address])
+    try:
+        for _ in range(100):
+            if writer.conns:
+                break
+            await asyncio.sleep(0.05)
+        done = asyncio.get_running_loop().create_future()
+        writer.pub("classic", b"hello", lambda conn, data: done.set_result(data))
+        assert await asyncio.wait_for(done, 10) == b"OK"
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        events = await events_of(node, f"msg_id={got[0]}", 3)
+        assert [e["kind"] for e in events] == ["PUB", "DELIVER", "FIN"]
+    finally:
+        reader.close()
+        for c_ in list(writer.conns.values()):
+            c_.close()
+
+
+def test_store_retention_by_age_and_size(tmp_path):
+    path = str(tmp_path / "trace.sqlite")
+    store = TraceStore(path, "n")
+    now = time.time_ns()
+    old = [(now - 3600 * 10**9 + i, "PUB", "t", 0, "", i, 0, i, 0, "") for i in range(1000)]
+    new = [(now + i, "PUB", "t", 0, "", 1000 + i, 0, i, 0, "") for i in range(1000)]
+    store.write(old)
+    store.write(new)
+    assert store.retain(max_age_s=60, max_bytes=None, now_ns=now) == 1000
+    assert [e["msg_id"] for e in search(path, topic="t", limit=5)] == [1000, 1001, 1002, 1003,
+                                                                        1004]
+    store.write([(now + 5000 + i, "FIN", "t", 0, "c", 5000 + i, 0, i, 1, "x" * 200)
+                 for i in range(20000)])
+    before = store.used_bytes()
+    store.retain(max_age_s=None, max_bytes=before // 4, now_ns=now)
+    assert store.used_bytes() <= before // 4
+    left = search(path, topic="t", limit=100000)
+    assert left and left[-1]["msg_id"] == 24999  # the newest stay
+    store.close()
+    assert search(str(tmp_path / "none.sqlite"), msg_id=1) == []
+
+
+async def test_untraced_publish_and_consume_make_no_events_at_all(traced):
+    node = traced()
+    pub, sub = await conn(node), await conn(node)
+    await sub.sub("plain", "ch", rdy=10)
+    for i in range(10):
+        await pub.pub("plain", b"%d" % i)
+    for m in await take(sub, 10):
+        m.fin()
+    await nothing_arrives(sub)
+    t = await settled(node)
+    assert t["written"] == 0 and t["dropped"] == 0 and t["topics"] == []
+    assert not os.path.exists(os.path.join(node.data_path, "trace.sqlite"))  # never made
+    await pub.close()
+    await sub.close()
+
+
+async def following(node, check, timeout: float = 10.0) -> None:
+    """Until the node's /stats `trace` passes `check`."""
+    deadline = time.monotonic() + timeout
+    while not check(ok(node, "GET", "/stats?format=json")["trace"]):
+        assert time.monotonic() < deadline, "the node did not follow etcd's trace switch"
+        await asyncio.sleep(0.05)
+
+
+async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, etcd_server):
+    from isr.etcd import Etcd
+    from isr.metadata import Metadata
+    from isr.placement import place
+    from isr.state import ChannelMeta, TopicMeta
+
+    etcd = Etcd(etcd_server.endpoint)
+    meta = Metadata(etcd, "tr")
+    nodes = [NsqdProcess(str(tmp_path / f"n{i}"), "--etcd-endpoints", etcd_server.endpoint,
+                         "--cluster-id", "tr", "--etcd-lease-ttl", "2s").start() for i in range(2)]
+    try:
+        for _ in range(250):
+            ids = sorted((await meta.read()).nodes)
+            if len(ids) == 2:
+                break
+            await asyncio.sleep(0.02)
+        placement = place(ids, 2, 1)
+        await meta.create_topic("ct", TopicMeta(partitions=2), placement)
+        await meta.create_channel("ct", "ch", ChannelMeta())
+        leader = {n: next(x for x in nodes if x.tcp_address == r[0])
+                  for n, r in enumerate(placement)}
+        assert leader[0] is not leader[1]
+        assert http(nodes[0], "POST", "/message/trace/enable?topic=nope")[0] == 404
+        assert http(nodes[0], "POST", "/message/trace/enable?topic=ct&channel=nope")[0] == 404
+        ok(nodes[0], "POST", "/message/trace/enable?topic=ct")  # asked of one node
+        assert (await meta.read()).topics["ct"].meta.trace
+        assert "ct" in ok(nodes[0], "GET", "/stats?format=json")["trace"]["topics"]  # applied
+        await following(nodes[1], lambda t: "ct" in t["topics"])  # the other follows etcd
+        ids_by_partition = {}
+        for n in (0, 1):
+            for _ in range(250):  # the leader serves once it applied the view
+                status, _ = http(leader[n], "POST", f"/pub?topic=ct&partition={n}", b"m%d" % n)
+                if status == 200:
+                    break
+                await asyncio.sleep(0.02)
+            found = await events_of(leader[n], "topic=ct", 1, timeout=3)
+            print("DEBUG", n, status, found, [ok(x, "GET", "/stats?format=json")["trace"] for x in nodes])
+            [e] = found
+            assert (e["kind"], e["partition"]) == ("PUB", n)  # the other node followed etcd
+            ids_by_partition[n] = e["msg_id"]
+        ok(nodes[1], "POST", "/message/trace/disable?topic=ct")
+        ok(nodes[1], "POST", "/message/trace/enable?topic=ct&channel=ch")
+        view = (await meta.read()).topics["ct"]
+        assert not view.meta.trace and view.channels["ch"].trace
+        for node in nodes:
+            await following(node, lambda t: t["topics"] == [] and t["channels"] == ["ct/ch"])
+        for n in (0, 1):
+            ok(leader[n], "POST", f"/pub?topic=ct&partition={n}", b"untraced")
+        sub = await conn(leader[0])
+        await sub.sub("ct", "ch", rdy=5)
+        msgs = await take(sub, 2)
+        for m in msgs:
+            m.fin()
+        events = await events_of(leader[0], "topic=ct", 5)
+        # no PUB of the second messages (the topic is off), the channel's DELIVER and FIN
+        assert sorted(e["kind"] for e in events) == ["DELIVER", "DELIVER", "FIN", "FIN", "PUB"]
+        await sub.close()
+    finally:
+        for node in nodes:
+            node.kill()
+        await etcd.close()

@@ -1,0 +1,152 @@
+"""EventWriter: a bounded in-memory buffer of trace events, written to the TraceStore in
+batches by one thread of its own.
+
+The event loop only appends tuples to a deque (`add`, `add_many`: no lock, no system
+call, no wait); past `bound` events waiting, new ones are dropped and counted in
+`dropped_full`. The thread takes up to `batch` events at a time and writes them in one
+transaction; a batch the store refuses (read-only file, full disk, locked) is dropped and
+counted in `dropped_failed`, and the thread goes on with the next (the store may come
+back). So tracing never waits on SQLite, and SQLite never waits on anything but itself.
+
+Retention runs on the same thread every `retain_every_s`. The store's file is made with
+the first event: a node that never traces has none.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+
+import structlog
+
+from .store import TraceStore
+
+log = structlog.get_logger("nsqtrace.writer")
+
+
+class EventWriter:
+    def __init__(self, path: str, node: str, *, bound: int = 100_000, batch: int = 5000,
+                 max_age_s: float | None = None, max_bytes: int | None = None,
+                 retain_every_s: float = 10.0, idle_s: float = 0.05):
+        self.path = path
+        self.node = node
+        self.bound = bound
+        self.batch = batch
+        self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self.retain_every_s = retain_every_s
+        self.idle_s = idle_s
+        self._buffer: collections.deque = collections.deque()
+        self.written = 0
+        self.dropped_full = 0  # past the bound
+        self.dropped_failed = 0  # the store refused their batch
+        self.retained = 0  # deleted by retention
+        self.error: str | None = None  # the store's last failure, None once it writes again
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_failure_log = 0.0
+
+    # ---- the event loop's side ------------------------------------------------
+
+    def add(self, event: tuple) -> None:
+        buf = self._buffer
+        if len(buf) >= self.bound:
+            self.dropped_full += 1
+        else:
+            buf.append(event)
+
+    def add_many(self, events: list) -> None:
+        buf = self._buffer
+        room = self.bound - len(buf)
+        if room >= len(events):
+            buf.extend(events)
+        else:
+            room = max(room, 0)
+            buf.extend(events[:room])
+            self.dropped_full += len(events) - room
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def stats(self) -> dict:
+        return {"buffered": len(self._buffer), "bound": self.bound, "written": self.written,
+                "dropped": self.dropped_full + self.dropped_failed,
+                "dropped_full": self.dropped_full, "dropped_failed": self.dropped_failed,
+                "retained": self.retained, "error": self.error}
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is buffered (within `timeout`), then stop the thread. Blocking: call
+        it from a thread (asyncio.to_thread), never on the event loop."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        store = None
+        next_retain = time.monotonic() + self.retain_every_s
+        buf = self._buffer
+        while True:
+            stopping = self._stop.is_set()
+            if store is None and (buf or os.path.exists(self.path)):  # none made while off
+                store = self._open()
+            if buf:
+                n = min(len(buf), self.batch)
+                events = [buf.popleft() for _ in range(n)]
+                self._write(store, events)
+                continue
+            if stopping:
+                break
+            if store is not None and time.monotonic() >= next_retain:
+                next_retain = time.monotonic() + self.retain_every_s
+                self._retain(store)
+            self._stop.wait(self.idle_s)
+        if store is not None:
+            store.close()
+
+    def _open(self) -> TraceStore | None:
+        try:
+            return TraceStore(self.path, self.node)
+        except Exception as e:
+            self._failed("trace_store_open_failed", e)
+            return None
+
+    def _write(self, store: TraceStore | None, events: list) -> None:
+        if store is None:
+            self.dropped_failed += len(events)
+            return
+        try:
+            store.write(events)
+        except Exception as e:
+            self.dropped_failed += len(events)
+            self._failed("trace_store_write_failed", e)
+        else:
+            self.written += len(events)
+            self.error = None
+
+    def _retain(self, store: TraceStore) -> None:
+        if not (self.max_age_s or self.max_bytes):
+            return
+        try:
+            self.retained += store.retain(self.max_age_s, self.max_bytes)
+        except Exception as e:
+            self._failed("trace_store_retain_failed", e)
+
+    def _failed(self, event: str, e: Exception) -> None:
+        """One log line a minute at most; /stats shows the last error."""
+        self.error = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        if now - self._last_failure_log >= 60:
+            self._last_failure_log = now
+            log.error(event, path=self.path, error=self.error,
+                      dropped=self.dropped_full + self.dropped_failed)
