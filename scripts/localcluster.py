@@ -215,6 +215,27 @@ def master_http(lookupd_http: list[str]) -> str:
     return lookupd_http[0]
 
 
+def wait_nodes_live(children: list[Child]) -> None:
+    """Until every nsqlookupd lists every nsqd as live (its registration seen through etcd):
+    a topic created right after the banner may ask for as many replicas as there are nodes."""
+    nsqds = sum(1 for c in children if c.role == "nsqd")
+    urls = [f"http://127.0.0.1:{c.ports['http']}/nodes" for c in children
+            if c.role == "nsqlookupd"]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for url in urls:
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if len(json.loads(r.read()).get("producers") or []) >= nsqds:
+                        break
+            except (OSError, ValueError, AttributeError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not list the {nsqds} nsqd nodes within "
+                                   f"{START_TIMEOUT_S:g} s")
+            time.sleep(0.1)
+
+
 def banner(args, children: list[Child]) -> str:
     by_role = {r: [c for c in children if c.role == r] for r in ("etcd", "nsqlookupd", "nsqd")}
     lookupd_http = [f"127.0.0.1:{c.ports['http']}" for c in by_role["nsqlookupd"]]
@@ -286,6 +307,7 @@ def main() -> int:
             write_state(args.data, children)
             child.wait_serving()
         if not stopping:
+            wait_nodes_live(children)
             print(banner(args, children), flush=True)
         reported: set[str] = set()
         while not stopping:
