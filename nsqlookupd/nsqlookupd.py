@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import structlog
 
-from . import cluster_http, http
+from . import cluster_http, http, tracesearch
 from .cluster import Cluster
 from .http import start_http
 from .options import Options
@@ -35,10 +35,11 @@ class NSQLookupd:
         self.db = RegistrationDB(inactive_timeout=options.inactive_producer_timeout,
                                  tombstone_lifetime=options.tombstone_lifetime)
         self.cluster = None
-        self.routes = http.ROUTES
+        routes = http.ROUTES
         if options.cluster_mode:
             self.cluster = Cluster(options, VERSION)
-            self.routes = cluster_http.ROUTES
+            routes = cluster_http.ROUTES
+        self.routes = {**routes, **tracesearch.ROUTES}  # cluster-wide trace: both modes
         self.connections: set = set()
         self.tcp_server = None
         self.http_runner = None

@@ -1,0 +1,273 @@
+"""Cluster-wide message trace on nsqlookupd (both modes): each nsqd keeps its own events,
+so after a leader change a message's events are split between nodes; these endpoints ask
+them all and answer as one node would.
+
+    GET /trace/search?msg_id=|trace_id=|topic=[&channel=&since=&until=&limit=]
+        every live nsqd's own /trace/search, in parallel, NODE_TIMEOUT_S each; the events
+        merged in time order, the oldest `limit` kept, then grouped into each message's
+        timeline (nsqtrace.timeline, the node's own builder; classic mode: per node, as
+        each classic nsqd numbers its messages on its own). Adds `nodes` (asked) and
+        `unreachable` (those that did not answer: still 200 with the others' events).
+        400 as the node's (checked here, before anyone is asked); 404 MSG_NOT_FOUND /
+        TRACE_ID_NOT_FOUND when no node has an event of that id; 503 NO_NODE_ANSWERED
+        when every node failed (or there is none).
+    GET /message/get?topic=&[partition=]&msg_id=|offset=
+        cluster mode: the partition's leader's answer (a msg_id alone names its
+        partition: its high bits); classic: the topic's producers are asked in parallel
+        and the first 200 wins. The node's status and body, with `node` added.
+
+The nodes: cluster mode's live nodes of the etcd view, classic mode's active registered
+nsqds (their broadcast address and HTTP port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import time
+
+import aiohttp
+import structlog
+
+from nsqtrace.events import NO_MESSAGE, parse_msg_id
+from nsqtrace.timeline import timelines
+from nsqwire.ids import PARTITION_SHIFT
+from nsqwire.protocol import valid_channel_name, valid_topic_name
+
+from .http import HTTPError
+
+log = structlog.get_logger("nsqlookupd.tracesearch")
+
+NODE_TIMEOUT_S = 3.0
+MAX_LIMIT = 10_000  # the node's
+_STEP_KEYS = ("after_ms", "since_first_ms", "what")  # what timelines() adds to an event
+
+
+def _arg(params: dict, name: str) -> str | None:
+    values = params.get(name)
+    return values[0] if values else None
+
+
+def _check_time(params: dict, name: str) -> None:
+    raw = _arg(params, name)
+    if raw is None:
+        return
+    try:
+        float(raw)
+        return
+    except ValueError:
+        pass
+    try:
+        datetime.datetime.fromisoformat(raw)
+    except ValueError:
+        raise HTTPError(400, f"INVALID_{name.upper()}") from None
+
+
+def _msg_id(params: dict) -> int | None:
+    raw = _arg(params, "msg_id")
+    if raw is None:
+        return None
+    try:
+        return parse_msg_id(raw)
+    except ValueError:
+        raise HTTPError(400, "INVALID_MSG_ID") from None
+
+
+def _topic(params: dict) -> str:
+    topic = _arg(params, "topic")
+    if topic is None:
+        raise HTTPError(400, "MISSING_ARG_TOPIC")
+    if not valid_topic_name(topic):
+        raise HTTPError(400, "INVALID_TOPIC")
+    return topic
+
+
+def search_query(params: dict) -> dict[str, str]:
+    """The checked arguments of a search, as they go to each node (400 as the node's)."""
+    msg_id = _msg_id(params)
+    trace_id = _arg(params, "trace_id")
+    if trace_id is not None and (not trace_id.isdigit() or not 0 < int(trace_id) < 1 << 64):
+        raise HTTPError(400, "INVALID_TRACE_ID")
+    topic = _topic(params) if _arg(params, "topic") is not None else None
+    if msg_id is None and trace_id is None and topic is None:
+        raise HTTPError(400, "MISSING_ARG_MSG_ID_TRACE_ID_OR_TOPIC")
+    channel = _arg(params, "channel")
+    if channel is not None and not valid_channel_name(channel):
+        raise HTTPError(400, "INVALID_CHANNEL")
+    _check_time(params, "since")
+    _check_time(params, "until")
+    limit = _arg(params, "limit") or "1000"
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIMIT:
+        raise HTTPError(400, "INVALID_LIMIT")
+    out = {name: _arg(params, name) for name in
+           ("msg_id", "trace_id", "topic", "channel", "since", "until")}
+    return {**{k: v for k, v in out.items() if v is not None}, "limit": str(int(limit))}
+
+
+def nodes(lookupd) -> list[str]:
+    """`host:http_port` of every nsqd to ask, sorted."""
+    if lookupd.cluster is None:
+        found = {f"{p['broadcast_address']}:{p['http_port']}"
+                 for p in lookupd.db.nodes(time.time())}
+    else:
+        view = lookupd.cluster.directory.view
+        found = {n.http for n in view.nodes.values()} if view is not None else set()
+    return sorted(found)
+
+
+async def _get(session, node: str, path: str, query: dict) -> tuple[int, dict]:
+    """(status, JSON body) of one node; (0, {"error": why}) when it did not answer."""
+    try:
+        async with session.get(f"http://{node}{path}", params=query) as r:
+            status, raw = r.status, await r.read()
+        body = json.loads(raw) if raw else {}
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        return status, body
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        return 0, {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=NODE_TIMEOUT_S))
+
+
+def _raw_event(step: dict) -> dict:
+    """A node's timeline step back to the store's event (ids as integers), for merging."""
+    event = {k: v for k, v in step.items() if k not in _STEP_KEYS}
+    event["msg_id"] = parse_msg_id(step["msg_id"]) if step["msg_id"] else NO_MESSAGE
+    event["trace_id"] = int(step["trace_id"])
+    return event
+
+
+def merge(answers: list[dict], limit: int) -> list[dict]:
+    """The events of every node's answer in time order (ties: by node), the oldest `limit`."""
+    events = [_raw_event(step) for a in answers
+              for step in [s for m in a.get("messages", ()) for s in m["events"]]
+              + list(a.get("other", ()))]
+    events.sort(key=lambda e: (e["time_ns"], e.get("node", "")))
+    return events[:limit]
+
+
+def _timelines(events: list[dict], per_node: bool) -> tuple[list[dict], list[dict]]:
+    """timelines() of the merged events. A message id names one message in a cluster (its
+    replicas share it); in classic mode each nsqd numbers its own, so the same id on two
+    nodes is two messages: grouped per node, the timelines in the order of their first
+    event."""
+    if not per_node:
+        return timelines(events)
+    by_node: dict[str, list[dict]] = {}
+    for e in events:
+        by_node.setdefault(e.get("node", ""), []).append(e)
+    messages, other = [], []
+    for evs in by_node.values():
+        m, o = timelines(evs)
+        messages += m
+        other += o
+    messages.sort(key=lambda m: m["events"][0]["time_ns"])
+    other.sort(key=lambda e: e["time_ns"])
+    return messages, other
+
+
+async def do_trace_search(lookupd, params):
+    query = search_query(params)
+    asked = nodes(lookupd)
+    async with _session() as session:
+        results = await asyncio.gather(*(_get(session, n, "/trace/search", query)
+                                         for n in asked))
+    answers, unreachable, missing = [], [], []
+    for node, (status, body) in zip(asked, results):
+        if status == 200:
+            answers.append(body)
+        elif status == 404:
+            missing.append(body)
+        else:
+            unreachable.append(node)
+            log.warning("trace_search_node_failed", node=node, status=status,
+                        error=body.get("error") or body.get("message"))
+    if not answers and not missing:
+        raise HTTPError(503, "NO_NODE_ANSWERED", nodes=asked, unreachable=unreachable)
+    limit = int(query["limit"])
+    events = merge(answers, limit)
+    if not events and missing:  # an id no answering node knows: the node's 404, named nodes
+        raise HTTPError(404, missing[0].get("message", "NOT_FOUND"),
+                        detail=missing[0].get("detail", ""), nodes=asked,
+                        unreachable=unreachable)
+    messages, other = _timelines(events, per_node=lookupd.cluster is None)
+    return {"count": len(events), "limit": limit, "messages": messages, "other": other,
+            "nodes": asked, "unreachable": unreachable}
+
+
+def message_query(params: dict) -> tuple[str, int | None, dict[str, str]]:
+    """(topic, partition or None, the arguments for the node), checked as the node does."""
+    topic = _topic(params)
+    msg_id = _msg_id(params)
+    offset = _arg(params, "offset")
+    if (msg_id is None) == (offset is None):
+        raise HTTPError(400, "MISSING_ARG_MSG_ID_OR_OFFSET")
+    if offset is not None and not offset.isdigit():
+        raise HTTPError(400, "INVALID_OFFSET")
+    raw = _arg(params, "partition")
+    if raw is not None and not raw.isdigit():
+        raise HTTPError(400, "BAD_PARTITION")
+    partition = int(raw) if raw is not None else None
+    if partition is None and msg_id is not None:
+        partition = msg_id >> PARTITION_SHIFT
+    elif partition is not None and msg_id is not None and msg_id >> PARTITION_SHIFT != partition:
+        raise HTTPError(400, "MSG_ID_NOT_IN_PARTITION")
+    query = {"topic": topic}
+    if partition is not None:
+        query["partition"] = str(partition)
+    query.update({k: v for k in ("msg_id", "offset") if (v := _arg(params, k)) is not None})
+    return topic, partition, query
+
+
+def _leader(lookupd, topic: str, partition: int | None) -> str:
+    """The HTTP address of the partition's live leader (cluster mode)."""
+    view = lookupd.cluster.directory.view
+    if view is None:
+        raise HTTPError(503, "CLUSTER_VIEW_NOT_READY")
+    t = view.topics.get(topic)
+    if t is None:
+        raise HTTPError(404, "TOPIC_NOT_FOUND")
+    if partition is None:
+        raise HTTPError(400, "MISSING_ARG_PARTITION")
+    state = t.partitions.get(partition)
+    if state is None:
+        raise HTTPError(400, "BAD_PARTITION")
+    node = view.nodes.get(state.leader)
+    if node is None:
+        raise HTTPError(503, "NO_LIVE_LEADER", partition=partition)
+    return node.http
+
+
+async def do_message_get(lookupd, params):
+    topic, partition, query = message_query(params)
+    if lookupd.cluster is not None:
+        asked = [_leader(lookupd, topic, partition)]
+    else:
+        asked = sorted({f"{p['broadcast_address']}:{p['http_port']}"
+                        for p in lookupd.db.producers(topic, time.time())})
+        if not asked:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+    async with _session() as session:
+        results = await asyncio.gather(*(_get(session, n, "/message/get", query) for n in asked))
+    for node, (status, body) in zip(asked, results):
+        if status == 200:
+            return {**body, "node": node}
+    unreachable = [n for n, (status, _) in zip(asked, results) if status == 0]
+    answered = [(n, s, b) for n, (s, b) in zip(asked, results) if s != 0]
+    if not answered:
+        raise HTTPError(502, "NODE_UNREACHABLE", unreachable=unreachable)
+    # classic: a node without the message says 404; prefer an answer that says more
+    node, status, body = min(answered, key=lambda a: a[1] == 404)
+    extra = {k: v for k, v in body.items() if k != "message"}
+    raise HTTPError(status, body.get("message", "NODE_ERROR"), **extra, node=node,
+                    unreachable=unreachable)
+
+
+ROUTES = {
+    "/trace/search": {"GET": do_trace_search},
+    "/message/get": {"GET": do_message_get},
+}
