@@ -149,6 +149,9 @@ async def test_leader_change_one_timeline_from_two_nodes(tmp_path):
 
 async def test_classic_mode_searches_every_registered_nsqd(tmp_path):
     lookupd = NsqlookupdProcess(str(tmp_path / "logs")).start()
+    status, body = get(lookupd, "/trace/search?trace_id=4242")  # no nsqd yet
+    assert status == 503 and body["message"] == "NO_NODE_ANSWERED"
+    assert get(lookupd, "/trace/search?trace_id=42x")[0] == 400  # checked before asking
     nodes = [NsqdProcess(str(tmp_path / f"n{i}"), "--lookupd-tcp-address", lookupd.tcp_address,
                          "--trace-all").start() for i in range(2)]
     try:
