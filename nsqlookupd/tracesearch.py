@@ -141,11 +141,15 @@ def _raw_event(step: dict) -> dict:
     return event
 
 
-def merge(answers: list[dict], limit: int) -> list[dict]:
-    """The events of every node's answer in time order (ties: by node), the oldest `limit`."""
-    events = [_raw_event(step) for a in answers
-              for step in [s for m in a.get("messages", ()) for s in m["events"]]
-              + list(a.get("other", ()))]
+def node_events(answer: dict) -> list[dict]:
+    """The events of one node's search answer (KeyError, TypeError, ValueError: not one)."""
+    steps = [s for m in answer["messages"] for s in m["events"]] + list(answer["other"])
+    return [_raw_event(step) for step in steps]
+
+
+def merge(per_node: list[list[dict]], limit: int) -> list[dict]:
+    """The events of every node in time order (ties: by node), the oldest `limit`."""
+    events = [e for evs in per_node for e in evs]
     events.sort(key=lambda e: (e["time_ns"], e.get("node", "")))
     return events[:limit]
 
@@ -179,8 +183,12 @@ async def do_trace_search(lookupd, params):
     answers, unreachable, missing = [], [], []
     for node, (status, body) in zip(asked, results):
         if status == 200:
-            answers.append(body)
-        elif status == 404:
+            try:
+                answers.append(node_events(body))
+                continue
+            except (KeyError, TypeError, ValueError):
+                body = {"error": "not a search answer"}
+        if status == 404:
             missing.append(body)
         else:
             unreachable.append(node)

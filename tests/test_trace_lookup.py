@@ -186,3 +186,26 @@ async def test_classic_mode_searches_every_registered_nsqd(tmp_path):
     finally:
         for p in nodes + [lookupd]:
             p.kill()
+
+
+def test_merge_orders_every_nodes_events_and_limits_after():
+    from nsqlookupd.tracesearch import merge, node_events
+    from nsqtrace.timeline import timelines
+
+    def answer(node, *times):
+        evs = [{"node": node, "time_ns": t, "kind": "DELIVER", "topic": "t", "partition": 0,
+                "channel": "c", "msg_id": 5, "trace_id": 0, "offset": 0, "attempts": 1,
+                "detail": "x"} for t in times]
+        messages, other = timelines(evs)
+        return {"count": len(evs), "messages": messages, "other": other}
+
+    a, b = node_events(answer("a:1", 10, 30)), node_events(answer("b:1", 20, 40))
+    merged = merge([a, b], 3)
+    assert [(e["node"], e["time_ns"]) for e in merged] == [("a:1", 10), ("b:1", 20), ("a:1", 30)]
+    [timeline] = timelines(merged)[0]
+    assert timeline["msg_id"] == "0000000000000005" and len(timeline["events"]) == 3
+    try:
+        node_events({"messages": [{"no events": 1}], "other": []})
+        raise AssertionError("a malformed answer was taken")
+    except KeyError:
+        pass
