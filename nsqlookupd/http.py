@@ -23,7 +23,8 @@ forms of the POST actions (they are 405 there too). Any bug is 500 INTERNAL_ERRO
 The handlers read and change the registrations only through the `directory` given to
 start_http (in classic mode the RegistrationDB fed by nsqd over TCP). Requests are routed
 through `lookupd.routes`: ROUTES here, or cluster_http.ROUTES in cluster mode, which keeps
-the read handlers of /topics and /channels and brings its own for the rest.
+the read handlers of /topics and /channels and brings its own for the rest; in both modes
+with tracesearch.ROUTES (the cluster-wide /trace/search and /message/get).
 """
 
 from __future__ import annotations
