@@ -16,8 +16,9 @@ Rules (REPLICATION.md, "Failover"), decided by the pure `decide` on one ClusterV
 `Failover` is the driver: on every new view (`poke`) and every TICK_S it decides on the
 current view and writes the new states by CAS, up to MAX_BATCH of a topic in one
 transaction (`Metadata.update_partitions`); a `Conflict` writes each of the batch on its
-own (`update_partition`), and a Conflict there reads the state again and decides again. Invariants: it writes only while this
-lookupd is master and its view is current (the watch is connected); it never writes a
+own (`update_partition`), and a Conflict there reads the state again and decides again.
+Invariants: it writes only while this lookupd is master and its view is current (the
+watch is connected); it never writes a
 state it did not derive from the state it compares against; the key clock runs on every
 lookupd, so a new master already knows since when a key is missing.
 """
