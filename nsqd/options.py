@@ -84,6 +84,8 @@ class Options:
     trace_buffer: int = 100_000  # events waiting for the store; beyond, dropped and counted
     trace_retention_max_age_ms: int = 7 * 86_400_000  # 0: keep trace events forever
     trace_retention_max_bytes: int = 1 << 30  # live size of trace.sqlite (0: no bound)
+    trace_es_url: str = ""  # the store is Elasticsearch (../trace/es.py), not trace.sqlite
+    trace_es_index_prefix: str = "nsq-trace-"  # daily indices <prefix>YYYY.MM.DD
     checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
     test_ack_before_sync: bool = False  # TEST ONLY (jepsen's broken build): never in use
     # messages
@@ -205,6 +207,9 @@ _HELP = {
     "trace_buffer": "trace events waiting for the store; beyond this they are dropped and counted",
     "trace_retention_max_age": "delete trace events older than this (0: never)",
     "trace_retention_max_bytes": "delete the oldest trace events beyond this size (0: never)",
+    "trace_es_url": "store trace events in this Elasticsearch (http://host:9200) instead of "
+                    "<data-path>/trace.sqlite; searches read it too",
+    "trace_es_index_prefix": "names of the daily trace indices: <prefix>YYYY.MM.DD",
     "retention_min_age": "keep a segment every channel has finished until its last message is "
                          "this old, for replay (0: drop it at the next check; a cluster "
                          "topic's own retention overrides it)",
