@@ -152,9 +152,10 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
         wall, cpu = time.monotonic() - t0, pid_cpu_seconds(server.pid) - cpu0
         loop_cpu = loop_cpu_seconds(server.pid) - loop0
         trace = {}
-        for _ in range(600):  # the writer's backlog, written after the run
+        made = 3 * each * PUBLISHERS if "--trace-all" in flags else 0  # PUB, DELIVER, FIN
+        for _ in range(600):  # the writer's backlog (and the batch it holds), after the run
             trace = get(server.proc.http_address, "/stats?format=json")["trace"]
-            if trace["buffered"] == 0:
+            if trace["buffered"] == 0 and trace["written"] + trace["dropped"] >= made:
                 break
             await asyncio.sleep(0.1)
         return {"msgs_per_s": each * PUBLISHERS / wall, "cpu_us_per_msg": cpu / count * 1e6,

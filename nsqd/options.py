@@ -24,6 +24,7 @@ import re
 import socket
 import sys
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 
 from isr.etcd import parse_endpoints
@@ -380,6 +381,16 @@ def build(values: dict) -> Options:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
         raise ValueError("--max-req-timeout must be between 1ms and 7 days (168h)")
+    if options.trace_es_url:
+        url = urllib.parse.urlsplit(options.trace_es_url)
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
+            raise ValueError("--trace-es-url must be http(s)://host:port")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", options.trace_es_index_prefix):
+        raise ValueError("--trace-es-index-prefix: lowercase letters, digits, '.', '_', '-'")
     return options
 
 

@@ -25,6 +25,7 @@ import pytest
 from esproxy import MediaTypeProxy
 from servers import NsqdProcess, free_port
 from nodes import take
+from nsqd.options import from_args
 from test_trace import (  # noqa: F401 (collected again here, with this module's `traced`)
     conn, events_of, http, ok, settled, test_a_message_timeline_has_each_event_when_it_happens,
     test_delay_queue_and_drops, test_off_by_default_and_per_channel_switch,
@@ -183,3 +184,12 @@ async def test_search_is_503_while_the_store_is_unreachable(traced, es_store):
     status, data = await asyncio.to_thread(http, node, "GET", "/trace/search?topic=t")
     proxy.upstream = real_upstream
     assert status == 503 and data["message"] == "TRACE_STORE_UNAVAILABLE"
+
+
+@pytest.mark.parametrize("argv", [["--trace-es-url", "localhost:9200"],
+                                  ["--trace-es-url", "http://es"],
+                                  ["--trace-es-url", "ftp://es:21"],
+                                  ["--trace-es-index-prefix", "Trace*"]])
+def test_bad_es_flags_are_refused_at_start(argv):
+    with pytest.raises(ValueError, match="--trace-es"):
+        from_args(argv)
