@@ -3,8 +3,8 @@ client (9.x, synchronous: it runs on the writer's thread and in searches' thread
 on the event loop).
 
 Events go in bulk requests to daily indices `<prefix>YYYY.MM.DD` (the event's UTC day;
-prefix `nsq-trace-` by default), shaped by one index template (`<prefix>template`, put at
-open) with the mapping: ids as keywords (msg_id 16 hex characters as clients see it,
+prefix `nsq-trace-` by default), shaped by one index template (`<prefix>template`, put
+before the first bulk) with the mapping: ids as keywords (msg_id 16 hex characters as clients see it,
 trace_id decimal: both are unsigned 64-bit, past ES's signed `long`), `time` a date
 (ms), `time_ns` a long (exact order and windows), names and kinds keywords.
 
@@ -74,12 +74,11 @@ class EsStore:
         self._es = client(url)
         self._id_base = f"{node}/{time.time_ns()}/"
         self._seq = 0
-        self._template_put = False
-        self._put_template()
+        self._template_put = False  # put before the first bulk (and after each outage)
 
     def _put_template(self) -> None:
-        """Put (again) the index template: at open, and before the first bulk after the
-        store was unreachable (a cluster rebuilt meanwhile has none)."""
+        """Put the index template: before the first bulk, and again before the first one
+        after the store was unreachable (a cluster rebuilt meanwhile has none)."""
         try:
             self._es.indices.put_index_template(
                 name=f"{self.prefix}template", index_patterns=[f"{self.prefix}*"],
