@@ -193,3 +193,27 @@ async def test_search_is_503_while_the_store_is_unreachable(traced, es_store):
 def test_bad_es_flags_are_refused_at_start(argv):
     with pytest.raises(ValueError, match="--trace-es"):
         from_args(argv)
+
+
+def test_retention_deletes_whole_daily_indices_past_the_age(es_store):
+    from nsqtrace.es import EsStore, client, day_index, search
+    prefix = f"nsq-trace-{uuid.uuid4().hex[:8]}-"
+    store = EsStore(es_store[0], "node:4150", prefix)
+    now = time.time_ns()
+    day = 86_400 * 10**9
+    old, recent = now - 10 * day, now - day // 2
+    store.write([(old, "PUB", "kept", 0, "", 1, 0, 0, 0, "old"),
+                 (recent, "PUB", "kept", 0, "", 2, 0, 0, 0, "recent")])
+    es = client(es_store[0])
+    for _ in range(50):  # a real ES shows writes after its refresh (1 s)
+        if len(search(es, prefix, topic="kept")) == 2:
+            break
+        time.sleep(0.1)
+    assert [e["detail"] for e in search(es, prefix, topic="kept")] == ["old", "recent"]
+    store.retain(7 * 86_400, None, now_ns=now)
+    names = set(es.indices.get(index=f"{prefix}*"))
+    assert names == {day_index(prefix, recent)}, names
+    assert [e["detail"] for e in search(es, prefix, topic="kept")] == ["recent"]
+    es.indices.delete(index=day_index(prefix, recent))  # by name: ES refuses wildcards
+    store.close()
+    es.close()
