@@ -217,3 +217,19 @@ def test_retention_deletes_whole_daily_indices_past_the_age(es_store):
     es.indices.delete(index=day_index(prefix, recent))  # by name: ES refuses wildcards
     store.close()
     es.close()
+
+
+async def test_nodes_sharing_the_store_each_answer_with_every_nodes_events(tmp_path, es_store):
+    prefix = f"nsq-trace-{uuid.uuid4().hex[:8]}-"
+    nodes = [NsqdProcess(str(tmp_path / name), "--trace-all", "--trace-es-url", es_store[0],
+                         "--trace-es-index-prefix", prefix).start() for name in ("a", "b")]
+    try:
+        for node, body in zip(nodes, (b"from a", b"from b")):
+            ok(node, "POST", "/pub?topic=shared", body)
+        for node in nodes:
+            events = await events_of(node, "topic=shared", 2)
+            assert len(events) == 2 and {e["node"].rsplit(":", 1)[1] for e in events} == {
+                str(n.tcp_port) for n in nodes}, events
+    finally:
+        for node in nodes:
+            node.kill()
