@@ -38,9 +38,9 @@ REAL_ES = os.environ.get("NSQ_TEST_ES_URL")
 def osmem_binary() -> str | None:
     try:
         import osmem_server
-    except ImportError:
+        return osmem_server.resolve_binary()
+    except (ImportError, RuntimeError):  # not installed, or no binary for this platform
         return None
-    return osmem_server.resolve_binary()
 
 
 class Osmem:
