@@ -8,6 +8,10 @@
    the best of each), and nsqd's CPU per message: all of it, its event loop's (the main
    thread), the other threads' (the trace writer, file work).
    With tracing on, /stats `trace` gives the events written and dropped.
+   Also on with the Elasticsearch sink (`--trace-es-url`) against osmem-server (an
+   in-memory OpenSearch-API server, PyPI) through tests/esproxy.py's media-type proxy, a
+   thread of this script (skipped when osmem-server is not installed): the proxy and
+   osmem-server share the machine's 2 cores with nsqd, so this is a floor, not ES's speed.
 2. The switched-off hook: what `if x.trace is not None` costs (timeit), times the hooks a
    message passes (publish, deliver, finish), as a share of nsqd's CPU per message.
 3. Search by message id: a store of 10 million events (`--quick`: 1 million; 3 per
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +51,41 @@ TOPIC = "bench_trace"
 PUBLISHERS = 4
 WINDOW = 64
 ROUNDS = 3
+
+
+class OsmemSink:
+    """osmem-server and the media-type proxy in front of it (tests/esproxy.py)."""
+
+    def __enter__(self) -> "OsmemSink":
+        import osmem_server
+        spec = importlib.util.spec_from_file_location(
+            "_bench_esproxy", os.path.join(ROOT, "tests", "esproxy.py"))
+        esproxy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(esproxy)
+        port = _load_servers().free_port()
+        self.osmem = subprocess.Popen(
+            [osmem_server.resolve_binary(), "-addr", f"127.0.0.1:{port}", "-no-stdin-watch",
+             "-parent-pid", str(os.getpid())],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proxy = esproxy.MediaTypeProxy(f"127.0.0.1:{port}").start()
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        self.url = self.proxy.url
+        return self
+
+    def drop(self, prefix: str) -> None:
+        """Delete a round's indices (osmem-server keeps everything in memory)."""
+        req = urllib.request.Request(f"{self.url}/{prefix}*", method="DELETE")
+        urllib.request.urlopen(req, timeout=60).read()
+
+    def __exit__(self, *exc) -> None:
+        self.proxy.close()
+        self.osmem.kill()
+        self.osmem.wait()
 
 
 def loop_cpu_seconds(pid: int) -> float:
@@ -111,9 +152,10 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
         wall, cpu = time.monotonic() - t0, pid_cpu_seconds(server.pid) - cpu0
         loop_cpu = loop_cpu_seconds(server.pid) - loop0
         trace = {}
-        for _ in range(600):  # the writer's backlog, written after the run
+        made = 3 * each * PUBLISHERS if "--trace-all" in flags else 0  # PUB, DELIVER, FIN
+        for _ in range(600):  # the writer's backlog (and the batch it holds), after the run
             trace = get(server.proc.http_address, "/stats?format=json")["trace"]
-            if trace["buffered"] == 0:
+            if trace["buffered"] == 0 and trace["written"] + trace["dropped"] >= made:
                 break
             await asyncio.sleep(0.1)
         return {"msgs_per_s": each * PUBLISHERS / wall, "cpu_us_per_msg": cpu / count * 1e6,
@@ -212,14 +254,28 @@ async def main_async(args) -> None:
     report.figures.update(machine_info())
     report.figures.update({"messages": count, "store_events": events, "quick": args.quick})
     report.section(f"publish + consume {count:,} messages ({PUBLISHERS} publishers x "
-                   f"{WINDOW} PUBs in flight, 1 consumer), tracing off then on for all")
-    off = on = None
+                   f"{WINDOW} PUBs in flight, 1 consumer), tracing off, on for all "
+                   f"(SQLite), on for all (Elasticsearch sink)")
+    off = on = es = None
+    try:
+        sink = OsmemSink().__enter__()
+    except ImportError:
+        sink = None
+        report.note("osmem-server not installed: no Elasticsearch-sink figures")
     for r in range(ROUNDS):  # alternated, the best of each: the machine is shared
         report.note(f"round {r + 1} of {ROUNDS} ...")
         o = await throughput([], count, args.dir)
         t = await throughput(["--trace-all"], count, args.dir)
         off = o if off is None or o["msgs_per_s"] > off["msgs_per_s"] else off
         on = t if on is None or t["msgs_per_s"] > on["msgs_per_s"] else on
+        if sink is not None:
+            prefix = f"bench-trace-{r}-"
+            e = await throughput(["--trace-all", "--trace-es-url", sink.url,
+                                  "--trace-es-index-prefix", prefix], count, args.dir)
+            sink.drop(prefix)
+            es = e if es is None or e["msgs_per_s"] > es["msgs_per_s"] else es
+    if sink is not None:
+        sink.__exit__()
     report.add("off_msgs_per_s", off["msgs_per_s"], "tracing off: messages per second")
     report.add("on_msgs_per_s", on["msgs_per_s"], "tracing on (SQLite): messages per second")
     loss = 1 - on["msgs_per_s"] / off["msgs_per_s"]
@@ -239,6 +295,17 @@ async def main_async(args) -> None:
     report.add("on_events_written", t["written"], "tracing on: events written", fmt=",")
     report.add("on_events_dropped", t["dropped"], "tracing on: events dropped (buffer bound)",
                fmt=",")
+    if es is not None:
+        report.add("es_msgs_per_s", es["msgs_per_s"],
+                   "tracing on (Elasticsearch sink, osmem-server): messages per second")
+        report.add("es_throughput_loss_share", 1 - es["msgs_per_s"] / off["msgs_per_s"],
+                   "throughput lost with the Elasticsearch sink", fmt=".3f")
+        report.add("es_cpu_us_per_msg", es["cpu_us_per_msg"],
+                   "Elasticsearch sink: nsqd CPU per message (us)")
+        report.add("es_events_written", es["trace"]["written"],
+                   "Elasticsearch sink: events written", fmt=",")
+        report.add("es_events_dropped", es["trace"]["dropped"],
+                   "Elasticsearch sink: events dropped (buffer bound)", fmt=",")
     report.section("the switched-off hook")
     hook = off_hook_ns()
     report.add("off_hook_ns", hook, "one `trace is not None` test (ns)", fmt=".1f")

@@ -128,6 +128,11 @@ def render(stats: dict) -> str:
                     ({"reason": "store_failed"}, trace["dropped_failed"])])
         out.family("nsqd_trace_events_buffered", "gauge",
                    "Trace events waiting for the store.", [({}, trace["buffered"])])
+        out.family("nsqd_trace_sink", "gauge", "The trace store events go to (1).",
+                   [({"sink": trace["sink"]}, 1)])
+        out.family("nsqd_trace_store_retries_total", "counter",
+                   "Batches sent again because the trace store could not be reached.",
+                   [({}, trace["retries"])])
 
     cluster = stats.get("cluster")
     if cluster is not None:

@@ -24,6 +24,7 @@ import re
 import socket
 import sys
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 
 from isr.etcd import parse_endpoints
@@ -84,6 +85,8 @@ class Options:
     trace_buffer: int = 100_000  # events waiting for the store; beyond, dropped and counted
     trace_retention_max_age_ms: int = 7 * 86_400_000  # 0: keep trace events forever
     trace_retention_max_bytes: int = 1 << 30  # live size of trace.sqlite (0: no bound)
+    trace_es_url: str = ""  # the store is Elasticsearch (../trace/es.py), not trace.sqlite
+    trace_es_index_prefix: str = "nsq-trace-"  # daily indices <prefix>YYYY.MM.DD
     checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
     test_ack_before_sync: bool = False  # TEST ONLY (jepsen's broken build): never in use
     # messages
@@ -205,6 +208,9 @@ _HELP = {
     "trace_buffer": "trace events waiting for the store; beyond this they are dropped and counted",
     "trace_retention_max_age": "delete trace events older than this (0: never)",
     "trace_retention_max_bytes": "delete the oldest trace events beyond this size (0: never)",
+    "trace_es_url": "store trace events in this Elasticsearch (http://host:9200) instead of "
+                    "<data-path>/trace.sqlite; searches read it too",
+    "trace_es_index_prefix": "names of the daily trace indices: <prefix>YYYY.MM.DD",
     "retention_min_age": "keep a segment every channel has finished until its last message is "
                          "this old, for replay (0: drop it at the next check; a cluster "
                          "topic's own retention overrides it)",
@@ -375,6 +381,16 @@ def build(values: dict) -> Options:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
         raise ValueError("--max-req-timeout must be between 1ms and 7 days (168h)")
+    if options.trace_es_url:
+        url = urllib.parse.urlsplit(options.trace_es_url)
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
+            raise ValueError("--trace-es-url must be http(s)://host:port")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", options.trace_es_index_prefix):
+        raise ValueError("--trace-es-index-prefix: lowercase letters, digits, '.', '_', '-'")
     return options
 
 

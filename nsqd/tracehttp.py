@@ -9,7 +9,8 @@
   in time order, grouped into each message's timeline (nsqtrace.timeline). `msg_id` is the
   16 hex characters clients see; `since`/`until` unix seconds (fractions allowed) or ISO
   8601; `limit` 1..10000 events (default 1000). Bad arguments 400; a msg_id or trace_id
-  with no events 404 with a JSON body saying so.
+  with no events 404 with a JSON body saying so. The store is trace.sqlite, or
+  Elasticsearch with `--trace-es-url` (503 `TRACE_STORE_UNAVAILABLE` while unreachable).
 - `GET /message/get?topic=&[partition=]&msg_id=|offset=`: one message from the log, found
   through the commitlog (a msg_id alone names its partition): header fields, ext header,
   body (UTF-8 text, or base64 with `body_encoding`).
@@ -23,9 +24,9 @@ import datetime
 
 from aiohttp import web
 
-from nsqtrace import store as trace_store
 from nsqtrace.events import msg_id_hex, parse_msg_id
 from nsqtrace.timeline import timelines
+from nsqtrace.writer import StoreUnavailable
 from nsqwire.httpapi import V1_HEADER
 from nsqwire.ids import PARTITION_SHIFT
 from nsqwire.protocol import valid_channel_name
@@ -109,9 +110,12 @@ async def do_trace_search(nsqd, request):
     raw_limit = arg(params, "limit") or "1000"
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
         raise HTTPError(400, "INVALID_LIMIT")
-    found = await asyncio.to_thread(
-        trace_store.search, nsqd.tracer.path, msg_id=msg_id, trace_id=trace_id, topic=topic,
-        channel=channel, since_ns=since, until_ns=until, limit=int(raw_limit))
+    try:
+        found = await asyncio.to_thread(
+            nsqd.tracer.search, msg_id=msg_id, trace_id=trace_id, topic=topic,
+            channel=channel, since_ns=since, until_ns=until, limit=int(raw_limit))
+    except StoreUnavailable:  # --trace-es-url: Elasticsearch cannot be reached
+        raise HTTPError(503, "TRACE_STORE_UNAVAILABLE") from None
     if not found and msg_id is not None:
         return _not_found("MSG_NOT_FOUND", f"no trace events of message {msg_id_hex(msg_id)} "
                           "(its topic not traced then, the id unknown, or past retention)")

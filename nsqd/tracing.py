@@ -21,6 +21,7 @@ import os
 import time
 
 from nsqtrace import events as ev
+from nsqtrace import store as sqlite_store
 from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
@@ -34,11 +35,23 @@ class Tracer:
         self.trace_all = o.trace_all
         self.topics: set[str] = set()
         self.channels: set[tuple[str, str]] = set()
-        self.path = os.path.join(o.data_path, STORE_FILE)
-        self.writer = EventWriter(
-            self.path, f"{o.broadcast_address}:{o.tcp_host_port[1]}", bound=o.trace_buffer,
-            max_age_s=o.trace_retention_max_age_ms / 1000 or None,
-            max_bytes=o.trace_retention_max_bytes or None)
+        node = f"{o.broadcast_address}:{o.tcp_host_port[1]}"
+        self.es_url, self.es_prefix = o.trace_es_url, o.trace_es_index_prefix
+        if self.es_url:  # the store is Elasticsearch alone (README: why not both)
+            from nsqtrace import es  # the client is imported only by nodes that use it
+            self._es = es
+            self.search_client = es.client(self.es_url)
+            self.path = None
+            self.writer = EventWriter(
+                None, node, bound=o.trace_buffer, sink="elasticsearch",
+                open_store=lambda: es.EsStore(self.es_url, node, self.es_prefix),
+                max_age_s=o.trace_retention_max_age_ms / 1000 or None)
+        else:
+            self.path = os.path.join(o.data_path, STORE_FILE)
+            self.writer = EventWriter(
+                self.path, node, bound=o.trace_buffer,
+                max_age_s=o.trace_retention_max_age_ms / 1000 or None,
+                max_bytes=o.trace_retention_max_bytes or None)
 
     # ---- lifecycle and switches -------------------------------------------------
 
@@ -51,6 +64,15 @@ class Tracer:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.writer.close)
+        if self.es_url:
+            self.search_client.close()
+
+    def search(self, **conditions) -> list[dict]:
+        """The store's events matching `conditions` (store.search's); blocking: call it from
+        a thread. With Elasticsearch, StoreUnavailable while it cannot be reached."""
+        if self.es_url:
+            return self._es.search(self.search_client, self.es_prefix, **conditions)
+        return sqlite_store.search(self.path, **conditions)
 
     def topic_on(self, topic: str) -> bool:
         return self.trace_all or topic in self.topics
@@ -109,7 +131,7 @@ class Tracer:
         """/stats `trace`."""
         return {"trace_all": self.trace_all, "topics": sorted(self.topics),
                 "channels": [f"{t}/{c}" for t, c in sorted(self.channels)],
-                "store": self.path, **self.writer.stats()}
+                "store": self.path or self.es_url, **self.writer.stats()}
 
     # ---- events -------------------------------------------------------------------
 

@@ -8,6 +8,12 @@ transaction; a batch the store refuses (read-only file, full disk, locked) is dr
 counted in `dropped_failed`, and the thread goes on with the next (the store may come
 back). So tracing never waits on SQLite, and SQLite never waits on anything but itself.
 
+The store is SQLite's TraceStore unless `open_store` makes another (es.py's EsStore). A
+store that cannot be reached raises StoreUnavailable: the thread keeps that batch and
+sends it again with backoff (0.1 s doubling to 5 s) while new events wait in the bounded
+buffer (past the bound, dropped and counted as always); on shutdown what it still could
+not send is counted in `dropped_failed`.
+
 Retention runs on the same thread every `retain_every_s`. The store's file is made with
 the first event: a node that never traces has none.
 """
@@ -25,12 +31,21 @@ from .store import TraceStore
 
 log = structlog.get_logger("nsqtrace.writer")
 
+MAX_BACKOFF_S = 5.0
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached now; the same batch may succeed later."""
+
 
 class EventWriter:
     def __init__(self, path: str, node: str, *, bound: int = 100_000, batch: int = 5000,
                  max_age_s: float | None = None, max_bytes: int | None = None,
-                 retain_every_s: float = 10.0, idle_s: float = 0.05):
-        self.path = path
+                 retain_every_s: float = 10.0, idle_s: float = 0.05, open_store=None,
+                 sink: str = "sqlite"):
+        self.path = path  # the SQLite file; None for a store elsewhere (open_store)
+        self.sink = sink
+        self._open_store = open_store or (lambda: TraceStore(path, node))
         self.node = node
         self.bound = bound
         self.batch = batch
@@ -43,6 +58,7 @@ class EventWriter:
         self.dropped_full = 0  # past the bound
         self.dropped_failed = 0  # the store refused their batch
         self.retained = 0  # deleted by retention
+        self.retries = 0  # batches sent again after StoreUnavailable
         self.error: str | None = None  # the store's last failure, None once it writes again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,7 +88,8 @@ class EventWriter:
         return len(self._buffer)
 
     def stats(self) -> dict:
-        return {"buffered": len(self._buffer), "bound": self.bound, "written": self.written,
+        return {"sink": self.sink, "buffered": len(self._buffer), "bound": self.bound,
+                "written": self.written, "retries": self.retries,
                 "dropped": self.dropped_full + self.dropped_failed,
                 "dropped_full": self.dropped_full, "dropped_failed": self.dropped_failed,
                 "retained": self.retained, "error": self.error}
@@ -96,14 +113,28 @@ class EventWriter:
         store = None
         next_retain = time.monotonic() + self.retain_every_s
         buf = self._buffer
+        pending: list = []  # the batch being written (kept while the store is unavailable)
+        backoff = 0.0
         while True:
             stopping = self._stop.is_set()
-            if store is None and (buf or os.path.exists(self.path)):  # none made while off
-                store = self._open()
-            if buf:
-                n = min(len(buf), self.batch)
-                events = [buf.popleft() for _ in range(n)]
-                self._write(store, events)
+            if not pending and buf:
+                pending = [buf.popleft() for _ in range(min(len(buf), self.batch))]
+            try:
+                if store is None and (pending or (self.path and os.path.exists(self.path))):
+                    store = self._open()  # none made while off
+                if pending:
+                    self._write(store, pending)
+                    pending, backoff = [], 0.0
+                    continue
+            except StoreUnavailable as e:
+                self._failed("trace_store_unavailable", e)
+                if stopping:  # shutting down: what could not be sent is lost, counted
+                    self.dropped_failed += len(pending) + len(buf)
+                    buf.clear()
+                    break
+                self.retries += 1
+                backoff = min(max(backoff * 2, 0.1), MAX_BACKOFF_S)
+                self._stop.wait(backoff)
                 continue
             if stopping:
                 break
@@ -114,9 +145,11 @@ class EventWriter:
         if store is not None:
             store.close()
 
-    def _open(self) -> TraceStore | None:
+    def _open(self):
         try:
-            return TraceStore(self.path, self.node)
+            return self._open_store()
+        except StoreUnavailable:
+            raise
         except Exception as e:
             self._failed("trace_store_open_failed", e)
             return None
@@ -126,12 +159,15 @@ class EventWriter:
             self.dropped_failed += len(events)
             return
         try:
-            store.write(events)
+            refused = store.write(events) or 0  # documents a server refused one by one
+        except StoreUnavailable:
+            raise
         except Exception as e:
             self.dropped_failed += len(events)
             self._failed("trace_store_write_failed", e)
         else:
-            self.written += len(events)
+            self.written += len(events) - refused
+            self.dropped_failed += refused
             self.error = None
 
     def _retain(self, store: TraceStore) -> None:

@@ -1,0 +1,81 @@
+"""MediaTypeProxy: lets the official elasticsearch-py 9 client talk to osmem-server (an
+OpenSearch-API server) in tests. No Elasticsearch server installs here.
+
+It forwards every request and answer unchanged except for two headers, the only
+differences between the two APIs that the client trips on:
+- requests: the client's `application/vnd.elasticsearch+json; compatible-with=9` (and the
+  x-ndjson form of bulk) become plain `application/json` / `application/x-ndjson`
+  (OpenSearch-API servers answer the versioned media types with 406);
+- answers: `X-Elastic-Product: Elasticsearch` is set (the client refuses an answer
+  without it: UnsupportedProductError; osmem-server already sends it, a real OpenSearch
+  does not).
+While osmem-server is down the proxy answers 502, as a reverse proxy in front of a dead
+Elasticsearch does. It is a thread in the test process, not a server of its own: every
+document, mapping and search is osmem-server's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import re
+import threading
+
+_VENDOR = re.compile(r"application/vnd\.elasticsearch\+(json|x-ndjson)\s*;\s*compatible-with=\d+")
+
+
+def plain_media_type(value: str) -> str:
+    return _VENDOR.sub(lambda m: f"application/{m.group(1)}", value)
+
+
+class MediaTypeProxy:
+    def __init__(self, upstream: str):
+        self.upstream = upstream  # host:port of osmem-server
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: plain_media_type(v) if k.lower() in ("content-type", "accept") else v
+                           for k, v in self.headers.items() if k.lower() != "host"}
+                host, port = proxy.upstream.rsplit(":", 1)
+                try:
+                    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    status, answer, rheaders = resp.status, resp.read(), resp.getheaders()
+                    conn.close()
+                except OSError:
+                    status, answer, rheaders = 502, b'{"error":"upstream down"}', [
+                        ("Content-Type", "application/json")]
+                self.send_response(status)
+                skip = ("content-length", "transfer-encoding", "connection", "x-elastic-product")
+                for k, v in rheaders:
+                    if k.lower() not in skip:
+                        self.send_header(k, v)
+                self.send_header("X-Elastic-Product", "Elasticsearch")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(answer)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> "MediaTypeProxy":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

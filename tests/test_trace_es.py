@@ -1,0 +1,235 @@
+"""The Elasticsearch trace sink (--trace-es-url, trace/es.py) on real nsqd processes.
+
+The store is osmem-server (a real in-memory OpenSearch-API server, PyPI), reached through
+tests/esproxy.py's MediaTypeProxy (two headers rewritten; see there why). With
+NSQ_TEST_ES_URL set (http://host:9200) the same tests run against that real
+Elasticsearch instead, nsqd talking to it directly (the outage test through the proxy,
+which it switches off). Each test writes indices of its own prefix.
+
+test_trace.py's end-to-end tests that are not about SQLite itself run here again with
+the ES store: each event kind, search by id, trace id, topic + time window, channel,
+limit, the 404s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from esproxy import MediaTypeProxy
+from servers import NsqdProcess, free_port
+from nodes import take
+from nsqd.options import from_args
+from test_trace import (  # noqa: F401 (collected again here, with this module's `traced`)
+    conn, events_of, http, ok, settled, test_a_message_timeline_has_each_event_when_it_happens,
+    test_delay_queue_and_drops, test_off_by_default_and_per_channel_switch,
+    test_setoffset_is_a_replay, test_switches_and_store_survive_a_restart_and_time_window,
+    test_trace_ids_from_pub_trace_pub_ext_and_http, test_unknown_ids_are_404_and_bad_arguments_400)
+
+REAL_ES = os.environ.get("NSQ_TEST_ES_URL")
+
+
+def osmem_binary() -> str | None:
+    try:
+        import osmem_server
+        return osmem_server.resolve_binary()
+    except (ImportError, RuntimeError):  # not installed, or no binary for this platform
+        return None
+
+
+class Osmem:
+    """osmem-server on a port of its own; stop() and start() keep the port (its data is in
+    memory: a restart begins empty)."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.proc = None
+
+    def start(self) -> "Osmem":
+        self.proc = subprocess.Popen(
+            [osmem_binary(), "-addr", f"127.0.0.1:{self.port}", "-no-stdin-watch",
+             "-parent-pid", str(os.getpid())],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import urllib.request
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/", timeout=1).read()
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def es_store():
+    """(url nsqd uses, proxy, osmem or None): a real ES when NSQ_TEST_ES_URL is set."""
+    if REAL_ES:
+        proxy = MediaTypeProxy(REAL_ES.split("://", 1)[1].rstrip("/")).start()
+        yield REAL_ES, proxy, None
+        proxy.close()
+        return
+    if osmem_binary() is None or not shutil.which(osmem_binary()):
+        pytest.skip("osmem-server not installed (pip install osmem-server) and "
+                    "NSQ_TEST_ES_URL not set: no Elasticsearch to test against")
+    osmem = Osmem().start()
+    proxy = MediaTypeProxy(f"127.0.0.1:{osmem.port}").start()
+    yield proxy.url, proxy, osmem
+    proxy.close()
+    osmem.stop()
+
+
+@pytest.fixture
+def traced(tmp_path, es_store):
+    """test_trace's fixture, with the store in Elasticsearch (indices of this test's own)."""
+    url = es_store[0]
+    prefix = f"nsq-trace-{uuid.uuid4().hex[:8]}-"
+    procs = []
+
+    def start(*extra, es_url=url):
+        proc = NsqdProcess(str(tmp_path / "nsqd"), "--msg-timeout", "1s", "--trace-es-url",
+                           es_url, "--trace-es-index-prefix", prefix, *extra).start()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for p in procs:
+        p.kill()
+
+
+async def test_stats_and_metrics_name_the_sink_and_no_sqlite_file(traced):
+    node = traced("--trace-all")
+    ok(node, "POST", "/pub?topic=named", b"x")
+    events = await events_of(node, "topic=named", 1)
+    assert [e["kind"] for e in events] == ["PUB"]
+    t = await settled(node)
+    assert t["sink"] == "elasticsearch" and t["store"].startswith("http") and t["written"] == 1
+    assert 'nsqd_trace_sink{sink="elasticsearch"} 1' in ok(node, "GET", "/metrics")
+    assert not os.path.exists(os.path.join(node.data_path, "trace.sqlite"))
+
+
+async def test_sink_down_10s_loses_no_message_counts_drops_and_resumes(traced, es_store):
+    _, proxy, osmem = es_store
+    real_upstream = proxy.upstream
+    node = traced("--trace-all", "--trace-buffer", "200", "--msg-timeout", "60s",
+                  es_url=proxy.url)
+    ok(node, "POST", "/pub?topic=outage", b"before")
+    sub = await conn(node)
+    await sub.sub("outage", "ch", rdy=200)
+    (await take(sub))[0].fin()
+    await events_of(node, "topic=outage", 3)
+    before = await settled(node)
+    assert before["written"] == 3 and before["dropped"] == 0
+
+    if osmem is not None:  # the server itself goes away (and comes back empty)
+        osmem.stop()
+    else:  # a real ES cannot be stopped from here: the proxy in front of it answers 502
+        proxy.upstream = f"127.0.0.1:{free_port()}"
+    down_at = time.monotonic()
+    pub = await conn(node)
+    slowest, got = 0.0, []
+    for i in range(150):  # 450 events over about 10 s, past the buffer of 200
+        started = time.monotonic()
+        await pub.pub("outage", b"m%d" % i)
+        slowest = max(slowest, time.monotonic() - started)
+        got += await take(sub, timeout=20)
+        got[-1].fin()
+        await asyncio.sleep(max(0.0, down_at + (i + 1) * 10 / 150 - time.monotonic()))
+    assert sorted(m.body for m in got) == sorted(b"m%d" % i for i in range(150))
+    assert slowest < 2.0, slowest  # no publish waited for the store
+    during = ok(node, "GET", "/stats?format=json")["trace"]
+    assert during["written"] == 3 and during["retries"] > 0 and during["error"]
+    assert during["dropped_full"] > 0 and during["buffered"] == 200, during
+
+    if osmem is not None:
+        osmem.start()
+    else:
+        proxy.upstream = real_upstream
+    t = await settled(node)
+    shipped = t["written"] - before["written"]
+    # every event made is shipped or counted: PUB, DELIVER, FIN of 150 messages
+    assert shipped >= 200 and shipped + t["dropped_full"] == 3 * 150, t
+    assert t["dropped_failed"] == 0 and t["error"] is None
+    metrics = ok(node, "GET", "/metrics")
+    assert f'nsqd_trace_events_dropped_total{{reason="buffer_full"}} {t["dropped_full"]}' in metrics
+    since = time.time()
+    # what was shipped is in the store, once each (retried bulks reuse their ids)
+    outage = await events_of(node, f"topic=outage&until={since}&limit=10000",
+                             shipped + (0 if osmem is not None else 3))
+    assert len(outage) == shipped + (0 if osmem is not None else 3)
+    ok(node, "POST", "/pub?topic=outage", b"after")  # shipping resumed
+    (await take(sub))[0].fin()
+    assert [e["kind"] for e in await events_of(node, f"topic=outage&since={since}", 3)] == [
+        "PUB", "DELIVER", "FIN"]
+    await pub.close()
+    await sub.close()
+
+
+async def test_search_is_503_while_the_store_is_unreachable(traced, es_store):
+    proxy = es_store[1]
+    node = traced("--trace-all", es_url=proxy.url)
+    real_upstream = proxy.upstream
+    proxy.upstream = f"127.0.0.1:{free_port()}"
+    status, data = await asyncio.to_thread(http, node, "GET", "/trace/search?topic=t")
+    proxy.upstream = real_upstream
+    assert status == 503 and data["message"] == "TRACE_STORE_UNAVAILABLE"
+
+
+@pytest.mark.parametrize("argv", [["--trace-es-url", "localhost:9200"],
+                                  ["--trace-es-url", "http://es"],
+                                  ["--trace-es-url", "ftp://es:21"],
+                                  ["--trace-es-index-prefix", "Trace*"]])
+def test_bad_es_flags_are_refused_at_start(argv):
+    with pytest.raises(ValueError, match="--trace-es"):
+        from_args(argv)
+
+
+def test_retention_deletes_whole_daily_indices_past_the_age(es_store):
+    from nsqtrace.es import EsStore, client, day_index, search
+    prefix = f"nsq-trace-{uuid.uuid4().hex[:8]}-"
+    store = EsStore(es_store[0], "node:4150", prefix)
+    now = time.time_ns()
+    day = 86_400 * 10**9
+    old, recent = now - 10 * day, now - day // 2
+    store.write([(old, "PUB", "kept", 0, "", 1, 0, 0, 0, "old"),
+                 (recent, "PUB", "kept", 0, "", 2, 0, 0, 0, "recent")])
+    es = client(es_store[0])
+    for _ in range(50):  # a real ES shows writes after its refresh (1 s)
+        if len(search(es, prefix, topic="kept")) == 2:
+            break
+        time.sleep(0.1)
+    assert [e["detail"] for e in search(es, prefix, topic="kept")] == ["old", "recent"]
+    store.retain(7 * 86_400, None, now_ns=now)
+    names = set(es.indices.get(index=f"{prefix}*"))
+    assert names == {day_index(prefix, recent)}, names
+    assert [e["detail"] for e in search(es, prefix, topic="kept")] == ["recent"]
+    es.indices.delete(index=day_index(prefix, recent))  # by name: ES refuses wildcards
+    store.close()
+    es.close()
+
+
+async def test_nodes_sharing_the_store_each_answer_with_every_nodes_events(tmp_path, es_store):
+    prefix = f"nsq-trace-{uuid.uuid4().hex[:8]}-"
+    nodes = [NsqdProcess(str(tmp_path / name), "--trace-all", "--trace-es-url", es_store[0],
+                         "--trace-es-index-prefix", prefix).start() for name in ("a", "b")]
+    try:
+        for node, body in zip(nodes, (b"from a", b"from b")):
+            ok(node, "POST", "/pub?topic=shared", body)
+        for node in nodes:
+            events = await events_of(node, "topic=shared", 2)
+            assert len(events) == 2 and {e["node"].rsplit(":", 1)[1] for e in events} == {
+                str(n.tcp_port) for n in nodes}, events
+    finally:
+        for node in nodes:
+            node.kill()
