@@ -148,8 +148,18 @@ def node_events(answer: dict) -> list[dict]:
 
 
 def merge(per_node: list[list[dict]], limit: int) -> list[dict]:
-    """The events of every node in time order (ties: by node), the oldest `limit`."""
-    events = [e for evs in per_node for e in evs]
+    """The events of every node in time order (ties: by node), each once, the oldest
+    `limit`. Nodes given one Elasticsearch store (--trace-es-url) each answer with every
+    node's events: an event is the same one when its node, time, kind, message, channel
+    and offset are."""
+    seen: set[tuple] = set()
+    events = []
+    for e in (e for evs in per_node for e in evs):
+        key = (e.get("node"), e["time_ns"], e.get("kind"), e.get("msg_id"), e.get("channel"),
+               e.get("offset"))
+        if key not in seen:
+            seen.add(key)
+            events.append(e)
     events.sort(key=lambda e: (e["time_ns"], e.get("node", "")))
     return events[:limit]
 

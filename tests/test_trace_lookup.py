@@ -204,6 +204,10 @@ def test_merge_orders_every_nodes_events_and_limits_after():
     assert [(e["node"], e["time_ns"]) for e in merged] == [("a:1", 10), ("b:1", 20), ("a:1", 30)]
     [timeline] = timelines(merged)[0]
     assert timeline["msg_id"] == "0000000000000005" and len(timeline["events"]) == 3
+    # nodes sharing one store (Elasticsearch) both answer with every event: each counts once
+    shared = merge([a + b, b + a], 10)
+    assert [(e["node"], e["time_ns"]) for e in shared] == [
+        ("a:1", 10), ("b:1", 20), ("a:1", 30), ("b:1", 40)]
     try:
         node_events({"messages": [{"no events": 1}], "other": []})
         raise AssertionError("a malformed answer was taken")
