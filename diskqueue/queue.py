@@ -42,7 +42,6 @@ import time
 from collections import deque
 from typing import NamedTuple, Sequence
 
-import aiofiles.os
 import structlog
 
 from commitlog.entry import SYNCED_BEFORE, Entry, encode_fields
@@ -117,11 +116,6 @@ class _Batch:
         self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
         self.bytes = 0
         self.count = 0
-
-
-# Blocking calls that await their result (open, close, retain, empty, find, reads) run
-# through aiofiles' wrapper, on the queue's own executor (`executor=`).
-_off_loop = aiofiles.os.wrap(lambda fn, *args: fn(*args))
 
 
 def _settle(waiter, result, error) -> None:
@@ -404,7 +398,7 @@ class DiskQueue(Replicated):
         else:
             self._busy = True
         try:
-            result = await _off_loop(fn, *args, executor=self._write_worker)
+            result = await self._write_worker.run(self._loop, fn, *args)
             if then is not None:
                 then(result)
             return result

