@@ -248,8 +248,11 @@ class LeaderLog:
             self._advance()
             return
         code = frame.header.get("code")
-        if code == wire.E_STALE_EPOCH:
-            self._close_soon(f"{f.node} has seen epoch {frame.header.get('epoch')}")
+        seen = frame.header.get("epoch")
+        if code == wire.E_STALE_EPOCH and isinstance(seen, int) and seen > self.state.epoch:
+            self._close_soon(f"{f.node} has seen epoch {seen}")
+        # else a push of an older epoch of ours (sent before our own ISR change) was
+        # refused: that follower catches up, this leader goes on
         self._fail(f, f"{code}: {frame.header.get('message')}")
 
     def _advance(self) -> None:

@@ -457,3 +457,28 @@ async def test_a_replica_behind_the_leaders_retained_start_restarts_there_and_jo
         assert await records(cq) == await records(aq)
     finally:
         await stop(hosts)
+
+
+async def test_a_refused_push_of_the_leaders_own_older_epoch_does_not_depose_it(tmp_path):
+    """E_STALE_EPOCH from a follower that has seen the leader's own epoch (a push sent
+    before the leader's ISR change raised it) fails that follower only; one that has seen a
+    newer epoch deposes the leader. (A one-way partition in jepsen left a partition
+    leaderless: its only ISR member stepped down on such a refusal.)"""
+    states, hosts = await cluster(tmp_path, min_isr=1)
+    try:
+        leader = hosts[0].leaders[(T, 0)]
+        epoch = leader.state.epoch
+        loop = asyncio.get_running_loop()
+
+        def refusal(seen):
+            fut = loop.create_future()
+            fut.set_result(wire.Frame(Kind.ERROR, 0, {"code": wire.E_STALE_EPOCH,
+                                                      "message": "stale", "epoch": seen}))
+            return fut
+
+        leader._acked(leader.followers[B], refusal(epoch))
+        assert not leader.closed and leader.followers[B].failed
+        leader._acked(leader.followers[C], refusal(epoch + 1))
+        assert leader.closed
+    finally:
+        await stop(hosts)
