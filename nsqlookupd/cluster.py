@@ -41,6 +41,7 @@ from .http import HTTPError
 log = structlog.get_logger("nsqlookupd.cluster")
 
 SEEN_TIMEOUT = 3.0  # seconds a write waits for the mirror to show it
+RECONNECT_WAIT = 2.0  # seconds a write waits for the etcd watch to be up again
 
 
 class Cluster:
@@ -143,18 +144,24 @@ class Cluster:
 
     # ---- writes (master only) --------------------------------------------------------
 
-    def _master_view(self) -> ClusterView:
+    async def master_view(self) -> ClusterView:
+        """The current view, on the master only. The etcd watch reopens itself now and then
+        (every idle timeout): a write waits up to RECONNECT_WAIT for it before it answers
+        503 CLUSTER_METADATA_UNAVAILABLE."""
         if not self.is_master:
             raise HTTPError(503, "NOT_MASTER", master_http_address=self.master_http_address())
-        view = self.directory.view
-        if view is None or not self.mirror.connected:
-            raise HTTPError(503, "CLUSTER_METADATA_UNAVAILABLE",
-                            error="etcd unreachable: no current view of the cluster")
-        return view
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RECONNECT_WAIT
+        while self.directory.view is None or not self.mirror.connected:
+            if loop.time() >= deadline:
+                raise HTTPError(503, "CLUSTER_METADATA_UNAVAILABLE",
+                                error="etcd unreachable: no current view of the cluster")
+            await asyncio.sleep(0.02)
+        return self.directory.view
 
     async def create_topic(self, topic: str, meta: TopicMeta) -> bool:
         """Place and write a new topic: False if it exists already with these settings."""
-        view = self._master_view()
+        view = await self.master_view()
         existing = view.topics.get(topic)
         if existing is not None:
             return self._same_topic(topic, existing.meta, meta)
@@ -185,7 +192,7 @@ class Cluster:
         return False
 
     async def delete_topic(self, topic: str) -> bool:
-        self._master_view()
+        await self.master_view()
         try:
             deleted = await self.metadata.delete_topic(topic)
         except EtcdError as e:
@@ -195,7 +202,7 @@ class Cluster:
         return deleted
 
     async def create_channel(self, topic: str, channel: str) -> bool:
-        self._master_view()
+        await self.master_view()
         meta = ChannelMeta(created_ms=int(time.time() * 1000))
         try:
             created = await self.metadata.create_channel(topic, channel, meta)
@@ -209,7 +216,7 @@ class Cluster:
         return created
 
     async def delete_channel(self, topic: str, channel: str) -> bool:
-        self._master_view()
+        await self.master_view()
         try:
             deleted = await self.metadata.delete_channel(topic, channel)
         except EtcdError as e:
