@@ -174,7 +174,7 @@ async def test_off_by_default_and_per_channel_switch(traced):
         await x.close()
 
 
-async def test_trace_ids_from_pub_trace_pub_ext_and_http(traced):
+async def test_trace_ids_from_pub_trace_mpub_trace_pub_ext_and_http(traced):
     node = traced("--trace-all")
     pub = await conn(node, extend_support=True)
     reply = await pub.command(c.cmd_pub_trace("tr", 1 << 63 | 5, b"a", 0))
@@ -188,6 +188,14 @@ async def test_trace_ids_from_pub_trace_pub_ext_and_http(traced):
     assert len({e["msg_id"] for e in by_42}) == 2
     got = ok(node, "GET", f"/message/get?topic=tr&msg_id={msg_id:016x}")
     assert got["trace_id"] == str(1 << 63 | 5) and got["body"] == "a" and got["size"] == size
+    reply = await pub.command(c.cmd_mpub_trace("tr", [(7, b"m1"), (8, b"m2"), (7, b"m3")], 0))
+    okay, first_id, trace_id, offset, size = struct.unpack(">2sQQqI", reply)
+    assert (okay, trace_id) == (b"OK", 7) and offset > 0 and size > 0
+    by_7 = await events_of(node, "trace_id=7", 2)
+    assert [ok(node, "GET", f"/message/get?topic=tr&msg_id={int(e['msg_id'], 16):016x}")["body"]
+            for e in by_7] == ["m1", "m3"] and int(by_7[0]["msg_id"], 16) == first_id
+    (by_8,) = await events_of(node, "trace_id=8", 1)
+    assert ok(node, "GET", f"/message/get?topic=tr&msg_id={by_8['msg_id']}")["body"] == "m2"
     await pub.close()
 
 
