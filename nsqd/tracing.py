@@ -197,13 +197,12 @@ class Tracer:
     def delay_out(self, channel, msg) -> None:
         self.writer.add(self._event(channel, ev.DELAY_OUT, msg))
 
-    def emptied(self, channel) -> None:
-        """A channel emptied (/channel/empty, or a cursor moved): a DROP for each message it
-        held in memory (in flight, requeued, deferred), and one for the log it skips up to
-        its end (NO_MESSAGE, offset = that end)."""
+    def emptied(self, channel, reason: str = "channel emptied") -> None:
+        """A channel emptied (/channel/empty, a cursor moved) or deleted: a DROP for each
+        message it held in memory (in flight, requeued, deferred), and one for the log it
+        skips up to its end (NO_MESSAGE, offset = that end)."""
         held = [m for c in channel.clients for m in c.in_flight_of(channel.partition)]
         held += [*channel.requeued, *(entry[2] for entry in channel.deferred)]
-        reason = "channel emptied"
         self.writer.add_many([self._event(channel, ev.DROP, m, reason) for m in held])
         self.range_dropped(channel.topic_name, channel.partition, channel.name,
                            channel.queue.committed_end, reason)
@@ -215,7 +214,7 @@ class Tracer:
 
     def range_dropped(self, topic: str, partition: int, channel: str, offset: int,
                       reason: str) -> None:
-        """Messages dropped as a range (channel emptied, topic deleted): one event,
-        NO_MESSAGE, `offset` where the range ends."""
+        """Messages dropped as a range (channel emptied or deleted, topic deleted, segments
+        gone with retention): one event, NO_MESSAGE, `offset` where the range ends."""
         self.writer.add((time.time_ns(), ev.DROP, topic, partition, channel, ev.NO_MESSAGE, 0,
                          offset, 0, reason))

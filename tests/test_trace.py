@@ -240,11 +240,31 @@ async def test_delay_queue_and_drops(traced):
     drops = [e for e in await events_of(node, "topic=slow", 8) if e["kind"] == "DROP"]
     assert [(e["msg_id"], e["detail"]) for e in drops] == [
         (again.id.decode(), "channel emptied"), ("", "channel emptied")]
+    await pub.pub("slow", b"y")
+    held = (await take(sub))[0]  # in flight when its channel goes
+    ok(node, "POST", "/channel/delete?topic=slow&channel=ch")
+    drops = [e for e in await events_of(node, "topic=slow", 12) if e["kind"] == "DROP"]
+    assert [(e["msg_id"], e["detail"]) for e in drops[2:]] == [
+        (held.id.decode(), "channel deleted"), ("", "channel deleted")]
     ok(node, "POST", "/topic/delete?topic=slow")
-    drops = [e for e in await events_of(node, "topic=slow", 9) if e["kind"] == "DROP"]
+    drops = [e for e in await events_of(node, "topic=slow", 13) if e["kind"] == "DROP"]
     assert drops[-1]["detail"] == "topic deleted" and drops[-1]["offset"] > 0
     await pub.close()
     await sub.close()
+
+
+async def test_retention_that_drops_segments_is_a_drop(traced):
+    node = traced("--trace-all", "--segment-bytes", "2048", "--retention-max-bytes", "4096",
+                  "--retention-check-interval", "100ms")
+    for i in range(40):
+        ok(node, "POST", "/pub?topic=aged", b"m%03d-" % i + b"x" * 200)
+    deadline = time.monotonic() + 20
+    while not (drops := [e for e in await events_of(node, "topic=aged", 41, timeout=0.5)
+                         if e["kind"] == "DROP"]):
+        assert time.monotonic() < deadline, "retention made no DROP event"
+    (drop,) = drops[:1]
+    assert drop["detail"].startswith("retention: offsets 0 to ") and drop["offset"] > 0
+    assert drop["msg_id"] == "" and drop["channel"] == ""
 
 
 async def test_setoffset_is_a_replay(traced):
