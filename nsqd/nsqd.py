@@ -143,6 +143,7 @@ class NSQD:
         from .tcp import start_tcp
 
         self.tcp_server, self.tcp_port = await start_tcp(self)
+        self.tracer.start_writer(self.tcp_port)
         self.http_runner, self.http_port = await start_http(self)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._scan_loop()),

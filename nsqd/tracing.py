@@ -44,7 +44,7 @@ class Tracer:
             self.path = None
             self.writer = EventWriter(
                 None, node, bound=o.trace_buffer, sink="elasticsearch",
-                open_store=lambda: es.EsStore(self.es_url, node, self.es_prefix),
+                open_store=lambda: es.EsStore(self.es_url, self.writer.node, self.es_prefix),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None)
         else:
             self.path = os.path.join(o.data_path, STORE_FILE)
@@ -56,11 +56,15 @@ class Tracer:
     # ---- lifecycle and switches -------------------------------------------------
 
     def start(self, meta) -> None:
-        """Load the stored switches (the metadata store is open) and start the writer."""
+        """Load the stored switches (the metadata store is open), before topics open."""
         stored = meta.get(SWITCHES_KEY) or {}  # read once, at start
         self.topics = set(stored.get("topics", []))
         self.channels = {tuple(tc) for tc in stored.get("channels", [])}
-        self.writer.start()
+
+    def start_writer(self, tcp_port: int) -> None:
+        """Start writing events (those of the start-up wait in the buffer), the node named
+        by the port it listens on (the configured one is 0 for "any free port")."""
+        self.writer.start(f"{self.nsqd.options.broadcast_address}:{tcp_port}")
 
     async def close(self) -> None:
         await asyncio.to_thread(self.writer.close)

@@ -224,7 +224,8 @@ async def test_switches_and_store_survive_a_restart_and_time_window(traced):
 
 
 async def test_delay_queue_and_drops(traced):
-    node = traced("--trace-all", "--delay-threshold", "100ms")
+    # messages stay in flight while the events are looked for (an ES store shows them late)
+    node = traced("--trace-all", "--delay-threshold", "100ms", "--msg-timeout", "30s")
     pub = await conn(node)
     await pub.pub("slow", b"x")
     sub = await conn(node)

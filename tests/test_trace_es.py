@@ -30,7 +30,7 @@ from test_trace import (  # noqa: F401 (collected again here, with this module's
     conn, events_of, http, ok, settled, test_a_message_timeline_has_each_event_when_it_happens,
     test_delay_queue_and_drops, test_off_by_default_and_per_channel_switch,
     test_setoffset_is_a_replay, test_switches_and_store_survive_a_restart_and_time_window,
-    test_trace_ids_from_pub_trace_pub_ext_and_http, test_unknown_ids_are_404_and_bad_arguments_400)
+    test_trace_ids_from_pub_trace_mpub_trace_pub_ext_and_http, test_unknown_ids_are_404_and_bad_arguments_400)
 
 REAL_ES = os.environ.get("NSQ_TEST_ES_URL")
 
