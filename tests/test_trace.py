@@ -236,7 +236,7 @@ async def test_delay_queue_and_drops(traced):
     events = await events_of(node, f"msg_id={m.id.decode()}", 6)
     assert [e["kind"] for e in events] == ["PUB", "DELIVER", "REQ", "DELAY_IN", "DELAY_OUT",
                                            "DELIVER"]
-    assert 0 < int(events[3]["detail"]) <= 300
+    assert 0 <= int(events[3]["detail"]) <= 300  # due in ms (0: it was due already)
     ok(node, "POST", "/channel/empty?topic=slow&channel=ch")  # `again` is in flight: dropped
     drops = [e for e in await events_of(node, "topic=slow", 8) if e["kind"] == "DROP"]
     assert [(e["msg_id"], e["detail"]) for e in drops] == [
