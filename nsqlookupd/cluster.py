@@ -37,6 +37,8 @@ from isr.state import ChannelMeta, LookupdInfo, TopicMeta
 from .directory import ClusterDirectory
 from .failover import Failover
 from .http import HTTPError
+from .loads import LoadReports, cluster_stats
+from .moves import LeaderMover
 
 log = structlog.get_logger("nsqlookupd.cluster")
 
@@ -62,6 +64,9 @@ class Cluster:
         self.mirror: ClusterMirror | None = None
         self.failover = Failover(self.metadata, self.ttl, self._current_view,
                                  lambda: self.is_master)
+        self.loads = LoadReports(self.etcd, self.cluster_id)
+        self.viewed = asyncio.Event()  # pulsed on every new view
+        self.mover = LeaderMover(self.metadata, self._master_view, lambda: self.viewed)
 
     async def start(self, broadcast_address: str, tcp_port: int, http_port: int) -> None:
         lookupd_id = keys.check_node_id(f"{broadcast_address}:{tcp_port}")
@@ -74,12 +79,14 @@ class Cluster:
         self.election = Election(self.etcd, keys.lookupd_master(self.cluster_id), lookupd_id,
                                  self.ttl, on_change=lambda *_: self.failover.poke()).start()
         self.failover.start()
+        self.loads.start()
         log.info("cluster_mode", cluster=self.cluster_id, id=lookupd_id, ttl=self.ttl,
                  etcd=self.etcd.endpoint)
 
     async def close(self) -> None:
         """Resign (the master key goes at once), unregister, stop watching."""
-        for part in (self.failover, self.election, self.registration, self.mirror):
+        for part in (self.loads, self.failover, self.election, self.registration,
+                     self.mirror):
             if part is not None:
                 await part.close()
         await self.etcd.close()
@@ -87,6 +94,8 @@ class Cluster:
     def _on_view(self, view: ClusterView) -> None:
         self.directory = ClusterDirectory(view)
         self.failover.poke()
+        self.viewed.set()
+        self.viewed = asyncio.Event()
 
     def _current_view(self) -> ClusterView | None:
         """The view while it is current (the watch is up), else None."""
@@ -140,6 +149,18 @@ class Cluster:
         master = self.election.master_id if self.election else None
         return {"lookupdnodes": [entry(lookupds[i]) for i in sorted(lookupds)],
                 "lookupdleader": entry(lookupds[master]) if master in lookupds else None}
+
+    def stats(self, topn: int) -> dict:
+        """`/cluster/stats` (loads.cluster_stats): from this lookupd's view and the load
+        reports it last read. `stable`: no move under way, every partition led by a live
+        node and its ISR full."""
+        view = self.directory.view
+        if view is None:
+            raise HTTPError(503, "CLUSTER_VIEW_NOT_READY", error="etcd not read yet")
+        stable = (not self.mover.busy and not view.leaderless()
+                  and all(len(s.isr) >= t.meta.replicas for t in view.topics.values()
+                          for s in t.partitions.values()))
+        return cluster_stats(view, self.loads.reports, topn, stable, int(time.time() * 1000))
 
     # ---- writes (master only) --------------------------------------------------------
 
