@@ -35,6 +35,7 @@ from isr.registry import Registration
 from isr.state import ChannelMeta, LookupdInfo, TopicMeta
 
 from .directory import ClusterDirectory
+from .balancer import Balancer, format_window, parse_window
 from .failover import Failover
 from .http import HTTPError
 from .loads import LoadReports, cluster_stats
@@ -67,6 +68,8 @@ class Cluster:
         self.loads = LoadReports(self.etcd, self.cluster_id)
         self.viewed = asyncio.Event()  # pulsed on every new view
         self.mover = LeaderMover(self.metadata, self._master_view, lambda: self.viewed)
+        self.balancer = Balancer(self, parse_window(options.balance_window),
+                                 options.balance_tolerance, options.balance_interval)
 
     async def start(self, broadcast_address: str, tcp_port: int, http_port: int) -> None:
         lookupd_id = keys.check_node_id(f"{broadcast_address}:{tcp_port}")
@@ -80,12 +83,13 @@ class Cluster:
                                  self.ttl, on_change=lambda *_: self.failover.poke()).start()
         self.failover.start()
         self.loads.start()
+        self.balancer.start()
         log.info("cluster_mode", cluster=self.cluster_id, id=lookupd_id, ttl=self.ttl,
                  etcd=self.etcd.endpoint)
 
     async def close(self) -> None:
         """Resign (the master key goes at once), unregister, stop watching."""
-        for part in (self.loads, self.failover, self.election, self.registration,
+        for part in (self.balancer, self.loads, self.failover, self.election, self.registration,
                      self.mirror):
             if part is not None:
                 await part.close()
@@ -152,15 +156,27 @@ class Cluster:
 
     def stats(self, topn: int) -> dict:
         """`/cluster/stats` (loads.cluster_stats): from this lookupd's view and the load
-        reports it last read. `stable`: no move under way, every partition led by a live
-        node and its ISR full."""
+        reports it last read, with each node's drain state and the balancer's. `stable`: no
+        move under way, every partition led by a live node, its ISR full, nothing
+        catching up, partitions held and led per node within the tolerance."""
         view = self.directory.view
         if view is None:
             raise HTTPError(503, "CLUSTER_VIEW_NOT_READY", error="etcd not read yet")
-        stable = (not self.mover.busy and not view.leaderless()
-                  and all(len(s.isr) >= t.meta.replicas for t in view.topics.values()
-                          for s in t.partitions.values()))
-        return cluster_stats(view, self.loads.reports, topn, stable, int(time.time() * 1000))
+        b = self.balancer
+        stable = (not self.mover.busy and not view.leaderless() and b.balanced(view)
+                  and all(len(s.isr) >= t.meta.replicas and not s.catchup
+                          for t in view.topics.values() for s in t.partitions.values()))
+        out = cluster_stats(view, self.loads.reports, topn, stable, int(time.time() * 1000))
+        for node in out["node_stat_list"]:
+            drain = b.drains.get(node["id"], {})
+            node["draining"] = drain.get("state") == "draining"
+            node["removable"] = drain.get("state") == "removable"
+        out["balance"] = {"window": format_window(b.window), "open": b.open_now(),
+                          "tolerance": b.tolerance, "moves": b.moves,
+                          "last_error": b.last_error, "moving": self.mover.busy,
+                          "last_move": self.mover.last,
+                          "drains": {n: dict(d) for n, d in sorted(b.drains.items())}}
+        return out
 
     # ---- writes (master only) --------------------------------------------------------
 
@@ -179,7 +195,7 @@ class Cluster:
         existing = view.topics.get(topic)
         if existing is not None:
             return self._same_topic(topic, existing.meta, meta)
-        live = sorted(view.nodes)
+        live = sorted(set(view.nodes) - self.balancer.draining) or sorted(view.nodes)
         if meta.replicas > len(live):
             raise HTTPError(400, "INVALID_ARG_REPLICATOR",
                             detail=f"replicas {meta.replicas} > live nodes {len(live)}")
