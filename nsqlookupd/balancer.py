@@ -226,10 +226,6 @@ class Balancer:
         node = {n: f["node_load_factor"] for n, f in node_factors(view, loads, part).items()}
         return next_move(view, self.draining, self.tolerance, part, node)
 
-    def balanced(self, view: ClusterView) -> bool:
-        held, led = counts(view, sorted(set(view.nodes) - self.draining))
-        return spread(held) <= self.tolerance and spread(led) <= self.tolerance
-
     async def step(self) -> dict | None:
         """One balancer move now (HTTPError when it may not move): its outcome, or None
         when there is nothing to move."""
@@ -239,7 +235,7 @@ class Balancer:
         if not self.open_now():
             raise HTTPError(409, "OUTSIDE_BALANCE_WINDOW",
                             detail=f"moves only within {format_window(self.window)}")
-        view = self.cluster._master_view()
+        view = self.cluster.master_view()
         plan = self.plan(view)
         if plan is None:
             return None
@@ -272,7 +268,7 @@ class Balancer:
 
     def drain(self, node: str, cancel: bool = False) -> dict:
         """Start (or cancel) draining `node`; its drain state."""
-        view = self.cluster._master_view()
+        view = self.cluster.master_view()
         if cancel:
             task = self._drain_tasks.pop(node, None)
             if task is not None:
@@ -295,7 +291,7 @@ class Balancer:
                 await asyncio.sleep(DRAIN_RETRY_S)
                 continue
             try:
-                view = self.cluster._master_view()
+                view = self.cluster.master_view()
                 plan, d["stuck"] = drain_move(view, node, self.draining)
                 if plan is None:
                     if not d["stuck"]:

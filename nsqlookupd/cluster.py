@@ -67,7 +67,7 @@ class Cluster:
                                  lambda: self.is_master)
         self.loads = LoadReports(self.etcd, self.cluster_id)
         self.viewed = asyncio.Event()  # pulsed on every new view
-        self.mover = LeaderMover(self.metadata, self._master_view, lambda: self.viewed)
+        self.mover = LeaderMover(self.metadata, self.master_view, lambda: self.viewed)
         self.balancer = Balancer(self, parse_window(options.balance_window),
                                  options.balance_tolerance, options.balance_interval)
 
@@ -158,12 +158,13 @@ class Cluster:
         """`/cluster/stats` (loads.cluster_stats): from this lookupd's view and the load
         reports it last read, with each node's drain state and the balancer's. `stable`: no
         move under way, every partition led by a live node, its ISR full, nothing
-        catching up, partitions held and led per node within the tolerance."""
+        catching up, and no balancer move left to make (partitions held and led per node within
+        the tolerance, or nothing movable)."""
         view = self.directory.view
         if view is None:
             raise HTTPError(503, "CLUSTER_VIEW_NOT_READY", error="etcd not read yet")
         b = self.balancer
-        stable = (not self.mover.busy and not view.leaderless() and b.balanced(view)
+        stable = (not self.mover.busy and not view.leaderless() and b.plan(view) is None
                   and all(len(s.isr) >= t.meta.replicas and not s.catchup
                           for t in view.topics.values() for s in t.partitions.values()))
         out = cluster_stats(view, self.loads.reports, topn, stable, int(time.time() * 1000))
@@ -180,7 +181,7 @@ class Cluster:
 
     # ---- writes (master only) --------------------------------------------------------
 
-    def _master_view(self) -> ClusterView:
+    def master_view(self) -> ClusterView:
         if not self.is_master:
             raise HTTPError(503, "NOT_MASTER", master_http_address=self.master_http_address())
         view = self.directory.view
@@ -191,7 +192,7 @@ class Cluster:
 
     async def create_topic(self, topic: str, meta: TopicMeta) -> bool:
         """Place and write a new topic: False if it exists already with these settings."""
-        view = self._master_view()
+        view = self.master_view()
         existing = view.topics.get(topic)
         if existing is not None:
             return self._same_topic(topic, existing.meta, meta)
@@ -222,7 +223,7 @@ class Cluster:
         return False
 
     async def delete_topic(self, topic: str) -> bool:
-        self._master_view()
+        self.master_view()
         try:
             deleted = await self.metadata.delete_topic(topic)
         except EtcdError as e:
@@ -232,7 +233,7 @@ class Cluster:
         return deleted
 
     async def create_channel(self, topic: str, channel: str) -> bool:
-        self._master_view()
+        self.master_view()
         meta = ChannelMeta(created_ms=int(time.time() * 1000))
         try:
             created = await self.metadata.create_channel(topic, channel, meta)
@@ -246,7 +247,7 @@ class Cluster:
         return created
 
     async def delete_channel(self, topic: str, channel: str) -> bool:
-        self._master_view()
+        self.master_view()
         try:
             deleted = await self.metadata.delete_channel(topic, channel)
         except EtcdError as e:
