@@ -304,3 +304,17 @@ def test_every_partition_case_on_three_nodes_is_decided_without_error():
                 plan, _ = drain_move(v, A, {A})
                 if plan is not None:
                     assert plan.to in live and plan.to != A
+
+
+def test_balance_flags():
+    from nsqlookupd.options import from_args
+
+    o = from_args(["--balance-window", "02:00-06:00", "--balance-tolerance", "2",
+                   "--balance-interval", "500ms"], "v")
+    assert (o.balance_window, o.balance_tolerance, o.balance_interval) == ("02:00-06:00", 2, 0.5)
+    assert from_args([], "v").balance_window == ""  # off by default
+    for bad in (["--balance-window", "25:00-26:00"], ["--balance-tolerance", "0"],
+                ["--balance-interval", "soon"]):
+        with pytest.raises(SystemExit) as e:
+            from_args(bad, "v")
+        assert e.value.code == 2
