@@ -18,9 +18,11 @@ may wrap past midnight, `22:00-02:00`; empty, the default: the balancer is off) 
 when the balancer moves; `--balance-interval` is the least time between two of its moves.
 Drains (`POST /node/drain`) and manual moves are not bound by the window.
 
-Drain of a node: every partition it holds gets its replica moved to the live,
-non-draining node holding the fewest partitions that does not hold it (the leader is
-moved off first, inside the replica move). A partition that cannot move (one replica, no
+Drain of a node (live, or dead and still named in partition states): every partition it
+holds gets its replica moved to the live, non-draining node holding the fewest
+partitions that does not hold it (the leader is moved off first, inside the replica
+move; a dead node's partitions once failover gave them a live leader, and once the
+leader dropped it from the ISR). A partition that cannot move (one replica, no
 spare node, ISR incomplete) is retried every DRAIN_RETRY_S and listed in `stuck`. When the
 node holds nothing, it is `removable` (shown in /cluster/stats). Drain states live in the
 master's memory: a new master forgets them (drain again: it is idempotent).
@@ -169,10 +171,9 @@ def drain_move(view: ClusterView, node: str, draining: set[str]) -> tuple[Plan |
             if tv.meta.replicas < 2:
                 stuck.append(f"{name}:{n}: one replica (not replicated, cannot move)")
                 continue
-            if node in s.catchup and node not in s.isr:
-                stuck.append(f"{name}:{n}: catching up")
-                continue
-            if not movable(view, tv, n):
+            others = [x for x in s.isr if x != node]
+            if (s.leader not in view.nodes or tv.leader_locks.get(n) != s.leader
+                    or len(others) < tv.meta.replicas - 1 or set(s.catchup) - {node}):
                 stuck.append(f"{name}:{n}: ISR incomplete or leader not settled")
                 continue
             spare = [v for v in nodes if v not in s.isr and v not in s.catchup]
@@ -180,9 +181,9 @@ def drain_move(view: ClusterView, node: str, draining: set[str]) -> tuple[Plan |
                 to = min(spare, key=lambda v: (held[v], v))
                 return Plan("replica", name, n, node, to), stuck
             if s.leader == node:
-                others = [v for v in s.isr if v != node and v in nodes]
-                if others:
-                    return Plan("leader", name, n, node, others[0]), stuck
+                takers = [v for v in others if v in nodes]
+                if takers:
+                    return Plan("leader", name, n, node, takers[0]), stuck
             stuck.append(f"{name}:{n}: no other live node to take its replica")
     return None, stuck
 
@@ -276,8 +277,11 @@ class Balancer:
             if node in self.drains:
                 self.drains[node]["state"] = "cancelled"
             return {"node": node, **self.drains.get(node, {"state": "not draining"})}
-        if node not in view.nodes:
-            raise HTTPError(409, "NODE_NOT_LIVE", detail=f"{node} is not a live node")
+        if node not in view.nodes and not any(node in s.isr or node in s.catchup
+                                              for tv in view.topics.values()
+                                              for s in tv.partitions.values()):
+            raise HTTPError(409, "NODE_NOT_LIVE",
+                            detail=f"{node} is not a live node and holds no partition")
         if node not in self._drain_tasks or self._drain_tasks[node].done():
             self.drains[node] = {"state": "draining", "moved": 0, "stuck": [], "error": None}
             self._drain_tasks[node] = asyncio.create_task(self._drain(node),

@@ -25,15 +25,17 @@ A kill -9 of either side at any point leaves one leader: the state names one; a 
 target is replaced by failover (the least-loaded live ISR member, epoch + 1), and a dead
 old leader's key goes with its lease, after which the target takes it.
 
-Replica move (`from` -> `to`, both checked by `check_replica_move`):
+Replica move (`from` -> `to`, both checked by `check_replica_move`; `from` in the ISR or
+only catching up, e.g. a dead node the leader dropped, every other replica in sync):
 1. CAS `to` into the partition's catch-up list (same epoch): `to` starts following, catches
    up from the leader and JOINs (isr/README.md: the leader CASes it into the ISR, epoch +
    1, only once it acked every commit);
 2. wait (CATCHUP_S at most; else `to` is taken out of the catch-up list again, 504
    CATCHUP_TIMEOUT) until the ISR holds `to`;
 3. if `from` leads, a leader transfer to `to` first;
-4. CAS `from` out of the ISR (epoch + 1): the leader stops pushing to it and it stops
-   following (its files stay on its disk). The ISR never drops below the replica count.
+4. CAS `from` out of the ISR (epoch + 1) or the catch-up list: the leader stops pushing
+   to it and it stops following (its files stay on its disk). An ISR that was whole never
+   drops below the replica count.
 
 One move at a time (`MOVE_IN_PROGRESS`); a CAS that loses to another writer (the leader's
 own ISR changes) reads the state again and decides again (CAS_TRIES).
@@ -107,12 +109,15 @@ def check_replica_move(view: ClusterView, topic: str, partition: int, frm: str,
         raise HTTPError(409, "NODE_NOT_LIVE", detail=f"{to} is not a live node")
     if to in state.isr or to in state.catchup:
         raise HTTPError(409, "ALREADY_REPLICA", detail=f"{to} holds it already")
-    if frm not in state.isr:
-        raise HTTPError(409, "NOT_IN_ISR", detail=f"{frm} is not in the ISR {list(state.isr)}")
-    if len(state.isr) < tv.meta.replicas or state.catchup:
+    if frm not in state.isr and frm not in state.catchup:
+        raise HTTPError(409, "NOT_A_REPLICA", detail=f"{frm} is neither in the ISR "
+                                                     f"{list(state.isr)} nor catching up")
+    others = [x for x in state.isr if x != frm]
+    if len(others) < tv.meta.replicas - 1 or set(state.catchup) - {frm}:
         raise HTTPError(409, "ISR_INCOMPLETE",
                         detail=f"ISR {list(state.isr)} of {tv.meta.replicas} replicas, "
-                               f"catching up {list(state.catchup)}: moved once it is whole")
+                               f"catching up {list(state.catchup)}: every replica but "
+                               f"{frm} must be in sync")
     if state.leader not in view.nodes or tv.leader_locks.get(partition) != state.leader:
         raise HTTPError(409, "LEADER_NOT_SETTLED",
                         detail="the partition has no settled live leader")

@@ -9,7 +9,7 @@ TTL 2 s), one cluster for the module:
 - a transfer interrupted by kill -9 of the target or of the old leader ends with exactly
   one leader, which serves;
 - a node drained under traffic (publishing and consuming) holds nothing afterwards
-  (removable), a fourth node added taking its share;
+  (removable), a fourth node added taking its share; a node killed, then drained, too;
 - with the window open (the lookupd restarted), the balancer evens a fully skewed topic
   and refills the drained node, under publishing and consuming, nothing acknowledged lost.
 """
@@ -247,7 +247,7 @@ async def test_bad_moves_are_refused_and_move_nothing(cl):
         (f"/partition/move_replica?topic=bad&partition=0&from={s.leader}&to={follower}", 409,
          "ALREADY_REPLICA"),
         (f"/partition/move_replica?topic=bad&partition=0&from={outside}&to={outside}", 409,
-         "NOT_IN_ISR"),
+         "NOT_A_REPLICA"),
         (f"/partition/move_replica?topic=bad&partition=0&from={s.leader}&to=127.0.0.1:1", 409,
          "NODE_NOT_LIVE"),
         ("/node/drain?node=127.0.0.1:1", 409, "NODE_NOT_LIVE"),
@@ -387,6 +387,35 @@ async def test_drain_under_traffic_moves_everything_off(cl):
           f"failed {load.failed}")
     load.check_success()
     await check_nothing_lost(cl, load)
+
+
+async def test_a_dead_node_is_drained_once_failover_gave_its_partitions_leaders(cl):
+    # the node drained before comes back into the pool (R=3 needs 3 nodes besides the dead)
+    back = cl.nsqds[1].tcp_address
+    status, body = post(cl, f"/node/drain?node={back}&cancel=true")
+    assert status == 200 and body["state"] == "cancelled", body
+    dead = cl.nsqds[2]
+    dead.kill()
+    status, body = post(cl, f"/node/drain?node={dead.tcp_address}")
+    assert status == 200 and body["state"] == "draining", body
+
+    last = {}
+
+    def removable():
+        last.update(stats(cl)["balance"]["drains"].get(dead.tcp_address, {}))
+        return last.get("state") == "removable" and dict(last)
+    try:
+        d = await until(removable, 40, f"dead {dead.tcp_address} drained")
+    except AssertionError:
+        raise AssertionError(f"not drained: {last}; states "
+                             f"{ {t: await cl.states(t) for t in ('dr', 'sk', 'mv')} }")
+    for topic in ("dr", "sk", "mv", "ld", "bad", "kill-target", "kill-old-leader"):
+        for n, s in (await cl.states(topic)).items():
+            assert dead.tcp_address not in (*s.isr, *s.catchup), (topic, n, s)
+            assert len(s.isr) >= (cl.lookup(topic).get("meta") or {}).get("replica"), s
+    print(f"dead node drained: {d['moved']} moves")
+    dead.start()  # back, empty: the balancer fills it next
+    await until(lambda: len(cl.live_nodes()) == 4, 10, "the node registered again")
 
 
 async def test_the_balancer_evens_a_skewed_cluster_under_traffic(cl):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from isr.load import NodeLoad, PartitionLoad, node_factors, partition_loads
 from isr.metadata import ClusterView, TopicView
 from isr.state import BadValue, NodeInfo, PartitionState, TopicMeta
-from nsqlookupd.balancer import (counts, drain_move, in_window, next_move, parse_window,
+from nsqlookupd.balancer import (Plan, counts, drain_move, in_window, next_move, parse_window,
                                  spread)
 from nsqlookupd.http import HTTPError
 from nsqlookupd.loads import cluster_stats
@@ -271,10 +271,15 @@ def test_replica_move_refusals():
                                    PartitionState(leader=A, isr=(A,), catchup=(B,), epoch=5)])})
     assert refused(check_replica_move, v, "t", 0, A, D) == (409, "NODE_NOT_LIVE")
     assert refused(check_replica_move, v, "t", 0, A, B) == (409, "ALREADY_REPLICA")
-    assert refused(check_replica_move, v, "t", 0, C, C) == (409, "NOT_IN_ISR")
+    assert refused(check_replica_move, v, "t", 0, C, C) == (409, "NOT_A_REPLICA")
     assert refused(check_replica_move, v, "t", 1, A, C) == (409, "ISR_INCOMPLETE")
     assert refused(check_replica_move, v, "t", 2, A, C) == (400, "BAD_PARTITION")
     assert check_replica_move(v, "t", 0, B, C).leader == A
+    # a replica only catching up (a dead node the leader dropped) may be moved away
+    assert check_replica_move(v, "t", 1, B, C).catchup == (B,)
+    three = view({A, B, C, D}, {"t": (3, [PartitionState(leader=A, isr=(A,), catchup=(B, C),
+                                                         epoch=5)])})
+    assert refused(check_replica_move, three, "t", 0, B, D) == (409, "ISR_INCOMPLETE")
 
 
 def test_every_partition_case_on_three_nodes_is_decided_without_error():
@@ -318,3 +323,16 @@ def test_balance_flags():
         with pytest.raises(SystemExit) as e:
             from_args(bad, "v")
         assert e.value.code == 2
+
+
+def test_a_dead_node_is_drained_once_its_partitions_have_live_leaders():
+    nodes = {B, C, D}  # A is dead
+    led_by_dead = PartitionState(leader=A, isr=(A, B, C), epoch=3)
+    dropped = PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=4)
+    still_in_isr = PartitionState(leader=C, isr=(C, A, B), epoch=2)
+    v = view(nodes, {"t": (3, [led_by_dead, dropped, still_in_isr])})
+    plan, stuck = drain_move(v, A, {A})
+    assert stuck == ["t:0: ISR incomplete or leader not settled"]  # failover's first
+    assert plan == Plan("replica", "t", 1, A, D)
+    check_replica_move(v, "t", 1, A, D)
+    check_replica_move(v, "t", 2, A, D)  # idle: the leader never dropped it
