@@ -11,7 +11,8 @@ Who is asked, by mode (the Snapshot's):
 - nsqd: every configured nsqd.
 A fan-out succeeds when at least one node did and none failed other than by not having
 the topic or channel (404: a node that holds none of its partitions). After an action the
-Source reads the cluster again, so the next page shows the effect.
+Source reads the cluster again until the effect shows (a cluster-wide write reaches the
+nodes through their etcd watch) or SETTLE_S passed, so the next page shows it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TOPIC_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "trace_on", "t
                  "tombstone")
 CHANNEL_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "setoffset", "trace_on",
                    "trace_off")
-DESTRUCTIVE = {"delete", "empty", "setoffset", "tombstone"}
+SETTLE_S = 3.0
 
 
 class ActionError(Exception):
@@ -135,8 +136,22 @@ async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
         if node not in snap.nodes:
             raise ActionError(400, "INVALID_NODE", f"no node {node!r} (give its HTTP address)")
         await _calls(source, out, lookupds, "/topic/tombstone", q | {"node": node})
-    await source.refresh()
+    shows = {"create": lambda t: t is not None and bool(t.partitions),
+             "delete": lambda t: t is None, "pause": lambda t: t and t.paused,
+             "unpause": lambda t: t and not t.paused, "trace_on": lambda t: t and t.traced,
+             "trace_off": lambda t: t and not t.traced}.get(action)
+    await _settle(source, out, shows and (lambda snap: shows(snap.topics.get(topic))))
     return out
+
+
+async def _settle(source, out: Outcome, shows) -> None:
+    """Read the cluster again, until `shows(snapshot)` (when given and the action was done)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        snap = await source.refresh()
+        if not out.ok or shows is None or shows(snap) or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _trace(source, out: Outcome, action: str, q: dict) -> None:
@@ -182,5 +197,13 @@ async def channel_action(source, action: str, topic: str, channel: str, form: di
         await _calls(source, out, targets, "/channel/setoffset", q, body)
     else:
         await _trace(source, out, action, q)
-    await source.refresh()
+    shows = {"create": lambda c: c is not None, "delete": lambda c: c is None,
+             "pause": lambda c: c and c.paused, "unpause": lambda c: c and not c.paused,
+             "trace_on": lambda c: c and c.traced,
+             "trace_off": lambda c: c and not c.traced}.get(action)
+
+    def channel_of(snap):
+        t = snap.topics.get(topic)
+        return t.channels.get(channel) if t else None
+    await _settle(source, out, shows and (lambda snap: shows(channel_of(snap))))
     return out
