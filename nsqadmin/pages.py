@@ -9,14 +9,14 @@ admin.js turns into a confirm() before sending.
 from __future__ import annotations
 
 import html
-import json
 import time
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 from .history import sparkline
 from .times import iso
 
 esc = html.escape
+MAX_ROWS = 200  # rows of a node page's table; the rest are in /api/nodes/<node>
 
 
 def u(name: str) -> str:
@@ -43,6 +43,14 @@ def table(headers: list[str], rows: list[list[str]], cls: str = "", empty: str =
                                     for h, c in zip(headers, r)) + "</tr>" for r in rows)
     return f'<div class="scroll"><table class="{cls}"><thead><tr>{head}</tr></thead>' \
            f'<tbody>{body}</tbody></table></div>'
+
+
+def capped(rows: list, api: str) -> tuple[list, str]:
+    """The first MAX_ROWS rows, and a line saying where the others are."""
+    if len(rows) <= MAX_ROWS:
+        return rows, ""
+    return rows[:MAX_ROWS], (f'<p class="note">first {MAX_ROWS} of {len(rows):,}: all in '
+                             f'<a href="{esc(api)}">{esc(api)}</a></p>')
 
 
 def form(action: str, label: str, ctx: dict, confirm: str = "", fields: str = "",
@@ -256,20 +264,25 @@ def node_page(v: dict, ctx: dict) -> tuple[str, str]:
              ("etcd", yes(v["etcd_connected"]) if v["etcd_connected"] is not None else "—"),
              ("trace sink", (v["trace"] or {}).get("sink", "—"))]
     dl = "".join(f"<dt>{esc(k)}</dt><dd>{num(val)}</dd>" for k, val in facts)
+    api = f"/api/nodes/{u(http)}"
+    rows, more_led = capped(v["led"], api)
     led = table(["topic", "partition", "ISR", "epoch", "messages", "depth"], [
         [f'<a href="/topics/{u(p["topic"])}">{esc(p["topic"])}</a>', num(p["number"]),
          esc(", ".join(p["isr"]) or "—"), num(p["epoch"]) if p["epoch"] is not None else "—",
-         num(p["messages"]), num(p["depth"])] for p in v["led"]], empty="leads nothing")
+         num(p["messages"]), num(p["depth"])] for p in rows], empty="leads nothing") + more_led
+    rows, more_f = capped(v["following"], api)
     following = table(["topic", "partition"], [
         [f'<a href="/topics/{u(f["topic"])}">{esc(f["topic"])}</a>', num(f["partition"])]
-        for f in v["following"]], empty="follows nothing")
+        for f in rows], empty="follows nothing") + more_f
+    rows, more_c = capped(v["client_list"], api)
     clients = table(["topic", "channel", "client", "user agent", "RDY", "in flight"], [
         [esc(c["topic"]), f'<a href="/topics/{u(c["topic"])}/{u(c["channel"])}">'
          f'{esc(c["channel"])}</a>', esc(f'{c["hostname"]} {c["remote_address"]}'),
          esc(c["user_agent"] or ""), num(c["ready_count"]), num(c["in_flight_count"])]
-        for c in v["client_list"]], empty="no consumers")
+        for c in rows], empty="no consumers") + more_c
     trows = []
-    for t in v["topics"]:
+    names, more_t = capped(v["topics"], api)
+    for t in names:
         if v["tombstone_note"]:
             act = ""
         elif v["tombstones"].get(t):
@@ -280,7 +293,8 @@ def node_page(v: dict, ctx: dict) -> tuple[str, str]:
                                "node for it.",
                        fields=f'<input type="hidden" name="node" value="{esc(http)}">')
         trows.append([f'<a href="/topics/{u(t)}">{esc(t)}</a>', act])
-    topics = table(["topic", "tombstone"], trows, cls="node-topics", empty="no topics")
+    topics = table(["topic", "tombstone"], trows, cls="node-topics",
+                   empty="no topics") + more_t
     tnote = f'<p class="note" id="tombstone-note">{esc(v["tombstone_note"])}</p>' \
         if v["tombstone_note"] else ""
     rnote = f'<p class="note">{esc(v["replication_note"])}</p>' if v["replication_note"] else ""
@@ -357,11 +371,3 @@ def error_page(status: int, code: str, detail: str) -> tuple[str, str]:
     return f"{status} {code}", (f'<h1 class="error-title">{status} {esc(code)}</h1>'
                                 f'<p id="error-detail">{esc(detail)}</p>'
                                 f'<p><a href="/">back to the cluster</a></p>')
-
-
-def json_block(data) -> str:
-    return f"<pre>{esc(json.dumps(data, indent=1))}</pre>"
-
-
-def trace_link(**q) -> str:
-    return "/trace?" + urlencode({k: v for k, v in q.items() if v})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import re
 import string
 import time
@@ -105,7 +104,7 @@ def topic_view(source, name: str) -> dict:
     for p in t.partitions:
         key = ("p", t.name, p.number, p.leader)
         partitions.append({
-            **dataclasses.asdict(p), "rate": round(hist.rate(key), 2),
+            **vars(p), "rate": round(hist.rate(key), 2),
             "isr_http": [ids[i].http if i in ids else "" for i in p.isr],
             "rates": [round(r, 2) for r in hist.rates(key)], "depths": hist.depths(key)})
     channels = [{"name": c.name, "depth": c.depth, "in_flight": c.in_flight,
@@ -143,7 +142,7 @@ def channel_view(source, topic: str, channel: str) -> dict:
             "traced": c.traced, "topic_traced": t.traced,
             "rate": round(hist.rate(("c", t.name, c.name)), 2),
             "depths": hist.depths(("c", t.name, c.name)),
-            "clients": clients, "partitions": [dataclasses.asdict(cp) for cp in c.parts]}
+            "clients": clients, "partitions": [dict(vars(cp)) for cp in c.parts]}
 
 
 def node_view(source, http: str) -> dict:
@@ -152,7 +151,7 @@ def node_view(source, http: str) -> dict:
     if n is None:
         raise NotFound("NODE_NOT_FOUND", f"no node {http!r} (nodes are named by their HTTP "
                                          "address)")
-    led = [dataclasses.asdict(p) for t in snap.topics.values() for p in t.partitions
+    led = [dict(vars(p)) for t in snap.topics.values() for p in t.partitions
            if p.leader == http]
     following = [{"topic": t, "partition": p} for t, p in n.following]
     clients = [{"topic": t.name, "channel": c.name, **{k: cl.get(k) for k in (
@@ -160,7 +159,7 @@ def node_view(source, http: str) -> dict:
         "in_flight_count", "message_count", "finish_count")}}
         for t in snap.topics.values() for c in t.channels.values()
         for cl in c.clients if cl["node"] == http]
-    return {"mode": snap.mode, "age_s": _age(snap), **dataclasses.asdict(n),
+    return {"mode": snap.mode, "age_s": _age(snap), **vars(n),
             "led": led, "following": following, "client_list": clients,
             "tombstone_note": TOMBSTONE_NOTE.get(snap.mode, ""),
             "replication_note": REPLICATION_NOTE.get(snap.mode, "")}
