@@ -29,7 +29,7 @@ TOPIC_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "trace_on", "t
                  "tombstone")
 CHANNEL_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "setoffset", "trace_on",
                    "trace_off")
-SETTLE_S = 3.0
+SETTLE_S = 5.0
 
 
 class ActionError(Exception):

@@ -180,11 +180,14 @@ class ThreadConsumer:
         self.thread.join(5)
 
 
-def until(predicate, timeout: float, what: str, interval: float = 0.1):
+def until(predicate, timeout: float, what: str, interval: float = 0.1, detail=None):
+    """The first truthy predicate(); else AssertionError naming `what` (and detail())."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}"
+                                 + (f"; {detail()}" if detail else ""))
         time.sleep(interval)

@@ -33,7 +33,7 @@ TIMINGS: list[tuple[str, float, float]] = []  # (page, browser load ms, server r
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, request):
     root = str(tmp_path_factory.mktemp("nsqadmin-browser"))
     shots = os.path.join(root, "shots")
     os.makedirs(shots)
@@ -61,10 +61,14 @@ def env(tmp_path_factory):
                        "shots": shots}
             finally:
                 browser.close()
-        print(f"\nnsqadmin page loads (browser load ms / server render ms); screenshots in "
-              f"{shots}")
-        for name, load_ms, render_ms in TIMINGS:
-            print(f"  {name:<28} {load_ms:8.1f} ms  {render_ms:7.2f} ms")
+        lines = [f"nsqadmin page loads (browser load ms / server render ms); screenshots in "
+                 f"{shots}"] + [f"  {name:<28} {load_ms:8.1f} ms  {render_ms:7.2f} ms"
+                                for name, load_ms, render_ms in TIMINGS]
+        with open(os.path.join(shots, "timings.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        for line in [""] + lines:  # shown even when pytest captures output
+            reporter.write_line(line) if reporter else print(line)
     finally:
         for a in admins:
             a.stop()
@@ -183,6 +187,12 @@ def test_pause_stops_a_real_consumer(env, page):
         assert post_nsqd(leader.http_address, "/pub?topic=pausing", b"before") == 200
         assert consumer.take(10)[1] == b"before"
 
+        def client_row():
+            page.reload()
+            rows = page.locator("table.clients tbody tr")
+            return rows.count() == 1 and rows.first.locator("td").nth(3).inner_text() == "10"
+        until(client_row, 10, "the consumer listed with RDY 10")
+
         click(page, "pause")
         assert text(page, "#paused") == "yes" and page.locator(".tag.paused").count() == 1
         assert post_nsqd(leader.http_address, "/pub?topic=pausing", b"while paused") == 200
@@ -203,8 +213,10 @@ def test_every_action_shows_its_effect(env, page):
     page.fill("input[name=topic]", "acts")
     page.fill("input[name=partitions]", "1")
     click(page, "create topic")
+    assert page.url.endswith("/topics/acts"), text(page, "body")
     page.fill("input[name=channel]", "ch")
     click(page, "create channel")
+    assert page.url.endswith("/topics/acts/ch"), text(page, "body")
     leader = c.nsqd_at(wait_until(lambda: c.leaders("acts").get(0), 15, "a leader"))
     for i in range(3):
         assert post_nsqd(leader.http_address, "/pub?topic=acts", b"m%d" % i) == 200
@@ -246,10 +258,14 @@ def test_every_action_shows_its_effect(env, page):
 
     page.goto(base + "/topics/acts/ch")
     click(page, "delete")
-    assert page.url.endswith("/topics/acts") and page.locator("table.channels").count() == 0
+    assert page.url.endswith("/topics/acts")
+    # cluster-wide deletes reach the nodes through etcd: shown at once, or after a refresh
+    until(lambda: page.locator("table.channels").count() == 0 or page.reload() and False,
+          10, "the channel gone from the topic page", detail=lambda: text(page, "main"))
     click(page, "delete")
     assert page.url.endswith("/topics")
-    assert page.locator("table.topics tr", has_text="acts").count() == 0
+    until(lambda: page.locator("table.topics tr", has_text="acts").count() == 0
+          or page.reload() and False, 10, "the topic gone from the list")
 
 
 def test_trace_search_finds_a_published_message(env, page):
@@ -271,7 +287,8 @@ def test_trace_search_finds_a_published_message(env, page):
         page.locator("form.search button").click()
         page.wait_for_load_state()
         return page.locator("section.timeline").count() == 2
-    until(found, 15, "both messages found by topic and window", interval=0.3)
+    until(found, 30, "both messages found by topic and window", interval=0.3,
+          detail=lambda: api.get("/api/trace?topic=tr&since=-5m"))
     TIMINGS.append(("trace search (topic)", *page.evaluate(
         "() => { const n = performance.getEntriesByType('navigation')[0]; return "
         "[n.loadEventEnd - n.startTime, n.serverTiming[0].duration]; }")))
