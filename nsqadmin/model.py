@@ -310,21 +310,21 @@ def build(mode: str, taken_at: float, lookupds: list[dict], producers: list[dict
 
 
 def _load_by_node(load: dict | None) -> dict[str, dict]:
-    """Per node entries of a /cluster/stats answer, whichever of the usual shapes it has:
-    {"nodes": {id: {...}}}, {"nodes": [{"node"|"node_id"|"id": ..., ...}]}, {id: {...}}."""
+    """Per node entries of a /cluster/stats answer (`node_stat_list`: [{id, broadcast_address,
+    http_port, tcp_port, ...load factors}]), each under its id, TCP and HTTP addresses."""
     if not isinstance(load, dict):
         return {}
-    nodes = load.get("nodes", load.get("load", load))
-    if isinstance(nodes, dict):
-        return {k: v for k, v in nodes.items() if isinstance(v, dict)}
-    if isinstance(nodes, list):
-        out = {}
-        for v in nodes:
-            if isinstance(v, dict):
-                key = v.get("node_id") or v.get("node") or v.get("id") or ""
+    entries = load.get("node_stat_list")
+    out = {}
+    for v in entries if isinstance(entries, list) else ():
+        if not isinstance(v, dict):
+            continue
+        host = v.get("broadcast_address")
+        for key in (v.get("id"), host and f"{host}:{v.get('tcp_port')}",
+                    host and f"{host}:{v.get('http_port')}"):
+            if key:
                 out[str(key)] = v
-        return out
-    return {}
+    return out
 
 
 def empty(mode: str) -> Snapshot:

@@ -16,6 +16,7 @@ from .history import sparkline
 from .times import iso
 
 esc = html.escape
+LOAD_FIELDS = ("node_load_factor", "leader_load_factor", "cpu", "msgs_per_s", "backlog")
 MAX_ROWS = 200  # rows of a node page's table; the rest are in /api/nodes/<node>
 
 
@@ -116,9 +117,9 @@ def cluster_page(v: dict, ctx: dict) -> tuple[str, str]:
                    '--nsqd-http-address</p>')
     rows = []
     for n in v["nodes"]:
-        load = n["load"]
-        load_html = esc(", ".join(f"{k}={val}" for k, val in load.items()
-                                  if not isinstance(val, (dict, list)))) if load else "—"
+        load = n["load"] or {}
+        shown = [(k, load[k]) for k in LOAD_FIELDS if load.get(k) is not None]
+        load_html = "<br>".join(f"{esc(k)} {num(val)}" for k, val in shown) or "—"
         rows.append([node_link(n["http"]), esc(n["node_id"] or n["tcp"]), esc(n["hostname"]),
                      esc(n["version"]), num(n["partitions_led"]), num(n["topics"]),
                      num(n["clients"]), load_html,
@@ -129,6 +130,11 @@ def cluster_page(v: dict, ctx: dict) -> tuple[str, str]:
          "load", "health"], rows, empty="no nsqd found"))
     if not v["load_available"]:
         out.append(f'<p class="note" id="load-note">{esc(v["load_note"])}</p>')
+    else:
+        heavy = ", ".join(f'<a href="/topics/{u(t.get("topic", ""))}">{esc(t.get("topic", ""))}'
+                          f'</a> {num(t.get("load_factor", ""))}' for t in v["heaviest_topics"])
+        out.append(f'<p id="balance">balanced: <b>{yes(v["balanced"])}</b>'
+                   f'{" · heaviest topics: " + heavy if heavy else ""}</p>')
     if v["problems"]:
         out.append("<h2>Problems</h2><ul class=\"problems\">" +
                    "".join(f"<li>{esc(p)}</li>" for p in v["problems"]) + "</ul>")

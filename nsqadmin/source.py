@@ -157,13 +157,15 @@ class Source:
         if not lookupds:
             return None, "load reports not available: no nsqlookupd (--nsqd-http-address)"
         notes = []
-        for lk in lookupds:
-            if lk.get("error") and lk.get("info") is None:
-                continue
-            status, body = await self.get(lk["address"], "/cluster/stats")
+        masters = [((lk.get("info") or {}).get("cluster") or {}).get("master_http_address")
+                   for lk in lookupds]
+        order = [m for m in masters if m][:1] + [lk["address"] for lk in lookupds
+                                                 if lk.get("info") is not None]
+        for address in dict.fromkeys(order):  # the master first: it alone may answer
+            status, body = await self.get(address, "/cluster/stats")
             if status == 200 and isinstance(body, dict):
                 return body, ""
-            notes.append(f"{lk['address']} answered "
+            notes.append(f"{address} answered "
                          f"{'HTTP %d' % status if status else body} to /cluster/stats")
         return None, "load reports not available" + (f" ({'; '.join(notes)})" if notes else "")
 

@@ -72,10 +72,12 @@ def cluster_view(source) -> dict:
             [n["etcd_connected"] for n in nodes if n["etcd_connected"] is not None]
         etcd = {"connected": sum(1 for v in views if v), "asked": len(views),
                 "healthy": bool(views) and all(views)}
+    load = snap.load or {}
     return {"mode": snap.mode, "taken_at": snap.taken_at, "age_s": _age(snap),
             "poll_seconds": round(source.poll_seconds, 3), "lookupds": lookupds,
             "nodes": nodes, "etcd": etcd, "load_available": snap.load is not None,
-            "load_note": snap.load_note, "load": snap.load, "topics": len(snap.topics),
+            "load_note": snap.load_note, "balanced": load.get("stable"),
+            "heaviest_topics": load.get("topn_topics") or [], "topics": len(snap.topics),
             "problems": snap.problems}
 
 

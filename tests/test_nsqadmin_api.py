@@ -286,3 +286,55 @@ def test_single_nsqd_and_classic_lookupd(env):
     assert api.get(f"/api/nodes/{node}")[1]["tombstones"]["solo"] is True
     status, body, _ = api.post("/api/topics/solo/tombstone", {"node": "10.1.1.1:4151"})
     assert (status, body["message"]) == (400, "INVALID_NODE")
+
+
+# ---- pure parts: times typed by a person, bodies, the model's derived columns ----------
+
+def test_times_and_bodies():
+    from nsqadmin.times import BadTime, parse_time
+    from nsqadmin.views import body_view
+    now = 1_795_000_000.0
+    assert parse_time("2026-11-26T10:00:00", now) == 1_795_687_200.0  # UTC without offset
+    assert parse_time("2026-11-26T11:00:00+01:00", now) == 1_795_687_200.0
+    assert parse_time("1795687200.5", now) == 1_795_687_200.5
+    assert parse_time("-15m", now) == parse_time("15m ago", now) == now - 900
+    assert parse_time("2h", now) == now - 7200 and parse_time("now", now) == now
+    for bad in ("yesterday", "", "1795658400000", "2026-13-01", "-15x"):
+        with pytest.raises(BadTime) as e:
+            parse_time(bad, now, "since")
+        assert "bad since" in str(e.value) and "unix seconds" in str(e.value)
+    assert body_view({"body": "héllo\n\tworld", "body_encoding": "utf-8"})["body_text"] == \
+        "héllo\n\tworld"
+    nul = body_view({"body": "a\x00b", "body_encoding": "utf-8"})  # valid UTF-8, not printable
+    assert nul["body_text"] is None and nul["body_hex"] == "61 00 62"
+    raw = base64.b64encode(b"\xff\xfe").decode()
+    assert body_view({"body": raw, "body_encoding": "base64"})["body_hex"] == "ff fe"
+
+
+def test_model_catchup_depth_and_load():
+    from nsqadmin import model
+
+    def stats(node_id, leading, following, depth):
+        topic = {"topic_name": "t", "partition_num": 1, "channels": [
+            {"channel_name": "c", "message_count": 5, "clients": [], "partitions": [
+                {"partition": 0, "depth": depth, "ordered": True}] if leading else []}],
+            "partitions": [{"partition": 0, "leader": bool(leading), "committed_count": 9,
+                            "start_count": 2}]}
+        return {"topics": [topic], "cluster": {"node_id": node_id, "replication": {
+            "leading": leading, "following": following}}}
+    a, b, c = "10.0.0.1:4150", "10.0.0.2:4150", "10.0.0.3:4150"
+    snap = model.build(
+        "cluster", 1.0, [], [], ["t", "empty"],
+        {"10.0.0.1:4151": stats(a, {"t/0": {"epoch": 4, "isr": [a, b]}}, {}, 7),
+         "10.0.0.2:4151": stats(b, {}, {"t/0": {"epoch": 4}}, 0),
+         "10.0.0.3:4151": stats(c, {}, {"t/0": {"epoch": 4}}, 0)}, {}, {},
+        {"stable": True, "node_stat_list": [{"id": c, "broadcast_address": "10.0.0.3",
+                                             "tcp_port": 4150, "http_port": 4151,
+                                             "node_load_factor": 2.5}]}, "")
+    [p] = snap.topics["t"].partitions
+    assert (p.leader, p.isr, p.catchup, p.epoch) == ("10.0.0.1:4151", [a, b], [c], 4)
+    assert p.messages == 7 and p.depth == 7 and snap.topics["t"].depth == 7
+    assert snap.topics["t"].channels["c"].ordered is True
+    assert snap.topics["empty"].partitions == []  # known to the lookupd only
+    assert snap.nodes["10.0.0.3:4151"].load["node_load_factor"] == 2.5
+    assert snap.nodes["10.0.0.1:4151"].load is None
