@@ -66,9 +66,9 @@ def env(tmp_path_factory, request):
                                 for name, load_ms, render_ms in TIMINGS]
         with open(os.path.join(shots, "timings.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        for line in [""] + lines:  # shown even when pytest captures output
-            reporter.write_line(line) if reporter else print(line)
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled():  # shown even when pytest captures
+            print("\n" + "\n".join(lines), flush=True)
     finally:
         for a in admins:
             a.stop()
