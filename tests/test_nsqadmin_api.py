@@ -27,6 +27,7 @@ def env(tmp_path_factory):
     try:
         c.start()
         classic.start()
+        wait_until(lambda: c.master() is not None, 15, "a master nsqlookupd (cluster writes)")
         lookupd = c.lookupds[0].http_address
         pw = password_file(root)
         admins = [

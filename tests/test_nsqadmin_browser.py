@@ -43,6 +43,7 @@ def env(tmp_path_factory, request):
     try:
         c.start()
         classic.start()
+        wait_until(lambda: c.master() is not None, 15, "a master nsqlookupd (cluster writes)")
         admins = [
             NsqadminProcess(f"{root}/cluster.log", "--lookupd-http-address",
                             c.lookupds[0].http_address),
