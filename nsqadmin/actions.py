@@ -76,10 +76,27 @@ async def _calls(source, outcome: Outcome, targets: list[str], path: str, params
     answers = await asyncio.gather(*(source.call("POST", t, path, params, body)
                                      for t in targets))
     for t, (status, answer) in zip(targets, answers):
-        if isinstance(answer, dict):
-            answer = answer.get("message") or answer
-        outcome.calls.append({"node": t, "path": path, "status": status,
-                              "answer": answer if status != 200 else ""})
+        _record(outcome, t, path, status, answer)
+
+
+def _record(out: Outcome, node: str, path: str, status: int, answer) -> None:
+    if isinstance(answer, dict):
+        answer = answer.get("message") or answer
+    out.calls.append({"node": node, "path": path, "status": status,
+                      "answer": answer if status != 200 else ""})
+
+
+async def _master(source, out: Outcome, path: str, params: dict,
+                  body: bytes | None = None) -> None:
+    """A cluster-wide write to the master lookupd; a lookupd that answers 503 NOT_MASTER
+    names the master, which is asked instead (once: the snapshot may be a poll late)."""
+    target = source.snapshot.master_lookupd()
+    status, answer = await source.call("POST", target, path, params, body)
+    if status == 503 and isinstance(answer, dict) and answer.get("message") == "NOT_MASTER" \
+            and answer.get("master_http_address"):
+        target = answer["master_http_address"]
+        status, answer = await source.call("POST", target, path, params, body)
+    _record(out, target, path, status, answer)
 
 
 def _holders(snap, topic: str) -> list[str]:
@@ -111,7 +128,7 @@ async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
         replicas = _int_arg(form, "replicas", 1, 5)
         if mode == "cluster":
             q |= {k: v for k, v in (("partition_num", partitions), ("replicator", replicas)) if v}
-            await _calls(source, out, [snap.master_lookupd()], "/topic/create", q)
+            await _master(source, out, "/topic/create", q)
         elif mode == "classic":
             await _calls(source, out, lookupds, "/topic/create", q)
         else:
@@ -119,7 +136,7 @@ async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
             await _calls(source, out, list(source.options.nsqd_http_address), "/topic/create", q)
     elif action == "delete":
         if mode == "cluster":
-            await _calls(source, out, [snap.master_lookupd()], "/topic/delete", q)
+            await _master(source, out, "/topic/delete", q)
         else:
             await _calls(source, out, lookupds + _holders(snap, topic), "/topic/delete", q)
     elif action in ("empty", "pause", "unpause"):
@@ -181,7 +198,7 @@ async def channel_action(source, action: str, topic: str, channel: str, form: di
     holders = _holders(snap, topic)
     if action in ("create", "delete"):
         if mode == "cluster":
-            await _calls(source, out, [snap.master_lookupd()], f"/channel/{action}", q)
+            await _master(source, out, f"/channel/{action}", q)
         else:
             await _calls(source, out, lookupds + holders, f"/channel/{action}", q)
     elif action in ("empty", "pause", "unpause"):
@@ -193,8 +210,10 @@ async def channel_action(source, action: str, topic: str, channel: str, form: di
         except BadTime as e:
             raise ActionError(400, "INVALID_TIME", str(e)) from None
         body = f"timestamp:{int(when)}".encode()
-        targets = [snap.master_lookupd()] if mode == "cluster" else holders
-        await _calls(source, out, targets, "/channel/setoffset", q, body)
+        if mode == "cluster":
+            await _master(source, out, "/channel/setoffset", q, body)
+        else:
+            await _calls(source, out, holders, "/channel/setoffset", q, body)
     else:
         await _trace(source, out, action, q)
     shows = {"create": lambda c: c is not None, "delete": lambda c: c is None,
