@@ -15,7 +15,7 @@ from urllib.parse import quote, unquote
 
 from aiohttp import web
 
-from . import actions, auth, pages, views
+from . import actions, api, auth, pages, views
 from .actions import ActionError
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
@@ -244,7 +244,6 @@ async def ping(request):
 
 
 def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:
-    from . import api
     app = web.Application(middlewares=[timing, guard], client_max_size=64 * 1024)
     app["source"], app["auth"], app["refresh_s"] = source, a, refresh_s
     app.router.add_get("/", cluster)

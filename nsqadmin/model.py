@@ -204,7 +204,7 @@ def _add_channel(topic: Topic, node: Node, c: dict, trace: dict) -> None:
     ch.clients += [{**cl, "node": node.http} for cl in c.get("clients") or ()]
     parts = c.get("partitions")
     if parts is None:  # a node without partitions in its stats: one row for the whole
-        parts = [{"partition": 0, **c, "requeued_count": 0}]
+        parts = [{"partition": 0, **c}]
     for p in parts:
         cp = ChannelPart(
             partition=_int(p.get("partition")), node=node.http, depth=_int(p.get("depth")),

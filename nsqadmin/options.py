@@ -106,10 +106,12 @@ def from_args(argv: list[str]) -> Options:
     """Options from the command line; argparse exits 2 with one line on a bad flag."""
     p = parser()
     ns = p.parse_args(go_style(argv))
+    try:
+        lookupds, nsqds = _addresses(ns.lookupd_http_address), _addresses(ns.nsqd_http_address)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     options = Options(
-        http_address=ns.http_address,
-        lookupd_http_address=_addresses(ns.lookupd_http_address),
-        nsqd_http_address=_addresses(ns.nsqd_http_address),
+        http_address=ns.http_address, lookupd_http_address=lookupds, nsqd_http_address=nsqds,
         admin_user=[u for v in ns.admin_user or () for u in v.split(",") if u],
         admin_password_file=ns.admin_password_file,
         require_login_for_reads=ns.require_login_for_reads,

@@ -339,3 +339,25 @@ def test_model_catchup_depth_and_load():
     assert snap.topics["empty"].partitions == []  # known to the lookupd only
     assert snap.nodes["10.0.0.3:4151"].load["node_load_factor"] == 2.5
     assert snap.nodes["10.0.0.1:4151"].load is None
+
+
+def test_start_errors(tmp_path):
+    """Bad flags exit 2 with argparse's line; an unreadable password file exits 1."""
+    import subprocess
+    import sys
+
+    from servers import ROOT
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "nsqadmin", *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        return r.returncode, r.stderr.strip().splitlines()[-1]
+    code, line = run()
+    assert code == 2 and "--lookupd-http-address or --nsqd-http-address required" in line
+    code, line = run("--nsqd-http-address", "127.0.0.1:1", "--admin-user", "ops")
+    assert code == 2 and "--admin-user needs --admin-password-file" in line
+    code, line = run("--nsqd-http-address", "nonsense")
+    assert code == 2 and "invalid address" in line
+    code, line = run("--nsqd-http-address", "127.0.0.1:1", "--admin-user", "ops",
+                     "--admin-password-file", str(tmp_path / "missing"))
+    assert code == 1 and line.startswith("nsqadmin: cannot read --admin-password-file")
