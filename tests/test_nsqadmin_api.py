@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, password_file, post_nsqd,
-                       until)
+from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, ThreadConsumer,
+                       password_file, post_nsqd, until)
 from cluster import Cluster, http_json, wait_until
 
 
@@ -159,6 +159,7 @@ def test_actions_cluster(env):
 def test_trace_search_api(env):
     c, api = env["cluster"], Client(env["open"].url)
     assert api.post("/api/topics", {"topic": "traced", "partitions": 1})[0] == 200
+    assert api.post("/api/topics/traced/channel_create", {"channel": "ch"})[0] == 200
     assert api.post("/api/topics/traced/trace_on")[0] == 200
     leader = leader_of(c, "traced")
     for n in c.nsqds:  # every node follows the switch through etcd
@@ -166,17 +167,25 @@ def test_trace_search_api(env):
                                                    "json")[1]["trace"]["topics"], 10,
               "the switch followed")
     since = time.time() - 1
-    assert post_nsqd(leader.http_address, "/pub?topic=traced", b"find me") == 200
-    assert post_nsqd(leader.http_address, "/pub?topic=traced", b"\x00\x01\xffbin") == 200
+    consumer = ThreadConsumer(leader.tcp_address, "traced", "ch").start()
+    try:
+        assert post_nsqd(leader.http_address, "/pub?topic=traced", b"find me") == 200
+        assert post_nsqd(leader.http_address, "/pub?topic=traced", b"\x00\x01\xffbin") == 200
+        assert consumer.take(10) and consumer.take(10)  # delivered and finished
+    finally:
+        consumer.stop()
 
-    def found():
+    def found():  # each message's timeline: published, delivered, finished
         s, v, _ = api.get(f"/api/trace?topic=traced&since={since:.3f}")
-        return s == 200 and len(v["messages"]) == 2 and v
-    v = until(found, 15, "both messages found by topic and window")
+        return s == 200 and len(v["messages"]) == 2 and all(
+            len(m["events"]) == 3 for m in v["messages"]) and v
+    v = until(found, 15, "both messages' timelines found by topic and window",
+              detail=lambda: api.get(f"/api/trace?topic=traced&since={since:.3f}")[1])
     text, binary = v["messages"]
     assert text["body_text"] == "find me" and text["body_hex"] is None
     assert binary["body_text"] is None and binary["body_hex"] == "00 01 ff 62 69 6e"
-    assert text["events"][0]["kind"] == "PUB"
+    assert [e["kind"] for e in text["events"]] == ["PUB", "DELIVER", "FIN"]
+    assert text["finished"] and text["story"].endswith("finished on ch")
 
     status, one, _ = api.get(f"/api/trace?msg_id={text['msg_id']}")
     assert status == 200 and [m["msg_id"] for m in one["messages"]] == [text["msg_id"]]
