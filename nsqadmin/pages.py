@@ -185,8 +185,8 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
         prow.append([num(p["number"]), node_link(p["leader"], p["leader_id"] or p["leader"]),
                      isr, esc(", ".join(p["catchup"])) or "—",
                      num(p["epoch"]) if p["epoch"] is not None else "—",
-                     yes(p["writable"]) + (f' <small>{esc(p["reason"])}</small>'
-                                           if p["reason"] else ""),
+                     ("—" if p["writable"] is None else yes(p["writable"]))
+                     + (f' <small>{esc(p["reason"])}</small>' if p["reason"] else ""),
                      num(p["messages"]), num(p["depth"]), num(p["rate"]),
                      sparkline(p["rates"], f"partition {p['number']} messages/s", 80, 18),
                      sparkline([float(d) for d in p["depths"]],
