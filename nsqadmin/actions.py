@@ -88,14 +88,22 @@ def _record(out: Outcome, node: str, path: str, status: int, answer) -> None:
 
 async def _master(source, out: Outcome, path: str, params: dict,
                   body: bytes | None = None) -> None:
-    """A cluster-wide write to the master lookupd; a lookupd that answers 503 NOT_MASTER
-    names the master, which is asked instead (once: the snapshot may be a poll late)."""
+    """A cluster-wide write to the master lookupd. A lookupd that answers 503 NOT_MASTER
+    names the master, which is asked instead; a 503 CLUSTER_METADATA_UNAVAILABLE (etcd
+    away, or the lookupd's watch reopening: nothing written) is asked again, every 0.3 s
+    for up to SETTLE_S, as a client retries a 503. These writes are idempotent."""
     target = source.snapshot.master_lookupd()
-    status, answer = await source.call("POST", target, path, params, body)
-    if status == 503 and isinstance(answer, dict) and answer.get("message") == "NOT_MASTER" \
-            and answer.get("master_http_address"):
-        target = answer["master_http_address"]
+    deadline = time.monotonic() + SETTLE_S
+    while True:
         status, answer = await source.call("POST", target, path, params, body)
+        code = answer.get("message") if isinstance(answer, dict) else None
+        if status == 503 and code == "NOT_MASTER" and answer.get("master_http_address"):
+            target = answer["master_http_address"]
+        elif not (status == 503 and code == "CLUSTER_METADATA_UNAVAILABLE"):
+            break
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.3)
     _record(out, target, path, status, answer)
 
 
