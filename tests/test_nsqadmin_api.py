@@ -56,9 +56,10 @@ def leader_of(c: Cluster, topic: str, partition: int = 0):
 
 def test_reads_cluster(env):
     c, api = env["cluster"], Client(env["open"].url)
-    assert c.create_topic("reads", 2, replicas=2)[0] == 200
-    assert http_json("POST", f"http://{c.lookupds[0].http_address}/channel/create"
-                             "?topic=reads&channel=ch")[0] == 200
+    # a 503 (the lookupd's etcd watch reopening) is retried, as a client does
+    until(lambda: c.create_topic("reads", 2, replicas=2)[0] == 200, 10, "topic created")
+    until(lambda: http_json("POST", f"http://{c.lookupds[0].http_address}/channel/create"
+                                    "?topic=reads&channel=ch")[0] == 200, 10, "channel created")
     leader = leader_of(c, "reads")
     assert post_nsqd(leader.http_address, "/pub?topic=reads&partition=0", b"hello") == 200
 
