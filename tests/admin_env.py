@@ -137,6 +137,17 @@ def post_nsqd(address: str, path: str, body: bytes = b"") -> int:
         return e.code
 
 
+def publish(address: str, path: str, body: bytes, timeout: float = 15) -> int:
+    """POST /pub, retried while the node answers 503 or 400 (a new partition's leader not
+    yet writable, or not yet leading: nothing was written); the last status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = post_nsqd(address, path, body)
+        if status not in (400, 503) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
 class ThreadConsumer:
     """A real NSQ consumer (nsqclient.Connection, SUB with RDY 10) in its own thread and
     event loop; every message is FINed and put in `received` as (id, body)."""

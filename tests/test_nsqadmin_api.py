@@ -14,7 +14,7 @@ import time
 import pytest
 
 from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, ThreadConsumer,
-                       password_file, post_nsqd, until)
+                       password_file, publish, until)
 from cluster import Cluster, http_json, wait_until
 
 
@@ -61,7 +61,7 @@ def test_reads_cluster(env):
     until(lambda: http_json("POST", f"http://{c.lookupds[0].http_address}/channel/create"
                                     "?topic=reads&channel=ch")[0] == 200, 10, "channel created")
     leader = leader_of(c, "reads")
-    assert post_nsqd(leader.http_address, "/pub?topic=reads&partition=0", b"hello") == 200
+    assert publish(leader.http_address, "/pub?topic=reads&partition=0", b"hello") == 200
 
     def topic_ready():
         s, v, _ = api.get("/api/topics/reads")
@@ -113,7 +113,7 @@ def test_actions_cluster(env):
     assert status == 200 and out["ok"], out
     leader = leader_of(c, "acts")
     for i in range(3):
-        assert post_nsqd(leader.http_address, "/pub?topic=acts", b"m%d" % i) == 200
+        assert publish(leader.http_address, "/pub?topic=acts", b"m%d" % i) == 200
 
     def channel(field):
         return api.get("/api/topics/acts/work")[1][field]
@@ -170,8 +170,8 @@ def test_trace_search_api(env):
     since = time.time() - 1
     consumer = ThreadConsumer(leader.tcp_address, "traced", "ch").start()
     try:
-        assert post_nsqd(leader.http_address, "/pub?topic=traced", b"find me") == 200
-        assert post_nsqd(leader.http_address, "/pub?topic=traced", b"\x00\x01\xffbin") == 200
+        assert publish(leader.http_address, "/pub?topic=traced", b"find me") == 200
+        assert publish(leader.http_address, "/pub?topic=traced", b"\x00\x01\xffbin") == 200
         assert consumer.take(10) and consumer.take(10)  # delivered and finished
     finally:
         consumer.stop()

@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from admin_env import Classic, Client, NsqadminProcess, ThreadConsumer, post_nsqd, until
+from admin_env import (Classic, Client, NsqadminProcess, ThreadConsumer, post_nsqd, publish,
+                       until)
 from cluster import Cluster, wait_until
 
 pw = pytest.importorskip("playwright.sync_api")
@@ -117,7 +118,7 @@ def test_every_page_with_real_data(env, page):
     leaders = wait_until(lambda: len(c.leaders("shop")) == 3 and c.leaders("shop"), 15,
                          "three leaders")
     for n, tcp in leaders.items():
-        assert post_nsqd(c.nsqd_at(tcp).http_address, f"/pub?topic=shop&partition={n}",
+        assert publish(c.nsqd_at(tcp).http_address, f"/pub?topic=shop&partition={n}",
                          b"order %d" % n) == 200
     until(lambda: api.get("/api/topics/shop")[1]["depth"] == 3, 10, "depth 3 in nsqadmin")
     time.sleep(1.2)  # a few samples for the sparklines
@@ -165,7 +166,7 @@ def test_every_page_with_real_data(env, page):
 
     # the page refreshes itself: a publish shows up without a reload
     page.goto(base + "/topics/shop/mail")
-    assert post_nsqd(c.nsqd_at(leaders[0]).http_address, "/pub?topic=shop&partition=0",
+    assert publish(c.nsqd_at(leaders[0]).http_address, "/pub?topic=shop&partition=0",
                      b"more") == 200
     page.wait_for_function("document.querySelector('#stat-depth').innerText === '4'",
                            timeout=10000)
@@ -185,7 +186,7 @@ def test_pause_stops_a_real_consumer(env, page):
     leader = c.nsqd_at(wait_until(lambda: c.leaders("pausing").get(0), 15, "a leader"))
     consumer = ThreadConsumer(leader.tcp_address, "pausing", "work").start()
     try:
-        assert post_nsqd(leader.http_address, "/pub?topic=pausing", b"before") == 200
+        assert publish(leader.http_address, "/pub?topic=pausing", b"before") == 200
         assert consumer.take(10)[1] == b"before"
 
         def client_row():
@@ -196,7 +197,7 @@ def test_pause_stops_a_real_consumer(env, page):
 
         click(page, "pause")
         assert text(page, "#paused") == "yes" and page.locator(".tag.paused").count() == 1
-        assert post_nsqd(leader.http_address, "/pub?topic=pausing", b"while paused") == 200
+        assert publish(leader.http_address, "/pub?topic=pausing", b"while paused") == 200
         assert consumer.take(1.5) is None, "a paused channel delivered"
         page.reload()
         assert text(page, "#stat-depth") == "1"
@@ -220,7 +221,7 @@ def test_every_action_shows_its_effect(env, page):
     assert page.url.endswith("/topics/acts/ch"), text(page, "body")
     leader = c.nsqd_at(wait_until(lambda: c.leaders("acts").get(0), 15, "a leader"))
     for i in range(3):
-        assert post_nsqd(leader.http_address, "/pub?topic=acts", b"m%d" % i) == 200
+        assert publish(leader.http_address, "/pub?topic=acts", b"m%d" % i) == 200
     page.goto(base + "/topics/acts/ch")
     until(lambda: page.reload() and text(page, "#stat-depth") == "3", 10, "depth 3")
 
@@ -277,8 +278,8 @@ def test_trace_search_finds_a_published_message(env, page):
     leader = c.nsqd_at(wait_until(lambda: c.leaders("tr").get(0), 15, "a leader"))
     until(lambda: "tr" in api.get(f"/api/nodes/{leader.http_address}")[1]["trace"]["topics"],
           10, "the leader follows the switch")
-    assert post_nsqd(leader.http_address, "/pub?topic=tr", b"where did I go?") == 200
-    assert post_nsqd(leader.http_address, "/pub?topic=tr", b"\x00\x10binary\xff") == 200
+    assert publish(leader.http_address, "/pub?topic=tr", b"where did I go?") == 200
+    assert publish(leader.http_address, "/pub?topic=tr", b"\x00\x10binary\xff") == 200
 
     page.goto(base + "/trace")
     page.fill("input[name=topic]", "tr")
@@ -315,7 +316,7 @@ def test_single_nsqd_and_classic_lookupd(env, page):
     node = classic.nsqd.http_address
     assert post_nsqd(node, "/topic/create?topic=solo&partition_num=2") == 200
     assert post_nsqd(node, "/channel/create?topic=solo&channel=c") == 200
-    assert post_nsqd(node, "/pub?topic=solo", b"x") == 200
+    assert publish(node, "/pub?topic=solo", b"x") == 200
     until(lambda: Client(base).get("/api/topics/solo")[0] == 200, 10, "nsqadmin sees it")
 
     visit(env, page, base, "/", "single-cluster")
