@@ -40,7 +40,7 @@ def table(headers: list[str], rows: list[list[str]], cls: str = "", empty: str =
     if not rows:
         return f'<p class="empty">{esc(empty)}</p>'
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td data-label="{esc(h)}">{c}</td>'
+    body = "".join("<tr>" + "".join(f'<td data-label="{esc(h)}"><span>{c}</span></td>'
                                     for h, c in zip(headers, r)) + "</tr>" for r in rows)
     return f'<div class="scroll"><table class="{cls}"><thead><tr>{head}</tr></thead>' \
            f'<tbody>{body}</tbody></table></div>'
@@ -193,7 +193,7 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
                                f"partition {p['number']} depth", 80, 18),
                      f'<span class="bad">{esc(p["error"])}</span>' if p["error"] else ""])
     parts = table(["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
-                   "depth", "msgs/s", "rate", "depth chart", "error"], prow,
+                   "depth", "msgs/s", "msgs/s chart", "depth chart", "error"], prow,
                   cls="partitions", empty=v["partitions_note"] or "no partitions")
     note = f'<p class="note" id="replication-note">{esc(v["replication_note"])}</p>' \
         if v["replication_note"] else ""
