@@ -1,12 +1,13 @@
 """nsqadmin in a real browser: Debian's chromium driven by Playwright (sync API, one
 browser for the module; never `playwright install`), against one module-scoped cluster
 (etcd, nsqlookupd, 3 nsqd) and a classic pair (nsqlookupd without etcd, one nsqd), with
-an nsqadmin on each of: the cluster, the single nsqd (--nsqd-http-address), the classic
-lookupd.
+an nsqadmin on each of: the cluster, the single nsqd (--nsqd-http-address, twice: open,
+and with --admin-user), the classic lookupd.
 
 Every page renders with real data; every action is clicked (confirm() dialogs accepted,
 and one dismissed) and its effect shows on the page; a paused channel stops delivering to
-a real consumer until unpaused; a trace search finds a message published here.
+a real consumer until unpaused; a trace search finds a message published here; with
+--admin-user an action sends the browser to the login form and back.
 
 Screenshots of every page (laptop 1280 px wide, and the topic and channel pages at 390 px,
 a phone) go to this module's tmp folder: `<basetemp>/nsqadmin-browser0/shots/*.png` (the
@@ -22,8 +23,8 @@ import time
 
 import pytest
 
-from admin_env import (Classic, Client, NsqadminProcess, ThreadConsumer, post_nsqd, publish,
-                       until)
+from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, ThreadConsumer, password_file,
+                       post_nsqd, publish, until)
 from cluster import Cluster, wait_until
 
 pw = pytest.importorskip("playwright.sync_api")
@@ -51,7 +52,10 @@ def env(tmp_path_factory, request):
             NsqadminProcess(f"{root}/single.log", "--nsqd-http-address",
                             classic.nsqd.http_address),
             NsqadminProcess(f"{root}/classic.log", "--lookupd-http-address",
-                            classic.lookupd.http_address)]
+                            classic.lookupd.http_address),
+            NsqadminProcess(f"{root}/guarded.log", "--nsqd-http-address",
+                            classic.nsqd.http_address, "--admin-user", "ops",
+                            "--admin-password-file", password_file(root))]
         for a in admins:
             a.start()
         with pw.sync_playwright() as p:
@@ -59,7 +63,8 @@ def env(tmp_path_factory, request):
                                         args=["--headless", "--no-sandbox", "--disable-gpu"])
             try:
                 yield {"cluster": c, "classic": classic, "admin": admins[0],
-                       "single": admins[1], "classic_admin": admins[2], "browser": browser,
+                       "single": admins[1], "classic_admin": admins[2], "guarded": admins[3],
+                       "browser": browser,
                        "shots": shots}
             finally:
                 browser.close()
@@ -340,3 +345,28 @@ def test_single_nsqd_and_classic_lookupd(env, page):
     page.wait_for_load_state()
     assert page.locator("table.node-topics tr", has_text="solo").locator(
         ".tag", has_text="tombstoned").count() == 1
+
+
+def test_login_for_actions(env, page):
+    node, base = env["classic"].nsqd.http_address, env["guarded"].url
+    assert post_nsqd(node, "/topic/create?topic=guarded") == 200
+    assert post_nsqd(node, "/channel/create?topic=guarded&channel=c") == 200
+    until(lambda: Client(base).get("/api/topics/guarded/c")[0] == 200, 10, "nsqadmin sees it")
+    visit(env, page, base, "/topics/guarded/c", "guarded-channel")  # reads are open
+    click(page, "pause")  # refused: to the login page, then back
+    assert "/login?next=" in page.url and page.locator("form.login").count() == 1
+    page.screenshot(path=os.path.join(env["shots"], "login.png"), full_page=True)
+    assert Client(base).get("/api/topics/guarded/c")[1]["paused"] is False
+    page.fill("input[name=user]", "ops")
+    page.fill("input[name=password]", "wrong")
+    page.locator("form.login button").click()
+    assert text(page, "#login-error") == "wrong user or password"
+    page.fill("input[name=user]", "ops")
+    page.fill("input[name=password]", PASSWORD)
+    page.locator("form.login button").click()
+    page.wait_for_load_state()
+    assert page.url.endswith("/topics/guarded/c") and text(page, "nav .user") == "ops"
+    click(page, "pause")
+    assert text(page, "#paused") == "yes"
+    click(page, "log out", within="nav")
+    assert page.locator("nav a", has_text="log in").count() == 1
