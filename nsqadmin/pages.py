@@ -71,7 +71,7 @@ def layout(title: str, main: str, ctx: dict) -> str:
     if ctx.get("auth"):
         who = (f'<span class="user">{esc(user)}</span>'
                f'{form("/logout", "log out", ctx, cls="inline")}' if user
-               else '<a href="/login">log in</a>')
+               else '<a class="login" href="/login">log in</a>')
     else:
         who = ""
     flash = ctx.get("flash") or ""
