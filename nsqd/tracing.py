@@ -28,6 +28,19 @@ SWITCHES_KEY = "trace/switches"
 STORE_FILE = "trace.sqlite"
 
 
+def es_access(o) -> dict:
+    """es.client's keyword arguments from the --trace-es-* options (files read now, once)."""
+    def secret(path: str) -> str | None:
+        if not path:
+            return None
+        with open(path) as f:
+            return f.read().strip()
+
+    return {"ca_certs": o.trace_es_ca_certs or None, "username": o.trace_es_username or None,
+            "password": secret(o.trace_es_password_file),
+            "api_key": secret(o.trace_es_api_key_file)}
+
+
 class Tracer:
     def __init__(self, nsqd):
         o = nsqd.options
@@ -40,11 +53,13 @@ class Tracer:
         if self.es_url:  # the store is Elasticsearch alone (README: why not both)
             from nsqtrace import es  # the client is imported only by nodes that use it
             self._es = es
-            self.search_client = es.client(self.es_url)
+            access = es_access(o)
+            self.search_client = es.client(self.es_url, **access)
             self.path = None
             self.writer = EventWriter(
                 None, node, bound=o.trace_buffer, sink="elasticsearch",
-                open_store=lambda: es.EsStore(self.es_url, self.writer.node, self.es_prefix),
+                open_store=lambda: es.EsStore(self.es_url, self.writer.node, self.es_prefix,
+                                              **access),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None)
         else:
             self.path = os.path.join(o.data_path, STORE_FILE)
