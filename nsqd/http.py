@@ -21,7 +21,7 @@ Content-Length above the limit is refused before reading.
 
 /pub and /mpub take the same durable path as TCP PUB/MPUB/DPUB (Topic.publish:
 the partition's DiskQueue.append is awaited before `OK`); `defer=` uses the same
-ext header as DPUB (channel.defer_ext), with DPUB's limit (--max-req-timeout).
+ext header as DPUB (message.defer_ext), with DPUB's limit (--max-req-timeout).
 
 Ours, beyond classic:
 - `partition=` on /pub, /mpub and the /channel/* actions (default: round-robin over
@@ -82,7 +82,7 @@ from diskqueue.queue import QueueClosedError
 
 from . import metrics, replay, stats
 from .httpconn import Server
-from .channel import defer_ext
+from .message import defer_ext
 from .cluster import ClusterUnavailable
 from .assignment import MAX_PARTITIONS
 from .health import is_disk_full

@@ -31,7 +31,7 @@ from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
-from .channel import defer_ext
+from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
 from .cluster import ClusterUnavailable
