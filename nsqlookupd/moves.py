@@ -61,10 +61,9 @@ CATCHUP_S = 30.0  # longest a replica move waits for the new replica to join the
 CAS_TRIES = 10
 
 
-def check_leader_move(view: ClusterView, topic: str, partition: int,
-                      to: str) -> tuple[PartitionState, PartitionState]:
-    """Pure: (current state, state to write) of moving `topic`:`partition`'s leader to
-    `to`, or HTTPError saying why not (404 unknown topic, 400 bad partition, 409 else)."""
+def _movable(view: ClusterView, topic: str, partition: int, to: str, unreplicated: str):
+    """(topic view, partition state) of a partition something may move to the live node
+    `to`; else HTTPError (what both kinds of move refuse alike)."""
     tv = view.topics.get(topic)
     if tv is None:
         raise HTTPError(404, "TOPIC_NOT_FOUND")
@@ -73,10 +72,18 @@ def check_leader_move(view: ClusterView, topic: str, partition: int,
         raise HTTPError(400, "BAD_PARTITION",
                         detail=f"partition {partition} not in 0..{tv.meta.partitions - 1}")
     if tv.meta.replicas < 2:
-        raise HTTPError(409, "NOT_REPLICATED",
-                        detail="a topic of one replica has no other node to lead it")
+        raise HTTPError(409, "NOT_REPLICATED", detail=unreplicated)
     if to not in view.nodes:
         raise HTTPError(409, "NODE_NOT_LIVE", detail=f"{to} is not a live node")
+    return tv, state
+
+
+def check_leader_move(view: ClusterView, topic: str, partition: int,
+                      to: str) -> tuple[PartitionState, PartitionState]:
+    """Pure: (current state, state to write) of moving `topic`:`partition`'s leader to
+    `to`, or HTTPError saying why not (404 unknown topic, 400 bad partition, 409 else)."""
+    tv, state = _movable(view, topic, partition, to,
+                         "a topic of one replica has no other node to lead it")
     if state.leader == to:
         raise HTTPError(409, "ALREADY_LEADER", detail=f"{to} leads it already")
     if to not in state.isr:
@@ -95,18 +102,8 @@ def check_replica_move(view: ClusterView, topic: str, partition: int, frm: str,
                        to: str) -> PartitionState:
     """Pure: the current state, if moving `topic`:`partition`'s replica from `frm` to `to`
     may start; else HTTPError (404 unknown topic, 400 bad partition, 409 else)."""
-    tv = view.topics.get(topic)
-    if tv is None:
-        raise HTTPError(404, "TOPIC_NOT_FOUND")
-    state = tv.partitions.get(partition)
-    if state is None:
-        raise HTTPError(400, "BAD_PARTITION",
-                        detail=f"partition {partition} not in 0..{tv.meta.partitions - 1}")
-    if tv.meta.replicas < 2:
-        raise HTTPError(409, "NOT_REPLICATED",
-                        detail="a topic of one replica is not replicated: nothing to copy from")
-    if to not in view.nodes:
-        raise HTTPError(409, "NODE_NOT_LIVE", detail=f"{to} is not a live node")
+    tv, state = _movable(view, topic, partition, to,
+                         "a topic of one replica is not replicated: nothing to copy from")
     if to in state.isr or to in state.catchup:
         raise HTTPError(409, "ALREADY_REPLICA", detail=f"{to} holds it already")
     if frm not in state.isr and frm not in state.catchup:
