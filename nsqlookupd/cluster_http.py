@@ -157,22 +157,24 @@ def do_cluster_stats(lookupd, params):
     return lookupd.cluster.stats(topn)
 
 
-async def do_move_leader(lookupd, params):
+def _topic_partition(params) -> tuple[str, int]:
+    """A move's topic and partition, both required."""
     topic = _topic(params)
     partition = _int_arg(params, ("partition",), "INVALID_ARG_PARTITION", 0,
                          MAX_PARTITIONS - 1, -1)
     if partition < 0:
         raise HTTPError(400, "MISSING_ARG_PARTITION")
+    return topic, partition
+
+
+async def do_move_leader(lookupd, params):
+    topic, partition = _topic_partition(params)
     to = _arg(params, "to", "MISSING_ARG_TO")
     return await lookupd.cluster.mover.move(topic, partition, to)
 
 
 async def do_move_replica(lookupd, params):
-    topic = _topic(params)
-    partition = _int_arg(params, ("partition",), "INVALID_ARG_PARTITION", 0,
-                         MAX_PARTITIONS - 1, -1)
-    if partition < 0:
-        raise HTTPError(400, "MISSING_ARG_PARTITION")
+    topic, partition = _topic_partition(params)
     frm = _arg(params, "from", "MISSING_ARG_FROM")
     to = _arg(params, "to", "MISSING_ARG_TO")
     return await lookupd.cluster.mover.move_replica(topic, partition, frm, to)
