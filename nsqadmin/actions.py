@@ -9,6 +9,8 @@ Who is asked, by mode (the Snapshot's):
   and, for deletes and channels, to every nsqd holding the topic; the rest to every nsqd
   holding it; tombstone to every lookupd;
 - nsqd: every configured nsqd.
+Cluster mode only, to the master: a partition's leader moved within its ISR, a node drained
+(or its drain cancelled), one balancer move now.
 A fan-out succeeds when at least one node did and none failed other than by not having
 the topic or channel (404: a node that holds none of its partitions). After an action the
 Source reads the cluster again until the effect shows (a cluster-wide write reaches the
@@ -26,7 +28,8 @@ from nsqwire.protocol import valid_channel_name, valid_topic_name
 from .times import BadTime, parse_time
 
 TOPIC_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "trace_on", "trace_off",
-                 "tombstone")
+                 "tombstone", "move_leader")
+NODE_ACTIONS = ("drain", "drain_cancel")
 CHANNEL_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "setoffset", "trace_on",
                    "trace_off")
 SETTLE_S = 5.0
@@ -161,11 +164,66 @@ async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
         if node not in snap.nodes:
             raise ActionError(400, "INVALID_NODE", f"no node {node!r} (give its HTTP address)")
         await _calls(source, out, lookupds, "/topic/tombstone", q | {"node": node})
+    elif action == "move_leader":
+        return await _move_leader(source, out, topic, form)
     shows = {"create": lambda t: t is not None and bool(t.partitions),
              "delete": lambda t: t is None, "pause": lambda t: t and t.paused,
              "unpause": lambda t: t and not t.paused, "trace_on": lambda t: t and t.traced,
              "trace_off": lambda t: t and not t.traced}.get(action)
     await _settle(source, out, shows and (lambda snap: shows(snap.topics.get(topic))))
+    return out
+
+
+def _cluster_only(snap, what: str) -> None:
+    if snap.mode != "cluster":
+        raise ActionError(400, "NOT_A_CLUSTER", f"{what} needs a cluster (nsqlookupd with "
+                                                "--etcd-endpoints): nothing to move between")
+
+
+async def _move_leader(source, out: Outcome, topic: str, form: dict) -> Outcome:
+    """Move a partition's leader to another member of its ISR (the master's
+    /partition/move_leader: no data copied, the epoch raised)."""
+    snap = source.snapshot
+    _cluster_only(snap, "moving a leader")
+    number = _int_arg(form, "partition", 0, 1023)
+    to = str(form.get("to") or "")
+    if number is None or not to:
+        raise ActionError(400, "MISSING_ARG", "move_leader needs partition and to (a node id)")
+    await _master(source, out, "/partition/move_leader",
+                  {"topic": topic, "partition": number, "to": to})
+
+    def moved(snap) -> bool:
+        t = snap.topics.get(topic)
+        return any(p.number == int(number) and p.leader_id == to for p in (t.partitions
+                                                                          if t else ()))
+    await _settle(source, out, moved)
+    return out
+
+
+async def node_action(source, action: str, http: str, form: dict) -> Outcome:
+    """Drain a node (the master moves every partition off it, then marks it removable), or
+    cancel that."""
+    if action not in NODE_ACTIONS:
+        raise ActionError(404, "UNKNOWN_ACTION", f"node actions: {', '.join(NODE_ACTIONS)}")
+    snap = source.snapshot
+    _cluster_only(snap, "draining a node")
+    node = snap.nodes.get(http)
+    if node is None or not node.node_id:
+        raise ActionError(404, "NODE_NOT_FOUND", f"no cluster node {http!r}")
+    out = Outcome(action=f"node {action} {http}")
+    q = {"node": node.node_id} | ({"cancel": "true"} if action == "drain_cancel" else {})
+    await _master(source, out, "/node/drain", q)
+    await _settle(source, out, None)
+    return out
+
+
+async def balance_now(source) -> Outcome:
+    """One balancer move now (the master's /cluster/balance: refused outside its window)."""
+    snap = source.snapshot
+    _cluster_only(snap, "balancing")
+    out = Outcome(action="balance")
+    await _master(source, out, "/cluster/balance", {})
+    await _settle(source, out, None)
     return out
 
 

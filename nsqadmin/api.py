@@ -94,6 +94,16 @@ async def channel_act(request):
     return _outcome(await actions.channel_action(_source(request), action, t, c, args))
 
 
+async def node_act(request):
+    args = await _args(request)
+    return _outcome(await actions.node_action(_source(request), request.match_info["action"],
+                                              request.match_info["node"], args))
+
+
+async def balance(request):
+    return _outcome(await actions.balance_now(_source(request)))
+
+
 async def csrf(request):
     return web.json_response({"csrf": request["csrf"], "cookie": auth.CSRF_COOKIE,
                               "header": "X-CSRF-Token"})
@@ -131,6 +141,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/api/topics/{topic}/{channel}", channel)
     r.add_post("/api/topics/{topic}/{channel}/{action}", channel_act)
     r.add_get("/api/nodes/{node}", node)
+    r.add_post("/api/nodes/{node}/{action}", node_act)
+    r.add_post("/api/cluster/balance", balance)
     r.add_get("/api/trace", trace)
     r.add_get("/api/message", message)
     r.add_get("/api/csrf", csrf)

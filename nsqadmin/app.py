@@ -231,6 +231,16 @@ async def channel_act(request):
     _after(request, out, f"/topics/{pages.u(t)}/{pages.u(c)}")
 
 
+async def node_act(request):
+    http, action = request.match_info["node"], request.match_info["action"]
+    out = await actions.node_action(_source(request), action, http, request["form"])
+    _after(request, out, f"/nodes/{pages.u(http)}")
+
+
+async def balance(request):
+    _after(request, await actions.balance_now(_source(request)), "/")
+
+
 async def static(request):
     name = request.match_info["name"]
     if name not in ("admin.css", "admin.js"):
@@ -256,6 +266,8 @@ def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:
     app.router.add_get("/topics/{topic}/{channel}", channel)
     app.router.add_post("/topics/{topic}/{channel}/{action}", channel_act)
     app.router.add_get("/nodes/{node}", node)
+    app.router.add_post("/nodes/{node}/{action}", node_act)
+    app.router.add_post("/cluster/balance", balance)
     app.router.add_get("/trace", trace)
     app.router.add_get("/login", login_form)
     app.router.add_post("/login", login)

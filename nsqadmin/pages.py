@@ -134,7 +134,9 @@ def cluster_page(v: dict, ctx: dict) -> tuple[str, str]:
         heavy = ", ".join(f'<a href="/topics/{u(t.get("topic", ""))}">{esc(t.get("topic", ""))}'
                           f'</a> {num(t.get("load_factor", ""))}' for t in v["heaviest_topics"])
         out.append(f'<p id="balance">balanced: <b>{yes(v["balanced"])}</b>'
-                   f'{" · heaviest topics: " + heavy if heavy else ""}</p>')
+                   f'{" · heaviest topics: " + heavy if heavy else ""}</p>'
+                   + form("/cluster/balance", "balance now", ctx,
+                          confirm="Make one balancer move now (within the balance window)?"))
     if v["problems"]:
         out.append("<h2>Problems</h2><ul class=\"problems\">" +
                    "".join(f"<li>{esc(p)}</li>" for p in v["problems"]) + "</ul>")
@@ -191,9 +193,11 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
                      sparkline(p["rates"], f"partition {p['number']} messages/s", 80, 18),
                      sparkline([float(d) for d in p["depths"]],
                                f"partition {p['number']} depth", 80, 18),
-                     f'<span class="bad">{esc(p["error"])}</span>' if p["error"] else ""])
+                     f'<span class="bad">{esc(p["error"])}</span>' if p["error"] else "",
+                     _move_leader_form(base, p, ctx) if v["mode"] == "cluster" else ""])
     parts = table(["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
-                   "depth", "msgs/s", "msgs/s chart", "depth chart", "error"], prow,
+                   "depth", "msgs/s", "msgs/s chart", "depth chart", "error", "move leader"],
+                  prow,
                   cls="partitions", empty=v["partitions_note"] or "no partitions")
     note = f'<p class="note" id="replication-note">{esc(v["replication_note"])}</p>' \
         if v["replication_note"] else ""
@@ -261,6 +265,33 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
         f'<h2>Clients</h2>{clients}<h2>Partitions</h2>{parts}')
 
 
+def _move_leader_form(base: str, p: dict, ctx: dict) -> str:
+    """A choice of the partition's other in-sync replicas, to lead it instead."""
+    others = [i for i in p["isr"] if i != p["leader_id"]]
+    if not others:
+        return "—"
+    options = "".join(f'<option value="{esc(i)}">{esc(i)}</option>' for i in others)
+    return form(f"{base}/move_leader", "move", ctx, cls="inline",
+                confirm=f"Move the leader of partition {p['number']}? Its publishers retry "
+                        "for a moment.",
+                fields=f'<input type="hidden" name="partition" value="{p["number"]}">'
+                       f'<select name="to" aria-label="new leader">{options}</select>')
+
+
+def _drain_html(v: dict, ctx: dict) -> str:
+    """Cluster mode: the node's drain state (from the master's load report) and its
+    buttons."""
+    load = v.get("load") or {}
+    state = "removable" if load.get("removable") else "draining" if load.get("draining") \
+        else "serving"
+    base = f"/nodes/{u(v['http'])}"
+    button = form(f"{base}/drain_cancel", "cancel drain", ctx) if state == "draining" else \
+        form(f"{base}/drain", "drain", ctx, confirm=f"Drain {v['http']}? Every partition it "
+             "leads or follows moves to other nodes, one at a time.")
+    return (f'<h2>Drain</h2><p id="drain-state">state: <b>{esc(state)}</b></p>'
+            f'<div class="actions">{button}</div>')
+
+
 def node_page(v: dict, ctx: dict) -> tuple[str, str]:
     http = v["http"]
     facts = [("HTTP", http), ("TCP", v["tcp"]), ("node id", v["node_id"] or "—"),
@@ -304,8 +335,9 @@ def node_page(v: dict, ctx: dict) -> tuple[str, str]:
     tnote = f'<p class="note" id="tombstone-note">{esc(v["tombstone_note"])}</p>' \
         if v["tombstone_note"] else ""
     rnote = f'<p class="note">{esc(v["replication_note"])}</p>' if v["replication_note"] else ""
+    drain = _drain_html(v, ctx) if v["mode"] == "cluster" and v["node_id"] else ""
     return f"Node {http}", (
-        f'<h1>Node <span class="name">{esc(http)}</span></h1>{_age(v)}<dl>{dl}</dl>'
+        f'<h1>Node <span class="name">{esc(http)}</span></h1>{_age(v)}<dl>{dl}</dl>{drain}'
         f'<h2>Partitions led</h2>{rnote}{led}<h2>Partitions followed</h2>{following}'
         f'<h2>Clients</h2>{clients}<h2>Topics</h2>{tnote}{topics}')
 

@@ -371,3 +371,46 @@ def test_start_errors(tmp_path):
     code, line = run("--nsqd-http-address", "127.0.0.1:1", "--admin-user", "ops",
                      "--admin-password-file", str(tmp_path / "missing"))
     assert code == 1 and line.startswith("nsqadmin: cannot read --admin-password-file")
+
+
+def test_cluster_moves_leader_drains_and_balances(env):
+    """The balancing buttons (#13) through the API: a leader moved to the other ISR member,
+    a node drained then its drain cancelled (the master's state shows in the node view),
+    a balance step refused by a master without --balance-window (its refusal shown), and
+    each refused outside cluster mode. Last in the module: the drain moves partitions."""
+    c, api = env["cluster"], Client(env["open"].url)
+    status, out, _ = api.post("/api/topics", {"topic": "moves", "partitions": 1,
+                                              "replicas": 2})
+    assert status == 200 and out["ok"], out
+    p = until(lambda: (v := api.get("/api/topics/moves")[1]) and v["partitions"][0]["leader_id"]
+              and len(v["partitions"][0]["isr"]) == 2 and v["partitions"][0], 15, "settled")
+    to = next(i for i in p["isr"] if i != p["leader_id"])
+
+    def moved():  # LEADER_NOT_SETTLED until the leader holds its key: asked again
+        status, out, _ = api.post("/api/topics/moves/move_leader", {"partition": 0, "to": to})
+        return status == 200 and out["ok"]
+    until(moved, 15, "the leader moved")
+    assert api.get("/api/topics/moves")[1]["partitions"][0]["leader_id"] == to
+    html = api.get("/topics/moves")[1]
+    assert 'action="/topics/moves/move_leader"' in html and 'name="to"' in html
+
+    node = next(n for n in api.get("/api/cluster")[1]["nodes"] if n["node_id"] == to)
+    status, out, _ = api.post(f"/api/nodes/{node['http']}/drain")
+    assert status == 200 and out["ok"], out
+    until(lambda: (api.get(f"/api/nodes/{node['http']}")[1]["load"] or {}).get("draining")
+          or (api.get(f"/api/nodes/{node['http']}")[1]["load"] or {}).get("removable"),
+          15, "the node shown draining")
+    assert 'id="drain-state"' in api.get(f"/nodes/{node['http']}")[1]
+    status, out, _ = api.post(f"/api/nodes/{node['http']}/drain_cancel")
+    assert status == 200 and out["ok"], out
+    status, out, _ = api.post(f"/api/nodes/{node['http']}/undrain")
+    assert (status, out["message"]) == (404, "UNKNOWN_ACTION")
+
+    status, out, _ = api.post("/api/cluster/balance")
+    assert status == 502 and out["calls"][0]["answer"] == "BALANCER_OFF", out
+
+    classic = Client(env["classic_admin"].url)
+    nsqd = env["classic"].nsqd.http_address
+    for path in (f"/api/nodes/{nsqd}/drain", "/api/cluster/balance"):
+        status, out, _ = classic.post(path)
+        assert (status, out["message"]) == (400, "NOT_A_CLUSTER"), path
