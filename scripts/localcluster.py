@@ -2,14 +2,15 @@
 
     .venv/bin/python scripts/localcluster.py [--data ./data] [--nsqd 3] [--lookupd 2] [--replicas 3]
 
-Starts one etcd, the nsqlookupds, then the nsqds (cluster mode, `--etcd-endpoints`), prints
-where to look and what to try, and runs until Ctrl-C or SIGTERM: then it stops the nsqds
-(SIGTERM: they drain and save their cursors), the nsqlookupds, then etcd, and exits 0 once
+Starts one etcd, the nsqlookupds, the nsqds (cluster mode, `--etcd-endpoints`), then
+nsqadmin (the web UI, reading the nsqlookupds), prints where to look and what to try, and
+runs until Ctrl-C or SIGTERM: then it stops nsqadmin, the nsqds (SIGTERM: they drain and
+save their cursors), the nsqlookupds, then etcd, and exits 0 once
 nothing it started is left running (a process that does not stop within its grace time
 is killed).
 
 Ports: the classic ones for the first process of each kind (nsqd 4150/4151, replication
-4250; nsqlookupd 4160/4161; etcd 2379/2380), then the next free ones. The ports chosen are
+4250; nsqlookupd 4160/4161; nsqadmin 4171; etcd 2379/2380), then the next free ones. The ports chosen are
 kept in `<data>/cluster.json` and taken again on the next start when free, because a
 node's id is its address: a restart keeps the cluster. `--free-ports` takes any free
 ports instead of the classic ones (tests); the ports of the last run still come first.
@@ -31,8 +32,9 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLASSIC = {"nsqd": (4150, 4151, 4250), "nsqlookupd": (4160, 4161), "etcd": (2379, 2380)}
-STOP_GRACE_S = {"nsqd": 20.0, "nsqlookupd": 10.0, "etcd": 10.0}
+CLASSIC = {"nsqd": (4150, 4151, 4250), "nsqlookupd": (4160, 4161), "nsqadmin": (4171,),
+           "etcd": (2379, 2380)}
+STOP_GRACE_S = {"nsqadmin": 10.0, "nsqd": 20.0, "nsqlookupd": 10.0, "etcd": 10.0}
 START_TIMEOUT_S = 30.0
 
 
@@ -187,6 +189,13 @@ def plan(args) -> list[Child]:
              *cluster],
             f"http://127.0.0.1:{http}/ping", os.path.join(logs, f"{name}.log"),
             {"tcp": tcp, "http": http, "rpc": rpc}))
+    admin = take("nsqadmin", "http", CLASSIC["nsqadmin"][0], 0)
+    lookupds = [a for c in children if c.role == "nsqlookupd"
+                for a in ("--lookupd-http-address", f"127.0.0.1:{c.ports['http']}")]
+    children.append(Child(
+        "nsqadmin", "nsqadmin",
+        [py, "-m", "nsqadmin", "--http-address", f"127.0.0.1:{admin}", *lookupds],
+        f"http://127.0.0.1:{admin}/ping", os.path.join(logs, "nsqadmin.log"), {"http": admin}))
     return children
 
 
@@ -237,7 +246,8 @@ def wait_nodes_live(children: list[Child]) -> None:
 
 
 def banner(args, children: list[Child]) -> str:
-    by_role = {r: [c for c in children if c.role == r] for r in ("etcd", "nsqlookupd", "nsqd")}
+    by_role = {r: [c for c in children if c.role == r]
+               for r in ("etcd", "nsqlookupd", "nsqd", "nsqadmin")}
     lookupd_http = [f"127.0.0.1:{c.ports['http']}" for c in by_role["nsqlookupd"]]
     master = master_http(lookupd_http)
     lines = ["local cluster running (Ctrl-C stops everything):",
@@ -249,6 +259,9 @@ def banner(args, children: list[Child]) -> str:
     for c in by_role["nsqd"]:
         lines.append(f"  {c.name:<11} TCP 127.0.0.1:{c.ports['tcp']}  HTTP "
                      f"http://127.0.0.1:{c.ports['http']}  replication 127.0.0.1:{c.ports['rpc']}")
+    for c in by_role["nsqadmin"]:
+        lines.append(f"  {c.name:<11} http://127.0.0.1:{c.ports['http']}  (the web UI: "
+                     "cluster, topics, partitions, channels, trace search)")
     first_nsqd = by_role["nsqd"][0].ports
     replicas = args.replicas or max(1, min(3, len(by_role["nsqd"])))
     lines += [
@@ -322,7 +335,7 @@ def main() -> int:
         status = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for role in ("nsqd", "nsqlookupd", "etcd"):  # each kind at once, in this order
+        for role in ("nsqadmin", "nsqd", "nsqlookupd", "etcd"):  # each kind at once, in order
             group = [c for c in started if c.role == role]
             for child in group:
                 child.terminate()

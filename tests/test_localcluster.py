@@ -67,6 +67,7 @@ def test_the_run_command_serves_stops_cleanly_and_keeps_the_cluster(tmp_path):
         pub = re.search(r"curl -d 'hello' '(http://[^']+/pub)\?", banner).group(1)
         assert len(re.findall(r"^  nsqd\d", banner, re.M)) == 3
         assert len(re.findall(r"^  nsqlookupd\d", banner, re.M)) == 2
+        admin = re.search(r"^  nsqadmin +(http://\S+)", banner, re.M).group(1)
 
         status, body = http_json("POST", f"{create}?topic=orders&partition_num=6")
         assert status == 200, body
@@ -78,7 +79,12 @@ def test_the_run_command_serves_stops_cleanly_and_keeps_the_cluster(tmp_path):
                 f"{pub}?topic=events", data=b"hello"), timeout=10) as r:
             assert r.read() == b"OK"
         children = pids(data)
-        assert len(children) == 6 and all(alive(p) for p in children)
+        assert len(children) == 7 and all(alive(p) for p in children)
+
+        def admin_shows_orders():
+            status, body = http_json("GET", f"{admin}/api/topics")
+            return status == 200 and "orders" in [t["name"] for t in body["topics"]]
+        wait_until(admin_shows_orders, 15, "nsqadmin shows the topic")
     except BaseException:
         proc.kill()
         raise
