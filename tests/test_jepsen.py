@@ -194,7 +194,6 @@ def test_power_cuts_lose_nothing_acknowledged(tmp_path):
     assert leftovers() == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the power-cut nemesis needs root (FUSE)")
 def unsynced_run(tmp_path, nemesis: str) -> tuple[int, dict]:
     """A run whose topic has syncdisk 1000000: it acknowledges data it has not synced (a
     sync every 2 s)."""
@@ -205,6 +204,7 @@ def unsynced_run(tmp_path, nemesis: str) -> tuple[int, dict]:
     return run
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the power-cut nemesis needs root (FUSE)")
 def test_power_cut_catches_acknowledged_unsynced_data(tmp_path):
     """A power cut drops what was acknowledged and not synced: the checker finds
     acknowledged messages lost."""
