@@ -29,7 +29,6 @@ PARTITION_SHIFT = 50  # a message id is partition << 50 | sequence (DESIGN.md)
 HEAD = struct.Struct(">IIQQQHH")  # crc32, length, msg_id, trace_id, timestamp ns, attempts, ext_len
 HEAD_SIZE = HEAD.size
 FIXED_LENGTH = HEAD_SIZE - 8
-BATCH_ROWS = 8192  # rows per Arrow record batch
 READ_BYTES = 1 << 20
 SCHEMA = ("topic string, partition int, offset long, msg_id string, timestamp timestamp, "
           "trace_id long, attempts int, ext map<string,string>, body binary")
@@ -49,7 +48,7 @@ class Options:
     since_ns: int | None = None
     until_ns: int | None = None
     partitions: frozenset[int] | None = None  # only these (a pushed filter, or the option)
-    max_partition_bytes: int = 64 << 20
+    max_partition_bytes: int = 16 << 20
     timeout_s: float = 5.0  # one HTTP call
     retry_s: float = 30.0  # the longest a split (or planning) goes on trying
     before_retention: str = "error"  # or "warn"
@@ -78,7 +77,7 @@ class Options:
         if mode not in ("error", "warn"):
             raise NsqSourceError("'before_retention' is error or warn")
         return cls(topic, lookupd, nsqd, since, until, parts,
-                   _positive(o, "max_partition_bytes", 64 << 20, int),
+                   _positive(o, "max_partition_bytes", 16 << 20, int),
                    _positive(o, "timeout", 5.0, float), _positive(o, "retry_timeout", 30.0, float),
                    mode)
 
@@ -303,28 +302,15 @@ def splits(o: Options, ws: list[Window]) -> list[Split]:
 # ---- reading ----------------------------------------------------------------------------
 
 
-class _Columns:
-    __slots__ = ("offset", "msg_id", "ts", "trace_id", "attempts", "ext", "body")
-
-    def __init__(self):
-        for name in self.__slots__:
-            setattr(self, name, [])
-
-    def __len__(self):
-        return len(self.offset)
-
-
-def decode(buf: bytes, base: int, partition: int, cols: _Columns) -> int:
-    """Append the whole records of `buf` (its first byte at offset `base`) to `cols`;
-    returns how many bytes they took. Raises NsqSourceError on a bad record."""
-    pos, n = 0, len(buf)
+def frame(buf: bytes, base: int, partition: int) -> tuple[list[int], int]:
+    """The places (in `buf`, whose first byte is at offset `base`) of the whole records at
+    its start, each checked (framing, CRC, the id's partition), and the bytes they take.
+    Raises NsqSourceError on a bad record."""
+    pos, n, places = 0, len(buf), []
     view = memoryview(buf)
-    unpack, crc32 = HEAD.unpack_from, zlib.crc32
-    a_off, a_id, a_ts = cols.offset.append, cols.msg_id.append, cols.ts.append
-    a_tr, a_at, a_ext, a_body = (cols.trace_id.append, cols.attempts.append, cols.ext.append,
-                                 cols.body.append)
+    unpack, crc32, add = HEAD.unpack_from, zlib.crc32, places.append
     while n - pos >= HEAD_SIZE:
-        crc, length, msg_id, trace_id, ts, attempts, ext_len = unpack(buf, pos)
+        crc, length, msg_id, _, _, _, ext_len = unpack(buf, pos)
         end = pos + 8 + length
         if length < FIXED_LENGTH + ext_len:
             raise NsqSourceError(f"bad record length {length} at offset {base + pos}")
@@ -335,16 +321,39 @@ def decode(buf: bytes, base: int, partition: int, cols: _Columns) -> int:
         if msg_id >> PARTITION_SHIFT != partition:
             raise NsqSourceError(f"record at offset {base + pos} has id {msg_id:016x}, "
                                  f"not of partition {partition}")
-        a_off(base + pos)
-        a_id(msg_id)
-        a_ts(ts)
-        a_tr(trace_id)
-        a_at(attempts)
-        body_start = pos + HEAD_SIZE + ext_len
-        a_ext(buf[pos + HEAD_SIZE:body_start] if ext_len else b"")
-        a_body(buf[body_start:end])
+        add(pos)
         pos = end
-    return pos
+    return places, pos
+
+
+_HEX = b"0123456789abcdef"
+
+
+def _field(a, places, at: int, width: int, dtype: str):
+    """The big-endian integer field at `at` of every record, as a native numpy array."""
+    import numpy as np
+
+    grid = a[places[:, None] + np.arange(at, at + width)]
+    return grid.view(dtype).ravel().astype(dtype.replace(">", "="))
+
+
+def _bodies(block: bytes, places, used: int, ext_len):
+    """The bodies as an Arrow binary array. Records are adjacent, so `block` is a binary
+    array of whole records without a copy; with no ext header anywhere (the usual case)
+    one Arrow kernel cuts every record's fixed head off, else each body is sliced here."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if ext_len.any():
+        starts = (places + HEAD_SIZE + ext_len).tolist()
+        ends = places[1:].tolist() + [used]
+        return pa.array([block[s:e] for s, e in zip(starts, ends)], pa.binary())
+    offsets = np.empty(len(places) + 1, np.int32)
+    offsets[:-1], offsets[-1] = places, used
+    records = pa.Array.from_buffers(pa.binary(), len(places),
+                                    [None, pa.py_buffer(offsets), pa.py_buffer(block)])
+    return pc.binary_slice(records, HEAD_SIZE, 1 << 30)
 
 
 def _ext_map(ext: bytes) -> list[tuple[str, str]]:
@@ -359,21 +368,40 @@ def _ext_map(ext: bytes) -> list[tuple[str, str]]:
     return [(str(k), v if isinstance(v, str) else json.dumps(v)) for k, v in doc.items()]
 
 
-def to_batch(topic: str, partition: int, cols: _Columns):
-    """The columns as an Arrow RecordBatch in SCHEMA's order and types."""
+def to_batch(topic: str, partition: int, block: bytes, base: int, places: list[int]):
+    """The records of `block` (at `places`; its first byte at offset `base`) as an Arrow
+    RecordBatch in SCHEMA's order and types. Fixed fields are gathered with numpy from the
+    bytes and the bodies cut by an Arrow kernel, so the per-row Python work is only
+    `frame`'s walk."""
+    import numpy as np
     import pyarrow as pa
 
-    n = len(cols)
+    n = len(places)
+    a = np.frombuffer(block, np.uint8)
+    p = np.array(places, np.int64)
+    ext_len = _field(a, p, 34, 2, ">u2")
+    ids = a[p[:, None] + np.arange(8, 16)]
+    hexes = np.frombuffer(_HEX, np.uint8)
+    chars = np.stack([hexes[ids >> 4], hexes[ids & 15]], axis=2).reshape(-1)
+    msg_ids = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(
+        np.arange(0, 16 * (n + 1), 16, dtype=np.int32)), pa.py_buffer(chars)])
+    if ext_len.any():
+        starts = p + HEAD_SIZE
+        ext = pa.array([_ext_map(block[s:s + e]) for s, e in zip(starts.tolist(), ext_len.tolist())],
+                       pa.map_(pa.string(), pa.string()))
+    else:
+        ext = pa.MapArray.from_arrays(np.zeros(n + 1, np.int32), pa.array([], pa.string()),
+                                      pa.array([], pa.string()))
     return pa.RecordBatch.from_arrays([
-        pa.array([topic] * n, pa.string()),
-        pa.array([partition] * n, pa.int32()),
-        pa.array(cols.offset, pa.int64()),
-        pa.array([f"{m:016x}" for m in cols.msg_id], pa.string()),
-        pa.array([t // 1000 for t in cols.ts], pa.timestamp("us", tz="UTC")),
-        pa.array([t - (1 << 64) if t >= 1 << 63 else t for t in cols.trace_id], pa.int64()),
-        pa.array(cols.attempts, pa.int32()),
-        pa.array([_ext_map(e) for e in cols.ext], pa.map_(pa.string(), pa.string())),
-        pa.array(cols.body, pa.binary()),
+        pa.repeat(pa.scalar(topic, pa.string()), n),
+        pa.repeat(pa.scalar(partition, pa.int32()), n),
+        pa.array(p + base, pa.int64()),
+        msg_ids,
+        pa.array(_field(a, p, 24, 8, ">u8").view(np.int64) // 1000, pa.timestamp("us", tz="UTC")),
+        pa.array(_field(a, p, 16, 8, ">u8").view(np.int64), pa.int64()),
+        pa.array(_field(a, p, 32, 2, ">u2").astype(np.int32), pa.int32()),
+        ext,
+        _bodies(block, p, len(block), ext_len),
     ], names=["topic", "partition", "offset", "msg_id", "timestamp", "trace_id", "attempts",
               "ext", "body"])
 
@@ -383,12 +411,11 @@ def _read_path(split: Split, offset: int) -> str:
         {"topic": split.topic, "partition": split.partition, "offset": offset, "end": split.end})
 
 
-def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0,
-               batch_rows: int = BATCH_ROWS, log=None):
-    """Yield the split's records as Arrow record batches (see the module docstring)."""
+def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0, log=None):
+    """Yield the split's records as Arrow record batches, one per chunk read (see the
+    module docstring)."""
     pos, attempt, failures = split.start, 0, []
     deadline = time.monotonic() + retry_s
-    cols = _Columns()
     while pos < split.end:
         node = split.nodes[attempt % len(split.nodes)]
         try:
@@ -406,11 +433,11 @@ def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0,
                     if not data:
                         break
                     buf = rest + data if rest else data
-                    used = decode(buf, pos, split.partition, cols)
+                    places, used = frame(buf, pos, split.partition)
+                    if places:
+                        yield to_batch(split.topic, split.partition, buf[:used], pos, places)
                     pos += used
                     rest = buf[used:]
-                    while len(cols) >= batch_rows:
-                        yield _take(split, cols, batch_rows)
             finally:
                 conn.close()
             if pos >= split.end:
@@ -428,14 +455,3 @@ def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0,
                                  + "; ".join(failures[-len(split.nodes) - 1:]))
         if attempt % len(split.nodes) == 0:
             time.sleep(min(1.0, 0.1 * attempt))
-    if len(cols):
-        yield _take(split, cols, len(cols))
-
-
-def _take(split: Split, cols: _Columns, n: int):
-    head = _Columns()
-    for name in _Columns.__slots__:
-        values = getattr(cols, name)
-        setattr(head, name, values[:n])
-        del values[:n]
-    return to_batch(split.topic, split.partition, head)

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--key-field", help="body JSON field (or ext:NAME) keying republished rows")
     p.add_argument("--mode", default="errorifexists", help="Parquet save mode")
     p.add_argument("--master", default="local[*]")
-    p.add_argument("--max-partition-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-partition-bytes", type=int, default=16 << 20)
     p.add_argument("--before-retention", choices=("error", "warn"), default="error")
     p.add_argument("--batch", type=int, default=256, help="messages per MPUB when republishing")
     p.add_argument("--progress-s", type=float, default=2.0)
