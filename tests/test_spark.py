@@ -337,6 +337,41 @@ def cluster(tmp_path_factory):
     cl.stop()
 
 
+def test_replay_keyed_into_a_topic_of_other_partitions_keeps_per_key_order(spark, cluster):
+    """Source: 2 partitions, keys spread over both; target: 4 partitions. Each key's messages
+    land in partition_of(key, 4), in their source order."""
+    from nsqclient.partitioning import partition_of
+
+    for topic, n in (("ksrc", 2), ("kdst", 4)):
+        status, answer = cluster.create_topic(topic, n)
+        assert status == 200, answer
+    leaders = wait_until(lambda: len(cluster.leaders("ksrc")) == 2 and cluster.leaders("ksrc"),
+                         15, "ksrc led")
+    wait_until(lambda: len(cluster.leaders("kdst")) == 4, 15, "kdst led")
+    sent: dict[str, list[int]] = {}
+    for n, tcp in leaders.items():  # each key's messages in one source partition
+        p = Publisher(cluster.nsqd_at(tcp).http_address)
+        for i in range(40):
+            key = f"k{n}-{i % 3}"
+            sent.setdefault(key, []).append(i)
+            p.pub("ksrc", json.dumps({"key": key, "i": i}).encode(), partition=n)
+        p.close()
+    lookupd = cluster.lookupds[0].http_address
+    args = replay.parse_args(["--lookupd", lookupd, "--topic", "ksrc", "--to", "topic:kdst",
+                              "--key-field", "key", "--batch", "4"])
+    assert replay.run(args, spark)["rows"] == 80
+    rows = (spark.read.format("nsq").option("lookupd", lookupd).option("topic", "kdst").load()
+            .select("partition", "offset", "body").collect())
+    got: dict[str, list[tuple[int, int, int]]] = {}
+    for r in rows:
+        doc = json.loads(bytes(r.body))
+        got.setdefault(doc["key"], []).append((r.partition, r.offset, doc["i"]))
+    assert sorted(got) == sorted(sent)
+    for key, placed in got.items():
+        assert {p for p, _, _ in placed} == {partition_of(key, 4)}, key
+        assert [i for _, _, i in sorted(placed)] == sent[key], key
+
+
 def test_four_partitions_on_three_nodes_and_a_leader_killed_during_the_read(spark, cluster):
     status, answer = cluster.create_topic("cpay", 4, replicas=2)
     assert status == 200, answer
