@@ -424,6 +424,10 @@ def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0, log=
             try:
                 conn.request("GET", _read_path(split, pos))
                 r = conn.getresponse()
+                if r.status == 410:  # no replica has it any more: say so at once
+                    raise NsqSourceError(
+                        f"partition {split.partition}: retention dropped offset {pos} while the "
+                        f"window was read ({r.read()[:200].decode('utf-8', 'replace')})")
                 if r.status != 200:
                     raise OSError(f"HTTP {r.status} {r.read()[:200]!r}")
                 pos = max(pos, int(r.headers.get("X-NSQ-Start", pos)))

@@ -289,6 +289,10 @@ def test_a_window_before_retention_says_so(spark, tmp_path):
         assert "older messages were dropped by retention" in str(e.value)
         got = rows_of(load.option("since", "0").option("before_retention", "warn").load())
         assert got == expected(bodies[kept:], first=kept)
+        # a split planned before retention dropped its start: the task says so at once
+        gone = client.Split("old", 0, 0, 100, [proc.http_address])
+        with pytest.raises(client.NsqSourceError, match="retention dropped offset 0"):
+            list(client.read_split(gone, retry_s=60))
         # a window after what retention dropped is not before it
         _, w = get(proc.http_address, f"/topic/offsets?topic=old&partition=0&since={time.time()}")
         assert w["before_retention"] is False and w["count"] == 0
