@@ -231,6 +231,9 @@ def windows(o: Options) -> list[Window]:
             except (OSError, http.client.HTTPException) as e:
                 failures.append(f"{address}: {e}")
                 continue
+            if status == 404 and doc == {"message": "NOT_FOUND"}:  # the route, not the topic
+                raise NsqSourceError(f"nsqd {address} has no /topic/offsets (an nsqd without "
+                                     "the read API that spark/ needs)")
             if status == 404:
                 failures.append(f"{address}: topic {o.topic!r} not found")
                 continue
