@@ -71,15 +71,16 @@ class Publisher:
         self.conn = http.client.HTTPConnection(host, int(port), timeout=10)
 
     def pub(self, topic: str, body: bytes, partition: int | None = None) -> None:
-        """A 503 (a new replicated partition not writable yet) is retried for up to 10 s,
-        as a client retries it."""
+        """A 503 or E_FAILED_ON_NOT_LEADER (a new replicated partition not writable here
+        yet) is retried for up to 10 s, as a client retries it."""
         q = {"topic": topic, **({"partition": partition} if partition is not None else {})}
         deadline = time.monotonic() + 10
         while True:
             self.conn.request("POST", "/pub?" + urllib.parse.urlencode(q), body=body)
             r = self.conn.getresponse()
             answer = (r.status, r.read())
-            if answer[0] != 503 or time.monotonic() > deadline:
+            settling = answer[0] == 503 or b"E_FAILED_ON_NOT_LEADER" in answer[1]
+            if not settling or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert answer == (200, b"OK")
