@@ -41,6 +41,7 @@ from spark.client import Options  # noqa: E402
 
 @pytest.fixture(scope="module")
 def spark():
+    saved = {k: os.environ.get(k) for k in ("PYSPARK_PYTHON", "SPARK_LOCAL_IP", "PYTHONPATH")}
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -52,6 +53,11 @@ def spark():
     register(session)
     yield session
     session.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
