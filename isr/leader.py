@@ -499,6 +499,10 @@ class LeaderLog:
                 return error(wire.E_NOT_LEADER, self.reason)
             if f.failed or self.followers.get(node) is not f:
                 return error(wire.E_FAILED, "join: failed while joining")
+            if node not in state.catchup:  # the master took it off the partition meanwhile
+                if self.followers.get(node) is f:
+                    del self.followers[node]
+                return error(wire.E_FAILED, "join: no longer a replica of this partition")
             new = state.evolve(isr=(*state.isr, node),
                                catchup=tuple(x for x in state.catchup if x != node),
                                epoch=state.epoch + 1)

@@ -29,6 +29,9 @@ class ClusterMirror:
         self.etcd = etcd
         self.cluster = cluster
         self.prefix = keys.cluster_prefix(cluster)
+        # load reports change every few seconds and are no part of the view (the master
+        # reads them on its own): skipped, so they never cost an apply pass anywhere
+        self._loads = keys.load_prefix(cluster)
         self.on_change = on_change
         self.view: ClusterView | None = None
         self.ready = asyncio.Event()
@@ -54,21 +57,25 @@ class ClusterMirror:
         while True:
             try:
                 kvs, revision = await self.etcd.get_prefix(self.prefix)
-                self._kvs = {kv.key: kv for kv in kvs}
+                self._kvs = {kv.key: kv for kv in kvs if not kv.key.startswith(self._loads)}
                 self._decoded = {}
                 self._rebuild(revision)
                 failing = False
                 async with self.etcd.watch_prefix(self.prefix, revision + 1) as watch:
                     self._watch = watch
+                    changed = False
                     async for event in watch:
-                        if event.type == "put":
-                            self._kvs[event.kv.key] = event.kv
-                        else:
-                            self._kvs.pop(event.kv.key, None)
-                            self._decoded.pop(event.kv.key, None)
-                        revision = event.kv.mod_revision
-                        if watch.pending() == 0:
+                        if not event.kv.key.startswith(self._loads):
+                            if event.type == "put":
+                                self._kvs[event.kv.key] = event.kv
+                            else:
+                                self._kvs.pop(event.kv.key, None)
+                                self._decoded.pop(event.kv.key, None)
+                            changed = True
+                            revision = event.kv.mod_revision
+                        if watch.pending() == 0 and changed:
                             self._rebuild(revision)
+                            changed = False
             except (EtcdError, WatchLost) as e:
                 if not failing:
                     log.warning("mirror_resync", prefix=self.prefix, error=str(e))

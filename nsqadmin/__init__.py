@@ -1,0 +1,1 @@
+"""nsqadmin: the web UI and JSON API of the cluster (README.md)."""

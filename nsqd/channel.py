@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import json
 import time
 from collections import deque
 from operator import itemgetter
@@ -35,113 +34,15 @@ from diskqueue.segments import MissingSegmentError
 from nsqwire.ids import PARTITION_SHIFT, SEQUENCE_MASK
 
 from . import tags
-from .cursor import Cursor, Ranges, pack_u64, unpack_u64
+from .cursor import Cursor, Ranges, SavedWindow, joined_ranges, pack_u64
 from .delaying import ChannelDelay
+from .message import Message, defer_until_ms
 from .ordered import OrderedDispatch
 
 log = structlog.get_logger("nsqd.channel")
 
-DEFER_KEY = "##defer_until_ms"
 MAX_SAVED_RANGES = 4096  # finished ranges a checkpoint keeps (the nearest to `confirmed`)
 MAX_SAVED_ATTEMPTS = 4096  # attempts of unfinished messages a checkpoint keeps (the highest)
-
-
-class Message:
-    """A message taken from the log, with its delivery state; also its own cursor Slot
-    (offset, end, count, done), so taking a message costs one object."""
-
-    __slots__ = ("offset", "end", "count", "done", "msg_id", "trace_id", "timestamp", "attempts",
-                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id", "route")
-
-    def __init__(self, rec):
-        self.offset = rec.offset
-        self.end = rec.offset + rec.size
-        self.count = rec.msg_id & SEQUENCE_MASK
-        self.done = False
-        self.msg_id = rec.msg_id
-        self.trace_id = rec.trace_id
-        self.timestamp = rec.timestamp
-        self.attempts = rec.attempts
-        self.body = rec.body
-        self.ext = rec.ext
-        self.deadline = 0.0
-        self.client = None
-        self.delivered_at = 0.0
-        self.wire_id = b""  # the id as sent (16 hex characters), set at delivery
-        self.delayed = False  # True: it lives in the delay store, not in the cursor's window
-        self.route = None  # (tag, header) once a routed channel looked (tags.py)
-
-    @classmethod
-    def from_store(cls, d) -> "Message":
-        """A message brought back from the delay store (its log offset is long confirmed)."""
-        msg = cls.__new__(cls)
-        msg.offset = d.origin_offset
-        msg.end = msg.count = -1
-        msg.done = True
-        msg.msg_id, msg.trace_id, msg.timestamp, msg.attempts = (d.msg_id, d.trace_id,
-                                                                 d.timestamp, d.attempts)
-        msg.body, msg.ext = d.body, d.ext
-        msg.deadline = msg.delivered_at = 0.0
-        msg.client = None
-        msg.delayed = True
-        msg.wire_id = b""
-        msg.route = None
-        return msg
-
-
-def defer_ext(defer_ms: int, now: float) -> bytes:
-    """The ext header of a deferred publish (DPUB, HTTP /pub?defer=): due `now` (the node's
-    clock, unix seconds) + defer_ms."""
-    if not defer_ms:
-        return b""
-    return json.dumps({DEFER_KEY: int(now * 1000) + defer_ms}).encode()
-
-
-def defer_until_ms(ext: bytes) -> int:
-    """The due time (unix ms) a DPUB stored in the record's ext header, or 0."""
-    try:
-        return int(json.loads(ext).get(DEFER_KEY, 0))
-    except (ValueError, AttributeError, TypeError):
-        return 0
-
-
-def _joined(taken: Ranges, ahead: Ranges | None) -> Ranges:
-    """The finished ranges read so far, then those still ahead (merged where they touch)."""
-    if ahead is None or not len(ahead):
-        return taken
-    bounds, counts = taken.bounds + ahead.bounds, taken.counts + ahead.counts
-    n = len(taken.bounds)
-    if n and bounds[n - 1] == bounds[n]:
-        del bounds[n - 1:n + 1], counts[n - 1:n + 1]
-    return Ranges(bounds, counts)
-
-
-class SavedWindow:
-    """What a checkpoint saved of the window beyond `confirmed` (a restart reads it back):
-    `ahead`, the finished ranges (the cursor skips them); `next_read`, where the window
-    ended; `attempts`, offset -> attempts of unfinished messages that were not delivered
-    exactly once. Any other message read again below `next_read` was delivered once."""
-
-    __slots__ = ("ahead", "next_read", "attempts")
-
-    def __init__(self, ahead: Ranges | None, next_read: int, attempts: dict[int, int]):
-        self.ahead, self.next_read, self.attempts = ahead, next_read, attempts
-
-    @classmethod
-    def from_state(cls, state: dict) -> "SavedWindow | None":
-        """From a stored checkpoint; None when it has no window (older checkpoints, new
-        channels). Raises ValueError when it is damaged."""
-        next_read = state.get("next_read", 0)
-        if next_read <= state["confirmed"]:
-            return None
-        ahead = Ranges.decode(state.get("finished", b""))
-        if not ahead.beyond(state["confirmed"], state["confirmed_count"]) or (
-                len(ahead) and ahead.bounds[-1] > next_read):
-            raise ValueError("finished ranges not in order beyond confirmed")
-        attempts = unpack_u64(state.get("attempts", b""))
-        half = len(attempts) // 2
-        return cls(ahead if len(ahead) else None, next_read,
-                   dict(zip(attempts[:half], attempts[half:])))
 
 
 class Channel:
@@ -246,7 +147,7 @@ class Channel:
         ranges = c.ranges()
         saved = self.saved
         if saved is not None:
-            finished = _joined(ranges, c.ahead).encode(MAX_SAVED_RANGES)
+            finished = joined_ranges(ranges, c.ahead).encode(MAX_SAVED_RANGES)
             next_read = max(c.next_read, saved.next_read)
         else:
             if self._saved_finished[0] != c.changes:

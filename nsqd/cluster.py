@@ -42,6 +42,7 @@ from isr.registry import Registration
 from isr.state import BadValue, ChannelMeta, NodeInfo, TopicMeta, default_min_isr
 
 from .assignment import Assignment
+from .loadreport import LoadReporter
 from .nsqd import TopicConflict
 from .replication import Replication
 from .topic import StorageError
@@ -80,6 +81,7 @@ class Cluster:
         self.metadata = Metadata(self.etcd, o.cluster_id)
         self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
         self.replication = Replication(nsqd, self)
+        self.load = LoadReporter(self)  # load/<node-id>, read by the nsqlookupd master
         self.ttl = ttl_s
         self.node: NodeInfo | None = None
         self.registration: Registration | None = None
@@ -116,7 +118,8 @@ class Cluster:
         self.mirror.start()
         self._tasks = [asyncio.create_task(self._apply_loop(), name="cluster apply"),
                        asyncio.create_task(self._report_start(), name="cluster start report"),
-                       asyncio.create_task(self._watch_lease(), name="cluster lease watch")]
+                       asyncio.create_task(self._watch_lease(), name="cluster lease watch"),
+                       asyncio.create_task(self.load.run(), name="cluster load report")]
         log.info("cluster_started", node_id=self.node.id, cluster_id=self.cluster_id,
                  endpoints=o.etcd_endpoints, lease_ttl_s=self.ttl)
 
@@ -190,8 +193,12 @@ class Cluster:
                 self.errors["*"] = f"{type(e).__name__}: {e}"
             self._passed.set()
             self._passed = asyncio.Event()
-            if self.errors:
-                await asyncio.sleep(RETRY_S)
+            if self.errors:  # tried again after RETRY_S, or at once on a new view (a
+                # leader key another node released: a leader move takes it without delay)
+                try:
+                    await asyncio.wait_for(self._dirty.wait(), RETRY_S)
+                except asyncio.TimeoutError:
+                    pass
                 self._dirty.set()
 
     async def _apply(self, view: ClusterView) -> None:

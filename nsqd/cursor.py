@@ -270,3 +270,42 @@ class Cursor:
     def confirmed_segments(self) -> list[tuple[int, int]]:
         """Finished ranges beyond `confirmed`, merged: [(start, end), ...]."""
         return self.ranges().pairs()
+
+
+def joined_ranges(taken: Ranges, ahead: Ranges | None) -> Ranges:
+    """The finished ranges read so far, then those still ahead (merged where they touch)."""
+    if ahead is None or not len(ahead):
+        return taken
+    bounds, counts = taken.bounds + ahead.bounds, taken.counts + ahead.counts
+    n = len(taken.bounds)
+    if n and bounds[n - 1] == bounds[n]:
+        del bounds[n - 1:n + 1], counts[n - 1:n + 1]
+    return Ranges(bounds, counts)
+
+
+class SavedWindow:
+    """What a checkpoint saved of the window beyond `confirmed` (a restart reads it back):
+    `ahead`, the finished ranges (the cursor skips them); `next_read`, where the window
+    ended; `attempts`, offset -> attempts of unfinished messages that were not delivered
+    exactly once. Any other message read again below `next_read` was delivered once."""
+
+    __slots__ = ("ahead", "next_read", "attempts")
+
+    def __init__(self, ahead: Ranges | None, next_read: int, attempts: dict[int, int]):
+        self.ahead, self.next_read, self.attempts = ahead, next_read, attempts
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SavedWindow | None":
+        """From a stored checkpoint; None when it has no window (older checkpoints, new
+        channels). Raises ValueError when it is damaged."""
+        next_read = state.get("next_read", 0)
+        if next_read <= state["confirmed"]:
+            return None
+        ahead = Ranges.decode(state.get("finished", b""))
+        if not ahead.beyond(state["confirmed"], state["confirmed_count"]) or (
+                len(ahead) and ahead.bounds[-1] > next_read):
+            raise ValueError("finished ranges not in order beyond confirmed")
+        attempts = unpack_u64(state.get("attempts", b""))
+        half = len(attempts) // 2
+        return cls(ahead if len(ahead) else None, next_read,
+                   dict(zip(attempts[:half], attempts[half:])))

@@ -16,7 +16,9 @@ when it works again.
 
 from __future__ import annotations
 
+import errno
 import os
+import sqlite3
 import time
 
 MAX_REASONS = 3  # in the health text; the rest are counted
@@ -30,6 +32,18 @@ def free_bytes(path: str) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """A write that failed for want of space: ENOSPC or EDQUOT, or SQLite's own "database
+    or disk is full" (the metadata store), also when wrapped in another exception."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, sqlite3.OperationalError) and "disk is full" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def node_health(nsqd) -> str:

@@ -21,7 +21,7 @@ Content-Length above the limit is refused before reading.
 
 /pub and /mpub take the same durable path as TCP PUB/MPUB/DPUB (Topic.publish:
 the partition's DiskQueue.append is awaited before `OK`); `defer=` uses the same
-ext header as DPUB (channel.defer_ext), with DPUB's limit (--max-req-timeout).
+ext header as DPUB (message.defer_ext), with DPUB's limit (--max-req-timeout).
 
 Ours, beyond classic:
 - `partition=` on /pub, /mpub and the /channel/* actions (default: round-robin over
@@ -39,7 +39,8 @@ Ours, beyond classic:
   /stats a `cluster` object.
 - Storage failures: 503 `EXITING` when the log is closing (as classic), 503
   `PUB_FAILED`/`MPUB_FAILED` for other write errors (disk full), 413 `MSG_TOO_BIG`
-  when a body exceeds what one record can hold.
+  when a body exceeds what one record can hold; an action whose state could not be
+  stored for want of space (pause, empty, setoffset on a full disk) is 507 `DISK_FULL`.
 - A body that cannot be read (truncated chunked body) is 400 `BAD_BODY` (classic:
   500 INTERNAL_ERROR); any bug is 500 `INTERNAL_ERROR` and is logged.
 - A half-close ends what the client sends, not what it reads, and a malformed request
@@ -83,9 +84,10 @@ from diskqueue.queue import QueueClosedError
 
 from . import metrics, replay, stats
 from .httpconn import Server
-from .channel import defer_ext
+from .message import defer_ext
 from .cluster import ClusterUnavailable
 from .assignment import MAX_PARTITIONS
+from .health import is_disk_full
 from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from diskqueue.errors import NotCommitted
@@ -744,7 +746,10 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
             data = await ROUTES[path][request.method](nsqd, request)
     except HTTPError as e:
         return respond(e.status, e.code)
-    except Exception:  # a bug costs one request, never the server
+    except Exception as e:  # a bug costs one request, never the server
+        if is_disk_full(e):  # an action whose state could not be stored: said, not a bug
+            log.warning("http_disk_full", path=path, error=str(e))
+            return respond(507, "DISK_FULL")
         log.exception("http_handler_failed", path=path, method=request.method)
         return respond(500, "INTERNAL_ERROR")
     if isinstance(data, web.StreamResponse):

@@ -143,6 +143,7 @@ class NSQD:
         from .tcp import start_tcp
 
         self.tcp_server, self.tcp_port = await start_tcp(self)
+        self.tracer.start_writer(self.tcp_port)
         self.http_runner, self.http_port = await start_http(self)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._scan_loop()),
@@ -548,7 +549,10 @@ class NSQD:
             p = topic.partition(partition) if topic else None
             if p is None or channel_name not in p.channels:
                 return False
-            self._disconnect_clients(p.channels[channel_name])
+            channel = p.channels[channel_name]
+            if channel.trace is not None:
+                channel.trace.emptied(channel, "channel deleted")
+            self._disconnect_clients(channel)
             folder = await p.remove_channel(channel_name)
             # The partition's new floor first (unused while the channel is stored), so a
             # delete finished by start() leaves the floor a normal delete would.
@@ -672,11 +676,16 @@ class NSQD:
                     continue
                 min_age = topic.retention_ms if topic.retention_ms is not None \
                     else o.retention_min_age_ms
+                before = queue.start_offset
                 try:
-                    await queue.retain(
+                    start = await queue.retain(
                         before_offset=floor, min_age_s=min_age / 1000,
                         max_age_s=o.retention_max_age_ms / 1000 if o.retention_max_age_ms
                         else None,
                         max_bytes=o.retention_max_bytes or None)
                 except Exception:
                     log.exception("retention_failed", topic=topic.name, partition=n)
+                    continue
+                if start != before and topic.trace is not None:
+                    self.tracer.range_dropped(topic.name, n, "", start,
+                                              f"retention: offsets {before} to {start}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import socket
 import sys
@@ -87,6 +88,10 @@ class Options:
     trace_retention_max_bytes: int = 1 << 30  # live size of trace.sqlite (0: no bound)
     trace_es_url: str = ""  # the store is Elasticsearch (../trace/es.py), not trace.sqlite
     trace_es_index_prefix: str = "nsq-trace-"  # daily indices <prefix>YYYY.MM.DD
+    trace_es_ca_certs: str = ""  # PEM file of the CAs an https Elasticsearch is checked against
+    trace_es_username: str = ""  # basic auth, with trace_es_password_file
+    trace_es_password_file: str = ""
+    trace_es_api_key_file: str = ""  # an API key (the encoded form Elasticsearch gives)
     checkpoint_interval_ms: int = 1000  # cursors are saved this often (and at shutdown)
     test_ack_before_sync: bool = False  # TEST ONLY (jepsen's broken build): never in use
     # messages
@@ -211,6 +216,13 @@ _HELP = {
     "trace_es_url": "store trace events in this Elasticsearch (http://host:9200) instead of "
                     "<data-path>/trace.sqlite; searches read it too",
     "trace_es_index_prefix": "names of the daily trace indices: <prefix>YYYY.MM.DD",
+    "trace_es_ca_certs": "PEM file of the certificate authorities an https --trace-es-url is "
+                         "checked against (default: the system's)",
+    "trace_es_username": "Elasticsearch user (basic auth; the password in "
+                         "--trace-es-password-file)",
+    "trace_es_password_file": "file holding the Elasticsearch user's password",
+    "trace_es_api_key_file": "file holding an Elasticsearch API key (the encoded form), "
+                             "instead of a user and password",
     "retention_min_age": "keep a segment every channel has finished until its last message is "
                          "this old, for replay (0: drop it at the next check; a cluster "
                          "topic's own retention overrides it)",
@@ -389,9 +401,25 @@ def build(values: dict) -> Options:
             port = None
         if url.scheme not in ("http", "https") or not url.hostname or port is None:
             raise ValueError("--trace-es-url must be http(s)://host:port")
+    check_trace_es_auth(options)
     if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", options.trace_es_index_prefix):
         raise ValueError("--trace-es-index-prefix: lowercase letters, digits, '.', '_', '-'")
     return options
+
+
+def check_trace_es_auth(o: Options) -> None:
+    """The Elasticsearch credentials: a user with a password file, or an API key file, or
+    neither; every file named is readable (the node reads them when the store opens)."""
+    if bool(o.trace_es_username) != bool(o.trace_es_password_file):
+        raise ValueError("--trace-es-username and --trace-es-password-file go together")
+    if o.trace_es_username and o.trace_es_api_key_file:
+        raise ValueError("--trace-es-api-key-file or --trace-es-username, not both")
+    named = (o.trace_es_ca_certs, o.trace_es_password_file, o.trace_es_api_key_file)
+    if any(named) and not o.trace_es_url:
+        raise ValueError("the --trace-es-* credentials need --trace-es-url")
+    for path in named:
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"{path}: not a readable file")
 
 
 def check_cluster_options(options: Options) -> None:

@@ -31,7 +31,7 @@ from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
-from .channel import defer_ext
+from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
 from .cluster import ClusterUnavailable
@@ -42,7 +42,8 @@ from .topic import PartitionNotFound, PartitionNotLed, StorageError
 log = structlog.get_logger("nsqd.tcp")
 
 _PUBLISH = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB", p.PubExt: "PUB_EXT",
-            p.MpubExt: "MPUB_EXT", p.PubTrace: "PUB_TRACE"}
+            p.MpubExt: "MPUB_EXT", p.PubTrace: "PUB_TRACE", p.MpubTrace: "MPUB_TRACE"}
+_TRACE_REPLY = ("PUB_TRACE", "MPUB_TRACE")  # answered with the first message's id and trace id
 MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
 TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
 INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
@@ -373,6 +374,9 @@ class ClientConnection(asyncio.Protocol):
         elif kind is p.MpubExt:
             bodies = [body for _, body in cmd.messages]
             trace_ids, exts = zip(*[ext.stored(header) for header, _ in cmd.messages])
+        elif kind is p.MpubTrace:
+            trace_ids, bodies = zip(*cmd.messages)
+            bodies, exts, trace_id = list(bodies), [b""] * len(bodies), trace_ids[0]
         else:
             bodies = [cmd.body]
             if kind is p.Dpub:
@@ -447,7 +451,7 @@ class ClientConnection(asyncio.Protocol):
                 continue
             topic.count_published(bodies)
             self._count_published(topic, len(bodies))
-            if command == "PUB_TRACE" and appended is not None:  # OK, id, trace id, offset, size
+            if command in _TRACE_REPLY and appended is not None:  # OK, id, trace id, offset, size
                 self.client.answer(p.OK * oks + p.encode_response(p.pub_trace_reply(
                     appended.first_id, trace_id, appended.offset,
                     appended.end_offset - appended.offset)))

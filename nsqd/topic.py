@@ -36,7 +36,8 @@ from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 from isr.leader import NotWritable
 
 from .assignment import Assignment
-from .channel import Channel, SavedWindow
+from .channel import Channel
+from .cursor import SavedWindow
 
 log = structlog.get_logger("nsqd.topic")
 

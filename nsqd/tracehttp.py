@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime
 
 from aiohttp import web
 
-from nsqtrace.events import msg_id_hex, parse_msg_id
+from nsqtrace.events import msg_id_hex
+from nsqtrace.query import QueryError, parse_message_get, parse_search
 from nsqtrace.timeline import timelines
 from nsqtrace.writer import StoreUnavailable
 from nsqwire.httpapi import V1_HEADER
-from nsqwire.ids import PARTITION_SHIFT
 from nsqwire.protocol import valid_channel_name
 
 from .cluster import ClusterUnavailable
-from .http import HTTPError, arg, partition_arg, query, topic_arg
-
-MAX_LIMIT = 10_000
-
+from .http import HTTPError, arg, query, topic_arg
 
 async def _switch(nsqd, request, on: bool):
     params = query(request)
@@ -60,31 +56,12 @@ async def do_trace_disable(nsqd, request):
     return await _switch(nsqd, request, False)
 
 
-def _time_ns(params, name: str) -> int | None:
-    raw = arg(params, name)
-    if raw is None:
-        return None
+def _checked(parse, request):
+    """The request's arguments through nsqtrace.query (400 with its code when bad)."""
     try:
-        return int(float(raw) * 1e9)
-    except ValueError:
-        pass
-    try:
-        when = datetime.datetime.fromisoformat(raw)
-    except ValueError:
-        raise HTTPError(400, f"INVALID_{name.upper()}") from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return int(when.timestamp() * 1e9)
-
-
-def _msg_id(params) -> int | None:
-    raw = arg(params, "msg_id")
-    if raw is None:
-        return None
-    try:
-        return parse_msg_id(raw)
-    except ValueError:
-        raise HTTPError(400, "INVALID_MSG_ID") from None
+        return parse(query(request))
+    except QueryError as e:
+        raise HTTPError(400, e.code) from None
 
 
 def _not_found(code: str, what: str) -> web.Response:
@@ -93,27 +70,12 @@ def _not_found(code: str, what: str) -> web.Response:
 
 
 async def do_trace_search(nsqd, request):
-    params = query(request)
-    msg_id = _msg_id(params)
-    trace_id = arg(params, "trace_id")
-    if trace_id is not None:
-        if not trace_id.isdigit() or int(trace_id) >= 1 << 64 or int(trace_id) == 0:
-            raise HTTPError(400, "INVALID_TRACE_ID")
-        trace_id = int(trace_id)
-    topic = topic_arg(params) if arg(params, "topic") is not None else None
-    if msg_id is None and trace_id is None and topic is None:
-        raise HTTPError(400, "MISSING_ARG_MSG_ID_TRACE_ID_OR_TOPIC")
-    channel = arg(params, "channel")
-    if channel is not None and not valid_channel_name(channel):
-        raise HTTPError(400, "INVALID_CHANNEL")
-    since, until = _time_ns(params, "since"), _time_ns(params, "until")
-    raw_limit = arg(params, "limit") or "1000"
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
-        raise HTTPError(400, "INVALID_LIMIT")
+    q = _checked(parse_search, request)
+    msg_id, trace_id = q.msg_id, q.trace_id
     try:
         found = await asyncio.to_thread(
-            nsqd.tracer.search, msg_id=msg_id, trace_id=trace_id, topic=topic,
-            channel=channel, since_ns=since, until_ns=until, limit=int(raw_limit))
+            nsqd.tracer.search, msg_id=msg_id, trace_id=trace_id, topic=q.topic,
+            channel=q.channel, since_ns=q.since_ns, until_ns=q.until_ns, limit=q.limit)
     except StoreUnavailable:  # --trace-es-url: Elasticsearch cannot be reached
         raise HTTPError(503, "TRACE_STORE_UNAVAILABLE") from None
     if not found and msg_id is not None:
@@ -122,25 +84,14 @@ async def do_trace_search(nsqd, request):
     if not found and trace_id is not None:
         return _not_found("TRACE_ID_NOT_FOUND", f"no trace events with trace id {trace_id}")
     messages, other = timelines(found)
-    return {"count": len(found), "limit": int(raw_limit), "messages": messages, "other": other}
+    return {"count": len(found), "limit": q.limit, "messages": messages, "other": other}
 
 
 async def do_message_get(nsqd, request):
-    params = query(request)
-    name = topic_arg(params)
-    msg_id = _msg_id(params)
-    raw_offset = arg(params, "offset")
-    if (msg_id is None) == (raw_offset is None):
-        raise HTTPError(400, "MISSING_ARG_MSG_ID_OR_OFFSET")
-    if raw_offset is not None and not raw_offset.isdigit():
-        raise HTTPError(400, "INVALID_OFFSET")
-    number = partition_arg(params)
+    q = _checked(parse_message_get, request)
+    name, number, msg_id, offset = q.topic, q.partition, q.msg_id, q.offset
     if number is None:
-        if msg_id is None:
-            raise HTTPError(400, "MISSING_ARG_PARTITION")
-        number = msg_id >> PARTITION_SHIFT
-    elif msg_id is not None and msg_id >> PARTITION_SHIFT != number:
-        raise HTTPError(400, "MSG_ID_NOT_IN_PARTITION")
+        raise HTTPError(400, "MISSING_ARG_PARTITION")
     topic = nsqd.topics.get(name)
     if topic is None:
         raise HTTPError(404, "TOPIC_NOT_FOUND")
@@ -151,9 +102,9 @@ async def do_message_get(nsqd, request):
     queue = part.queue
     clog = queue.commitlog
     entry = (clog.find_by_msg_id(msg_id) if msg_id is not None
-             else clog.find_by_offset(int(raw_offset)))
+             else clog.find_by_offset(offset))
     if entry is None or entry.offset >= queue.committed_end or (
-            raw_offset is not None and int(raw_offset) >= entry.end_offset):
+            offset is not None and offset >= entry.end_offset):
         return _not_found("MSG_NOT_FOUND", "no such message in the partition's log")
     reader = queue.reader(entry.offset, read_ahead=max(entry.size, 4096))
     try:
@@ -163,9 +114,9 @@ async def do_message_get(nsqd, request):
     finally:
         reader.close()
     for rec in records:
-        if rec.msg_id == msg_id or (raw_offset is not None and rec.offset == int(raw_offset)):
+        if rec.msg_id == msg_id or (offset is not None and rec.offset == offset):
             return _record(name, number, rec)
-    if raw_offset is not None:
+    if offset is not None:
         raise HTTPError(400, "OFFSET_NOT_A_MESSAGE_START")
     return _not_found("MSG_NOT_FOUND", "no such message in the partition's log")
 

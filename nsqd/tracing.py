@@ -28,6 +28,19 @@ SWITCHES_KEY = "trace/switches"
 STORE_FILE = "trace.sqlite"
 
 
+def es_access(o) -> dict:
+    """es.client's keyword arguments from the --trace-es-* options (files read now, once)."""
+    def secret(path: str) -> str | None:
+        if not path:
+            return None
+        with open(path) as f:
+            return f.read().strip()
+
+    return {"ca_certs": o.trace_es_ca_certs or None, "username": o.trace_es_username or None,
+            "password": secret(o.trace_es_password_file),
+            "api_key": secret(o.trace_es_api_key_file)}
+
+
 class Tracer:
     def __init__(self, nsqd):
         o = nsqd.options
@@ -40,11 +53,13 @@ class Tracer:
         if self.es_url:  # the store is Elasticsearch alone (README: why not both)
             from nsqtrace import es  # the client is imported only by nodes that use it
             self._es = es
-            self.search_client = es.client(self.es_url)
+            access = es_access(o)
+            self.search_client = es.client(self.es_url, **access)
             self.path = None
             self.writer = EventWriter(
                 None, node, bound=o.trace_buffer, sink="elasticsearch",
-                open_store=lambda: es.EsStore(self.es_url, node, self.es_prefix),
+                open_store=lambda: es.EsStore(self.es_url, self.writer.node, self.es_prefix,
+                                              **access),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None)
         else:
             self.path = os.path.join(o.data_path, STORE_FILE)
@@ -56,11 +71,15 @@ class Tracer:
     # ---- lifecycle and switches -------------------------------------------------
 
     def start(self, meta) -> None:
-        """Load the stored switches (the metadata store is open) and start the writer."""
+        """Load the stored switches (the metadata store is open), before topics open."""
         stored = meta.get(SWITCHES_KEY) or {}  # read once, at start
         self.topics = set(stored.get("topics", []))
         self.channels = {tuple(tc) for tc in stored.get("channels", [])}
-        self.writer.start()
+
+    def start_writer(self, tcp_port: int) -> None:
+        """Start writing events (those of the start-up wait in the buffer), the node named
+        by the port it listens on (the configured one is 0 for "any free port")."""
+        self.writer.start(f"{self.nsqd.options.broadcast_address}:{tcp_port}")
 
     async def close(self) -> None:
         await asyncio.to_thread(self.writer.close)
@@ -197,13 +216,12 @@ class Tracer:
     def delay_out(self, channel, msg) -> None:
         self.writer.add(self._event(channel, ev.DELAY_OUT, msg))
 
-    def emptied(self, channel) -> None:
-        """A channel emptied (/channel/empty, or a cursor moved): a DROP for each message it
-        held in memory (in flight, requeued, deferred), and one for the log it skips up to
-        its end (NO_MESSAGE, offset = that end)."""
+    def emptied(self, channel, reason: str = "channel emptied") -> None:
+        """A channel emptied (/channel/empty, a cursor moved) or deleted: a DROP for each
+        message it held in memory (in flight, requeued, deferred), and one for the log it
+        skips up to its end (NO_MESSAGE, offset = that end)."""
         held = [m for c in channel.clients for m in c.in_flight_of(channel.partition)]
         held += [*channel.requeued, *(entry[2] for entry in channel.deferred)]
-        reason = "channel emptied"
         self.writer.add_many([self._event(channel, ev.DROP, m, reason) for m in held])
         self.range_dropped(channel.topic_name, channel.partition, channel.name,
                            channel.queue.committed_end, reason)
@@ -215,7 +233,7 @@ class Tracer:
 
     def range_dropped(self, topic: str, partition: int, channel: str, offset: int,
                       reason: str) -> None:
-        """Messages dropped as a range (channel emptied, topic deleted): one event,
-        NO_MESSAGE, `offset` where the range ends."""
+        """Messages dropped as a range (channel emptied or deleted, topic deleted, segments
+        gone with retention): one event, NO_MESSAGE, `offset` where the range ends."""
         self.writer.add((time.time_ns(), ev.DROP, topic, partition, channel, ev.NO_MESSAGE, 0,
                          offset, 0, reason))

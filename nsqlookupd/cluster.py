@@ -35,12 +35,16 @@ from isr.registry import Registration
 from isr.state import ChannelMeta, LookupdInfo, TopicMeta
 
 from .directory import ClusterDirectory
+from .balancer import Balancer, format_window, parse_window
 from .failover import Failover
 from .http import HTTPError
+from .loads import LoadReports, cluster_stats
+from .moves import LeaderMover
 
 log = structlog.get_logger("nsqlookupd.cluster")
 
 SEEN_TIMEOUT = 3.0  # seconds a write waits for the mirror to show it
+RECONNECT_WAIT = 2.0  # seconds a write waits for the etcd watch to be up again
 
 
 class Cluster:
@@ -62,6 +66,11 @@ class Cluster:
         self.mirror: ClusterMirror | None = None
         self.failover = Failover(self.metadata, self.ttl, self._current_view,
                                  lambda: self.is_master)
+        self.loads = LoadReports(self.etcd, self.cluster_id)
+        self.viewed = asyncio.Event()  # pulsed on every new view
+        self.mover = LeaderMover(self.metadata, self.master_view_now, lambda: self.viewed)
+        self.balancer = Balancer(self, parse_window(options.balance_window),
+                                 options.balance_tolerance, options.balance_interval)
 
     async def start(self, broadcast_address: str, tcp_port: int, http_port: int) -> None:
         lookupd_id = keys.check_node_id(f"{broadcast_address}:{tcp_port}")
@@ -74,12 +83,15 @@ class Cluster:
         self.election = Election(self.etcd, keys.lookupd_master(self.cluster_id), lookupd_id,
                                  self.ttl, on_change=lambda *_: self.failover.poke()).start()
         self.failover.start()
+        self.loads.start()
+        self.balancer.start()
         log.info("cluster_mode", cluster=self.cluster_id, id=lookupd_id, ttl=self.ttl,
                  etcd=self.etcd.endpoint)
 
     async def close(self) -> None:
         """Resign (the master key goes at once), unregister, stop watching."""
-        for part in (self.failover, self.election, self.registration, self.mirror):
+        for part in (self.balancer, self.loads, self.failover, self.election, self.registration,
+                     self.mirror):
             if part is not None:
                 await part.close()
         await self.etcd.close()
@@ -87,6 +99,8 @@ class Cluster:
     def _on_view(self, view: ClusterView) -> None:
         self.directory = ClusterDirectory(view)
         self.failover.poke()
+        self.viewed.set()
+        self.viewed = asyncio.Event()
 
     def _current_view(self) -> ClusterView | None:
         """The view while it is current (the watch is up), else None."""
@@ -141,9 +155,35 @@ class Cluster:
         return {"lookupdnodes": [entry(lookupds[i]) for i in sorted(lookupds)],
                 "lookupdleader": entry(lookupds[master]) if master in lookupds else None}
 
+    def stats(self, topn: int) -> dict:
+        """`/cluster/stats` (loads.cluster_stats): from this lookupd's view and the load
+        reports it last read, with each node's drain state and the balancer's. `stable`: no
+        move under way, every partition led by a live node, its ISR full, nothing
+        catching up, and no balancer move left to make (partitions held and led per node within
+        the tolerance, or nothing movable)."""
+        view = self.directory.view
+        if view is None:
+            raise HTTPError(503, "CLUSTER_VIEW_NOT_READY", error="etcd not read yet")
+        b = self.balancer
+        stable = (not self.mover.busy and not view.leaderless() and b.plan(view) is None
+                  and all(len(s.isr) >= t.meta.replicas and not s.catchup
+                          for t in view.topics.values() for s in t.partitions.values()))
+        out = cluster_stats(view, self.loads.reports, topn, stable, int(time.time() * 1000))
+        for node in out["node_stat_list"]:
+            drain = b.drains.get(node["id"], {})
+            node["draining"] = drain.get("state") == "draining"
+            node["removable"] = drain.get("state") == "removable"
+        out["balance"] = {"window": format_window(b.window), "open": b.open_now(),
+                          "tolerance": b.tolerance, "moves": b.moves,
+                          "last_error": b.last_error, "moving": self.mover.busy,
+                          "last_move": self.mover.last,
+                          "drains": {n: dict(d) for n, d in sorted(b.drains.items())}}
+        return out
+
     # ---- writes (master only) --------------------------------------------------------
 
-    def _master_view(self) -> ClusterView:
+    def master_view_now(self) -> ClusterView:
+        """The current view, on the master only; HTTPError at once when there is none."""
         if not self.is_master:
             raise HTTPError(503, "NOT_MASTER", master_http_address=self.master_http_address())
         view = self.directory.view
@@ -152,13 +192,27 @@ class Cluster:
                             error="etcd unreachable: no current view of the cluster")
         return view
 
+    async def master_view(self) -> ClusterView:
+        """master_view_now, for a write: the etcd watch reopens itself now and then (every
+        idle timeout), so a write waits up to RECONNECT_WAIT for it before it answers 503
+        CLUSTER_METADATA_UNAVAILABLE."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RECONNECT_WAIT
+        while True:
+            try:
+                return self.master_view_now()
+            except HTTPError as e:
+                if e.code != "CLUSTER_METADATA_UNAVAILABLE" or loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(0.02)
+
     async def create_topic(self, topic: str, meta: TopicMeta) -> bool:
         """Place and write a new topic: False if it exists already with these settings."""
-        view = self._master_view()
+        view = await self.master_view()
         existing = view.topics.get(topic)
         if existing is not None:
             return self._same_topic(topic, existing.meta, meta)
-        live = sorted(view.nodes)
+        live = sorted(set(view.nodes) - self.balancer.draining) or sorted(view.nodes)
         if meta.replicas > len(live):
             raise HTTPError(400, "INVALID_ARG_REPLICATOR",
                             detail=f"replicas {meta.replicas} > live nodes {len(live)}")
@@ -185,7 +239,7 @@ class Cluster:
         return False
 
     async def delete_topic(self, topic: str) -> bool:
-        self._master_view()
+        await self.master_view()
         try:
             deleted = await self.metadata.delete_topic(topic)
         except EtcdError as e:
@@ -195,7 +249,7 @@ class Cluster:
         return deleted
 
     async def create_channel(self, topic: str, channel: str) -> bool:
-        self._master_view()
+        await self.master_view()
         meta = ChannelMeta(created_ms=int(time.time() * 1000))
         try:
             created = await self.metadata.create_channel(topic, channel, meta)
@@ -209,7 +263,7 @@ class Cluster:
         return created
 
     async def delete_channel(self, topic: str, channel: str) -> bool:
-        self._master_view()
+        await self.master_view()
         try:
             deleted = await self.metadata.delete_channel(topic, channel)
         except EtcdError as e:

@@ -14,6 +14,13 @@
     POST /channel/setoffset?topic=&channel=[&partition=]   fanned out to every partition's
          leader (setoffset.py); 502 SETOFFSET_FAILED naming the partitions that failed
 
+    GET  /cluster/stats?topn=N        load factors per node, heaviest topics (loads.py)
+    POST /partition/move_leader?topic=&partition=&to=<node id>   leader transfer within the
+         ISR (moves.py); 409 NODE_NOT_LIVE, NOT_IN_ISR, ALREADY_LEADER, MOVE_IN_PROGRESS, ...
+    POST /partition/move_replica?topic=&partition=&from=&to=   replica move (moves.py)
+    POST /node/drain?node=[&cancel=true]   move everything off a node (balancer.py)
+    POST /cluster/balance              one balancer move now; 409 OUTSIDE_BALANCE_WINDOW
+
 Writes on a non-master: 503 {"message": "NOT_MASTER", "master_http_address": "h:p"|null};
 etcd unreachable: 503 CLUSTER_METADATA_UNAVAILABLE with "error". A 400 carries "detail".
 `/topic/tombstone` has no meaning here (a node leaves by its lease): 404 as unknown.
@@ -145,6 +152,45 @@ async def do_channel_delete(lookupd, params):
         raise HTTPError(404, "CHANNEL_NOT_FOUND")
 
 
+def do_cluster_stats(lookupd, params):
+    topn = _int_arg(params, ("topn",), "INVALID_ARG_TOPN", 0, 10_000, 10)
+    return lookupd.cluster.stats(topn)
+
+
+def _topic_partition(params) -> tuple[str, int]:
+    """A move's topic and partition, both required."""
+    topic = _topic(params)
+    partition = _int_arg(params, ("partition",), "INVALID_ARG_PARTITION", 0,
+                         MAX_PARTITIONS - 1, -1)
+    if partition < 0:
+        raise HTTPError(400, "MISSING_ARG_PARTITION")
+    return topic, partition
+
+
+async def do_move_leader(lookupd, params):
+    topic, partition = _topic_partition(params)
+    to = _arg(params, "to", "MISSING_ARG_TO")
+    return await lookupd.cluster.mover.move(topic, partition, to)
+
+
+async def do_move_replica(lookupd, params):
+    topic, partition = _topic_partition(params)
+    frm = _arg(params, "from", "MISSING_ARG_FROM")
+    to = _arg(params, "to", "MISSING_ARG_TO")
+    return await lookupd.cluster.mover.move_replica(topic, partition, frm, to)
+
+
+async def do_node_drain(lookupd, params):
+    node = _arg(params, "node", "MISSING_ARG_NODE")
+    cancel = _bool_arg(params, ("cancel",), "INVALID_ARG_CANCEL")
+    return await lookupd.cluster.balancer.drain(node, cancel)
+
+
+async def do_cluster_balance(lookupd, params):
+    moved = await lookupd.cluster.balancer.step()
+    return {"moved": moved}
+
+
 ROUTES = {
     "/ping": {"GET": None},
     "/info": {"GET": do_info},
@@ -158,4 +204,9 @@ ROUTES = {
     "/channel/create": {"POST": do_channel_create},
     "/channel/delete": {"POST": do_channel_delete},
     "/channel/setoffset": {"POST": setoffset.do_channel_setoffset},
+    "/cluster/stats": {"GET": do_cluster_stats},
+    "/partition/move_leader": {"POST": do_move_leader},
+    "/partition/move_replica": {"POST": do_move_replica},
+    "/node/drain": {"POST": do_node_drain},
+    "/cluster/balance": {"POST": do_cluster_balance},
 }

@@ -64,6 +64,10 @@ class Options:
     etcd_lease_ttl: float = 5.0  # seconds, whole
     default_partitions: int = 2
     default_replicas: int = 1
+    # the master's balancer (nsqlookupd/balancer.py): off without a window
+    balance_window: str = ""
+    balance_tolerance: int = 1
+    balance_interval: float = 10.0  # seconds between two balancer moves
 
     @property
     def cluster_mode(self) -> bool:
@@ -107,7 +111,21 @@ _HELP = {
     "etcd_lease_ttl": "lease of this lookupd's registration and master key (whole seconds)",
     "default_partitions": "partitions of a /topic/create without partition_num (cluster mode)",
     "default_replicas": "replicas of a /topic/create without replicator (cluster mode)",
+    "balance_window": "HH:MM-HH:MM (local time) when the master may move partitions to "
+                      "balance nodes; 00:00-24:00 always; empty: no balancing",
+    "balance_tolerance": "balanced when partitions held and led per node differ by at most this",
+    "balance_interval": "least time between two balancer moves",
 }
+
+
+def _window(text: str) -> str:
+    from .balancer import parse_window
+    try:
+        parse_window(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return text
+
 def _lease_ttl(text: str) -> float:
     seconds = parse_duration_s(text)
     if seconds < 1 or seconds != int(seconds):
@@ -126,7 +144,8 @@ def _count(lo: int, hi: int):
 _TYPES = {"tcp_address": _address, "http_address": _address,
           "inactive_producer_timeout": parse_duration_s, "tombstone_lifetime": parse_duration_s,
           "etcd_lease_ttl": _lease_ttl, "default_partitions": _count(1, 1024),
-          "default_replicas": _count(1, 5)}
+          "default_replicas": _count(1, 5), "balance_window": _window,
+          "balance_tolerance": _count(1, 1024), "balance_interval": parse_duration_s}
 _CHOICES = {"log_level": ("debug", "info", "warning", "error"),
             "log_format": ("console", "json")}
 

@@ -35,7 +35,7 @@ MAX_TARGET_BYTES = 64
 
 async def do_channel_setoffset(lookupd, params, body: bytes):
     topic, channel = _topic_channel(params)
-    view = lookupd.cluster._master_view()
+    view = await lookupd.cluster.master_view()
     t = view.topics.get(topic)
     if t is None:
         raise HTTPError(404, "TOPIC_NOT_FOUND")

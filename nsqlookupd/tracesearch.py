@@ -23,7 +23,6 @@ nsqds (their broadcast address and HTTP port).
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import time
 
@@ -31,78 +30,23 @@ import aiohttp
 import structlog
 
 from nsqtrace.events import NO_MESSAGE, parse_msg_id
+from nsqtrace.query import QueryError, parse_message_get, parse_search
 from nsqtrace.timeline import timelines
-from nsqwire.ids import PARTITION_SHIFT
-from nsqwire.protocol import valid_channel_name, valid_topic_name
 
 from .http import HTTPError
 
 log = structlog.get_logger("nsqlookupd.tracesearch")
 
 NODE_TIMEOUT_S = 3.0
-MAX_LIMIT = 10_000  # the node's
 _STEP_KEYS = ("after_ms", "since_first_ms", "what")  # what timelines() adds to an event
 
 
-def _arg(params: dict, name: str) -> str | None:
-    values = params.get(name)
-    return values[0] if values else None
-
-
-def _check_time(params: dict, name: str) -> None:
-    raw = _arg(params, name)
-    if raw is None:
-        return
+def _checked(parse, params):
+    """Checked as the node checks them (nsqtrace.query), before any node is asked."""
     try:
-        float(raw)
-        return
-    except ValueError:
-        pass
-    try:
-        datetime.datetime.fromisoformat(raw)
-    except ValueError:
-        raise HTTPError(400, f"INVALID_{name.upper()}") from None
-
-
-def _msg_id(params: dict) -> int | None:
-    raw = _arg(params, "msg_id")
-    if raw is None:
-        return None
-    try:
-        return parse_msg_id(raw)
-    except ValueError:
-        raise HTTPError(400, "INVALID_MSG_ID") from None
-
-
-def _topic(params: dict) -> str:
-    topic = _arg(params, "topic")
-    if topic is None:
-        raise HTTPError(400, "MISSING_ARG_TOPIC")
-    if not valid_topic_name(topic):
-        raise HTTPError(400, "INVALID_TOPIC")
-    return topic
-
-
-def search_query(params: dict) -> dict[str, str]:
-    """The checked arguments of a search, as they go to each node (400 as the node's)."""
-    msg_id = _msg_id(params)
-    trace_id = _arg(params, "trace_id")
-    if trace_id is not None and (not trace_id.isdigit() or not 0 < int(trace_id) < 1 << 64):
-        raise HTTPError(400, "INVALID_TRACE_ID")
-    topic = _topic(params) if _arg(params, "topic") is not None else None
-    if msg_id is None and trace_id is None and topic is None:
-        raise HTTPError(400, "MISSING_ARG_MSG_ID_TRACE_ID_OR_TOPIC")
-    channel = _arg(params, "channel")
-    if channel is not None and not valid_channel_name(channel):
-        raise HTTPError(400, "INVALID_CHANNEL")
-    _check_time(params, "since")
-    _check_time(params, "until")
-    limit = _arg(params, "limit") or "1000"
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIMIT:
-        raise HTTPError(400, "INVALID_LIMIT")
-    out = {name: _arg(params, name) for name in
-           ("msg_id", "trace_id", "topic", "channel", "since", "until")}
-    return {**{k: v for k, v in out.items() if v is not None}, "limit": str(int(limit))}
+        return parse(params)
+    except QueryError as e:
+        raise HTTPError(400, e.code) from None
 
 
 def nodes(lookupd) -> list[str]:
@@ -185,7 +129,8 @@ def _timelines(events: list[dict], per_node: bool) -> tuple[list[dict], list[dic
 
 
 async def do_trace_search(lookupd, params):
-    query = search_query(params)
+    search = _checked(parse_search, params)
+    query = search.forward
     asked = nodes(lookupd)
     async with _session() as session:
         results = await asyncio.gather(*(_get(session, n, "/trace/search", query)
@@ -206,7 +151,7 @@ async def do_trace_search(lookupd, params):
                         error=body.get("error") or body.get("message"))
     if not answers and not missing:
         raise HTTPError(503, "NO_NODE_ANSWERED", nodes=asked, unreachable=unreachable)
-    limit = int(query["limit"])
+    limit = search.limit
     events = merge(answers, limit)
     if not events and missing:  # an id no answering node knows: the node's 404, named nodes
         raise HTTPError(404, missing[0].get("message", "NOT_FOUND"),
@@ -215,30 +160,6 @@ async def do_trace_search(lookupd, params):
     messages, other = _timelines(events, per_node=lookupd.cluster is None)
     return {"count": len(events), "limit": limit, "messages": messages, "other": other,
             "nodes": asked, "unreachable": unreachable}
-
-
-def message_query(params: dict) -> tuple[str, int | None, dict[str, str]]:
-    """(topic, partition or None, the arguments for the node), checked as the node does."""
-    topic = _topic(params)
-    msg_id = _msg_id(params)
-    offset = _arg(params, "offset")
-    if (msg_id is None) == (offset is None):
-        raise HTTPError(400, "MISSING_ARG_MSG_ID_OR_OFFSET")
-    if offset is not None and not offset.isdigit():
-        raise HTTPError(400, "INVALID_OFFSET")
-    raw = _arg(params, "partition")
-    if raw is not None and not raw.isdigit():
-        raise HTTPError(400, "BAD_PARTITION")
-    partition = int(raw) if raw is not None else None
-    if partition is None and msg_id is not None:
-        partition = msg_id >> PARTITION_SHIFT
-    elif partition is not None and msg_id is not None and msg_id >> PARTITION_SHIFT != partition:
-        raise HTTPError(400, "MSG_ID_NOT_IN_PARTITION")
-    query = {"topic": topic}
-    if partition is not None:
-        query["partition"] = str(partition)
-    query.update({k: v for k in ("msg_id", "offset") if (v := _arg(params, k)) is not None})
-    return topic, partition, query
 
 
 def _leader(lookupd, topic: str, partition: int | None) -> str:
@@ -261,7 +182,8 @@ def _leader(lookupd, topic: str, partition: int | None) -> str:
 
 
 async def do_message_get(lookupd, params):
-    topic, partition, query = message_query(params)
+    get = _checked(parse_message_get, params)
+    topic, partition, query = get.topic, get.partition, get.forward
     if lookupd.cluster is not None:
         asked = [_leader(lookupd, topic, partition)]
     else:

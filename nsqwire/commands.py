@@ -96,6 +96,12 @@ def cmd_pub_trace(topic: str, trace_id: int, body: bytes, partition: int | None 
     return encode_command(b"PUB_TRACE", topic, *_opt(partition), body=trace_id.to_bytes(8, "big") + body)
 
 
+def cmd_mpub_trace(topic: str, messages: list[tuple[int, bytes]], partition: int | None = None) -> bytes:
+    """MPUB_TRACE: each message is (trace id, body)."""
+    bodies = [trace_id.to_bytes(8, "big") + body for trace_id, body in messages]
+    return encode_command(b"MPUB_TRACE", topic, *_opt(partition), body=_mpub_body(bodies))
+
+
 def cmd_rdy(count: int) -> bytes:
     return b"RDY %d\n" % count
 

@@ -240,7 +240,7 @@ def identify_failed(reason: str) -> ProtocolError:
 # Partition extension errors. Publishing commands get the non-fatal form
 # (the producer looks the leader up again and retries), the others the fatal one.
 
-_PUBLISHING = frozenset({"PUB", "MPUB", "DPUB", "PUB_EXT", "MPUB_EXT", "PUB_TRACE"})
+_PUBLISHING = frozenset({"PUB", "MPUB", "DPUB", "PUB_EXT", "MPUB_EXT", "PUB_TRACE", "MPUB_TRACE"})
 
 
 def topic_not_exist(topic: str, command: str = "SUB") -> ProtocolError:

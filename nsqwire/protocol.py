@@ -177,6 +177,15 @@ class PubTrace:
 
 
 @dataclass(slots=True)
+class MpubTrace:
+    """Each body came as `[8-byte trace id][message]`; answered with pub_trace_reply() of
+    the first message (its id and trace id, the batch's offset and size)."""
+    topic: str
+    messages: list[tuple[int, bytes]]
+    partition: int | None = None
+
+
+@dataclass(slots=True)
 class Rdy:
     """`count` is not range-checked: the limit is the server's (rdy_out_of_range)."""
     count: int
@@ -212,7 +221,7 @@ class Nop:
 
 
 Command = (Identify | Auth | Sub | SubOrdered | SubAdvanced | Pub | Mpub | Dpub | PubExt | MpubExt
-           | PubTrace | Rdy | Fin | Req | Touch | Cls | Nop)
+           | PubTrace | MpubTrace | Rdy | Fin | Req | Touch | Cls | Nop)
 
 _CLS = Cls()
 _NOP = Nop()
@@ -589,6 +598,19 @@ class CommandParser:
 
         self._expect_body("MPUB_EXT", self._check_mpub_size, build)
 
+    def _mpub_trace(self, params: list[bytes]) -> None:
+        topic = _topic("MPUB_TRACE", params, 2)
+        partition = _partition("MPUB_TRACE", params, 2)
+
+        def build(bodies: list[bytes]) -> MpubTrace:
+            for body in bodies:
+                if len(body) <= 8:
+                    raise invalid_ext_body("MPUB_TRACE", len(body), "with trace id enabled")
+            return MpubTrace(topic, [(int.from_bytes(b[:8], "big"), b[8:]) for b in bodies],
+                             partition)
+
+        self._expect_body("MPUB_TRACE", self._check_mpub_size, build)
+
     def _dpub(self, params: list[bytes]) -> None:
         topic = _topic("DPUB", params, 3)
         defer_ms = _base10(params[2])
@@ -638,6 +660,7 @@ _HANDLERS: dict[str, Callable[[CommandParser, list[bytes]], Command | None]] = {
     "PUB_TRACE": CommandParser._pub_trace,
     "MPUB": CommandParser._mpub,
     "MPUB_EXT": CommandParser._mpub_ext,
+    "MPUB_TRACE": CommandParser._mpub_trace,
     "DPUB": CommandParser._dpub,
     "RDY": CommandParser._rdy,
     "FIN": CommandParser._fin,

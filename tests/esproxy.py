@@ -10,7 +10,9 @@ differences between the two APIs that the client trips on:
   without it: UnsupportedProductError; osmem-server already sends it, a real OpenSearch
   does not).
 While osmem-server is down the proxy answers 502, as a reverse proxy in front of a dead
-Elasticsearch does. It is a thread in the test process, not a server of its own: every
+Elasticsearch does. With `tls=(certfile, keyfile)` it serves https (the test of
+--trace-es-ca-certs), and it keeps every Authorization header it was sent
+(`authorizations`: the test of the credentials; osmem-server itself checks none). It is a thread in the test process, not a server of its own: every
 document, mapping and search is osmem-server's.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import re
+import ssl
 import threading
 
 _VENDOR = re.compile(r"application/vnd\.elasticsearch\+(json|x-ndjson)\s*;\s*compatible-with=\d+")
@@ -29,8 +32,9 @@ def plain_media_type(value: str) -> str:
 
 
 class MediaTypeProxy:
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, tls: tuple[str, str] | None = None):
         self.upstream = upstream  # host:port of osmem-server
+        self.authorizations: list[str] = []
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -40,6 +44,8 @@ class MediaTypeProxy:
                 pass
 
             def _forward(self):
+                if "Authorization" in self.headers:
+                    proxy.authorizations.append(self.headers["Authorization"])
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {k: plain_media_type(v) if k.lower() in ("content-type", "accept") else v
@@ -69,7 +75,13 @@ class MediaTypeProxy:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def start(self) -> "MediaTypeProxy":

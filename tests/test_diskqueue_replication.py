@@ -156,7 +156,11 @@ async def test_close_fails_what_is_parked(tmp_path):
 async def test_auto_commit_is_ignored_by_a_replicated_queue(tmp_path, queues):
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, auto_commit=True))
     fut = q.append([b"a"])
-    await asyncio.sleep(0.02)
+    for _ in range(500):  # until written (a loaded machine may take a while)
+        if q.written_count:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.02)  # and a little more: auto-commit would have committed by now
     assert q.written_count == 1 and q.committed_count == 0 and not fut.done()
     q.replicated_to(q.written_end, 1)
     await fut

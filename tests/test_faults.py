@@ -172,6 +172,7 @@ async def test_publishing_on_a_full_disk_is_refused_then_works_once_space_is_bac
     pub = await connect(proc)
     await pub.pub("t", b"0")
     acked = [b"0"]
+    assert http(proc, "POST", "/channel/create?topic=t&channel=admin")[0] == 200
     big = b"x" * 200_000
     error = None
     for i in range(1, 100):  # 8 MiB fills within ~40 of these
@@ -196,6 +197,15 @@ async def test_publishing_on_a_full_disk_is_refused_then_works_once_space_is_bac
     assert stats(proc)["data_free_bytes"] < 1 << 20
     assert b"nsqd_up 0" in http(proc, "GET", "/metrics")[1]
     assert not os.path.exists(os.path.join(proc.data_path, "new.topic"))
+    # admin actions whose state cannot be stored: 507 DISK_FULL, never a 500
+    answers = {path: http(proc, "POST", path, body) for path, body in (
+        ("/channel/pause?topic=t&channel=admin", b""),
+        ("/channel/unpause?topic=t&channel=admin", b""),
+        ("/channel/setoffset?topic=t&channel=admin", b"count:0"),
+        ("/channel/empty?topic=t&channel=admin", b""))}
+    assert all(a[0] == 200 or a == (507, b'{"message":"DISK_FULL"}')
+               for a in answers.values()), answers
+    assert any(a[0] == 507 for a in answers.values()), answers
     assert "Traceback" not in "\n".join(log_lines(proc))
 
     free(disk)  # a little: the acknowledged messages still fill most of it
@@ -204,8 +214,11 @@ async def test_publishing_on_a_full_disk_is_refused_then_works_once_space_is_bac
     acked.append(b"after")
     await again.pub("new", b"x")
     assert http(proc, "POST", "/topic/create?topic=made") == (200, b"")
+    for path in ("/channel/unpause?topic=t&channel=admin",
+                 "/channel/setoffset?topic=t&channel=admin"):  # the actions work again
+        assert http(proc, "POST", path, b"count:0")[0] == 200, path
     c = await connect(proc)
-    await c.sub("t", "c", rdy=100)  # the first channel starts at the oldest message
+    await c.sub("t", "admin", rdy=100)
     got = [m.body for m in await take(c, len(acked))]
     assert got == acked
     assert proc.stop() == 0

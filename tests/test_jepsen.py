@@ -115,11 +115,11 @@ def jepsen(store, *args: str, timeout: float) -> tuple[int, dict]:
     return proc.returncode, summary
 
 
-def test_kill_and_pause_r1_for_60_s_lose_nothing(tmp_path):
+def test_kill_and_pause_r1_for_40_s_lose_nothing(tmp_path):
     """R=1: a killed or paused node's partitions wait for it; what was acknowledged
     survives kill -9 and the restart of the final heal."""
     store = tmp_path / "run"
-    status, s = jepsen(store, "--nemesis", "kill,pause", "--time-limit", "60", "--nodes",
+    status, s = jepsen(store, "--nemesis", "kill,pause", "--time-limit", "40", "--nodes",
                        "3", "--interval", "8", "--seed", "7", timeout=300)
     tq = s["total_queue"]
     assert status == 0, s
@@ -127,7 +127,7 @@ def test_kill_and_pause_r1_for_60_s_lose_nothing(tmp_path):
     assert tq["lost"] == 0 and tq["unexpected"] == 0
     assert tq["acknowledged"] > 1000
     assert {f["kind"] for f in s["failover"]["faults"]} <= {"kill", "pause"}
-    assert nemesis_kinds(store) == ["kill", "pause", "kill"]
+    assert nemesis_kinds(store)[:2] == ["kill", "pause"]
     assert s["order"]["valid"] == "skipped"
     for name in ("index.html", "latency.png", "throughput.png", "history.jsonl",
                  "logs/n1-nsqd.log", "logs/clients.log"):
@@ -139,7 +139,7 @@ def test_kill_and_pause_r3_fail_over_and_lose_nothing(tmp_path):
     """R=3 (min_isr 2): a killed or paused leader's partitions move to another in-sync
     replica within seconds (lease TTL 2 s), while publishing goes on; nothing acknowledged
     is lost, nothing failed for sure is delivered."""
-    status, s = jepsen(tmp_path / "run", "--nemesis", "kill,pause", "--time-limit", "45",
+    status, s = jepsen(tmp_path / "run", "--nemesis", "kill,pause", "--time-limit", "30",
                        "--nodes", "3", "--replicas", "3", "--interval", "8", "--seed", "7",
                        timeout=300)
     tq = s["total_queue"]

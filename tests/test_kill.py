@@ -193,8 +193,8 @@ async def kill_rounds(tmp_path, kills, capsys, retain_bytes=24 << 20, progress_e
 
 
 async def test_kill_writer_repeatedly(tmp_path, capsys):
-    hist = await kill_rounds(tmp_path, 50, capsys)
-    assert hist.acknowledged > 10_000  # the kills really landed on a busy writer
+    hist = await kill_rounds(tmp_path, 30, capsys)  # thousands with --long
+    assert hist.acknowledged > 6_000  # the kills really landed on a busy writer
 
 
 @pytest.mark.long

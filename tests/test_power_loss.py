@@ -46,7 +46,7 @@ from powerfs import PowerFS
 from servers import NsqdProcess
 from test_nsqd_durability import drain
 
-CI_ROUNDS = 20
+CI_ROUNDS = 12
 LONG_ROUNDS = 300
 BASE_TOPICS = ("base0", "base1")  # long-lived: consumers FIN on their channel `c`
 FAILED = (ConnectionError, OSError, NSQError, aiohttp.ClientError, asyncio.TimeoutError)

@@ -20,21 +20,13 @@ PARTITIONS, EACH = 3, 10
 
 
 def lookupd_post(cl: Cluster, path: str, body: bytes = b"") -> tuple[int, dict]:
-    """POST to the master; a 503 CLUSTER_METADATA_UNAVAILABLE (its etcd watch reopening) is
-    retried for up to 10 s, as a client retries a 503."""
-    deadline = time.monotonic() + 10
-    while True:
-        req = urllib.request.Request(f"http://{cl.lookupds[0].http_address}{path}",
-                                     data=body, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            status, answer = e.code, json.loads(e.read() or b"null")
-        if (status, (answer or {}).get("message")) != (503, "CLUSTER_METADATA_UNAVAILABLE") \
-                or time.monotonic() > deadline:
-            return status, answer
-        time.sleep(0.1)
+    req = urllib.request.Request(f"http://{cl.lookupds[0].http_address}{path}", data=body,
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
 
 
 async def publish(address: str, partition: int, body: bytes) -> None:

@@ -174,7 +174,7 @@ async def test_off_by_default_and_per_channel_switch(traced):
         await x.close()
 
 
-async def test_trace_ids_from_pub_trace_pub_ext_and_http(traced):
+async def test_trace_ids_from_pub_trace_mpub_trace_pub_ext_and_http(traced):
     node = traced("--trace-all")
     pub = await conn(node, extend_support=True)
     reply = await pub.command(c.cmd_pub_trace("tr", 1 << 63 | 5, b"a", 0))
@@ -188,6 +188,14 @@ async def test_trace_ids_from_pub_trace_pub_ext_and_http(traced):
     assert len({e["msg_id"] for e in by_42}) == 2
     got = ok(node, "GET", f"/message/get?topic=tr&msg_id={msg_id:016x}")
     assert got["trace_id"] == str(1 << 63 | 5) and got["body"] == "a" and got["size"] == size
+    reply = await pub.command(c.cmd_mpub_trace("tr", [(7, b"m1"), (8, b"m2"), (7, b"m3")], 0))
+    okay, first_id, trace_id, offset, size = struct.unpack(">2sQQqI", reply)
+    assert (okay, trace_id) == (b"OK", 7) and offset > 0 and size > 0
+    by_7 = await events_of(node, "trace_id=7", 2)
+    assert [ok(node, "GET", f"/message/get?topic=tr&msg_id={int(e['msg_id'], 16):016x}")["body"]
+            for e in by_7] == ["m1", "m3"] and int(by_7[0]["msg_id"], 16) == first_id
+    (by_8,) = await events_of(node, "trace_id=8", 1)
+    assert ok(node, "GET", f"/message/get?topic=tr&msg_id={by_8['msg_id']}")["body"] == "m2"
     await pub.close()
 
 
@@ -216,7 +224,8 @@ async def test_switches_and_store_survive_a_restart_and_time_window(traced):
 
 
 async def test_delay_queue_and_drops(traced):
-    node = traced("--trace-all", "--delay-threshold", "100ms")
+    # messages stay in flight while the events are looked for (an ES store shows them late)
+    node = traced("--trace-all", "--delay-threshold", "100ms", "--msg-timeout", "30s")
     pub = await conn(node)
     await pub.pub("slow", b"x")
     sub = await conn(node)
@@ -227,16 +236,40 @@ async def test_delay_queue_and_drops(traced):
     events = await events_of(node, f"msg_id={m.id.decode()}", 6)
     assert [e["kind"] for e in events] == ["PUB", "DELIVER", "REQ", "DELAY_IN", "DELAY_OUT",
                                            "DELIVER"]
-    assert 0 < int(events[3]["detail"]) <= 300
+    assert 0 <= int(events[3]["detail"]) <= 300  # due in ms (0: it was due already)
     ok(node, "POST", "/channel/empty?topic=slow&channel=ch")  # `again` is in flight: dropped
     drops = [e for e in await events_of(node, "topic=slow", 8) if e["kind"] == "DROP"]
     assert [(e["msg_id"], e["detail"]) for e in drops] == [
         (again.id.decode(), "channel emptied"), ("", "channel emptied")]
+    await pub.pub("slow", b"y")
+    held = (await take(sub))[0]  # in flight when its channel goes
+    ok(node, "POST", "/channel/delete?topic=slow&channel=ch")
+    drops = [e for e in await events_of(node, "topic=slow", 12) if e["kind"] == "DROP"]
+    assert [(e["msg_id"], e["detail"]) for e in drops[2:]] == [
+        (held.id.decode(), "channel deleted"), ("", "channel deleted")]
     ok(node, "POST", "/topic/delete?topic=slow")
-    drops = [e for e in await events_of(node, "topic=slow", 9) if e["kind"] == "DROP"]
-    assert drops[-1]["detail"] == "topic deleted" and drops[-1]["offset"] > 0
+    deadline = time.monotonic() + 10
+    while not (gone := [e for e in await events_of(node, "topic=slow", 13)
+                        if e["detail"] == "topic deleted"]):
+        assert time.monotonic() < deadline, "no DROP for the topic's delete"
+        await asyncio.sleep(0.1)
+    assert gone[0]["kind"] == "DROP" and gone[0]["offset"] > 0
     await pub.close()
     await sub.close()
+
+
+async def test_retention_that_drops_segments_is_a_drop(traced):
+    node = traced("--trace-all", "--segment-bytes", "2048", "--retention-max-bytes", "4096",
+                  "--retention-check-interval", "100ms")
+    for i in range(40):
+        ok(node, "POST", "/pub?topic=aged", b"m%03d-" % i + b"x" * 200)
+    deadline = time.monotonic() + 20
+    while not (drops := [e for e in await events_of(node, "topic=aged", 41, timeout=0.5)
+                         if e["kind"] == "DROP"]):
+        assert time.monotonic() < deadline, "retention made no DROP event"
+    (drop,) = drops[:1]
+    assert drop["detail"].startswith("retention: offsets 0 to ") and drop["offset"] > 0
+    assert drop["msg_id"] == "" and drop["channel"] == ""
 
 
 async def test_setoffset_is_a_replay(traced):

@@ -30,7 +30,7 @@ from test_trace import (  # noqa: F401 (collected again here, with this module's
     conn, events_of, http, ok, settled, test_a_message_timeline_has_each_event_when_it_happens,
     test_delay_queue_and_drops, test_off_by_default_and_per_channel_switch,
     test_setoffset_is_a_replay, test_switches_and_store_survive_a_restart_and_time_window,
-    test_trace_ids_from_pub_trace_pub_ext_and_http, test_unknown_ids_are_404_and_bad_arguments_400)
+    test_trace_ids_from_pub_trace_mpub_trace_pub_ext_and_http, test_unknown_ids_are_404_and_bad_arguments_400)
 
 REAL_ES = os.environ.get("NSQ_TEST_ES_URL")
 
@@ -189,10 +189,93 @@ async def test_search_is_503_while_the_store_is_unreachable(traced, es_store):
 @pytest.mark.parametrize("argv", [["--trace-es-url", "localhost:9200"],
                                   ["--trace-es-url", "http://es"],
                                   ["--trace-es-url", "ftp://es:21"],
-                                  ["--trace-es-index-prefix", "Trace*"]])
+                                  ["--trace-es-index-prefix", "Trace*"],
+                                  ["--trace-es-url", "http://es:9200", "--trace-es-username", "u"],
+                                  ["--trace-es-url", "http://es:9200", "--trace-es-username", "u",
+                                   "--trace-es-password-file", "/nonexistent/pw"],
+                                  ["--trace-es-url", "http://es:9200", "--trace-es-username", "u",
+                                   "--trace-es-password-file", "/etc/hostname",
+                                   "--trace-es-api-key-file", "/etc/hostname"],
+                                  ["--trace-es-api-key-file", "/etc/hostname"]])
 def test_bad_es_flags_are_refused_at_start(argv):
-    with pytest.raises(ValueError, match="--trace-es"):
+    with pytest.raises(ValueError, match="--trace-es|not a readable file"):
         from_args(argv)
+
+
+def self_signed(folder) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (PEM files), made with `cryptography`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(folder, "es.crt"), os.path.join(folder, "es.key")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM,
+                                  serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+async def test_https_checked_against_a_ca_file_with_basic_auth_or_an_api_key(tmp_path,
+                                                                             es_store):
+    """--trace-es-url https://... with --trace-es-ca-certs: events reach the store with the
+    user and password (or the API key) in every request; without the CA file the server's
+    certificate is refused: the events are counted as not written, the node serves on."""
+    if es_store[2] is None:
+        pytest.skip("the https proxy stands in front of osmem-server only")
+    import base64
+
+    cert, key = self_signed(tmp_path)
+    proxy = MediaTypeProxy(es_store[1].upstream, tls=(cert, key)).start()
+    (tmp_path / "pw").write_text("s3cret\n")
+    (tmp_path / "key").write_text("aWQ6c2VjcmV0\n")
+    runs = [("basic", ["--trace-es-username", "nsq", "--trace-es-password-file",
+                       str(tmp_path / "pw")]),
+            ("apikey", ["--trace-es-api-key-file", str(tmp_path / "key")])]
+    try:
+        for name, flags in runs:
+            node = NsqdProcess(str(tmp_path / name), "--trace-all", "--trace-es-url", proxy.url,
+                               "--trace-es-ca-certs", cert, "--trace-es-index-prefix",
+                               f"tls-{name}-", *flags).start()
+            try:
+                ok(node, "POST", f"/pub?topic={name}", b"x")
+                events = await events_of(node, f"topic={name}", 1)
+                assert [e["kind"] for e in events] == ["PUB"], name
+            finally:
+                node.kill()
+        basic = "Basic " + base64.b64encode(b"nsq:s3cret").decode()
+        assert basic in proxy.authorizations and "ApiKey aWQ6c2VjcmV0" in proxy.authorizations
+        assert set(proxy.authorizations) == {basic, "ApiKey aWQ6c2VjcmV0"}
+        untrusting = NsqdProcess(str(tmp_path / "noca"), "--trace-all", "--trace-es-url",
+                                 proxy.url, "--trace-es-index-prefix", "tls-noca-").start()
+        try:
+            ok(untrusting, "POST", "/pub?topic=noca", b"x")  # the publish is not slowed
+            deadline = time.monotonic() + 20
+            while "CERTIFICATE_VERIFY_FAILED" not in str(
+                    ok(untrusting, "GET", "/stats?format=json")["trace"]["error"]):
+                assert time.monotonic() < deadline, "no certificate error"
+                await asyncio.sleep(0.2)
+        finally:
+            untrusting.kill()
+    finally:
+        proxy.close()
 
 
 def test_retention_deletes_whole_daily_indices_past_the_age(es_store):

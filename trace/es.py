@@ -55,9 +55,28 @@ def _transient(e: Exception) -> bool:
     return isinstance(e, TransportError)  # connection refused, reset, timed out
 
 
-def client(url: str) -> Elasticsearch:
-    # the writer retries with its own backoff: the client tries once per call
-    return Elasticsearch(url, request_timeout=10, max_retries=0, retry_on_timeout=False)
+def _why(e: Exception) -> str:
+    """What went wrong, said fully: a transport error's str() is only its kind ("TLS
+    error", "Connection error"); its message names the cause."""
+    if isinstance(e, TransportError):
+        return f"{e}: {e.message}"[:300]
+    return str(e)
+
+
+def client(url: str, *, ca_certs: str | None = None, username: str | None = None,
+           password: str | None = None, api_key: str | None = None) -> Elasticsearch:
+    """The official client for `url`: https checked against `ca_certs` (else the system's
+    CAs), basic auth or an API key when given. It tries once per call: the writer retries
+    with its own backoff."""
+    options = {}
+    if ca_certs:
+        options["ca_certs"] = ca_certs
+    if username:
+        options["basic_auth"] = (username, password or "")
+    if api_key:
+        options["api_key"] = api_key
+    return Elasticsearch(url, request_timeout=10, max_retries=0, retry_on_timeout=False,
+                         **options)
 
 
 def day_index(prefix: str, time_ns: int) -> str:
@@ -68,10 +87,10 @@ def day_index(prefix: str, time_ns: int) -> str:
 class EsStore:
     """The writer thread's side: put the template, bulk-write batches, drop old indices."""
 
-    def __init__(self, url: str, node: str, prefix: str = DEFAULT_PREFIX):
+    def __init__(self, url: str, node: str, prefix: str = DEFAULT_PREFIX, **client_options):
         self.node = node
         self.prefix = prefix
-        self._es = client(url)
+        self._es = client(url, **client_options)
         self._id_base = f"{node}/{time.time_ns()}/"
         self._seq = 0
         self._template_put = False  # put before the first bulk (and after each outage)
@@ -85,7 +104,7 @@ class EsStore:
                 template={"settings": {"number_of_shards": 1}, "mappings": MAPPING})
         except Exception as e:
             if _transient(e):
-                raise StoreUnavailable(str(e)) from e
+                raise StoreUnavailable(_why(e)) from e
             raise
         self._template_put = True
 
@@ -110,7 +129,7 @@ class EsStore:
         except Exception as e:
             if _transient(e):
                 self._template_put = False
-                raise StoreUnavailable(str(e)) from e
+                raise StoreUnavailable(_why(e)) from e
             raise
         refused = [i for i in answer["items"] if i["index"].get("status", 500) >= 300] \
             if answer.get("errors") else []
@@ -174,7 +193,7 @@ def search(es: Elasticsearch, prefix: str, *, msg_id: int | None = None,
                            ignore_unavailable=True, allow_no_indices=True)
     except Exception as e:
         if _transient(e):
-            raise StoreUnavailable(str(e)) from e
+            raise StoreUnavailable(_why(e)) from e
         raise
     out = []
     for hit in answer["hits"]["hits"]:

@@ -131,7 +131,7 @@ def search(path: str, *, msg_id: int | None = None, trace_id: int | None = None,
            until_ns: int | None = None, limit: int = 1000) -> list[dict]:
     """Events matching every given condition, in time order, at most `limit` (the oldest).
     One of msg_id, trace_id, topic must be given: each is an index. A store not made yet
-    holds nothing."""
+    (no file, or no schema in it yet) holds nothing."""
     if not os.path.exists(path):
         return []
     where, args = [], []
@@ -157,9 +157,13 @@ def search(path: str, *, msg_id: int | None = None, trace_id: int | None = None,
         raise ValueError("search needs msg_id, trace_id or topic")
     sql = (f"SELECT {_COLUMNS} FROM events WHERE {' AND '.join(where)} "
            f"ORDER BY time_ns, id LIMIT ?")
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2.0)
     try:
         rows = db.execute(sql, (*args, limit)).fetchall()
+    except sqlite3.OperationalError as e:
+        if "no such table" not in str(e):
+            raise
+        return []  # the writer has made the file, not its schema yet: nothing written
     finally:
         db.close()
     names = ("node",) + FIELDS

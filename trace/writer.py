@@ -45,8 +45,8 @@ class EventWriter:
                  sink: str = "sqlite"):
         self.path = path  # the SQLite file; None for a store elsewhere (open_store)
         self.sink = sink
-        self._open_store = open_store or (lambda: TraceStore(path, node))
-        self.node = node
+        self.node = node  # the events' `node`, final once started (start's argument)
+        self._open_store = open_store or (lambda: TraceStore(path, self.node))
         self.bound = bound
         self.batch = batch
         self.max_age_s = max_age_s
@@ -96,7 +96,11 @@ class EventWriter:
 
     # ---- lifecycle --------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, node: str | None = None) -> None:
+        """Start the thread; `node`, when given, names the node in every event (a port
+        known only once the node listens)."""
+        if node is not None:
+            self.node = node
         self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
         self._thread.start()
 

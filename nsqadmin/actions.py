@@ -1,0 +1,236 @@
+"""Actions: nsqadmin changes nothing itself, it asks the nodes' own HTTP actions.
+
+Who is asked, by mode (the Snapshot's):
+- cluster: what is cluster-wide goes to the master nsqlookupd (topic create/delete,
+  channel create/delete, setoffset: it fans out to every partition's leader); what each
+  node keeps (empty, pause, unpause) goes to every nsqd holding the topic; the trace
+  switch to one nsqd (it is written to etcd, which every leader follows);
+- classic (lookupd without etcd): as Go nsqadmin, create and delete go to every lookupd
+  and, for deletes and channels, to every nsqd holding the topic; the rest to every nsqd
+  holding it; tombstone to every lookupd;
+- nsqd: every configured nsqd.
+A fan-out succeeds when at least one node did and none failed other than by not having
+the topic or channel (404: a node that holds none of its partitions). After an action the
+Source reads the cluster again until the effect shows (a cluster-wide write reaches the
+nodes through their etcd watch) or SETTLE_S passed, so the next page shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from nsqwire.protocol import valid_channel_name, valid_topic_name
+
+from .times import BadTime, parse_time
+
+TOPIC_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "trace_on", "trace_off",
+                 "tombstone")
+CHANNEL_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "setoffset", "trace_on",
+                   "trace_off")
+SETTLE_S = 5.0
+
+
+class ActionError(Exception):
+    """Refused before any node was asked: status, code, detail."""
+
+    def __init__(self, status: int, code: str, detail: str = ""):
+        super().__init__(code)
+        self.status, self.code, self.detail = status, code, detail
+
+
+@dataclass
+class Outcome:
+    action: str
+    calls: list[dict] = field(default_factory=list)  # {node, path, status, answer}
+
+    @property
+    def ok(self) -> bool:
+        good = [c for c in self.calls if c["status"] == 200]
+        bad = [c for c in self.calls if c["status"] not in (200, 404)]
+        return bool(good) and not bad
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "action": self.action, "calls": self.calls}
+
+    def summary(self) -> str:
+        parts = [f"{c['node']} {c['status'] or 'no answer'}"
+                 + (f" {c['answer']}" if c["status"] != 200 and c["answer"] else "")
+                 for c in self.calls]
+        return f"{self.action}: {'done' if self.ok else 'FAILED'} ({'; '.join(parts)})"
+
+
+def check_topic(name: str) -> None:
+    if not name or not valid_topic_name(name):
+        raise ActionError(400, "INVALID_TOPIC", f"not a valid topic name: {name!r}")
+
+
+def check_channel(name: str) -> None:
+    if not name or not valid_channel_name(name):
+        raise ActionError(400, "INVALID_CHANNEL", f"not a valid channel name: {name!r}")
+
+
+async def _calls(source, outcome: Outcome, targets: list[str], path: str, params: dict,
+                 body: bytes | None = None) -> None:
+    answers = await asyncio.gather(*(source.call("POST", t, path, params, body)
+                                     for t in targets))
+    for t, (status, answer) in zip(targets, answers):
+        _record(outcome, t, path, status, answer)
+
+
+def _record(out: Outcome, node: str, path: str, status: int, answer) -> None:
+    if isinstance(answer, dict):
+        answer = answer.get("message") or answer
+    out.calls.append({"node": node, "path": path, "status": status,
+                      "answer": answer if status != 200 else ""})
+
+
+async def _master(source, out: Outcome, path: str, params: dict,
+                  body: bytes | None = None) -> None:
+    """A cluster-wide write to the master lookupd. A lookupd that answers 503 NOT_MASTER
+    names the master, which is asked instead; a 503 CLUSTER_METADATA_UNAVAILABLE (etcd
+    away, or the lookupd's watch reopening: nothing written) is asked again, every 0.3 s
+    for up to SETTLE_S, as a client retries a 503. These writes are idempotent."""
+    target = source.snapshot.master_lookupd()
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        status, answer = await source.call("POST", target, path, params, body)
+        code = answer.get("message") if isinstance(answer, dict) else None
+        if status == 503 and code == "NOT_MASTER" and answer.get("master_http_address"):
+            target = answer["master_http_address"]
+        elif not (status == 503 and code == "CLUSTER_METADATA_UNAVAILABLE"):
+            break
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.3)
+    _record(out, target, path, status, answer)
+
+
+def _holders(snap, topic: str) -> list[str]:
+    t = snap.topics.get(topic)
+    nodes = [n for n in (t.nodes if t else ()) if not snap.nodes[n].error]
+    return nodes
+
+
+def _int_arg(form: dict, name: str, lo: int, hi: int) -> str | None:
+    v = str(form.get(name) or "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or not lo <= int(v) <= hi:
+        raise ActionError(400, f"INVALID_{name.upper()}", f"{name} must be {lo}..{hi}")
+    return v
+
+
+async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
+    check_topic(topic)
+    if action not in TOPIC_ACTIONS:
+        raise ActionError(404, "UNKNOWN_ACTION", f"topic actions: {', '.join(TOPIC_ACTIONS)}")
+    snap = source.snapshot
+    mode, out, q = snap.mode, Outcome(action=f"topic {action} {topic}"), {"topic": topic}
+    lookupds = [lk["address"] for lk in snap.lookupds]
+    if action != "create" and not action.startswith("trace") and topic not in snap.topics:
+        raise ActionError(404, "TOPIC_NOT_FOUND", f"no topic {topic!r}")
+    if action == "create":
+        partitions = _int_arg(form, "partitions", 1, 1024)
+        replicas = _int_arg(form, "replicas", 1, 5)
+        if mode == "cluster":
+            q |= {k: v for k, v in (("partition_num", partitions), ("replicator", replicas)) if v}
+            await _master(source, out, "/topic/create", q)
+        elif mode == "classic":
+            await _calls(source, out, lookupds, "/topic/create", q)
+        else:
+            q |= {"partition_num": partitions} if partitions else {}
+            await _calls(source, out, list(source.options.nsqd_http_address), "/topic/create", q)
+    elif action == "delete":
+        if mode == "cluster":
+            await _master(source, out, "/topic/delete", q)
+        else:
+            await _calls(source, out, lookupds + _holders(snap, topic), "/topic/delete", q)
+    elif action in ("empty", "pause", "unpause"):
+        await _calls(source, out, _holders(snap, topic), f"/topic/{action}", q)
+    elif action in ("trace_on", "trace_off"):
+        await _trace(source, out, action, q)
+    elif action == "tombstone":
+        if mode != "classic":
+            raise ActionError(400, "TOMBSTONE_NOT_SUPPORTED",
+                              "tombstones are a classic nsqlookupd's: in cluster mode a node "
+                              "leaves by its lease" if mode == "cluster" else
+                              "tombstones need an nsqlookupd (--lookupd-http-address)")
+        node = str(form.get("node") or "")
+        if node not in snap.nodes:
+            raise ActionError(400, "INVALID_NODE", f"no node {node!r} (give its HTTP address)")
+        await _calls(source, out, lookupds, "/topic/tombstone", q | {"node": node})
+    shows = {"create": lambda t: t is not None and bool(t.partitions),
+             "delete": lambda t: t is None, "pause": lambda t: t and t.paused,
+             "unpause": lambda t: t and not t.paused, "trace_on": lambda t: t and t.traced,
+             "trace_off": lambda t: t and not t.traced}.get(action)
+    await _settle(source, out, shows and (lambda snap: shows(snap.topics.get(topic))))
+    return out
+
+
+async def _settle(source, out: Outcome, shows) -> None:
+    """Read the cluster again, until `shows(snapshot)` (when given and the action was done)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        snap = await source.refresh()
+        if not out.ok or shows is None or shows(snap) or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _trace(source, out: Outcome, action: str, q: dict) -> None:
+    snap = source.snapshot
+    path = "/message/trace/enable" if action == "trace_on" else "/message/trace/disable"
+    live = [n.http for n in snap.nodes.values() if not n.error]
+    if not live:
+        raise ActionError(503, "NO_NODE_ANSWERED", "no nsqd answered the last poll")
+    await _calls(source, out, live[:1] if snap.mode == "cluster" else live, path, q)
+
+
+async def channel_action(source, action: str, topic: str, channel: str, form: dict) -> Outcome:
+    check_topic(topic)
+    check_channel(channel)
+    if action not in CHANNEL_ACTIONS:
+        raise ActionError(404, "UNKNOWN_ACTION",
+                          f"channel actions: {', '.join(CHANNEL_ACTIONS)}")
+    snap = source.snapshot
+    t = snap.topics.get(topic)
+    if t is None:
+        raise ActionError(404, "TOPIC_NOT_FOUND", f"no topic {topic!r}")
+    if action != "create" and channel not in t.channels:
+        raise ActionError(404, "CHANNEL_NOT_FOUND", f"no channel {channel!r} in {topic!r}")
+    mode, q = snap.mode, {"topic": topic, "channel": channel}
+    out = Outcome(action=f"channel {action} {topic}/{channel}")
+    lookupds = [lk["address"] for lk in snap.lookupds]
+    holders = _holders(snap, topic)
+    if action in ("create", "delete"):
+        if mode == "cluster":
+            await _master(source, out, f"/channel/{action}", q)
+        else:
+            await _calls(source, out, lookupds + holders, f"/channel/{action}", q)
+    elif action in ("empty", "pause", "unpause"):
+        await _calls(source, out, holders, f"/channel/{action}", q)
+    elif action == "setoffset":
+        text = str(form.get("time") or "")
+        try:
+            when = parse_time(text, time.time(), "replay time")
+        except BadTime as e:
+            raise ActionError(400, "INVALID_TIME", str(e)) from None
+        body = f"timestamp:{int(when)}".encode()
+        if mode == "cluster":
+            await _master(source, out, "/channel/setoffset", q, body)
+        else:
+            await _calls(source, out, holders, "/channel/setoffset", q, body)
+    else:
+        await _trace(source, out, action, q)
+    shows = {"create": lambda c: c is not None, "delete": lambda c: c is None,
+             "pause": lambda c: c and c.paused, "unpause": lambda c: c and not c.paused,
+             "trace_on": lambda c: c and c.traced,
+             "trace_off": lambda c: c and not c.traced}.get(action)
+
+    def channel_of(snap):
+        t = snap.topics.get(topic)
+        return t.channels.get(channel) if t else None
+    await _settle(source, out, shows and (lambda snap: shows(channel_of(snap))))
+    return out

@@ -1,0 +1,128 @@
+"""Options of nsqadmin: one dataclass, defaults beside the flags, Go nsqadmin's flag names.
+
+`-flag` and `--flag`, `=value` or the value as the next argument, as the other daemons
+take them. --lookupd-http-address and --nsqd-http-address may be given several times (or
+comma-separated); at least one of them is needed, and not both kinds (as Go nsqadmin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_S = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration_s(text: str) -> float:
+    """Seconds of a Go duration ("5s", "10m0s", "500ms"), or of a plain number of ms."""
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text) / 1000
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT_S[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or not text or total <= 0:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}")
+    return total
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(address)
+    return host or "0.0.0.0", int(port)
+
+
+def _address(text: str) -> str:
+    try:
+        split_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid address {text!r} (want <addr>:<port>)")
+    return text
+
+
+@dataclass
+class Options:
+    http_address: str = "0.0.0.0:4171"
+    lookupd_http_address: list[str] = field(default_factory=list)
+    nsqd_http_address: list[str] = field(default_factory=list)
+    admin_user: list[str] = field(default_factory=list)
+    admin_password_file: str = ""
+    require_login_for_reads: bool = False
+    poll_interval: float = 5.0  # seconds between two reads of every node's /stats
+    history: float = 300.0  # seconds of samples kept for the sparklines
+    http_client_timeout: float = 3.0  # seconds for one call to a node or lookupd
+    log_level: str = "info"
+
+    @property
+    def mode(self) -> str:
+        """`lookupd` (cluster or classic, told by the lookupd's /info) or `nsqd`."""
+        return "lookupd" if self.lookupd_http_address else "nsqd"
+
+
+def _addresses(values) -> list[str]:
+    return [_address(a.strip()) for v in values or () for a in v.split(",") if a.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nsqadmin", allow_abbrev=False,
+                                description="web UI and JSON API for the cluster")
+    p.add_argument("--http-address", type=_address, default="0.0.0.0:4171",
+                   help='<addr>:<port> to listen on for HTTP clients (default "0.0.0.0:4171")')
+    p.add_argument("--lookupd-http-address", action="append",
+                   help="nsqlookupd HTTP address (may be given multiple times)")
+    p.add_argument("--nsqd-http-address", action="append",
+                   help="nsqd HTTP address, without lookupd (may be given multiple times)")
+    p.add_argument("--admin-user", action="append",
+                   help="a user allowed to act (create, delete, empty, pause...): "
+                        "actions need a login when given (may be given multiple times)")
+    p.add_argument("--admin-password-file", default="",
+                   help="file of `user:password` lines (or one line: the password of "
+                        "every admin user); needed with --admin-user")
+    p.add_argument("--require-login-for-reads", action="store_true",
+                   help="pages and GET /api/ need a login too (default: reads are open)")
+    p.add_argument("--poll-interval", type=parse_duration_s, default=5.0,
+                   help="how often every node's /stats is read (default 5s)")
+    p.add_argument("--history", type=parse_duration_s, default=300.0,
+                   help="how long samples are kept for the charts (default 5m)")
+    p.add_argument("--http-client-timeout", type=parse_duration_s, default=3.0,
+                   help="timeout of one call to a node or a lookupd (default 3s)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info")
+    return p
+
+
+def go_style(argv: list[str]) -> list[str]:
+    """`-flag` as `--flag` (Go's flag package takes both)."""
+    return ["-" + a if re.match(r"-[a-z][a-z-]+", a) else a for a in argv]
+
+
+def from_args(argv: list[str]) -> Options:
+    """Options from the command line; argparse exits 2 with one line on a bad flag."""
+    p = parser()
+    ns = p.parse_args(go_style(argv))
+    try:
+        lookupds, nsqds = _addresses(ns.lookupd_http_address), _addresses(ns.nsqd_http_address)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    options = Options(
+        http_address=ns.http_address, lookupd_http_address=lookupds, nsqd_http_address=nsqds,
+        admin_user=[u for v in ns.admin_user or () for u in v.split(",") if u],
+        admin_password_file=ns.admin_password_file,
+        require_login_for_reads=ns.require_login_for_reads,
+        poll_interval=ns.poll_interval, history=ns.history,
+        http_client_timeout=ns.http_client_timeout, log_level=ns.log_level)
+    if not options.lookupd_http_address and not options.nsqd_http_address:
+        p.error("--lookupd-http-address or --nsqd-http-address required")
+    if options.lookupd_http_address and options.nsqd_http_address:
+        p.error("use --lookupd-http-address or --nsqd-http-address, not both")
+    if options.admin_user and not options.admin_password_file:
+        p.error("--admin-user needs --admin-password-file")
+    if options.require_login_for_reads and not options.admin_user:
+        p.error("--require-login-for-reads needs --admin-user")
+    return options

@@ -1,0 +1,379 @@
+"""HTML of every page, rendered on the server from views.py's dicts: f-strings and
+html.escape, no template engine. Each page function returns (title, main HTML); app.py
+wraps it in layout() (or sends the main part alone to admin.js's refresh).
+
+Every form POSTs with the CSRF token; destructive ones carry `data-confirm`, which
+admin.js turns into a confirm() before sending.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from urllib.parse import quote
+
+from .history import sparkline
+from .times import iso
+
+esc = html.escape
+LOAD_FIELDS = ("node_load_factor", "leader_load_factor", "cpu", "msgs_per_s", "backlog")
+MAX_ROWS = 200  # rows of a node page's table; the rest are in /api/nodes/<node>
+
+
+def u(name: str) -> str:
+    """A name as one URL path segment (`#ephemeral` and dots included)."""
+    return quote(name, safe="")
+
+
+def num(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else esc(str(v))
+
+
+def yes(v) -> str:
+    return "yes" if v else "no" if v is not None else "?"
+
+
+def table(headers: list[str], rows: list[list[str]], cls: str = "", empty: str = "none") -> str:
+    """Cells are HTML already; an empty table says `empty`."""
+    if not rows:
+        return f'<p class="empty">{esc(empty)}</p>'
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f'<td data-label="{esc(h)}"><span>{c}</span></td>'
+                                    for h, c in zip(headers, r)) + "</tr>" for r in rows)
+    return f'<div class="scroll"><table class="{cls}"><thead><tr>{head}</tr></thead>' \
+           f'<tbody>{body}</tbody></table></div>'
+
+
+def capped(rows: list, api: str) -> tuple[list, str]:
+    """The first MAX_ROWS rows, and a line saying where the others are."""
+    if len(rows) <= MAX_ROWS:
+        return rows, ""
+    return rows[:MAX_ROWS], (f'<p class="note">first {MAX_ROWS} of {len(rows):,}: all in '
+                             f'<a href="{esc(api)}">{esc(api)}</a></p>')
+
+
+def form(action: str, label: str, ctx: dict, confirm: str = "", fields: str = "",
+         cls: str = "") -> str:
+    data = f' data-confirm="{esc(confirm)}"' if confirm else ""
+    return (f'<form method="post" action="{esc(action)}" class="action {cls}"{data}>'
+            f'<input type="hidden" name="csrf" value="{esc(ctx["csrf"])}">{fields}'
+            f'<button type="submit">{esc(label)}</button></form>')
+
+
+def node_link(http: str, label: str = "") -> str:
+    return f'<a href="/nodes/{u(http)}">{esc(label or http)}</a>' if http else "<i>none</i>"
+
+
+def layout(title: str, main: str, ctx: dict) -> str:
+    user = ctx.get("user")
+    if ctx.get("auth"):
+        who = (f'<span class="user">{esc(user)}</span>'
+               f'{form("/logout", "log out", ctx, cls="inline")}' if user
+               else '<a class="login" href="/login">log in</a>')
+    else:
+        who = ""
+    flash = ctx.get("flash") or ""
+    flash_html = f'<p class="flash {"bad" if "FAILED" in flash else ""}">{esc(flash)}</p>' \
+        if flash else ""
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<title>{esc(title)} · nsqadmin</title>'
+            f'<link rel="stylesheet" href="/static/admin.css"></head>'
+            f'<body data-refresh="{ctx.get("refresh", 0)}"><header><nav>'
+            f'<a class="brand" href="/">nsqadmin</a><a href="/">cluster</a>'
+            f'<a href="/topics">topics</a><a href="/trace">trace</a>{who}</nav></header>'
+            f'{flash_html}<main id="main">{main}</main>'
+            f'<script src="/static/admin.js"></script></body></html>')
+
+
+def _age(v: dict) -> str:
+    age = v.get("age_s", -1)
+    if age < 0:
+        return '<p class="age">not read yet</p>'
+    return f'<p class="age">read {age:g} s ago · mode <b>{esc(v["mode"])}</b></p>'
+
+
+# ---- pages --------------------------------------------------------------------------
+
+def cluster_page(v: dict, ctx: dict) -> tuple[str, str]:
+    out = [f"<h1>Cluster</h1>{_age(v)}"]
+    if v["etcd"] is not None:
+        e = v["etcd"]
+        out.append(f'<p>etcd: <b class="{"ok" if e["healthy"] else "bad"}">'
+                   f'{"healthy" if e["healthy"] else "trouble"}</b> '
+                   f'({e["connected"]} of {e["asked"]} daemons connected)</p>')
+    if v["lookupds"]:
+        rows = [[esc(lk["address"]), yes(lk["is_master"]) if lk["is_master"] is not None
+                 else "classic", esc(lk["master"] or ""), yes(lk["etcd_connected"]),
+                 esc(lk["view"] or ""), esc(", ".join(lk["leaderless"]) or "none"),
+                 esc(lk["error"] or "ok")] for lk in v["lookupds"]]
+        out.append("<h2>nsqlookupd</h2>" + table(
+            ["address", "master", "master address", "etcd", "view", "leaderless", "state"],
+            rows))
+    else:
+        out.append('<p class="note">no nsqlookupd: nsqadmin reads the nsqd given by '
+                   '--nsqd-http-address</p>')
+    rows = []
+    for n in v["nodes"]:
+        load = n["load"] or {}
+        shown = [(k, load[k]) for k in LOAD_FIELDS if load.get(k) is not None]
+        load_html = "<br>".join(f"{esc(k)} {num(val)}" for k, val in shown) or "—"
+        rows.append([node_link(n["http"]), esc(n["node_id"] or n["tcp"]), esc(n["hostname"]),
+                     esc(n["version"]), num(n["partitions_led"]), num(n["topics"]),
+                     num(n["clients"]), load_html,
+                     f'<span class="bad">{esc(n["error"])}</span>' if n["error"]
+                     else esc(n["health"] or "?")])
+    out.append("<h2>Nodes</h2>" + table(
+        ["node", "id / tcp", "host", "version", "partitions led", "topics", "clients",
+         "load", "health"], rows, empty="no nsqd found"))
+    if not v["load_available"]:
+        out.append(f'<p class="note" id="load-note">{esc(v["load_note"])}</p>')
+    else:
+        heavy = ", ".join(f'<a href="/topics/{u(t.get("topic", ""))}">{esc(t.get("topic", ""))}'
+                          f'</a> {num(t.get("load_factor", ""))}' for t in v["heaviest_topics"])
+        out.append(f'<p id="balance">balanced: <b>{yes(v["balanced"])}</b>'
+                   f'{" · heaviest topics: " + heavy if heavy else ""}</p>')
+    if v["problems"]:
+        out.append("<h2>Problems</h2><ul class=\"problems\">" +
+                   "".join(f"<li>{esc(p)}</li>" for p in v["problems"]) + "</ul>")
+    out.append(f'<p class="age">{v["topics"]} topics · last poll took '
+               f'{v["poll_seconds"]:g} s</p>')
+    return "Cluster", "".join(out)
+
+
+def _flags(t: dict) -> str:
+    f = [name for name in ("paused", "ordered", "traced") if t.get(name)]
+    return " ".join(f'<span class="tag {x}">{x}</span>' for x in f)
+
+
+def topics_page(v: dict, ctx: dict) -> tuple[str, str]:
+    rows = [[f'<a href="/topics/{u(t["name"])}">{esc(t["name"])}</a> {_flags(t)}',
+             num(t["partitions"]), num(t["channels"]), num(t["messages"]), num(t["depth"]),
+             num(t["rate"]), num(t["nodes"])] for t in v["topics"]]
+    create = form("/topics", "create topic", ctx, fields=(
+        '<input name="topic" placeholder="topic name" required pattern="[.a-zA-Z0-9_-]+(#ephemeral)?">'
+        '<input name="partitions" placeholder="partitions" inputmode="numeric" size="6">'
+        + ('<input name="replicas" placeholder="replicas" inputmode="numeric" size="6">'
+           if v["mode"] == "cluster" else "")))
+    return "Topics", (f"<h1>Topics</h1>{_age(v)}{create}" + table(
+        ["topic", "partitions", "channels", "messages", "depth", "msgs/s", "nodes"], rows,
+        cls="topics", empty="no topics"))
+
+
+def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
+    name = v["name"]
+    base = f"/topics/{u(name)}"
+    charts = (f'<div class="charts"><figure>{sparkline(v["rates"], "messages/s")}'
+              f'<figcaption>rate {num(v["rate"])}/s</figcaption></figure><figure>'
+              f'{sparkline(v["depths"], "depth")}<figcaption>depth {num(v["depth"])}'
+              f'</figcaption></figure></div>')
+    acts = "".join([
+        form(f"{base}/unpause" if v["paused"] else f"{base}/pause",
+             "unpause" if v["paused"] else "pause", ctx),
+        form(f"{base}/trace_off" if v["traced"] else f"{base}/trace_on",
+             "tracing off" if v["traced"] else "tracing on", ctx),
+        form(f"{base}/empty", "empty", ctx, confirm=f"Empty topic {name}? Its messages "
+                                                     "are dropped for channels to come."),
+        form(f"{base}/delete", "delete", ctx, confirm=f"Delete topic {name} and all its "
+                                                      "channels and messages?")])
+    prow = []
+    for p in v["partitions"]:
+        isr = ", ".join(node_link(h, i) if h else esc(i)
+                        for i, h in zip(p["isr"], p["isr_http"])) or "—"
+        prow.append([num(p["number"]), node_link(p["leader"], p["leader_id"] or p["leader"]),
+                     isr, esc(", ".join(p["catchup"])) or "—",
+                     num(p["epoch"]) if p["epoch"] is not None else "—",
+                     ("—" if p["writable"] is None else yes(p["writable"]))
+                     + (f' <small>{esc(p["reason"])}</small>' if p["reason"] else ""),
+                     num(p["messages"]), num(p["depth"]), num(p["rate"]),
+                     sparkline(p["rates"], f"partition {p['number']} messages/s", 80, 18),
+                     sparkline([float(d) for d in p["depths"]],
+                               f"partition {p['number']} depth", 80, 18),
+                     f'<span class="bad">{esc(p["error"])}</span>' if p["error"] else ""])
+    parts = table(["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
+                   "depth", "msgs/s", "msgs/s chart", "depth chart", "error"], prow,
+                  cls="partitions", empty=v["partitions_note"] or "no partitions")
+    note = f'<p class="note" id="replication-note">{esc(v["replication_note"])}</p>' \
+        if v["replication_note"] else ""
+    crow = [[f'<a href="{base}/{u(c["name"])}">{esc(c["name"])}</a> {_flags(c)}',
+             num(c["depth"]), num(c["in_flight"]), num(c["deferred"]), num(c["delayed"]),
+             num(c["requeued"]), num(c["timed_out"]), num(c["messages"]), num(c["clients"])]
+            for c in v["channels"]]
+    chans = table(["channel", "depth", "in flight", "deferred", "delayed", "requeued",
+                   "timed out", "messages", "clients"], crow, cls="channels",
+                  empty="no channels")
+    add = form(f"{base}/channel_create", "create channel", ctx,
+               fields='<input name="channel" placeholder="channel name" required>')
+    return f"Topic {name}", (
+        f'<h1>Topic <span class="name">{esc(name)}</span> {_flags(v)}</h1>{_age(v)}'
+        f'<p>{num(v["partition_num"])} partitions · {num(v["messages"])} messages · depth '
+        f'{num(v["depth"])}</p>{charts}<div class="actions">{acts}</div>'
+        f'<h2>Partitions</h2>{note}{parts}<h2>Channels</h2>{chans}{add}')
+
+
+def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
+    topic, name = v["topic"], v["name"]
+    base = f"/topics/{u(topic)}/{u(name)}"
+    stats = "".join(f'<div class="stat"><b id="stat-{k.replace(" ", "-")}">{num(v[f])}</b>'
+                    f'<span>{k}</span></div>' for k, f in (
+                        ("depth", "depth"), ("in flight", "in_flight"),
+                        ("deferred", "deferred"), ("delayed", "delayed"),
+                        ("requeued", "requeued"), ("timed out", "timed_out"),
+                        ("messages", "messages"), ("msgs/s", "rate")))
+    acts = "".join([
+        form(f"{base}/unpause" if v["paused"] else f"{base}/pause",
+             "unpause" if v["paused"] else "pause", ctx),
+        form(f"{base}/trace_off" if v["traced"] else f"{base}/trace_on",
+             "tracing off" if v["traced"] else "tracing on", ctx),
+        form(f"{base}/empty", "empty", ctx, confirm=f"Empty channel {name}? Its messages "
+                                                     "are dropped."),
+        form(f"{base}/delete", "delete", ctx, confirm=f"Delete channel {name}?"),
+        form(f"{base}/setoffset", "replay from", ctx,
+             confirm=f"Move channel {name} to this time? Messages from there are delivered "
+                     "again.", fields='<input name="time" placeholder="-1h, 2026-11-26T10:00'
+                                      ' or unix s" required>')])
+    now = time.time()
+    crow = [[esc(c.get("hostname", "")) + f' <small>{esc(c.get("remote_address", ""))}</small>',
+             esc(c.get("user_agent", "")), node_link(c.get("node", "")),
+             num(c.get("ready_count", 0)), num(c.get("in_flight_count", 0)),
+             num(c.get("message_count", 0)), num(c.get("finish_count", 0)),
+             num(c.get("requeue_count", 0)),
+             f'{max(0, int(now - c.get("connect_ts", now)))} s'] for c in v["clients"]]
+    clients = table(["client", "user agent", "node", "RDY", "in flight", "messages",
+                     "finished", "requeued", "connected"], crow, cls="clients",
+                    empty="no clients connected")
+    prow = [[num(p["partition"]), node_link(p["node"]), num(p["depth"]), num(p["in_flight"]),
+             num(p["deferred"]), num(p["delayed"]), num(p["requeued"]), num(p["timed_out"]),
+             yes(p["paused"]), yes(p["ordered"]), num(p["confirmed"]), num(p["next_read"])]
+            for p in v["partitions"]]
+    parts = table(["partition", "node", "depth", "in flight", "deferred", "delayed",
+                   "requeued", "timed out", "paused", "ordered", "confirmed", "next read"],
+                  prow, cls="channel-partitions")
+    return f"Channel {topic}/{name}", (
+        f'<h1><a href="/topics/{u(topic)}">{esc(topic)}</a> / <span class="name">'
+        f'{esc(name)}</span> {_flags(v)}</h1>{_age(v)}<p>ordered: <b id="ordered">'
+        f'{yes(v["ordered"])}</b> · paused: <b id="paused">{yes(v["paused"])}</b></p>'
+        f'<div class="stats">{stats}</div>'
+        f'<div class="charts"><figure>{sparkline([float(d) for d in v["depths"]], "depth")}'
+        f'<figcaption>depth</figcaption></figure></div><div class="actions">{acts}</div>'
+        f'<h2>Clients</h2>{clients}<h2>Partitions</h2>{parts}')
+
+
+def node_page(v: dict, ctx: dict) -> tuple[str, str]:
+    http = v["http"]
+    facts = [("HTTP", http), ("TCP", v["tcp"]), ("node id", v["node_id"] or "—"),
+             ("host", v["hostname"]), ("version", v["version"]),
+             ("health", v["error"] or v["health"]), ("clients", v["clients"]),
+             ("partitions led", v["partitions_led"]),
+             ("etcd", yes(v["etcd_connected"]) if v["etcd_connected"] is not None else "—"),
+             ("trace sink", (v["trace"] or {}).get("sink", "—"))]
+    dl = "".join(f"<dt>{esc(k)}</dt><dd>{num(val)}</dd>" for k, val in facts)
+    api = f"/api/nodes/{u(http)}"
+    rows, more_led = capped(v["led"], api)
+    led = table(["topic", "partition", "ISR", "epoch", "messages", "depth"], [
+        [f'<a href="/topics/{u(p["topic"])}">{esc(p["topic"])}</a>', num(p["number"]),
+         esc(", ".join(p["isr"]) or "—"), num(p["epoch"]) if p["epoch"] is not None else "—",
+         num(p["messages"]), num(p["depth"])] for p in rows], empty="leads nothing") + more_led
+    rows, more_f = capped(v["following"], api)
+    following = table(["topic", "partition"], [
+        [f'<a href="/topics/{u(f["topic"])}">{esc(f["topic"])}</a>', num(f["partition"])]
+        for f in rows], empty="follows nothing") + more_f
+    rows, more_c = capped(v["client_list"], api)
+    clients = table(["topic", "channel", "client", "user agent", "RDY", "in flight"], [
+        [esc(c["topic"]), f'<a href="/topics/{u(c["topic"])}/{u(c["channel"])}">'
+         f'{esc(c["channel"])}</a>', esc(f'{c["hostname"]} {c["remote_address"]}'),
+         esc(c["user_agent"] or ""), num(c["ready_count"]), num(c["in_flight_count"])]
+        for c in rows], empty="no consumers") + more_c
+    trows = []
+    names, more_t = capped(v["topics"], api)
+    for t in names:
+        if v["tombstone_note"]:
+            act = ""
+        elif v["tombstones"].get(t):
+            act = '<span class="tag">tombstoned</span>'
+        else:
+            act = form(f"/topics/{u(t)}/tombstone", "tombstone", ctx,
+                       confirm=f"Tombstone topic {t} on {http}? Lookups stop naming this "
+                               "node for it.",
+                       fields=f'<input type="hidden" name="node" value="{esc(http)}">')
+        trows.append([f'<a href="/topics/{u(t)}">{esc(t)}</a>', act])
+    topics = table(["topic", "tombstone"], trows, cls="node-topics",
+                   empty="no topics") + more_t
+    tnote = f'<p class="note" id="tombstone-note">{esc(v["tombstone_note"])}</p>' \
+        if v["tombstone_note"] else ""
+    rnote = f'<p class="note">{esc(v["replication_note"])}</p>' if v["replication_note"] else ""
+    return f"Node {http}", (
+        f'<h1>Node <span class="name">{esc(http)}</span></h1>{_age(v)}<dl>{dl}</dl>'
+        f'<h2>Partitions led</h2>{rnote}{led}<h2>Partitions followed</h2>{following}'
+        f'<h2>Clients</h2>{clients}<h2>Topics</h2>{tnote}{topics}')
+
+
+def _search_form(q: dict) -> str:
+    def field(name, label, ph):
+        return (f'<label>{label}<input name="{name}" value="{esc(q.get(name, ""))}" '
+                f'placeholder="{esc(ph)}"></label>')
+    return ('<form method="get" action="/trace" class="search">'
+            + field("msg_id", "message id", "16 hex characters")
+            + field("trace_id", "trace id", "decimal")
+            + field("topic", "topic", "") + field("channel", "channel", "")
+            + field("since", "since", "-15m or 2026-11-26T10:00")
+            + field("until", "until", "now") + field("limit", "limit", "1000")
+            + '<button type="submit">search</button></form>')
+
+
+def trace_page(v: dict | None, raw: dict, error: str) -> tuple[str, str]:
+    out = ["<h1>Trace search</h1>", _search_form(raw)]
+    if error:
+        out.append(f'<p class="error" id="search-error">{esc(error)}</p>')
+    if v is None:
+        return "Trace", "".join(out)
+    if v["status"] != 200:
+        out.append(f'<p class="error" id="search-error">{esc(v["message"])}'
+                   f'{": " + esc(v["detail"]) if v["detail"] else ""}</p>')
+    else:
+        out.append(f'<p id="search-count">{num(v["count"])} events, '
+                   f'{len(v["messages"])} messages · nodes asked: '
+                   f'{esc(", ".join(v["nodes"]))}</p>')
+    if v["unreachable"]:
+        out.append(f'<p class="bad">unreachable: {esc(", ".join(v["unreachable"]))}</p>')
+    for m in v["messages"]:
+        rows = [[esc(iso(e["time_ns"] / 1e9)), f'+{e.get("since_first_ms", 0):g} ms',
+                 esc(e.get("kind", "")), esc(e.get("channel", "")), node_link(e.get("node", "")),
+                 esc(e.get("what", ""))] for e in m.get("events", ())]
+        if m.get("body_text") is not None:
+            body = f'<pre class="body text">{esc(m["body_text"])}</pre>'
+        elif m.get("body_hex") is not None:
+            body = f'<pre class="body hex">{esc(m["body_hex"])}</pre><small>binary: hex</small>'
+        else:
+            body = f'<p class="note">body: {esc(m.get("body_error", "not fetched"))}</p>'
+        topic = m.get("topic", "")
+        out.append(
+            f'<section class="timeline" data-msg-id="{esc(m.get("msg_id", ""))}">'
+            f'<h2>message {esc(m.get("msg_id", ""))} <small><a href="/topics/{u(topic)}">'
+            f'{esc(topic)}</a> partition {num(m.get("partition", "?"))} · trace id '
+            f'{esc(str(m.get("trace_id", "")))} · '
+            f'{"finished" if m.get("finished") else "not finished"}</small></h2>'
+            f'<p class="story">{esc(m.get("story", ""))}</p>'
+            + table(["time", "after first", "event", "channel", "node", "what"], rows)
+            + body + "</section>")
+    return "Trace", "".join(out)
+
+
+def login_page(ctx: dict, next_url: str, error: str = "") -> tuple[str, str]:
+    err = f'<p class="error" id="login-error">{esc(error)}</p>' if error else ""
+    return "Log in", (
+        f'<h1>Log in</h1>{err}<form method="post" action="/login" class="login">'
+        f'<input type="hidden" name="csrf" value="{esc(ctx["csrf"])}">'
+        f'<input type="hidden" name="next" value="{esc(next_url)}">'
+        f'<label>user<input name="user" autocomplete="username" required></label>'
+        f'<label>password<input name="password" type="password" '
+        f'autocomplete="current-password" required></label>'
+        f'<button type="submit">log in</button></form>')
+
+
+def error_page(status: int, code: str, detail: str) -> tuple[str, str]:
+    return f"{status} {code}", (f'<h1 class="error-title">{status} {esc(code)}</h1>'
+                                f'<p id="error-detail">{esc(detail)}</p>'
+                                f'<p><a href="/">back to the cluster</a></p>')

@@ -1,0 +1,373 @@
+"""nsqadmin's /api/ without a browser, against real processes: one module-scoped cluster
+(etcd, nsqlookupd, 3 nsqd) and a classic pair (nsqlookupd without etcd, one nsqd), with
+four nsqadmin processes: open on the cluster, logins for actions on the cluster, logins
+for everything on the single nsqd (--nsqd-http-address), open on the classic lookupd.
+
+Every /api/ endpoint, each action and its effect as the nodes report it, bad input (400,
+403, 404 with a JSON body), login refusal, the 404 page and the bad-time message."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import pytest
+
+from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, ThreadConsumer,
+                       password_file, publish, until)
+from cluster import Cluster, http_json, wait_until
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("nsqadmin-api"))
+    c = Cluster(root + "/c", 3, 1, "--msg-timeout", "60s")
+    classic = Classic(root + "/classic")
+    admins = []
+    try:
+        c.start()
+        classic.start()
+        wait_until(lambda: c.master() is not None, 15, "a master nsqlookupd (cluster writes)")
+        lookupd = c.lookupds[0].http_address
+        pw = password_file(root)
+        admins = [
+            NsqadminProcess(f"{root}/open.log", "--lookupd-http-address", lookupd),
+            NsqadminProcess(f"{root}/login.log", "--lookupd-http-address", lookupd,
+                            "--admin-user", "ops", "--admin-password-file", pw),
+            NsqadminProcess(f"{root}/private.log", "--nsqd-http-address",
+                            classic.nsqd.http_address, "--admin-user", "ops",
+                            "--admin-password-file", pw, "--require-login-for-reads"),
+            NsqadminProcess(f"{root}/classic.log", "--lookupd-http-address",
+                            classic.lookupd.http_address)]
+        for a in admins:
+            a.start()
+        yield {"cluster": c, "classic": classic, "open": admins[0], "login": admins[1],
+               "private": admins[2], "classic_admin": admins[3]}
+    finally:
+        for a in admins:
+            a.stop()
+        classic.stop()
+        c.stop()
+
+
+def leader_of(c: Cluster, topic: str, partition: int = 0):
+    return c.nsqd_at(wait_until(lambda: c.leaders(topic).get(partition), 15, "a leader"))
+
+
+def test_reads_cluster(env):
+    c, api = env["cluster"], Client(env["open"].url)
+    # a 503 (the lookupd's etcd watch reopening) is retried, as a client does
+    until(lambda: c.create_topic("reads", 2, replicas=2)[0] == 200, 10, "topic created")
+    until(lambda: http_json("POST", f"http://{c.lookupds[0].http_address}/channel/create"
+                                    "?topic=reads&channel=ch")[0] == 200, 10, "channel created")
+    leader = leader_of(c, "reads")
+    assert publish(leader.http_address, "/pub?topic=reads&partition=0", b"hello") == 200
+
+    def topic_ready():
+        s, v, _ = api.get("/api/topics/reads")
+        return s == 200 and len(v["partitions"]) == 2 and "ch" in \
+            [ch["name"] for ch in v["channels"]] and v["messages"] >= 1 and v
+    v = until(topic_ready, 15, "the topic with both partitions, its channel and a message")
+    p0 = next(p for p in v["partitions"] if p["number"] == 0)
+    assert p0["leader"] == leader.http_address and len(p0["isr"]) == 2
+    assert p0["epoch"] >= 1 and p0["writable"] is True and p0["messages"] == 1
+    assert p0["depth"] == 1 and v["replication_note"] == "" and v["mode"] == "cluster"
+    assert all(h for h in p0["isr_http"])  # each ISR member named by its HTTP address
+
+    status, cl, headers = api.get("/api/cluster")
+    assert status == 200 and cl["mode"] == "cluster" and len(cl["nodes"]) == 3
+    assert cl["etcd"]["healthy"] and cl["lookupds"][0]["is_master"] is True
+    assert all(n["health"] == "OK" and n["node_id"] for n in cl["nodes"])
+    assert cl["load_available"] or cl["load_note"].startswith("load reports not available")
+    assert headers["Server-Timing"].startswith("render;dur=")
+
+    status, ts, _ = api.get("/api/topics")
+    row = next(t for t in ts["topics"] if t["name"] == "reads")
+    assert status == 200 and row["partitions"] == 2 and row["channels"] == 1
+
+    status, ch, _ = api.get("/api/topics/reads/ch")
+    assert status == 200 and ch["depth"] == 1 and ch["ordered"] is False
+    assert {p["partition"] for p in ch["partitions"]} == {0, 1}
+    for key in ("in_flight", "deferred", "delayed", "requeued", "timed_out", "clients"):
+        assert key in ch
+
+    status, node, _ = api.get(f"/api/nodes/{leader.http_address}")
+    assert status == 200 and ("reads", 0) in {(p["topic"], p["number"]) for p in node["led"]}
+    assert node["tombstone_note"].startswith("tombstones do not exist in cluster mode")
+
+    for path, code in (("/api/topics/nope", "TOPIC_NOT_FOUND"),
+                       ("/api/topics/reads/nope", "CHANNEL_NOT_FOUND"),
+                       ("/api/nodes/10.0.0.1:1", "NODE_NOT_FOUND"),
+                       ("/api/nothing", "NOT_FOUND")):
+        status, body, _ = api.get(path)
+        assert (status, body["message"]) == (404, code), path
+
+
+def test_actions_cluster(env):
+    c, api = env["cluster"], Client(env["open"].url)
+    status, out, _ = api.post("/api/topics", {"topic": "acts", "partitions": 1, "replicas": 2})
+    assert status == 200 and out["ok"], out
+    status, v, _ = api.get("/api/topics/acts")  # the action waited until it shows
+    assert status == 200 and len(v["partitions"]) == 1 and len(v["partitions"][0]["isr"]) == 2
+    status, out, _ = api.post("/api/topics/acts/channel_create", {"channel": "work"})
+    assert status == 200 and out["ok"], out
+    leader = leader_of(c, "acts")
+    for i in range(3):
+        assert publish(leader.http_address, "/pub?topic=acts", b"m%d" % i) == 200
+
+    def channel(field):
+        return api.get("/api/topics/acts/work")[1][field]
+
+    until(lambda: channel("depth") == 3, 10, "depth 3")
+
+    def node_paused():
+        stats = http_json("GET", f"http://{leader.http_address}/stats?format=json"
+                                 "&topic=acts")[1]
+        return stats["topics"][0]["channels"][0]["paused"]
+
+    assert api.post("/api/topics/acts/work/pause")[0] == 200
+    assert channel("paused") is True and node_paused() is True
+    assert api.post("/api/topics/acts/work/unpause")[0] == 200
+    assert channel("paused") is False and node_paused() is False
+
+    assert api.post("/api/topics/acts/work/empty")[0] == 200
+    assert channel("depth") == 0
+    status, out, _ = api.post("/api/topics/acts/work/setoffset", {"time": "-1h"})
+    assert status == 200 and out["ok"], out  # replay from an hour ago: all three again
+    until(lambda: channel("depth") == 3, 10, "depth back to 3 after the replay")
+
+    assert api.post("/api/topics/acts/pause")[0] == 200
+    assert api.get("/api/topics/acts")[1]["paused"] is True
+    assert api.post("/api/topics/acts/unpause")[0] == 200
+    assert api.post("/api/topics/acts/trace_on")[0] == 200
+    assert api.get("/api/topics/acts")[1]["traced"] is True
+    assert api.post("/api/topics/acts/trace_off")[0] == 200
+    assert api.get("/api/topics/acts")[1]["traced"] is False
+    assert api.post("/api/topics/acts/work/trace_on")[0] == 200
+    assert channel("traced") is True
+
+    status, out, _ = api.post("/api/topics/acts/tombstone", {"node": leader.http_address})
+    assert (status, out["message"]) == (400, "TOMBSTONE_NOT_SUPPORTED")
+
+    assert api.post("/api/topics/acts/work/delete")[0] == 200
+    assert api.get("/api/topics/acts/work")[0] == 404
+    assert api.post("/api/topics/acts/delete")[0] == 200
+    assert api.get("/api/topics/acts")[0] == 404
+    assert "acts" not in http_json("GET", f"http://{c.lookupds[0].http_address}/topics")[1][
+        "topics"]
+
+
+def test_trace_search_api(env):
+    c, api = env["cluster"], Client(env["open"].url)
+    assert api.post("/api/topics", {"topic": "traced", "partitions": 1})[0] == 200
+    assert api.post("/api/topics/traced/channel_create", {"channel": "ch"})[0] == 200
+    assert api.post("/api/topics/traced/trace_on")[0] == 200
+    leader = leader_of(c, "traced")
+    for n in c.nsqds:  # every node follows the switch through etcd
+        until(lambda: "traced" in http_json("GET", f"http://{n.http_address}/stats?format="
+                                                   "json")[1]["trace"]["topics"], 10,
+              "the switch followed")
+    since = time.time() - 1
+    consumer = ThreadConsumer(leader.tcp_address, "traced", "ch").start()
+    try:
+        assert publish(leader.http_address, "/pub?topic=traced", b"find me") == 200
+        assert publish(leader.http_address, "/pub?topic=traced", b"\x00\x01\xffbin") == 200
+        assert consumer.take(10) and consumer.take(10)  # delivered and finished
+    finally:
+        consumer.stop()
+
+    def found():  # each message's timeline: published, delivered, finished
+        s, v, _ = api.get(f"/api/trace?topic=traced&since={since:.3f}")
+        return s == 200 and len(v["messages"]) == 2 and all(
+            len(m["events"]) == 3 for m in v["messages"]) and v
+    v = until(found, 15, "both messages' timelines found by topic and window",
+              detail=lambda: api.get(f"/api/trace?topic=traced&since={since:.3f}")[1])
+    text, binary = v["messages"]
+    assert text["body_text"] == "find me" and text["body_hex"] is None
+    assert binary["body_text"] is None and binary["body_hex"] == "00 01 ff 62 69 6e"
+    assert [e["kind"] for e in text["events"]] == ["PUB", "DELIVER", "FIN"]
+    assert text["finished"] and text["story"].endswith("finished on ch")
+
+    status, one, _ = api.get(f"/api/trace?msg_id={text['msg_id']}")
+    assert status == 200 and [m["msg_id"] for m in one["messages"]] == [text["msg_id"]]
+    status, one, _ = api.get("/api/trace?topic=traced&since=-5m&until=now")
+    assert status == 200 and len(one["messages"]) == 2
+
+    status, msg, _ = api.get(f"/api/message?topic=traced&msg_id={binary['msg_id']}")
+    assert status == 200 and base64.b64decode(msg["body"]) == b"\x00\x01\xffbin"
+
+    status, body, _ = api.get("/api/trace?msg_id=00000000000fffff")
+    assert status == 404 and body["message"] == "MSG_NOT_FOUND"
+    for query, words in (("topic=traced&since=yesterday", "bad since 'yesterday'"),
+                         ("msg_id=xyz", "bad message id"), ("trace_id=abc", "bad trace id"),
+                         ("topic=traced&since=now&until=-1h", "ends before it starts"),
+                         ("channel=x", "give a message id")):
+        status, body, _ = api.get(f"/api/trace?{query}")
+        assert status == 400 and body["message"] == "BAD_QUERY" and words in body["detail"], \
+            (query, body)
+
+
+def test_bad_input(env):
+    api = Client(env["open"].url)
+    status, body, _ = api.post("/api/topics/reads/pause", csrf=False)
+    assert (status, body["message"]) == (403, "BAD_CSRF_TOKEN")
+    status, body, _ = api.post("/api/topics/reads/pause",
+                               headers={"X-CSRF-Token": "forged-token-of-a-page-elsewhere"})
+    assert (status, body["message"]) == (403, "BAD_CSRF_TOKEN")
+    for path, body_in, code in (
+            ("/api/topics", {"topic": "bad name!"}, "INVALID_TOPIC"),
+            ("/api/topics", {"topic": "x", "partitions": "0"}, "INVALID_PARTITIONS"),
+            ("/api/topics", {"topic": "x", "replicas": "9"}, "INVALID_REPLICAS"),
+            ("/api/topics", b"not json", "BAD_JSON"),
+            ("/api/topics/reads/ch/setoffset", {"time": "soon"}, "INVALID_TIME"),
+            ("/api/topics/reads/channel_create", {"channel": "a b"}, "INVALID_CHANNEL")):
+        status, body, _ = api.post(path, body_in)
+        assert (status, body["message"]) == (400, code), (path, body)
+    status, body, _ = api.post("/api/topics/reads/explode")
+    assert (status, body["message"]) == (404, "UNKNOWN_ACTION")
+    status, body, _ = api.post("/api/topics/nope/pause")
+    assert (status, body["message"]) == (404, "TOPIC_NOT_FOUND")
+    status, body, _ = api.post("/api/topics/reads/nope/empty")
+    assert (status, body["message"]) == (404, "CHANNEL_NOT_FOUND")
+    status, body, _ = api.post("/api/login", {"user": "ops", "password": "x"})
+    assert (status, body["message"]) == (400, "LOGIN_NOT_ENABLED")
+
+    status, page, _ = api.get("/topics/nope")  # the HTML 404 page
+    assert status == 404 and "TOPIC_NOT_FOUND" in page and "no topic &#x27;nope&#x27;" in page
+    status, page, _ = api.get("/trace?topic=reads&since=tomorrow-ish")
+    assert status == 400 and "bad since &#x27;tomorrow-ish&#x27;" in page
+    assert "unix seconds" in page
+
+
+def test_logins(env):
+    api = Client(env["login"].url)
+    assert api.get("/api/topics")[0] == 200  # reads stay open
+    status, body, _ = api.post("/api/topics/reads/pause")
+    assert (status, body["message"]) == (401, "LOGIN_REQUIRED")
+    status, body, _ = api.post("/api/login", {"user": "ops", "password": "wrong"})
+    assert (status, body["message"]) == (401, "BAD_LOGIN")
+    status, body, _ = api.post("/api/login", {"user": "root", "password": PASSWORD})
+    assert status == 401
+    assert api.post("/api/login", {"user": "ops", "password": PASSWORD})[0] == 200
+    assert api.post("/api/topics/reads/pause")[0] == 200
+    assert api.post("/api/topics/reads/unpause")[0] == 200
+    assert api.post("/api/logout")[0] == 200
+    assert api.post("/api/topics/reads/pause")[0] == 401
+    # an HTML form without a session goes to the login page
+    status, page, _ = api.post("/topics/reads/pause", b"csrf=" + api.csrf.encode(),
+                               headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 200 and "Log in" in page  # followed the 303 to /login
+
+    private = Client(env["private"].url)
+    for path in ("/api/cluster", "/api/topics", "/api/trace?topic=x"):
+        status, body, _ = private.get(path)
+        assert (status, body["message"]) == (401, "LOGIN_REQUIRED"), path
+    status, page, _ = private.get("/topics")
+    assert status == 200 and 'action="/login"' in page  # redirected to the login form
+    assert private.post("/api/login", {"user": "ops", "password": PASSWORD})[0] == 200
+    status, cl, _ = private.get("/api/cluster")
+    assert status == 200 and cl["mode"] == "nsqd" and len(cl["nodes"]) == 1
+
+
+def test_single_nsqd_and_classic_lookupd(env):
+    classic = env["classic"]
+    private = Client(env["private"].url)
+    assert private.post("/api/login", {"user": "ops", "password": PASSWORD})[0] == 200
+    status, out, _ = private.post("/api/topics", {"topic": "solo", "partitions": 2})
+    assert status == 200 and out["calls"][0]["node"] == classic.nsqd.http_address, out
+    status, v, _ = private.get("/api/topics/solo")
+    assert status == 200 and len(v["partitions"]) == 2
+    assert v["partitions"][0]["isr"] == [] and v["partitions"][0]["epoch"] is None
+    assert "no ISR, catch-up or epoch" in v["replication_note"]
+    status, node, _ = private.get(f"/api/nodes/{classic.nsqd.http_address}")
+    assert status == 200 and "need an nsqlookupd" in node["tombstone_note"]
+    status, cl, _ = private.get("/api/cluster")
+    assert cl["load_note"].startswith("load reports not available") and cl["etcd"] is None
+
+    api = Client(env["classic_admin"].url)
+    node = classic.nsqd.http_address
+    until(lambda: "solo" in api.get(f"/api/nodes/{node}")[1].get("topics", []), 10,
+          "the classic lookupd knows the nsqd's topic")
+    status, cl, _ = api.get("/api/cluster")
+    assert cl["mode"] == "classic" and cl["lookupds"][0]["is_master"] is None
+    status, out, _ = api.post("/api/topics/solo/tombstone", {"node": node})
+    assert status == 200 and out["ok"], out
+    nodes = http_json("GET", f"http://{classic.lookupd.http_address}/nodes")[1]["producers"]
+    assert dict(zip(nodes[0]["topics"], nodes[0]["tombstones"]))["solo"] is True
+    assert api.get(f"/api/nodes/{node}")[1]["tombstones"]["solo"] is True
+    status, body, _ = api.post("/api/topics/solo/tombstone", {"node": "10.1.1.1:4151"})
+    assert (status, body["message"]) == (400, "INVALID_NODE")
+
+
+# ---- pure parts: times typed by a person, bodies, the model's derived columns ----------
+
+def test_times_and_bodies():
+    from nsqadmin.times import BadTime, parse_time
+    from nsqadmin.views import body_view
+    now = 1_795_000_000.0
+    assert parse_time("2026-11-26T10:00:00", now) == 1_795_687_200.0  # UTC without offset
+    assert parse_time("2026-11-26T11:00:00+01:00", now) == 1_795_687_200.0
+    assert parse_time("1795687200.5", now) == 1_795_687_200.5
+    assert parse_time("-15m", now) == parse_time("15m ago", now) == now - 900
+    assert parse_time("2h", now) == now - 7200 and parse_time("now", now) == now
+    for bad in ("yesterday", "", "1795658400000", "2026-13-01", "-15x"):
+        with pytest.raises(BadTime) as e:
+            parse_time(bad, now, "since")
+        assert "bad since" in str(e.value) and "unix seconds" in str(e.value)
+    assert body_view({"body": "héllo\n\tworld", "body_encoding": "utf-8"})["body_text"] == \
+        "héllo\n\tworld"
+    nul = body_view({"body": "a\x00b", "body_encoding": "utf-8"})  # valid UTF-8, not printable
+    assert nul["body_text"] is None and nul["body_hex"] == "61 00 62"
+    raw = base64.b64encode(b"\xff\xfe").decode()
+    assert body_view({"body": raw, "body_encoding": "base64"})["body_hex"] == "ff fe"
+
+
+def test_model_catchup_depth_and_load():
+    from nsqadmin import model
+
+    def stats(node_id, leading, following, depth):
+        topic = {"topic_name": "t", "partition_num": 1, "channels": [
+            {"channel_name": "c", "message_count": 5, "clients": [], "partitions": [
+                {"partition": 0, "depth": depth, "ordered": True}] if leading else []}],
+            "partitions": [{"partition": 0, "leader": bool(leading), "committed_count": 9,
+                            "start_count": 2}]}
+        return {"topics": [topic], "cluster": {"node_id": node_id, "replication": {
+            "leading": leading, "following": following}}}
+    a, b, c = "10.0.0.1:4150", "10.0.0.2:4150", "10.0.0.3:4150"
+    snap = model.build(
+        "cluster", 1.0, [], [], ["t", "empty"],
+        {"10.0.0.1:4151": stats(a, {"t/0": {"epoch": 4, "isr": [a, b]}}, {}, 7),
+         "10.0.0.2:4151": stats(b, {}, {"t/0": {"epoch": 4}}, 0),
+         "10.0.0.3:4151": stats(c, {}, {"t/0": {"epoch": 4}}, 0)}, {}, {},
+        {"stable": True, "node_stat_list": [{"id": c, "broadcast_address": "10.0.0.3",
+                                             "tcp_port": 4150, "http_port": 4151,
+                                             "node_load_factor": 2.5}]}, "")
+    [p] = snap.topics["t"].partitions
+    assert (p.leader, p.isr, p.catchup, p.epoch) == ("10.0.0.1:4151", [a, b], [c], 4)
+    assert p.messages == 7 and p.depth == 7 and snap.topics["t"].depth == 7
+    assert snap.topics["t"].channels["c"].ordered is True
+    assert snap.topics["empty"].partitions == []  # known to the lookupd only
+    assert snap.nodes["10.0.0.3:4151"].load["node_load_factor"] == 2.5
+    assert snap.nodes["10.0.0.1:4151"].load is None
+
+
+def test_start_errors(tmp_path):
+    """Bad flags exit 2 with argparse's line; an unreadable password file exits 1."""
+    import subprocess
+    import sys
+
+    from servers import ROOT
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "nsqadmin", *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        return r.returncode, r.stderr.strip().splitlines()[-1]
+    code, line = run()
+    assert code == 2 and "--lookupd-http-address or --nsqd-http-address required" in line
+    code, line = run("--nsqd-http-address", "127.0.0.1:1", "--admin-user", "ops")
+    assert code == 2 and "--admin-user needs --admin-password-file" in line
+    code, line = run("--nsqd-http-address", "nonsense")
+    assert code == 2 and "invalid address" in line
+    code, line = run("--nsqd-http-address", "127.0.0.1:1", "--admin-user", "ops",
+                     "--admin-password-file", str(tmp_path / "missing"))
+    assert code == 1 and line.startswith("nsqadmin: cannot read --admin-password-file")
