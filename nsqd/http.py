@@ -63,6 +63,8 @@ Ours, beyond classic:
   count:<n>|end`: moves the channel's cursor (replay.py; its errors carry extra keys).
 - `/pub?trace_id=` (the record's trace id, message trace); /trace/search, /message/get and
   /message/trace/enable|disable are tracehttp.py's, added to ROUTES at start.
+- GET /topic/offsets and /topic/read (a partition's history by time window, raw records
+  from the committed part, for spark/) are readhttp.py's, added to ROUTES at start.
 """
 
 from __future__ import annotations
@@ -757,8 +759,10 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
 
 async def start_http(nsqd):
     from .tracehttp import ROUTES as TRACE_ROUTES  # /trace/search, /message/*: tracehttp.py
+    from .readhttp import ROUTES as READ_ROUTES  # /topic/offsets, /topic/read: readhttp.py
 
     ROUTES.update(TRACE_ROUTES)
+    ROUTES.update(READ_ROUTES)
     stats.install_gc_timer()
     runner = web.ServerRunner(Server(functools.partial(dispatch, nsqd), access_log=None))
     await runner.setup()

@@ -19,6 +19,8 @@ command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v iptables >/dev/null || need_apt+=(iptables)
 # tests/test_nsqadmin_browser.py: Playwright drives Debian's chromium (no playwright install)
 command -v chromium >/dev/null || need_apt+=(chromium)
+# spark/ (PySpark, installed by pip through the test extra) runs on a JVM: Java 17
+command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
