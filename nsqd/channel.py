@@ -306,7 +306,7 @@ class Channel:
             if room > 0:
                 self.error = None
                 seeks = self.seeks
-                held = await self._take(await self._reader.read(room), msgs)
+                held = await self._take(await self._reader.read(room), msgs, seeks)
                 if self.seeks != seeks:  # moved meanwhile (replay): what this pass holds is stale
                     self._drop_stale(msgs)
                     continue
@@ -339,7 +339,7 @@ class Channel:
             fresh: list[Message] = []
             seeks = self.seeks
             held = await self._take(await self._reader.read(min(room, window_room,
-                                                                self.read_batch)), fresh)
+                                                                self.read_batch)), fresh, seeks)
             if self.seeks != seeks:  # moved meanwhile (replay): what this pass holds is stale
                 self._drop_stale(fresh)
                 continue
@@ -347,16 +347,19 @@ class Channel:
                 return
             router.add(fresh)
 
-    async def _take(self, records, out: list) -> int:
+    async def _take(self, records, out: list, seeks: int) -> int:
         """Take records read from the log: to `out` the ones to deliver now; the rest are
-        held (deferred, or already in the delay store). Returns how many were held."""
+        held (deferred, or already in the delay store). Returns how many were held.
+        `seeks`: the count when the read began; a move since then makes the records stale:
+        none is taken, and the reader goes back to the cursor (the read may have carried it
+        past the place the move set)."""
         held = 0
         delay = self.delay
-        seeks = self.seeks
         in_store = (await delay.holding(records)  # only after a restart, briefly
-                    if delay is not None and records
+                    if delay is not None and records and self.seeks == seeks
                     and records[0].offset <= delay.max_origin else ())
         if self.seeks != seeks:  # moved meanwhile: the records are from before the move
+            self._reader.seek(self.cursor.next_read)
             return 0
         cursor = self.cursor
         take = cursor.take
@@ -401,7 +404,10 @@ class Channel:
             room = min(self.read_batch, self.max_window - self.cursor.window_size)
             seeks = self.seeks
             records = await reader.read(room) if room > 0 else []
-            if not records or self.seeks != seeks:  # nothing, or moved meanwhile (stale)
+            if self.seeks != seeks:  # moved meanwhile: stale, and the reader goes back
+                reader.seek(self.cursor.next_read)
+                return
+            if not records:
                 return
             now_ms = self.clock() * 1000
             k = 0
@@ -411,7 +417,7 @@ class Channel:
                 self._undeferred_at = records[k].offset
                 reader.seek(self._undeferred_at)
             due_now: list[Message] = []  # came due since the check above
-            await self._take(records[:k], due_now)
+            await self._take(records[:k], due_now, seeks)
             self.requeued.extend(due_now)
 
     def _resume(self, msg: Message, in_store) -> bool:

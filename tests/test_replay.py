@@ -409,3 +409,38 @@ async def test_a_move_with_tagged_consumers_replays_to_each_its_share(tmp_path):
             await conn.close()
     finally:
         proc.kill()
+
+
+async def test_a_move_during_a_read_for_deferred_publishes_leaves_the_reader_at_the_cursor(
+        node):
+    """A channel with no client reads the head of its log for deferred publishes; a move
+    (SUB_ADVANCED, /channel/setoffset) landing while that read is in flight makes it stale.
+    Before: the stale read left the reader past the place the move set, every later pass
+    failed (`take at X but next_read is Y`, once a second) and nothing was delivered again
+    (found by Spark's benchmark: SUB_ADVANCED count:0 on a fresh channel after a restart).
+    The read is held open here so that the move always lands in it."""
+    from nsqd import replay
+
+    n = await node()
+    pub = await Connection("127.0.0.1", n.tcp_port).connect()
+    sent = [b"%05d-" % i + b"w" * 100 for i in range(3000)]
+    for i in range(0, len(sent), 500):
+        await pub.mpub("t", sent[i:i + 500])
+    channel = await n.get_channel("t", "c")
+    await asyncio.sleep(0.1)  # its first look at the head is done
+    reader, gate = channel._reader, asyncio.Event()
+    real_read = reader.read
+
+    async def held_open(count):  # as a pread in flight: the bytes come after the move
+        await gate.wait()
+        return await real_read(count)
+    reader.read = held_open
+    await replay.move(channel, "count", 1000)  # the head moves: the channel looks again...
+    await asyncio.sleep(0.1)  # ...and its read is held open
+    await replay.move(channel, "count", 1000)  # a move while that read is in flight
+    gate.set()
+    consumer = await Connection("127.0.0.1", n.tcp_port).connect()
+    await consumer.sub("t", "c", rdy=2500)
+    assert bodies(await take(consumer, 2000, timeout=5)) == sent[1000:]
+    await consumer.close()
+    await pub.close()
