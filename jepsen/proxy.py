@@ -124,13 +124,16 @@ class Relays:
             for link in list(self.links):
                 for w in link.writers:
                     w.transport.abort()
-            for t in asyncio.all_tasks():
-                if t is not asyncio.current_task():
-                    t.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.loop.shutdown_default_executor()
         if self.loop.is_running():
             self._run(stop())
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+            self.loop.close()
 
     # ---- in the loop -------------------------------------------------------------------
 
