@@ -153,12 +153,14 @@ class Relays:
             await self.changed.wait()
 
     async def _serve(self, reader, writer, host: str, port: int, target: int) -> None:
-        client_port = writer.get_extra_info("peername")[1]
-        owner = await asyncio.to_thread(socket_owner, client_port, port, self.owners())
-        link = _Link(owner, host)
+        link = _Link(None, host)
         link.writers.append(writer)
         self.links.add(link)
         try:
+            peer = writer.get_extra_info("peername")
+            if peer is not None:  # None: the client is gone already
+                link.client = await asyncio.to_thread(socket_owner, peer[1], port,
+                                                      self.owners())
             await self._flowing(link)  # a SYN to a cut host is never answered
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target,
                                                                  limit=CHUNK)
