@@ -333,7 +333,7 @@ class Cluster:
         self.wait(lambda: len(self.leaders(topic)) == partitions, 30,
                   f"every partition of {topic} led")
 
-    # ---- network faults (NetnsCluster only) -------------------------------------------
+    # ---- faults (the network: both kinds; disks and power: NetnsCluster) ----------------
 
     def drop(self, host: Host, sources: list[Host]) -> None:
         raise RuntimeError("this cluster cannot partition")
