@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of quiet, then of fault, in turn")
     ap.add_argument("--store", help="report folder (default jepsen/store/<time>)")
     ap.add_argument("--loopback", action="store_true",
-                    help="processes on 127.0.0.1 (no root needed; no partitions)")
+                    help="processes on 127.0.0.1 (no root needed; partitions by user-space "
+                         "relays; no disk-full, no power-cut)")
     ap.add_argument("--nsqd-flag", action="append", default=[],
                     help="an extra nsqd flag (repeatable), e.g. --nsqd-flag=--sync-every=1")
     ap.add_argument("--pause", type=float, default=0.05,

@@ -10,9 +10,10 @@ Two kinds of host:
   the disk-full nemesis fills; or, when the power-cut nemesis runs (`powerfs=True`), a
   PowerFS mount (tests/powerfs.py, FUSE, source `jep-nI`) that loses what was not synced
   when `power_cut()` cuts it. etcd's data stays on the normal disk either way.
-- `LoopbackCluster` (no root): the same processes on 127.0.0.1 with their own ports. It
-  cannot partition, fill a disk or cut the power (no namespaces, no iptables, no mounts,
-  and no user-space proxy yet): only the process nemeses (kill, pause, restart) run there.
+- `LoopbackCluster` (no root): the same processes on 127.0.0.1 with their own ports, every
+  advertised port a user-space relay (jepsen/proxy.py) that partitions stall. It cannot
+  fill a disk or cut the power (no namespaces, no mounts): the process nemeses and
+  partitions run there.
 
 Invariant: whatever happens (an exception, Ctrl-C, SIGTERM), `teardown()` leaves no
 process, namespace, veth, bridge or mount (tmpfs or PowerFS) behind; `cleanup_leftovers()`
@@ -35,6 +36,7 @@ import urllib.error
 import urllib.request
 
 from jepsen.ports import free_port
+from jepsen.proxy import Relays
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "jep-"
@@ -120,11 +122,17 @@ class Daemon:
 class Host:
     def __init__(self, cluster: "Cluster", index: int, ip: str, ports: dict[str, int]):
         self.cluster, self.index, self.ip, self.ports = cluster, index, ip, ports
+        self.listen = ports  # where the daemons listen: `ports` (advertised) but on loopback
         self.name = f"n{index}"
         self.daemons: dict[str, Daemon] = {}
 
     def wrap(self, argv: list[str]) -> list[str]:
         return argv
+
+    def broadcast_ports(self, *pairs: tuple[str, str]) -> list[str]:
+        """`--broadcast-<flag>-port <advertised>` for each port listened on elsewhere."""
+        return [arg for key, flag in pairs if self.listen[key] != self.ports[key]
+                for arg in (f"--broadcast-{flag}-port", str(self.ports[key]))]
 
     @property
     def etcd_peer(self) -> str:
@@ -196,31 +204,36 @@ class Cluster:
                                                                key=lambda x: x is not h))
             common = ["--etcd-endpoints", endpoints, "--cluster-id", CLUSTER_ID,
                       "--etcd-lease-ttl", self.lease_ttl]
-            p = h.ports
-            listen_client = f"http://{h.ip}:{p['etcd']}"
+            lp = h.listen
+            listen_client = f"http://{h.ip}:{lp['etcd']}"
             h.daemons["etcd"] = Daemon(h, "etcd", [
                 etcd_bin, "--name", h.name, "--data-dir", os.path.join(self.data, h.name, "etcd"),
                 "--listen-client-urls", listen_client, "--advertise-client-urls", h.etcd_client,
-                "--listen-peer-urls", h.etcd_peer, "--initial-advertise-peer-urls", h.etcd_peer,
+                "--listen-peer-urls", f"http://{h.ip}:{lp['etcd_peer']}",
+                "--initial-advertise-peer-urls", h.etcd_peer,
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", CLUSTER_ID, "--heartbeat-interval", "100",
                 "--election-timeout", "1000", "--max-txn-ops", "2048", "--log-level", "warn",
                 # a member that comes back from a partition must not depose the leader
                 # (etcd 3.4 leaves pre-vote off; 3.5 turns it on)
                 "--pre-vote"],
-                h.etcd_client + "/health")
+                listen_client + "/health")
             if h in self.lookupd_hosts:
                 h.daemons["nsqlookupd"] = Daemon(h, "nsqlookupd", [
                     py, "-m", "nsqlookupd.main",
-                    "--tcp-address", f"{h.ip}:{p['lookupd_tcp']}",
-                    "--http-address", f"{h.ip}:{p['lookupd_http']}",
-                    "--broadcast-address", h.ip, *common], f"http://{h.lookupd_http}/ping")
+                    "--tcp-address", f"{h.ip}:{lp['lookupd_tcp']}",
+                    "--http-address", f"{h.ip}:{lp['lookupd_http']}",
+                    "--broadcast-address", h.ip, *common,
+                    *h.broadcast_ports(("lookupd_tcp", "tcp"), ("lookupd_http", "http"))],
+                    f"http://{h.ip}:{lp['lookupd_http']}/ping")
             h.daemons["nsqd"] = Daemon(h, "nsqd", [
                 py, "-m", "nsqd.main", "--data-path", self.nsqd_data(h),
-                "--tcp-address", f"{h.ip}:{p['nsqd_tcp']}",
-                "--http-address", f"{h.ip}:{p['nsqd_http']}",
-                "--rpc-address", f"{h.ip}:{p['nsqd_rpc']}", "--broadcast-address", h.ip,
-                *common, *self.nsqd_flags], f"http://{h.ip}:{p['nsqd_http']}/ping")
+                "--tcp-address", f"{h.ip}:{lp['nsqd_tcp']}",
+                "--http-address", f"{h.ip}:{lp['nsqd_http']}",
+                "--rpc-address", f"{h.ip}:{lp['nsqd_rpc']}", "--broadcast-address", h.ip,
+                *h.broadcast_ports(("nsqd_tcp", "tcp"), ("nsqd_http", "http"),
+                                   ("nsqd_rpc", "rpc")),
+                *common, *self.nsqd_flags], f"http://{h.ip}:{lp['nsqd_http']}/ping")
         etcds = [h.daemons["etcd"] for h in self.hosts]
         for d in etcds:  # all at once: a member waits for a quorum of its peers
             d.start()
@@ -320,13 +333,14 @@ class Cluster:
         self.wait(lambda: len(self.leaders(topic)) == partitions, 30,
                   f"every partition of {topic} led")
 
-    # ---- network faults (NetnsCluster only) -------------------------------------------
+    # ---- faults (the network: both kinds; disks and power: NetnsCluster) ----------------
 
     def drop(self, host: Host, sources: list[Host]) -> None:
-        raise RuntimeError("this cluster cannot partition (loopback fallback)")
+        raise RuntimeError("this cluster cannot partition")
 
-    def heal_network(self) -> None:
-        pass
+    def heal_network(self) -> int | None:
+        """Undo every drop; the loopback cluster returns how many connections it held."""
+        return None
 
     def fill_disk(self, host: Host) -> None:
         raise RuntimeError("this cluster has no disks to fill (loopback fallback)")
@@ -342,14 +356,50 @@ class Cluster:
 
 
 class LoopbackCluster(Cluster):
-    """No root: every host on 127.0.0.1 with its own ports; no partitions."""
+    """No root: every host on 127.0.0.1 with ports of its own. Every port a host is known
+    by is a relay of jepsen/proxy.py owned by that host, forwarding to the port its daemon
+    listens on (`Host.listen`); partitions stall the relayed connections between hosts."""
+
+    can_partition = True
+    ROLES = ("etcd", "etcd_peer", "nsqd_tcp", "nsqd_http", "nsqd_rpc", "lookupd_tcp",
+             "lookupd_http")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for h in self.hosts:
+            h.listen = {k: free_port() for k in self.ROLES}
+        self.relays: Relays | None = None
 
     def ip_of(self, index: int) -> str:
         return "127.0.0.1"
 
     def ports_of(self, index: int) -> dict[str, int]:
-        return {k: free_port() for k in ("etcd", "etcd_peer", "nsqd_tcp", "nsqd_http",
-                                          "nsqd_rpc", "lookupd_tcp", "lookupd_http")}
+        return {k: free_port() for k in self.ROLES}
+
+    def setup(self) -> None:
+        self.relays = Relays(self._daemon_pids)
+        for h in self.hosts:
+            for k in self.ROLES:
+                if k.startswith("lookupd") and h not in self.lookupd_hosts:
+                    continue
+                self.relays.add(h.name, h.ports[k], h.listen[k])
+        super().setup()
+
+    def _daemon_pids(self) -> dict[int, str]:
+        return {d.proc.pid: h.name for h in self.hosts for d in list(h.daemons.values())
+                if d.proc is not None}
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.relays is not None:
+            self.relays.close()
+
+    def drop(self, host: Host, sources: list[Host]) -> None:
+        """What `host` would drop with iptables: its connections with `sources` stall."""
+        self.relays.drop(host.name, [s.name for s in sources])
+
+    def heal_network(self) -> int | None:
+        return self.relays.heal() if self.relays is not None else None
 
 
 class NetnsCluster(Cluster):

@@ -5,11 +5,12 @@ in the History as `info` operations of process `nemesis`.
 - kill: SIGKILL the nsqd of a random host or of a partition's leader; heal: start it
   again on the same data.
 - pause: SIGSTOP the nsqd of a random host or of a partition's leader; heal: SIGCONT.
-- partition (network namespaces only): random halves, isolate a partition's leader,
+- partition: random halves, isolate a partition's leader,
   isolate the master nsqlookupd's host, a bridge (two halves that share one host, which
   sees both), or one-way (a random half drops what the other sends); iptables DROP rules
-  inside the hosts, so etcd, nsqlookupd and nsqd traffic between hosts is cut while the
-  harness still reaches every host; heal: flush the rules.
+  inside the hosts (or stalled relays on loopback, jepsen/proxy.py), so etcd, nsqlookupd
+  and nsqd traffic between hosts is cut while the harness still reaches every host;
+  heal: flush the rules.
 - restart: SIGKILL every nsqd at once; heal: start them all.
 - disk-full (network namespaces only): fill the nsqd disk (its own tmpfs) of a random
   host or of a partition's leader; heal: delete the filler.
@@ -40,8 +41,7 @@ class Nemesis:
         if unknown:
             raise ValueError(f"unknown nemesis {sorted(unknown)}: choose from {KINDS}")
         if "partition" in kinds and not cluster.can_partition:
-            raise ValueError("the partition nemesis needs network namespaces (root, ip, "
-                             "iptables); this is the loopback fallback")
+            raise ValueError("this cluster cannot partition")
         if "disk-full" in kinds and "power-cut" in kinds:
             raise ValueError("disk-full and power-cut cannot run together: with power-cut "
                              "every nsqd's data is on PowerFS (in memory, never full), not "
@@ -183,8 +183,9 @@ class Nemesis:
             self.cluster.drop(h, a)
 
     def _stop_partition(self, fault: dict) -> dict:
-        self.cluster.heal_network()
-        return {"kind": "partition", "healed": True}
+        held = self.cluster.heal_network()  # the loopback relays count what they held
+        return {"kind": "partition", "healed": True,
+                **({} if held is None else {"held_connections": held})}
 
     # ---- heal everything ------------------------------------------------------------
 

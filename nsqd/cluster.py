@@ -57,11 +57,11 @@ class ClusterUnavailable(StorageError):
     """A write to the cluster's metadata that could not be done (etcd away, no placement)."""
 
 
-def _rpc_address(rpc: str, broadcast_host: str) -> str:
+def _rpc_address(rpc: str, broadcast_host: str, broadcast_port: int = 0) -> str:
     host, _, port = rpc.rpartition(":")
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = broadcast_host
-    return f"{host}:{port}"
+    return f"{host}:{broadcast_port or port}"
 
 
 class Cluster:
@@ -108,7 +108,7 @@ class Cluster:
         tcp = f"{host}:{o.broadcast_tcp_port or self.nsqd.tcp_port}"
         self.node = NodeInfo(id=keys.check_node_id(tcp), tcp=tcp,
                              http=f"{host}:{o.broadcast_http_port or self.nsqd.http_port}",
-                             rpc=_rpc_address(o.rpc_address, host),
+                             rpc=_rpc_address(o.rpc_address, host, o.broadcast_rpc_port),
                              hostname=socket.gethostname()[:255], version=self.nsqd.version)
         await self.replication.start()
         self.registration = Registration(self.etcd, keys.node(self.cluster_id, self.node.id),

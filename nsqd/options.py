@@ -68,6 +68,7 @@ class Options:
     cluster_id: str = "nsq"
     etcd_lease_ttl_ms: int = 5000
     rpc_address: str = "0.0.0.0:4250"  # replication: registered in etcd, served here
+    broadcast_rpc_port: int = 0  # 0: the port of rpc_address
     repl_timeout_ms: int = 1000  # a follower that does not ack a push this long leaves the ISR
     default_partitions: int = 2  # of a topic auto-created in etcd by a classic PUB or SUB
     default_replicas: int = 1
@@ -192,6 +193,8 @@ _HELP = {
                       "this long after its last refresh (whole seconds, at least 1s)",
     "rpc_address": "<addr>:<port> of the replication port (cluster mode), registered "
                    "in etcd",
+    "broadcast_rpc_port": "replication port this node is known by (0: the port of "
+                          "--rpc-address; a proxy's port, as jepsen's loopback hosts use)",
     "repl_timeout": "a follower that does not acknowledge a push within this long leaves "
                     "the in-sync replica set (duration)",
     "default_partitions": "partitions of a topic auto-created in etcd by a PUB or SUB",

@@ -59,8 +59,9 @@ class NSQLookupd:
             self.tcp_server.close()
             raise
         if self.cluster is not None:
-            await self.cluster.start(self.options.broadcast_address, self.tcp_port,
-                                     self.http_port)
+            o = self.options
+            await self.cluster.start(o.broadcast_address, o.broadcast_tcp_port or self.tcp_port,
+                                     o.broadcast_http_port or self.http_port)
         log.info("started", tcp_port=self.tcp_port, http_port=self.http_port,
                  broadcast_address=self.options.broadcast_address)
 

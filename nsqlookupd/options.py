@@ -54,6 +54,8 @@ class Options:
     tcp_address: str = "0.0.0.0:4160"
     http_address: str = "0.0.0.0:4161"
     broadcast_address: str = field(default_factory=socket.gethostname)
+    broadcast_tcp_port: int = 0  # 0: the port of tcp_address (cluster mode registration)
+    broadcast_http_port: int = 0
     inactive_producer_timeout: float = 300.0  # seconds
     tombstone_lifetime: float = 45.0  # seconds
     log_level: str = "info"
@@ -99,6 +101,10 @@ _HELP = {
     "tcp_address": "<addr>:<port> to listen on for TCP clients",
     "http_address": "<addr>:<port> to listen on for HTTP clients",
     "broadcast_address": "address of this lookupd node (default: the host name)",
+    "broadcast_tcp_port": "TCP port this lookupd is registered with in etcd (0: the port "
+                          "it listens on)",
+    "broadcast_http_port": "HTTP port this lookupd is registered with in etcd (0: the port "
+                           "it listens on)",
     "inactive_producer_timeout": "duration of time a producer will remain in the active "
                                  "list since its last ping",
     "tombstone_lifetime": "duration of time a producer will remain tombstoned if "
@@ -145,7 +151,8 @@ _TYPES = {"tcp_address": _address, "http_address": _address,
           "inactive_producer_timeout": parse_duration_s, "tombstone_lifetime": parse_duration_s,
           "etcd_lease_ttl": _lease_ttl, "default_partitions": _count(1, 1024),
           "default_replicas": _count(1, 5), "balance_window": _window,
-          "balance_tolerance": _count(1, 1024), "balance_interval": parse_duration_s}
+          "balance_tolerance": _count(1, 1024), "balance_interval": parse_duration_s,
+          "broadcast_tcp_port": _count(0, 65535), "broadcast_http_port": _count(0, 65535)}
 _CHOICES = {"log_level": ("debug", "info", "warning", "error"),
             "log_format": ("console", "json")}
 
