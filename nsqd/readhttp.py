@@ -37,7 +37,6 @@ EXITING.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 
 import structlog
@@ -46,6 +45,7 @@ from aiohttp import web
 from diskqueue.queue import NotABoundary, QueueClosedError
 from diskqueue.record import FIXED_LENGTH, MAX_RECORD, PREFIX
 from nsqwire.httpapi import V1_HEADER
+from nsqwire.httpapi import parse_time_ns as wire_time_ns
 
 from .http import HTTPError, arg, partition_arg, query, topic_arg
 
@@ -72,20 +72,12 @@ def _error(e: ReadError) -> web.Response:
 
 
 def parse_time_ns(text: str, name: str) -> int:
-    """Unix seconds (fractions allowed) or ISO 8601 (UTC without a zone) -> ns."""
+    """nsqwire's time (unix seconds or ISO 8601), or 400 INVALID_<NAME>."""
     try:
-        return int(round(float(text) * 1e9))
-    except ValueError:
-        pass
-    try:
-        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        return wire_time_ns(text)
     except ValueError:
         raise ReadError(400, f"INVALID_{name.upper()}", detail=f"{name} {text[:40]!r}: unix "
                         "seconds or ISO 8601") from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    delta = when - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-    return (delta.days * 86400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
 
 
 def _time_arg(params, name: str) -> int | None:

@@ -4,6 +4,7 @@ them, and the V1 answer. Both daemons' HTTP servers build their answers with the
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from urllib.parse import unquote_to_bytes
@@ -63,3 +64,27 @@ def _unescape(text: str) -> str:
     if _BAD_ESCAPE.search(text):
         raise ValueError(f"invalid URL escape in {text!r}")
     return unquote_to_bytes(text.replace("+", " ")).decode("utf-8", "surrogateescape")
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_DECIMAL_SECONDS = re.compile(r"(\d+)(?:\.(\d*))?")
+
+
+def parse_time_ns(text: str) -> int:
+    """A time given in a query or an option: unix seconds (fractions allowed) or ISO 8601
+    ("Z" or an offset; UTC when it has none) -> ns since the epoch, exact to the
+    microsecond. ValueError for anything else."""
+    text = text.strip()
+    m = _DECIMAL_SECONDS.fullmatch(text)
+    if m:  # exact: a float has no room for ns at today's seconds
+        whole, fraction = m.group(1), (m.group(2) or "")[:9]
+        return int(whole) * 1_000_000_000 + int(fraction.ljust(9, "0"))
+    try:
+        return int(round(float(text) * 1e9))  # "1.7e9" and the like
+    except (ValueError, OverflowError):  # not a number, or inf / nan
+        pass
+    when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    delta = when - _EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000

@@ -25,7 +25,8 @@ import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 
-PARTITION_SHIFT = 50  # a message id is partition << 50 | sequence (DESIGN.md)
+from nsqwire.httpapi import parse_time_ns as wire_time_ns
+from nsqwire.ids import PARTITION_SHIFT
 HEAD = struct.Struct(">IIQQQHH")  # crc32, length, msg_id, trace_id, timestamp ns, attempts, ext_len
 HEAD_SIZE = HEAD.size
 FIXED_LENGTH = HEAD_SIZE - 8
@@ -105,16 +106,12 @@ def _positive(o: dict, name: str, default, kind):
 
 
 def parse_time_ns(text: str, name: str) -> int:
-    """Unix seconds (fractions allowed) or ISO 8601 (UTC when no zone) -> ns since the epoch."""
+    """nsqwire's time (unix seconds, or ISO 8601: UTC when it has no zone), or
+    NsqSourceError."""
     try:
-        return int(round(float(text) * 1e9))
-    except ValueError:
-        pass
-    try:
-        when = datetime.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+        return wire_time_ns(text)
     except ValueError:
         raise NsqSourceError(f"'{name}' {text!r} is neither unix seconds nor ISO 8601") from None
-    return datetime_ns(when)
 
 
 def datetime_ns(when: datetime.datetime) -> int:

@@ -954,3 +954,24 @@ def test_memory_stats_never_break_a_thread_building_a_tuple():
     finally:
         sys.setswitchinterval(switch)
     assert errors == []
+
+
+@pytest.mark.parametrize("text, ns", [
+    ("1795680000", 1795680000 * 10**9),
+    ("1795680000.25", 1795680000 * 10**9 + 250_000_000),
+    (" 0 ", 0),
+    ("2026-11-26T00:00:00Z", 1795651200 * 10**9),
+    ("2026-11-26T00:00:00", 1795651200 * 10**9),  # no zone: UTC, on any machine
+    ("2026-11-26T01:00:00+01:00", 1795651200 * 10**9),
+    ("2026-11-26T00:00:00.000001Z", 1795651200 * 10**9 + 1000),
+])
+def test_times_in_queries(text, ns):
+    from nsqwire.httpapi import parse_time_ns
+    assert parse_time_ns(text) == ns
+
+
+@pytest.mark.parametrize("text", ["", "yesterday", "1e400", "inf", "nan", "2026-13-01"])
+def test_bad_times_in_queries(text):
+    from nsqwire.httpapi import parse_time_ns
+    with pytest.raises(ValueError):
+        parse_time_ns(text)

@@ -7,9 +7,9 @@ checks a request with the same rules before it asks any node, then forwards `for
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
+from nsqwire.httpapi import parse_time_ns
 from nsqwire.ids import MAX_PARTITION, PARTITION_SHIFT
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
@@ -38,16 +38,9 @@ def _time_ns(params: dict, name: str) -> int | None:
     if raw is None:
         return None
     try:
-        return int(float(raw) * 1e9)
-    except ValueError:
-        pass
-    try:
-        when = datetime.datetime.fromisoformat(raw)
+        return parse_time_ns(raw)
     except ValueError:
         raise QueryError(f"INVALID_{name.upper()}") from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return int(when.timestamp() * 1e9)
 
 
 def _msg_id(params: dict) -> int | None:
