@@ -37,7 +37,9 @@ def free_bytes(path: str) -> int | None:
 def is_disk_full(exc: BaseException) -> bool:
     """A write that failed for want of space: ENOSPC or EDQUOT, or SQLite's own "database
     or disk is full" (the metadata store), also when wrapped in another exception."""
-    while exc is not None:
+    for _ in range(8):  # a chain is short; never loop on a cycle
+        if exc is None:
+            return False
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if isinstance(exc, sqlite3.OperationalError) and "disk is full" in str(exc):
