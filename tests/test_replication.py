@@ -286,7 +286,15 @@ async def test_a_topics_sync_policy_and_retention_from_etcd_rule_its_replicas(tm
         leader = cl.nsqd_at(s[0].leader)
         host, port = s[0].leader.rsplit(":", 1)
         conn = await Connection(host, int(port)).connect()
-        for i in range(12):  # ~12 segments of ~2.4 KB writes, on each replica
+        deadline = time.monotonic() + 10
+        while True:  # the new leader is writable once it applied the view: a client retries
+            try:
+                assert await conn.command(c.cmd_mpub("kept", [b"000" + b"y" * 200] * 10, 0)) == b"OK"
+                break
+            except NSQError as e:
+                assert "E_FAILED_ON_NOT_WRITABLE" in str(e) and time.monotonic() < deadline, e
+                await asyncio.sleep(0.1)
+        for i in range(1, 12):  # ~12 segments of ~2.4 KB writes, on each replica
             assert await conn.command(c.cmd_mpub("kept", [b"%03d" % i + b"y" * 200] * 10, 0)) == b"OK"
         status, stats = http_json("GET", f"http://{leader.http_address}/stats?format=json&topic=kept")
         assert status == 200, stats
