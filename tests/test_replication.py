@@ -161,7 +161,14 @@ async def test_a_stale_leader_commits_nothing(cluster):
     old = cl.nsqd_at(s[0].leader)
     host, port = old.tcp_address.rsplit(":", 1)
     conn = await Connection(host, int(port)).connect()
-    assert await conn.command(c.cmd_pub("stale", b"first", partition=0)) == b"OK"
+    deadline = time.monotonic() + 10
+    while True:  # the new leader is writable once it applied the view: a client retries
+        try:
+            assert await conn.command(c.cmd_pub("stale", b"first", partition=0)) == b"OK"
+            break
+        except NSQError as e:
+            assert "E_FAILED_ON_NOT_WRITABLE" in str(e) and time.monotonic() < deadline, e
+            await asyncio.sleep(0.1)
     os.kill(old.proc.pid, signal.SIGSTOP)
     new = await cl.until_states("stale", lambda s: s[0].leader not in (None, old.tcp_address),
                            LEASE_TTL_S + 1 + SLACK_S, "a new leader")
