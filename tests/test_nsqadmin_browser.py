@@ -322,7 +322,8 @@ def test_single_nsqd_and_classic_lookupd(env, page):
     assert post_nsqd(node, "/topic/create?topic=solo&partition_num=2") == 200
     assert post_nsqd(node, "/channel/create?topic=solo&channel=c") == 200
     assert publish(node, "/pub?topic=solo", b"x") == 200
-    until(lambda: Client(base).get("/api/topics/solo")[0] == 200, 10, "nsqadmin sees it")
+    until(lambda: Client(base).get("/api/topics/solo/c")[0] == 200, 10,
+          "nsqadmin sees the topic and its channel")
 
     visit(env, page, base, "/", "single-cluster")
     assert "no nsqlookupd" in text(page, "main")
