@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from nsqclient.conn import Connection
-from nsqtrace.store import TraceStore, search
+from nsqtrace.store import ROWS_PER_INSERT, TraceStore, search
 from nsqwire import commands as c
 from servers import NsqdProcess
 from nodes import nothing_arrives, take
@@ -387,6 +387,20 @@ def test_store_retention_by_age_and_size(tmp_path):
     assert left and left[-1]["msg_id"] == 24999  # the newest stay
     store.close()
     assert search(str(tmp_path / "none.sqlite"), msg_id=1) == []
+
+
+def test_store_writes_batches_larger_than_one_insert_whole_and_in_order(tmp_path):
+    path = str(tmp_path / "trace.sqlite")
+    store = TraceStore(path, "it's n")  # a quote in the node's name: part of every row's SQL
+    now = time.time_ns()
+    count = 2 * ROWS_PER_INSERT + 7  # two whole statements and a short one
+    store.write([(now + i, "PUB", "t", 1, "", i, (1 << 64) - 1 if i == count - 1 else 0, i, 0,
+                  "a") for i in range(count)])
+    store.close()
+    events = search(path, topic="t", limit=count + 1)
+    assert [e["msg_id"] for e in events] == list(range(count))
+    assert {e["node"] for e in events} == {"it's n"}
+    assert events[-1]["trace_id"] == (1 << 64) - 1  # the signed form's batch, converted back
 
 
 async def test_untraced_publish_and_consume_make_no_events_at_all(traced):

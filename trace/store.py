@@ -10,6 +10,11 @@ Retention: rows older than `max_age_s`, then the oldest rows while the live page
 `max_bytes` (freed pages are reused, so the file stops growing there; it never shrinks
 by itself).
 
+Writes are multi-row INSERTs of up to ROWS_PER_INSERT events, not one statement per event:
+sqlite3 lets go of the GIL around each statement it steps, so one row per statement handed
+the GIL to the event loop and back once per event (measured: 2.7 µs of writer CPU per event
+alone, 10 µs beside a busy loop, against 1.5 and 2.1 µs with 500 rows per statement).
+
 Every method runs on the thread that owns the connection it uses: `write` and `retain`
 on the writer's thread (TraceStore is made there), `search` on any thread through its own
 short-lived read connection.
@@ -17,6 +22,7 @@ short-lived read connection.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sqlite3
 import time
@@ -43,7 +49,9 @@ CREATE INDEX IF NOT EXISTS events_trace_id ON events (trace_id) WHERE trace_id !
 CREATE INDEX IF NOT EXISTS events_topic_time ON events (topic, time_ns);
 """
 _INSERT = ("INSERT INTO events (node, time_ns, kind, topic, partition, channel, msg_id, "
-           "trace_id, offset, attempts, detail) VALUES ({node},?,?,?,?,?,?,?,?,?,?)")
+           "trace_id, offset, attempts, detail) VALUES ")
+_ROW = "({node},?,?,?,?,?,?,?,?,?,?)"  # node is the store's, the rest an event's FIELDS
+ROWS_PER_INSERT = 500
 _COLUMNS = "node, " + ", ".join(FIELDS)
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
@@ -69,7 +77,10 @@ class TraceStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        self._insert = _INSERT.format(node="'" + node.replace("'", "''") + "'")
+        self._row = _ROW.format(node="'" + node.replace("'", "''") + "'")
+        # never more bound values in one statement than this SQLite takes
+        limit = self._db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        self._rows = max(1, min(ROWS_PER_INSERT, limit // len(FIELDS)))
 
     def close(self) -> None:
         self._db.close()
@@ -82,17 +93,24 @@ class TraceStore:
         db.execute("BEGIN")
         try:
             try:
-                db.executemany(self._insert, events)
+                self._insert(events)
             except OverflowError:
                 db.execute("ROLLBACK")
                 db.execute("BEGIN")
-                db.executemany(self._insert, [(*e[:5], _signed(e[5]), _signed(e[6]), *e[7:])
-                                              for e in events])
+                self._insert([(*e[:5], _signed(e[5]), _signed(e[6]), *e[7:]) for e in events])
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+
+    def _insert(self, events: list[tuple]) -> None:
+        """The events, `self._rows` to a statement, their fields flattened in order."""
+        step = self._rows
+        for i in range(0, len(events), step):
+            chunk = events[i:i + step]
+            self._db.execute(_INSERT + ",".join([self._row] * len(chunk)),
+                             list(itertools.chain.from_iterable(chunk)))
 
     def retain(self, max_age_s: float | None, max_bytes: int | None,
                now_ns: int | None = None) -> int:
