@@ -6,7 +6,8 @@
    message) takes them as they come; the figure is messages published and finished per
    second, wall clock from the first PUB to the last FIN (off and on alternated 3 times,
    the best of each), and nsqd's CPU per message: all of it, its event loop's (the main
-   thread), the other threads' (the trace writer, file work).
+   thread), the other threads' (the trace writer, file work), and with tracing on the
+   CPU of the SQLite store's own process (trace/process.py), read after it wrote all.
    With tracing on, /stats `trace` gives the events written and dropped.
    Also on with the Elasticsearch sink (`--trace-es-url`) against osmem-server (an
    in-memory OpenSearch-API server, PyPI) through tests/esproxy.py's media-type proxy, a
@@ -146,6 +147,7 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
         server.command(c.cmd_sub(TOPIC, "ch"))  # topic and channel made before timing
         cpu0, t0 = pid_cpu_seconds(server.pid), time.monotonic()
         loop0 = loop_cpu_seconds(server.pid)
+        store0 = {pid: pid_cpu_seconds(pid) for pid in store_processes(server.pid)}
         each = count // PUBLISHERS
         await asyncio.gather(consumer(server, each * PUBLISHERS),
                              *(publisher(server, each) for _ in range(PUBLISHERS)))
@@ -158,9 +160,28 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
             if trace["buffered"] == 0 and trace["written"] + trace["dropped"] >= made:
                 break
             await asyncio.sleep(0.1)
+        # the SQLite store's child process (trace/process.py; started with the node, as
+        # tracing is on), read once it wrote everything
+        store_cpu = sum(pid_cpu_seconds(pid) - store0.get(pid, 0.0)
+                        for pid in store_processes(server.pid))
         return {"msgs_per_s": each * PUBLISHERS / wall, "cpu_us_per_msg": cpu / count * 1e6,
                 "loop_cpu_us_per_msg": loop_cpu / count * 1e6,
-                "threads_cpu_us_per_msg": (cpu - loop_cpu) / count * 1e6, "trace": trace}
+                "threads_cpu_us_per_msg": (cpu - loop_cpu) / count * 1e6,
+                "store_cpu_us_per_msg": store_cpu / count * 1e6, "trace": trace}
+
+
+def store_processes(pid: int) -> list[int]:
+    """The children of nsqd `pid` that run its SQLite trace store."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(x) for x in f.read().split()]
+    found = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"nsqtrace.process" in f.read():
+                found.append(child)
+    return found
 
 
 class _Holder:
@@ -291,6 +312,8 @@ async def main_async(args) -> None:
                "tracing on: other threads' CPU per message (us)")
     report.add("off_threads_cpu_us_per_msg", off["threads_cpu_us_per_msg"],
                "tracing off: other threads' CPU per message (us)")
+    report.add("on_store_cpu_us_per_msg", on["store_cpu_us_per_msg"],
+               "tracing on: the SQLite store process's CPU per message (us)")
     t = on["trace"]
     report.add("on_events_written", t["written"], "tracing on: events written", fmt=",")
     report.add("on_events_dropped", t["dropped"], "tracing on: events dropped (buffer bound)",

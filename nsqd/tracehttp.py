@@ -26,7 +26,7 @@ from aiohttp import web
 from nsqtrace.events import msg_id_hex
 from nsqtrace.query import QueryError, parse_message_get, parse_search
 from nsqtrace.timeline import timelines
-from nsqtrace.writer import StoreUnavailable
+from nsqtrace.store import StoreUnavailable
 from nsqwire.httpapi import V1_HEADER
 from nsqwire.protocol import valid_channel_name
 

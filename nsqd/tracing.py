@@ -22,6 +22,7 @@ import time
 
 from nsqtrace import events as ev
 from nsqtrace import store as sqlite_store
+from nsqtrace.process import ProcessStore
 from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
@@ -65,6 +66,7 @@ class Tracer:
             self.path = os.path.join(o.data_path, STORE_FILE)
             self.writer = EventWriter(
                 self.path, node, bound=o.trace_buffer,
+                open_store=lambda: ProcessStore(self.path, self.writer.node),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None,
                 max_bytes=o.trace_retention_max_bytes or None)
 
@@ -79,6 +81,8 @@ class Tracer:
     def start_writer(self, tcp_port: int) -> None:
         """Start writing events (those of the start-up wait in the buffer), the node named
         by the port it listens on (the configured one is 0 for "any free port")."""
+        if self.trace_all or self.topics or self.channels:
+            self.writer.want_store()
         self.writer.start(f"{self.nsqd.options.broadcast_address}:{tcp_port}")
 
     async def close(self) -> None:
@@ -138,6 +142,8 @@ class Tracer:
 
     async def _apply(self, topic: str, topics: set[str], channels: set[tuple[str, str]]) -> None:
         self.topics, self.channels = topics, channels
+        if topics or channels:
+            self.writer.want_store()
         meta = self.nsqd.meta
         meta.put(SWITCHES_KEY, {"topics": sorted(topics),
                                 "channels": sorted(list(tc) for tc in channels)})

@@ -25,7 +25,7 @@ import time
 from elasticsearch import ApiError, Elasticsearch, TransportError
 
 from .events import FIELDS, NO_MESSAGE, msg_id_hex
-from .writer import StoreUnavailable
+from .store import StoreUnavailable
 
 DEFAULT_PREFIX = "nsq-trace-"
 

@@ -57,6 +57,11 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 
 
+class StoreUnavailable(Exception):
+    """A store (any: this one, es.py's, process.py's) cannot be reached now; the same
+    batch may succeed later (the writer keeps it and retries)."""
+
+
 def _signed(v: int) -> int:
     """A 64-bit unsigned id as SQLite's signed INTEGER (the same bits)."""
     return v - _U64 if v > _I64_MAX else v

@@ -8,7 +8,8 @@ transaction; a batch the store refuses (read-only file, full disk, locked) is dr
 counted in `dropped_failed`, and the thread goes on with the next (the store may come
 back). So tracing never waits on SQLite, and SQLite never waits on anything but itself.
 
-The store is SQLite's TraceStore unless `open_store` makes another (es.py's EsStore). A
+The store is SQLite's TraceStore unless `open_store` makes another (the node's: SQLite in a
+process of its own, process.py's ProcessStore, or es.py's EsStore). A
 store that cannot be reached raises StoreUnavailable: the thread keeps that batch and
 sends it again with backoff (0.1 s doubling to 5 s) while new events wait in the bounded
 buffer (past the bound, dropped and counted as always); on shutdown what it still could
@@ -27,15 +28,11 @@ import time
 
 import structlog
 
-from .store import TraceStore
+from .store import StoreUnavailable, TraceStore
 
 log = structlog.get_logger("nsqtrace.writer")
 
 MAX_BACKOFF_S = 5.0
-
-
-class StoreUnavailable(Exception):
-    """The store cannot be reached now; the same batch may succeed later."""
 
 
 class EventWriter:
@@ -61,6 +58,7 @@ class EventWriter:
         self.retries = 0  # batches sent again after StoreUnavailable
         self.error: str | None = None  # the store's last failure, None once it writes again
         self._stop = threading.Event()
+        self._wanted = False  # open the store before the first event (want_store)
         self._thread: threading.Thread | None = None
         self._last_failure_log = 0.0
 
@@ -82,6 +80,11 @@ class EventWriter:
             room = max(room, 0)
             buf.extend(events[:room])
             self.dropped_full += len(events) - room
+
+    def want_store(self) -> None:
+        """Events are coming: open the store now rather than with the first of them (a
+        store in a process of its own takes a tenth of a second to start)."""
+        self._wanted = True
 
     @property
     def buffered(self) -> int:
@@ -124,7 +127,8 @@ class EventWriter:
             if not pending and buf:
                 pending = [buf.popleft() for _ in range(min(len(buf), self.batch))]
             try:
-                if store is None and (pending or (self.path and os.path.exists(self.path))):
+                if store is None and (pending or self._wanted
+                                      or (self.path and os.path.exists(self.path))):
                     store = self._open()  # none made while off
                 if pending:
                     self._write(store, pending)
