@@ -11,24 +11,17 @@ import argparse
 import re
 from dataclasses import dataclass, field
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
-_UNIT_S = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
-
+from nsqwire.httpapi import go_duration_ms
 
 def parse_duration_s(text: str) -> float:
-    """Seconds of a Go duration ("5s", "10m0s", "500ms"), or of a plain number of ms."""
-    text = text.strip()
-    if re.fullmatch(r"\d+", text):
-        return int(text) / 1000
-    pos, total = 0, 0.0
-    for m in _DURATION.finditer(text):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNIT_S[m.group(2)]
-        pos = m.end()
-    if pos != len(text) or not text or total <= 0:
+    """Seconds (> 0) of a Go duration ("5s", "500ms") or of a plain number of ms: a flag's type."""
+    try:
+        seconds = go_duration_ms(text) / 1000
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds <= 0:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}")
-    return total
+    return seconds
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -31,27 +31,13 @@ from dataclasses import dataclass, field
 from isr.etcd import parse_endpoints
 from isr.keys import check_cluster
 from isr.state import MAX_PARTITIONS, MAX_REPLICAS
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT_MS = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
-
+from nsqwire.httpapi import go_duration_ms
 
 def parse_duration_ms(text: str | int | float) -> int:
     """Milliseconds of a Go duration string ("1m30s") or of a plain number of ms."""
     if isinstance(text, (int, float)):
         return int(text)
-    text = text.strip()
-    if re.fullmatch(r"\d+", text):
-        return int(text)
-    pos, total = 0, 0.0
-    for m in _DURATION.finditer(text):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNIT_MS[m.group(2)]
-        pos = m.end()
-    if pos != len(text) or not text:
-        raise ValueError(f"invalid duration {text!r}")
-    return int(total)
+    return int(go_duration_ms(text))
 
 
 @dataclass

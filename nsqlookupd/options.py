@@ -2,8 +2,8 @@
 
 Flags are spelled as Go's flag package takes them: `-flag` or `--flag`, `=value` or the
 value as the next argument; prefixes of names are refused. Durations take Go's forms
-("5m0s", "45s", "1h30m") or plain milliseconds. (nsqd has the same rules in its own
-options.py; a daemon never imports another, so the small part needed is here.)
+("5m0s", "45s", "1h30m") or plain milliseconds (nsqwire.httpapi.go_duration_ms, as nsqd's
+and nsqadmin's flags).
 """
 
 from __future__ import annotations
@@ -14,27 +14,17 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from nsqwire.httpapi import go_duration_ms
+
 from isr.etcd import parse_endpoints
 from isr.keys import check_cluster
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
-
-
 def parse_duration_s(text: str) -> float:
-    """Seconds of a Go duration string ("5m0s") or of a plain number of milliseconds."""
-    text = text.strip()
-    if re.fullmatch(r"\d+", text):
-        return int(text) / 1000
-    pos, total = 0, 0.0
-    for m in _DURATION.finditer(text):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNIT_S[m.group(2)]
-        pos = m.end()
-    if pos != len(text) or not text:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r}")
-    return total
+    """Seconds of a Go duration ("5m0s", "500ms") or of a plain number of ms: a flag's type."""
+    try:
+        return go_duration_ms(text) / 1000
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def go_duration(seconds: float) -> str:

@@ -10,7 +10,27 @@ import re
 from urllib.parse import unquote_to_bytes
 
 _BAD_ESCAPE = re.compile(r"%(?![0-9a-fA-F]{2})")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_MS = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def go_duration_ms(text: str) -> float:
+    """Milliseconds of a Go duration ("1m30s", "250ms", "1.5h"), or of a plain whole number
+    of milliseconds, as NSQ's flags, config files and HTTP parameters take them;
+    ValueError otherwise."""
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        return float(text)
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT_MS[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or not text:
+        raise ValueError(f"invalid duration {text!r}")
+    return total
 
 
 def go_json(data) -> bytes:
