@@ -19,7 +19,6 @@ Sub-databases of the environment (keys and values encoded by delayqueue/entry.py
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import struct
@@ -30,6 +29,7 @@ from typing import Iterator
 
 import lmdb
 
+from delayqueue import footprint
 from diskqueue.atomic import fsync_dir, make_dirs
 from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, check_taken,
                               check_waiting, checked_tail, decode_value, encode_value,
@@ -42,14 +42,7 @@ DBS = ("waiting", "taken", "due_of", "origins", "corrupt", "meta")
 MAX_ORIGIN_KEY = b"max_origin"
 I64 = struct.Struct(">q")
 DATA_FILE = "data.mdb"
-LOCK_FILE = "lock.mdb"
-# LMDB sizes its lock file (126 reader slots: 8 KiB) with ftruncate and writes it through a
-# shared map: a page the disk cannot back is SIGBUS, which kills the process. The store
-# allocates these bytes itself first (posix_fallocate), so a full disk is an error instead.
-LOCK_BYTES = 8192
-# A new store is not made with less free space than this on its file system: it would fail
-# at its first writes anyway, and the error then names the cause.
-MIN_FREE_BYTES = 1 << 20
+LOCK_FILE = footprint.LOCK_FILE
 MAX_DBS = 8
 # Entries moved per write transaction by the whole-store operations (recovery at open,
 # requeue_all_now): bounds the dirty pages LMDB holds in memory during one transaction.
@@ -97,57 +90,6 @@ def _first_rows(cur, start: bytes | None, limit: int) -> list[tuple[bytes, bytes
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def _preallocate_lock(folder: str) -> None:
-    """Give LMDB's lock file (created if missing) real blocks before LMDB maps it (see
-    LOCK_BYTES). Raises OSError (ENOSPC on a full disk) instead of a later SIGBUS."""
-    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, max(LOCK_BYTES, os.fstat(fd).st_size))
-    finally:
-        os.close(fd)
-
-
-def _check_free_space(folder: str) -> None:
-    st = os.statvfs(folder)
-    free = st.f_bavail * st.f_frsize
-    if free < MIN_FREE_BYTES:
-        raise OSError(28, f"only {free} bytes free on the file system of {folder}, a new "
-                          f"delay store needs at least {MIN_FREE_BYTES}")
-
-
-_libc = None
-
-
-def _mappings_of(file_path: str) -> list[tuple[int, int]]:
-    """(start, length) of this process's read-only shared mappings of `file_path`
-    (Linux /proc/self/maps; [] elsewhere). Only such mappings are ever given to madvise:
-    on a private or anonymous mapping MADV_DONTNEED would zero memory."""
-    target = os.path.realpath(file_path)
-    out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) < 6 or fields[5].rstrip("\n") != target:
-                    continue
-                perms = fields[1]
-                if "s" not in perms or "w" in perms:
-                    continue
-                lo, hi = fields[0].split("-")
-                out.append((int(lo, 16), int(hi, 16) - int(lo, 16)))
-    except OSError:
-        pass
-    return out
-
-
-def _madvise_dontneed(addr: int, length: int) -> bool:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _libc.madvise(addr, length, 4) == 0  # MADV_DONTNEED (Linux)
 
 
 # ---- the store ------------------------------------------------------------------
@@ -214,7 +156,7 @@ class DelayStore:
         env = None
         try:
             try:
-                _preallocate_lock(path)
+                footprint.preallocate_lock(path)
             except OSError as e:
                 raise DelayStoreError(f"{path}/{LOCK_FILE}: cannot allocate LMDB's lock file "
                                       f"(a full disk?): {e}") from e
@@ -274,10 +216,10 @@ class DelayStore:
             shutil.rmtree(tmp)
         parent = os.path.dirname(path)
         make_dirs(parent)  # the rename below makes the store durable only in a durable parent
-        _check_free_space(parent)
+        footprint.check_free_space(parent)
         os.mkdir(tmp)
         try:
-            _preallocate_lock(tmp)
+            footprint.preallocate_lock(tmp)
             env = lmdb.open(tmp, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=True,
                             metasync=True, readahead=False)
             try:
@@ -394,11 +336,11 @@ class DelayStore:
             # it) moves the map; a stale address could by now be someone else's memory.
             size = self._env.info()["map_size"]
             if self._map is None or self._map[1] != size:
-                maps = _mappings_of(self.data_file)
+                maps = footprint.mappings_of(self.data_file)
                 self._map = maps[0] if len(maps) == 1 and maps[0][1] == size else None
                 if self._map is None:
                     return
-            if not _madvise_dontneed(*self._map):
+            if not footprint.madvise_dontneed(*self._map):
                 self._map = None
         except (OSError, AttributeError, lmdb.Error):
             self._can_release = False
