@@ -69,20 +69,20 @@ Ours, beyond classic:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import functools
-import re
 import socket
 
 import structlog
-from aiohttp import ClientError, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from diskqueue.queue import QueueClosedError
 
 from . import metrics, replay, stats
+from .httpargs import (HTTPError, arg, bool_arg, defer_arg, parse_mpub_binary, parse_mpub_text,
+                       partition_arg, query, read_body, strict_bool_arg, topic_arg,
+                       topic_channel_args)
 from .httpconn import Server
 from .message import defer_ext
 from .cluster import ClusterUnavailable
@@ -92,26 +92,10 @@ from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
-from nsqwire.httpapi import V1_HEADER, go_json, parse_query, v1_answer
-from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
+from nsqwire.httpapi import V1_HEADER, go_json, v1_answer
 from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.http")
-
-_BOOLS = {"true": True, "1": True, "false": False, "0": False}
-_INT = re.compile(r"[+-]?[0-9]+")
-_BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.IncompleteReadError,
-                OSError)
-
-
-class HTTPError(Exception):
-    """An answer `{"message": code}` with an HTTP status."""
-
-    def __init__(self, status: int, code: str):
-        super().__init__(code)
-        self.status = status
-        self.code = code
-
 
 # ---- encoding ----------------------------------------------------------------
 
@@ -133,133 +117,6 @@ def respond_v1(status: int, data) -> web.Response:
         return web.Response(status=status, headers=V1_HEADER)
     return web.Response(status=status, body=body, content_type=content_type, charset="utf-8",
                         headers=V1_HEADER)
-
-
-# ---- request arguments --------------------------------------------------------
-
-
-def query(request: web.Request) -> dict[str, list[str]]:
-    try:
-        return parse_query(request.rel_url.raw_query_string)
-    except ValueError:
-        raise HTTPError(400, "INVALID_REQUEST") from None
-
-
-def arg(params: dict[str, list[str]], name: str) -> str | None:
-    values = params.get(name)
-    return values[0] if values else None
-
-
-def _bool_arg(params, name: str, code: str) -> bool:
-    """A true|false|1|0 argument (absent: False), else 400 `code`."""
-    text = (arg(params, name) or "false").lower()
-    if text not in ("true", "false", "1", "0"):
-        raise HTTPError(400, code)
-    return text in ("true", "1")
-
-
-def topic_arg(params) -> str:
-    """getTopicFromQuery: the topic name, present and valid."""
-    name = arg(params, "topic")
-    if name is None:
-        raise HTTPError(400, "MISSING_ARG_TOPIC")
-    if not valid_topic_name(name):
-        raise HTTPError(400, "INVALID_TOPIC")
-    return name
-
-
-def topic_channel_args(params) -> tuple[str, str]:
-    """http_api.GetTopicChannelArgs."""
-    topic = arg(params, "topic")
-    if topic is None:
-        raise HTTPError(400, "MISSING_ARG_TOPIC")
-    if not valid_topic_name(topic):
-        raise HTTPError(400, "INVALID_ARG_TOPIC")
-    channel = arg(params, "channel")
-    if channel is None:
-        raise HTTPError(400, "MISSING_ARG_CHANNEL")
-    if not valid_channel_name(channel):
-        raise HTTPError(400, "INVALID_ARG_CHANNEL")
-    return topic, channel
-
-
-def partition_arg(params) -> int | None:
-    raw = arg(params, "partition")
-    if raw is None:
-        return None
-    if not raw.isdigit() or int(raw) > MAX_PARTITION:
-        raise HTTPError(400, "BAD_PARTITION")
-    return int(raw)
-
-
-def defer_arg(params, max_ms: int) -> int:
-    raw = arg(params, "defer")
-    if raw is None:
-        return 0
-    if not _INT.fullmatch(raw):
-        raise HTTPError(400, "INVALID_DEFER")
-    value = int(raw)
-    if not 0 <= value <= max_ms:
-        raise HTTPError(400, "INVALID_DEFER")
-    return value
-
-
-def bool_arg(params, name: str, default: bool, unknown: bool) -> bool:
-    raw = arg(params, name)
-    if raw is None:
-        return default
-    return _BOOLS.get(raw, unknown)
-
-
-async def read_body(request: web.Request, limit: int) -> bytes | None:
-    """The body, or None when it is longer than `limit` (at most limit + 1 bytes are read)."""
-    if request.content_length is not None and request.content_length > limit:
-        return None
-    buf = bytearray()
-    try:
-        while len(buf) <= limit:
-            chunk = await request.content.read(limit + 1 - len(buf))
-            if not chunk:
-                break
-            buf += chunk
-    except _BODY_ERRORS as e:  # truncated or malformed body, or the peer went away
-        raise HTTPError(400, "BAD_BODY") from e
-    return None if len(buf) > limit else bytes(buf)
-
-
-def parse_mpub_binary(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
-    """nsqd's readMPUB: [4-byte count] then [4-byte size][bytes] each; errors are 413."""
-    if len(body) < 4:
-        raise HTTPError(413, "BAD_BODY")
-    count = int.from_bytes(body[:4], "big", signed=True)
-    if count <= 0 or count > (max_body_size - 4) // 5:
-        raise HTTPError(413, "BAD_BODY")
-    out = []
-    pos = 4
-    for _ in range(count):
-        if pos + 4 > len(body):
-            raise HTTPError(413, "BAD_MESSAGE")
-        size = int.from_bytes(body[pos:pos + 4], "big", signed=True)
-        if size <= 0 or size > max_msg_size:
-            raise HTTPError(413, "BAD_MESSAGE")
-        pos += 4
-        if pos + size > len(body):
-            raise HTTPError(413, "BAD_MESSAGE")
-        out.append(body[pos:pos + size])
-        pos += size
-    return out
-
-
-def parse_mpub_text(body: bytes, max_msg_size: int) -> list[bytes]:
-    """Newline-separated messages; empty lines are skipped (as nsqd since 0.2.22)."""
-    out = []
-    for line in body.split(b"\n"):
-        if not line:
-            continue
-        if len(line) > max_msg_size:
-            raise HTTPError(413, "MSG_TOO_BIG")
-        out.append(line)
-    return out
 
 
 # ---- the node's operations ------------------------------------------------------
@@ -428,7 +285,7 @@ async def do_topic_create(nsqd, request):
     raw = arg(q, "partition_num")
     partition_num = (None if raw is None
                      else _bounded(raw, int, 1, MAX_PARTITIONS, "INVALID_PARTITION_NUM"))
-    ordered = _bool_arg(q, "ordered", "INVALID_ARG_ORDERED")
+    ordered = strict_bool_arg(q, "ordered", "INVALID_ARG_ORDERED")
     try:
         topic = await nsqd.create_topic(name, partition_num, ordered)
     except TopicConflict as e:
@@ -611,7 +468,7 @@ async def do_channel_setorder(nsqd, request):
     """Ours: `order=true|false` turns a channel's ordered rule (nsqd/ordered.py) on or off;
     an ordered topic's channels stay ordered (400 `ORDERED_TOPIC`)."""
     params, topic, channel_name = _topic_channel(nsqd, request)
-    order = _bool_arg(params, "order", "INVALID_ARG_ORDER")
+    order = strict_bool_arg(params, "order", "INVALID_ARG_ORDER")
     if not order and topic.assignment.ordered:
         raise HTTPError(400, "ORDERED_TOPIC")
     channels = _existing_channels(topic, params, channel_name)

@@ -47,7 +47,7 @@ from diskqueue.record import FIXED_LENGTH, MAX_RECORD, PREFIX
 from nsqwire.httpapi import V1_HEADER
 from nsqwire.httpapi import parse_time_ns as wire_time_ns
 
-from .http import HTTPError, arg, partition_arg, query, topic_arg
+from .httpargs import HTTPError, arg, partition_arg, query, topic_arg
 
 log = structlog.get_logger("nsqd.readhttp")
 

@@ -31,7 +31,7 @@ from nsqwire.httpapi import V1_HEADER
 from nsqwire.protocol import valid_channel_name
 
 from .cluster import ClusterUnavailable
-from .http import HTTPError, arg, query, topic_arg
+from .httpargs import HTTPError, arg, query, topic_arg
 
 async def _switch(nsqd, request, on: bool):
     params = query(request)

@@ -41,7 +41,8 @@ from hypothesis import strategies as st
 
 from nsqwire.commands import (FrameParser, cmd_fin, cmd_identify, cmd_nop, cmd_pub, cmd_rdy, cmd_req, cmd_sub,
                                 parse_message)
-from nsqd import http as nsqd_http
+from nsqd import httpargs
+from nsqwire import httpapi
 from nsqwire import protocol as p
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())["http"]
@@ -887,8 +888,8 @@ async def test_config_lookupd_addresses(nsqd):
 @given(st.binary(max_size=64))
 def test_mpub_binary_parser_never_crashes(body):
     try:
-        out = nsqd_http.parse_mpub_binary(body, 16, 1000)
-    except nsqd_http.HTTPError as e:
+        out = httpargs.parse_mpub_binary(body, 16, 1000)
+    except httpargs.HTTPError as e:
         assert e.status == 413 and e.code in ("BAD_BODY", "BAD_MESSAGE")
     else:
         assert out and all(1 <= len(m) <= 16 for m in out)
@@ -898,7 +899,7 @@ def test_mpub_binary_parser_never_crashes(body):
 @given(st.lists(st.binary(min_size=1, max_size=16), min_size=1, max_size=8))
 def test_mpub_binary_round_trip(bodies):
     raw = struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
-    assert nsqd_http.parse_mpub_binary(raw, 16, 1000) == bodies
+    assert httpargs.parse_mpub_binary(raw, 16, 1000) == bodies
 
 
 @settings(max_examples=200, deadline=None)
@@ -906,12 +907,12 @@ def test_mpub_binary_round_trip(bodies):
 def test_parse_query_round_trip(params):
     from urllib.parse import urlencode
 
-    assert nsqd_http.parse_query(urlencode(params)) == {k: [v] for k, v in params.items()}
+    assert httpapi.parse_query(urlencode(params)) == {k: [v] for k, v in params.items()}
 
 
 def test_go_json_escapes_like_go():
-    assert nsqd_http.go_json({"m": "<a&b>"}) == b'{"m":"\\u003ca\\u0026b\\u003e"}'
-    assert nsqd_http.go_json({"m": "\ud800é"}) == '{"m":"\ufffdé"}'.encode()
+    assert httpapi.go_json({"m": "<a&b>"}) == b'{"m":"\\u003ca\\u0026b\\u003e"}'
+    assert httpapi.go_json({"m": "\ud800é"}) == '{"m":"\ufffdé"}'.encode()
 
 
 def test_go_duration():
