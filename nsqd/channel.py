@@ -31,17 +31,17 @@ import structlog
 from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
-from nsqwire.ids import PARTITION_SHIFT, SEQUENCE_MASK
+from nsqwire.ids import PARTITION_SHIFT
 
 from . import tags
-from .cursor import Cursor, Ranges, SavedWindow, joined_ranges, pack_u64
+from .cursor import (MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64,
+                     replica_state)
 from .delaying import ChannelDelay
 from .message import Message, defer_until_ms
 from .ordered import OrderedDispatch
 
 log = structlog.get_logger("nsqd.channel")
 
-MAX_SAVED_RANGES = 4096  # finished ranges a checkpoint keeps (the nearest to `confirmed`)
 MAX_SAVED_ATTEMPTS = 4096  # attempts of unfinished messages a checkpoint keeps (the highest)
 
 
@@ -161,25 +161,8 @@ class Channel:
 
     def replica_state(self, state: dict) -> dict:
         """What followers may store of `state` (a checkpoint() result taken no later than
-        now): no message the delay store holds counts as finished in it, since followers
-        have no delay store (a new leader reads such a message from the log again: a DPUB
-        is deferred again by its ext header, a requeued one is delivered again at once).
-        So `confirmed` and `next_read` go no further than the store's smallest origin, the
-        finished ranges are kept only below it (the one it falls in is cut there), and
-        `delay_store` is False. Pure over `state` and `delay.min_origin`; `state` itself
-        when it names no delay store and the store holds no log message."""
-        origin = self.delay.min_origin if self.delay is not None else None
-        if origin is None:
-            return dict(state, delay_store=False) if state.get("delay_store") else state
-        offset, count = origin[0], origin[1] & SEQUENCE_MASK
-        out = dict(state, delay_store=False)
-        if offset < state["confirmed"]:
-            out["confirmed"], out["confirmed_count"] = offset, count
-        if offset < state.get("next_read", 0):
-            out["next_read"] = offset
-            out["finished"] = Ranges.decode(state.get("finished", b"")).below(
-                offset, count).encode(MAX_SAVED_RANGES)
-        return out
+        now): cursor.replica_state over this channel's delay store."""
+        return replica_state(state, self.delay.min_origin if self.delay is not None else None)
 
     def _saved_attempts(self) -> bytes:
         """Offsets, then attempts, of the unfinished log messages whose attempts are not 1:
