@@ -169,7 +169,7 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
         await lq.append([b"ok"])
         # stall both followers: their pushes are never acked (a server that reads, never answers)
         for h in hosts[1:]:
-            h.followers[(T, 0)].handle = _never
+            h.followers[(T, 0)].push = _never
         fut = lq.append([b"parked"])
         with pytest.raises(NotCommitted):
             await asyncio.wait_for(fut, 5)
@@ -182,8 +182,9 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
         await stop(hosts)
 
 
-async def _never(frame):
-    await asyncio.Event().wait()
+def _never(frame):
+    """A follower's `push` that never answers (the PUSH is read, never acked)."""
+    return asyncio.get_running_loop().create_future()
 
 
 async def records(q):
@@ -345,7 +346,7 @@ async def test_a_stalled_partition_never_holds_back_another_on_the_same_connecti
         q0, q1 = hosts[0].queues[(T, 0)], hosts[0].queues[(T, 1)]
         await q0.append([b"x"])
         await q1.append([b"x"])
-        hosts[1].followers[(T, 0)].handle = _never
+        hosts[1].followers[(T, 0)].push = _never
         stalled = q0.append([b"stalled"])
         for i in range(30):  # partition 1 goes on (each ACK within repl_timeout, see below)
             await asyncio.wait_for(q1.append([b"p1 %d" % i]), 3)

@@ -175,15 +175,15 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
         aq, bq = hosts[0].queues[(T, 0)], hosts[1].queues[(T, 0)]
         await aq.append([b"small"])
         refused = []
-        real = hosts[1].followers[(T, 0)].handle
+        real = hosts[1].followers[(T, 0)].push
 
-        async def spy(frame):
-            answer = await real(frame)
-            if answer[0] is Kind.ERROR:
-                refused.append(answer[1]["code"])
-            return answer
+        def spy(frame):
+            fut = real(frame)
+            fut.add_done_callback(lambda f: f.result()[0] is Kind.ERROR
+                                  and refused.append(f.result()[1]["code"]))
+            return fut
 
-        hosts[1].followers[(T, 0)].handle = spy
+        hosts[1].followers[(T, 0)].push = spy
         big = b"x" * 300_000
         for i in range(40):  # 4 MiB fills within ~14 of these
             await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
