@@ -175,7 +175,13 @@ class _Connection:
             h = frame.header
             follower = self.server.host.follower_log(h["topic"], h["partition"])
             if follower is not None:
-                follower.push(frame).add_done_callback(lambda fut: self._pushed(frame.rid, fut))
+                try:
+                    pushed = follower.push(frame)
+                except Exception as e:  # noqa: BLE001 - a request never takes the server down
+                    log.warning("rpc_request_failed", kind=frame.kind.name, error=repr(e))
+                    self._answer(frame.rid, error(wire.E_FAILED, repr(e)))
+                    return True
+                pushed.add_done_callback(lambda fut: self._pushed(frame.rid, fut))
                 return True
         task = asyncio.ensure_future(self.server._dispatch(frame))
         self.server._handlers.add(task)

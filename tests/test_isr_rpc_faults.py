@@ -81,6 +81,16 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
                                                                (9, wire.E_NOT_LEADER)]
         await asyncio.wait_for(hosts[0].queues[(T, 0)].append([b"still works"]), 3)
         assert states.states[(T, 0)].isr == (A, B, C)
+        # a PUSH whose partition side raises (a bug) is answered E_FAILED; the connection goes on
+
+        def broken(frame):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(hosts[1].followers[(T, 0)], "push", broken)
+        frames, closed = await exchange(port, wire.encode(
+            Kind.PUSH, 10, push_header(hosts[1].queues[(T, 0)])) + wire.encode(Kind.PING, 11, {}))
+        assert [(f.rid, f.header.get("code")) for f in frames] == [(10, wire.E_FAILED), (11, None)]
+        assert not closed
     finally:
         await stop(hosts)
 
