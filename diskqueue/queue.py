@@ -338,7 +338,7 @@ class DiskQueue(Replicated):
         waiting its turn, the next batch, a sync that is due; or free it. Never raises."""
         if turns_first and self._give_turn():
             return
-        while self._batches:
+        while self._batches and not self._held():
             batch = self._batches.popleft()
             if batch is self._open:
                 self._open = None

@@ -157,10 +157,28 @@ class Replicated:
             end_offset, count = limit
         self._commit(end_offset, count)
         parked = self._parked
+        if not parked or parked[0][0] > self.committed_end:
+            return
         while parked and parked[0][0] <= self.committed_end:
             _end, requests, results = parked.popleft()
             for (waiter, *_), result in zip(requests, results):
                 self._settle(waiter, result, None)
+        self._release_held()
+
+    def _held(self) -> bool:
+        """Whether the writer holds the next batch back (loop): a leader pushing to followers
+        (`on_batch`) has one batch in replication at a time, so what arrives meanwhile joins
+        the next batch: one push, one follower write and sync for all of it, instead of one
+        per batch the local disk could take (CPU: every push costs each follower about as
+        much as the leader's whole batch). Never while closing (close writes what is pending)
+        or failed (the held batches then fail at once)."""
+        return (bool(self._parked) and self.on_batch is not None and not self._closing
+                and self.failed is None)
+
+    def _release_held(self) -> None:
+        """Nothing is parked any more: the writer takes the batches it held (next loop turn)."""
+        if self._batches and not self._parked:
+            self._kick()
 
     def fail_uncommitted(self, error: Exception) -> None:
         """Fail every written, uncommitted batch with NotCommitted (saying `error`); their data
@@ -178,13 +196,15 @@ class Replicated:
                     self._settle(waiter, None, error)
             else:
                 self._parked.append((end, requests, results))
+        self._release_held()
 
     def _park(self, batch, results) -> None:
         """A batch was written (loop, from `_written`): keep its waiters until it is
-        committed, start the next batch, settle what is committed, tell `on_written`."""
+        committed, settle what is committed, start the next batch (unless held), tell
+        `on_written`."""
         self._parked.append((self.written_end, batch.requests, results))
-        self._write_next()
         self.replicated_to(self.committed_end, self.committed_count)
+        self._write_next()  # held (see _held) while this batch is not committed
         if self.on_written is not None:  # the ISR may already hold it: commit it now
             try:
                 self.on_written()

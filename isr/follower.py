@@ -145,17 +145,27 @@ class FollowerLog:
 
     async def handle(self, frame: Frame) -> Answer:
         h = frame.header
-        if h["epoch"] < self.epoch:
-            return error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
-                         epoch=self.epoch)
         if frame.kind is Kind.CHANNELS:
+            if h["epoch"] < self.epoch:
+                return error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                             epoch=self.epoch)
             self.host.channels_received(self.topic, self.partition, h["channels"])
             return Kind.OK, {}, b""
+        return await self.push(frame)
+
+    def push(self, frame: Frame) -> asyncio.Future:
+        """Take a PUSH (in arrival order); the future gives its answer. Called by the RPC
+        server straight from the connection's read (no task of its own per push)."""
+        h = frame.header
         fut = asyncio.get_running_loop().create_future()
+        if h["epoch"] < self.epoch:
+            fut.set_result(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                                 epoch=self.epoch))
+            return fut
         self._pending.append((h, frame.payload, fut))
         if self._appender is None or self._appender.done():
             self._appender = asyncio.create_task(self._append_pending())
-        return await fut
+        return fut
 
     async def _append_pending(self) -> None:
         async with self._lock:
@@ -183,8 +193,8 @@ class FollowerLog:
             fut.set_result(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
             return 1
         group = [pending[i]]
+        n = h["n"] * wire.ENTRY_SIZE
         try:
-            n = h["n"] * wire.ENTRY_SIZE
             end = batch_end(h["offset"], h["count"], payload[:n])
             for h2, p2, _ in pending[i + 1:]:
                 if (h2["leader"], h2["epoch"]) != (h["leader"], h["epoch"]) or not h2["n"] \
@@ -195,8 +205,11 @@ class FollowerLog:
                 group.append((h2, p2, _))
         except clog_entry.CorruptEntryError:
             pass  # append_raw names the bad entry
-        entries = b"".join(memoryview(p)[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group)
-        data = b"".join(memoryview(p)[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group)
+        if len(group) == 1:  # no copy: slices of the frame's payload
+            entries, data = memoryview(payload)[:n], memoryview(payload)[n:]
+        else:
+            entries = b"".join(memoryview(p)[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group)
+            data = b"".join(memoryview(p)[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group)
         self.stats["pushes"] += len(group)
         try:
             if entries:

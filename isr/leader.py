@@ -209,17 +209,18 @@ class LeaderLog:
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
                   "crc": zlib.crc32(data), "commit": list(self.committed)}
+        head = wire.dumps(header)  # once for every follower
         payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
-                self._push(f, header, payload, end)
+                self._push(f, header, payload, end, head)
 
-    def _push(self, f: _Follower, header: dict, payload: bytes, end) -> None:
+    def _push(self, f: _Follower, header: dict, payload, end, head: bytes | None = None) -> None:
         if f.held is not None:
-            f.held.append((header, payload, end))
+            f.held.append((header, payload, end, head))
             return
         try:
-            fut = f.peer.send(Kind.PUSH, header, payload)
+            fut = f.peer.send(Kind.PUSH, head or header, payload)
         except PeerError as e:
             self._fail(f, str(e))
             return
@@ -231,8 +232,8 @@ class LeaderLog:
     def _release(self, f: _Follower) -> None:
         """Send a follower's held pushes in order; later ones go straight out."""
         held, f.held = f.held or [], None
-        for header, payload, end in held:
-            self._push(f, header, payload, end)
+        for header, payload, end, head in held:
+            self._push(f, header, payload, end, head)
 
     def _acked(self, f: _Follower, fut: asyncio.Future) -> None:
         if f.unacked:

@@ -47,9 +47,11 @@ class Peer:
             await self._connect()
         return await self._send_now(kind, header, payload)
 
-    def send(self, kind: Kind, header: dict, payload: bytes = b"") -> asyncio.Future:
+    def send(self, kind: Kind, header: dict | bytes, payload: bytes | tuple = b"") -> asyncio.Future:
         """Queue a request on a connected peer without awaiting (keeps the order of
-        calls); raises `PeerError` when not connected."""
+        calls); raises `PeerError` when not connected. `header` may come encoded
+        (`wire.dumps`: a batch pushed to several followers encodes it once); the payload's
+        parts are written as they are, not joined."""
         return self._send_now(kind, header, payload)
 
     @property
@@ -70,7 +72,9 @@ class Peer:
         self._rid = self._rid % 0xFFFFFFFF + 1  # 1 .. 2**32 - 1; 0 is HELLO's
         fut = asyncio.get_running_loop().create_future()
         self._pending[self._rid] = fut
-        w.write(wire.encode(kind, self._rid, header, payload))
+        head = header if isinstance(header, bytes) else wire.dumps(header)
+        w.writelines(wire.frame_parts(kind, self._rid, head,
+                                      payload if isinstance(payload, tuple) else (payload,)))
         return fut
 
     async def _connect(self) -> None:

@@ -10,6 +10,8 @@ frame must be HELLO of this cluster. A frame that does not decode or a request t
 not check is answered with one ERROR E_BAD_FRAME, then the connection is closed. PUSH and
 CHANNELS go to `host.follower_log`, FETCH, EPOCH_END and JOIN to `host.leader_log`
 (absent: E_NOT_REPLICA / E_NOT_LEADER); each answers with `(kind, header, payload)`. A
+PUSH whose FollowerLog is open goes to `FollowerLog.push` straight from the read (no task
+of its own: the hot path). A
 handler that raises answers E_FAILED; the server never dies of a request. A handler runs
 to its end even if its connection closes (a JOIN's CAS is never cut in half); `stop`
 cancels them.
@@ -169,6 +171,18 @@ class _Connection:
             self.hello = True
             self._answer(frame.rid, (Kind.OK, {"node": self.server.host.node_id}, b""))
             return True
+        if frame.kind is Kind.PUSH:  # the hot path: straight to its partition, no task
+            h = frame.header
+            follower = self.server.host.follower_log(h["topic"], h["partition"])
+            if follower is not None:
+                try:
+                    pushed = follower.push(frame)
+                except Exception as e:  # noqa: BLE001 - a request never takes the server down
+                    log.warning("rpc_request_failed", kind=frame.kind.name, error=repr(e))
+                    self._answer(frame.rid, error(wire.E_FAILED, repr(e)))
+                    return True
+                pushed.add_done_callback(lambda fut: self._pushed(frame.rid, fut))
+                return True
         task = asyncio.ensure_future(self.server._dispatch(frame))
         self.server._handlers.add(task)
         task.add_done_callback(lambda t: self._done(frame.rid, t))
@@ -180,6 +194,12 @@ class _Connection:
             self.slots.release()
             return
         self._answer(rid, task.result())
+
+    def _pushed(self, rid: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            self.slots.release()
+            return
+        self._answer(rid, fut.result())
 
     def _answer(self, rid: int, answer: Answer, slot: bool = True) -> None:
         if slot:

@@ -85,17 +85,28 @@ class Frame:
     payload: bytes = b""
 
 
-def encode(kind: Kind, rid: int, header: dict, payload: bytes | tuple = b"") -> bytes:
-    """One frame as bytes (the header is compact JSON); `payload` may be a tuple of
-    parts (joined with the rest in one copy)."""
+def dumps(header: dict) -> bytes:
+    """A frame's header as compact JSON (ValueError beyond MAX_HEADER)."""
     head = json.dumps(header, separators=(",", ":")).encode()
     if len(head) > MAX_HEADER:
         raise ValueError(f"header of {len(head)} bytes")
-    parts = payload if isinstance(payload, tuple) else (payload,)
+    return head
+
+
+def frame_parts(kind: Kind, rid: int, head: bytes, parts: tuple) -> tuple:
+    """One frame as its parts, none copied: (prefix + `head`, *parts). `head` is the header
+    as `dumps` gives it, so a frame sent to several peers encodes its header once."""
     size = FIXED + len(head) + sum(len(x) for x in parts)
     if size > MAX_FRAME:
         raise ValueError(f"frame of {size} bytes")
-    return b"".join((PREFIX.pack(size, kind, rid, len(head)), head, *parts))
+    return (PREFIX.pack(size, kind, rid, len(head)) + head, *parts)
+
+
+def encode(kind: Kind, rid: int, header: dict, payload: bytes | tuple = b"") -> bytes:
+    """One frame as bytes (the header is compact JSON); `payload` may be a tuple of
+    parts (joined with the rest in one copy)."""
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    return b"".join(frame_parts(kind, rid, dumps(header), parts))
 
 
 def error(rid: int, code: str, message: str, **extra) -> bytes:

@@ -75,6 +75,39 @@ async def test_publish_acknowledged_only_after_both_followers_synced(tmp_path):
         await stop(hosts)
 
 
+async def test_what_arrives_while_a_batch_replicates_joins_one_next_batch(tmp_path):
+    """The leader holds its next batch while one is written and uncommitted: 20 appends made
+    while the followers take 0.3 s to answer a push go out as one batch (one push each)."""
+    _, hosts = await cluster(tmp_path)
+    try:
+        lq = hosts[0].queues[(T, 0)]
+        await lq.append([b"first"])
+        slow = []
+        for h in hosts[1:]:
+            follower = h.followers[(T, 0)]
+            real = follower.push
+
+            def delayed(frame, real=real):
+                out = asyncio.get_running_loop().create_future()
+                slow.append(frame)
+                asyncio.get_running_loop().call_later(
+                    0.3, lambda: real(frame).add_done_callback(lambda f: out.set_result(f.result())))
+                return out
+
+            follower.push = delayed
+        batches = lq.stats["batches"]
+        futs = [lq.append([b"slow"])]
+        for i in range(20):  # each alone would be a batch: the local disk is free again
+            await asyncio.sleep(0.005)
+            futs.append(lq.append([b"m%d" % i]))
+        done = await asyncio.wait_for(asyncio.gather(*futs), 5)
+        assert lq.stats["batches"] - batches == 2, lq.stats["batches"] - batches
+        assert [a.first_id for a in done] == sorted(a.first_id for a in done)
+        assert lq.committed_end == done[-1].end_offset
+    finally:
+        await stop(hosts)
+
+
 async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
     _, hosts = await cluster(tmp_path, epoch=5)
     try:
@@ -169,7 +202,7 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
         await lq.append([b"ok"])
         # stall both followers: their pushes are never acked (a server that reads, never answers)
         for h in hosts[1:]:
-            h.followers[(T, 0)].handle = _never
+            h.followers[(T, 0)].push = _never
         fut = lq.append([b"parked"])
         with pytest.raises(NotCommitted):
             await asyncio.wait_for(fut, 5)
@@ -182,8 +215,9 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
         await stop(hosts)
 
 
-async def _never(frame):
-    await asyncio.Event().wait()
+def _never(frame):
+    """A follower's `push` that never answers (the PUSH is read, never acked)."""
+    return asyncio.get_running_loop().create_future()
 
 
 async def records(q):
@@ -345,7 +379,7 @@ async def test_a_stalled_partition_never_holds_back_another_on_the_same_connecti
         q0, q1 = hosts[0].queues[(T, 0)], hosts[0].queues[(T, 1)]
         await q0.append([b"x"])
         await q1.append([b"x"])
-        hosts[1].followers[(T, 0)].handle = _never
+        hosts[1].followers[(T, 0)].push = _never
         stalled = q0.append([b"stalled"])
         for i in range(30):  # partition 1 goes on (each ACK within repl_timeout, see below)
             await asyncio.wait_for(q1.append([b"p1 %d" % i]), 3)

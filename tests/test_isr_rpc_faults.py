@@ -81,6 +81,16 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
                                                                (9, wire.E_NOT_LEADER)]
         await asyncio.wait_for(hosts[0].queues[(T, 0)].append([b"still works"]), 3)
         assert states.states[(T, 0)].isr == (A, B, C)
+        # a PUSH whose partition side raises (a bug) is answered E_FAILED; the connection goes on
+
+        def broken(frame):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(hosts[1].followers[(T, 0)], "push", broken)
+        frames, closed = await exchange(port, wire.encode(
+            Kind.PUSH, 10, push_header(hosts[1].queues[(T, 0)])) + wire.encode(Kind.PING, 11, {}))
+        assert [(f.rid, f.header.get("code")) for f in frames] == [(10, wire.E_FAILED), (11, None)]
+        assert not closed
     finally:
         await stop(hosts)
 
@@ -175,15 +185,15 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
         aq, bq = hosts[0].queues[(T, 0)], hosts[1].queues[(T, 0)]
         await aq.append([b"small"])
         refused = []
-        real = hosts[1].followers[(T, 0)].handle
+        real = hosts[1].followers[(T, 0)].push
 
-        async def spy(frame):
-            answer = await real(frame)
-            if answer[0] is Kind.ERROR:
-                refused.append(answer[1]["code"])
-            return answer
+        def spy(frame):
+            fut = real(frame)
+            fut.add_done_callback(lambda f: f.result()[0] is Kind.ERROR
+                                  and refused.append(f.result()[1]["code"]))
+            return fut
 
-        hosts[1].followers[(T, 0)].handle = spy
+        hosts[1].followers[(T, 0)].push = spy
         big = b"x" * 300_000
         for i in range(40):  # 4 MiB fills within ~14 of these
             await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
