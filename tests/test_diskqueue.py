@@ -1154,6 +1154,79 @@ async def test_a_failed_sync_fails_the_queue_until_reopened(tmp_path, queues, mo
     check_commitlog_matches(q, await read_all(q))
 
 
+def fail_slowly_once(monkeypatch, name, error, when, delay=0.3):
+    """Like fail_once, the failing call first sleeping `delay` s (in the write worker), so
+    the loop hands the next batch over while it runs."""
+    real = getattr(os, name)
+    state = {"failed": 0}
+
+    def fake(*args, **kwargs):
+        if not state["failed"] and when(*args):
+            state["failed"] += 1
+            time.sleep(delay)
+            raise OSError(error, os.strerror(error))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, fake)
+    return state
+
+
+async def hand_over_ahead(q, first: list[bytes], second: list[bytes]):
+    """Append `first`, then, while its batch is in the worker, `second`: handed over ahead
+    (both in flight). Returns both futures."""
+    a = q.append(first)
+    for _ in range(100):
+        await asyncio.sleep(0.002)
+        if q._flight:
+            break
+    b = q.append(second)
+    await asyncio.sleep(0.02)
+    assert len(q._flight) == 2, "the second batch was not handed over ahead"
+    return a, b
+
+
+async def test_a_batch_handed_over_ahead_of_a_failed_one_is_written_in_its_place(
+        tmp_path, queues, monkeypatch):
+    """A durable queue hands the next batch to the write worker while one is in flight,
+    encoded for the place after it. When the one before fails (and is undone), the next is
+    not written there: it comes back and is written in the failed batch's place, with its
+    ids."""
+    q = await queues(tmp_path)
+    await append_singles(q, 5, size=100)
+    end, next_log = q.written_end, q.commitlog.next_log_id
+    state = fail_slowly_once(monkeypatch, "pwrite", errno.EIO, is_data_fd(q))
+    a, b = await hand_over_ahead(q, [body(5, 100)], [body(6, 100), body(7, 100)])
+    with pytest.raises(AppendError):
+        await a
+    got = await b
+    assert state["failed"] == 1
+    assert (got.first_id, got.offset, got.log_id) == (5, end, next_log)
+    want = [body(i, 100) for i in range(5)] + [body(6, 100), body(7, 100)]
+    assert [r.body for r in await read_all(q)] == want
+    check_commitlog_matches(q, await read_all(q))
+    await q.close()
+    q = await queues(tmp_path)
+    assert [r.body for r in await read_all(q)] == want
+
+
+async def test_a_batch_handed_over_ahead_of_a_failed_sync_is_never_written(
+        tmp_path, queues, monkeypatch):
+    """After a failed sync nothing more is written (the unsynced pages may be gone), not
+    even a batch already handed to the worker ahead of it: both fail, and the files end
+    with the failed batch at most."""
+    q = await queues(tmp_path)
+    await append_singles(q, 5, size=100)
+    state = fail_slowly_once(monkeypatch, "fdatasync", errno.EIO, is_data_fd(q))
+    a, b = await hand_over_ahead(q, [body(5, 100)], [body(6, 100)])
+    results = await asyncio.gather(a, b, return_exceptions=True)
+    assert state["failed"] == 1
+    assert all(type(r) is QueueFailedError for r in results), results
+    await q.close()
+    q = await queues(tmp_path)
+    got = [r.body for r in await read_all(q)]
+    assert got in ([body(i, 100) for i in range(5)], [body(i, 100) for i in range(6)])
+
+
 async def test_a_failed_timed_sync_fails_the_queue_once(tmp_path, queues, monkeypatch):
     """Under --sync-timeout a failed timed sync fails the queue; the writer then waits
     for close instead of retrying the sync in a busy loop."""
