@@ -566,8 +566,8 @@ class DiskQueue(Replicated):
             self._write_next()  # the disk works on the next batch while the loop answers this one
         elif self._batches:
             self._kick()  # the next goes ahead of the one in flight, on the next turn
-        for (waiter, *_), result in zip(batch.requests, results):
-            _settle(waiter, result, None)
+        for request, result in zip(batch.requests, results):
+            _settle(request[0], result, None)
 
     def _batch_error(self, error: BaseException) -> AppendError:
         if isinstance(error, _Unrecoverable):
