@@ -623,9 +623,9 @@ class DiskQueue(Replicated):
                     and time.monotonic() - self._unsynced_since >= policy.every_ms / 1000)
 
     def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
-        """Write one batch (write worker), and sync its data if `sync`. A failed write is
-        undone (both files cut back) and re-raised; a failed undo or a failed sync raises
-        _Unrecoverable.
+        """Write one batch (write worker), and sync its data if `sync` (in the same system
+        call as its write when it can: Segments.write). A failed write is undone (both files
+        cut back) and re-raised; a failed undo or a failed sync raises _Unrecoverable.
 
         The commitlog is synced only when `clog_sync_every` entries are unsynced or the data
         moved to a new segment (so its lag never spans a data segment); recovery rebuilds
@@ -634,8 +634,10 @@ class DiskQueue(Replicated):
         base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id
         try:
-            self._segments.write(data)
+            synced = self._segments.write(data, sync)  # durable: one system call, write + sync
             self.commitlog.append_encoded(clog, entries)
+        except _Unrecoverable:  # its sync failed: the queue fails, as after a failed fdatasync
+            raise
         except BaseException:
             try:
                 self.commitlog.truncate_after(log_before - 1)
@@ -644,7 +646,7 @@ class DiskQueue(Replicated):
                 raise _Unrecoverable(f"undoing a failed write failed: {undo}") from undo
             raise
         try:
-            if sync:
+            if sync and not synced:
                 self._segments.sync()
             if self.commitlog.sync_due or self._segments.active_base != base_before:
                 self.commitlog.sync()
