@@ -19,11 +19,13 @@ Synchronous and blocking: the queue calls it from a worker thread.
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 
 from commitlog.log import fsync_dir
 
 from .atomic import read_json, write_json_atomic
+from .errors import _Unrecoverable
 
 SUFFIX = ".dat"
 NEWEST_FILE = "newest.json"
@@ -37,10 +39,15 @@ def segment_name(base: int) -> str:
     return f"{base:020d}{SUFFIX}"
 
 
-def pwrite_all(fd: int, data, pos: int) -> None:
+DSYNC = getattr(os, "RWF_DSYNC", 0)  # pwritev's flag: the write returns once its range is synced
+NOTHING_WRITTEN = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a failed write that wrote nothing
+
+
+def pwrite_all(fd: int, data, pos: int, flags: int = 0) -> None:
+    """Write all of `data` at `pos`; `flags` (DSYNC): each piece is synced as it is written."""
     view = memoryview(data)
     while view:
-        n = os.pwrite(fd, view, pos)
+        n = os.pwritev(fd, (view,), pos, flags) if flags else os.pwrite(fd, view, pos)
         view = view[n:]
         pos += n
 
@@ -111,14 +118,28 @@ class Segments:
         seg_end = self.bases[i + 1] if i + 1 < len(self.bases) else self.end
         return self.bases[i], seg_end
 
-    def write(self, data) -> None:
-        """Append `data` at `end`, rotating first when the active segment is full."""
+    def write(self, data, sync: bool = False) -> bool:
+        """Append `data` at `end`, rotating first when the active segment is full. With
+        `sync` and nothing unsynced before it, written and synced in one system call (DSYNC:
+        as write + fdatasync, for its range, which is all that is unsynced): returns True.
+        Such a write that fails raises _Unrecoverable (its sync may have failed, and the
+        kernel may have dropped its pages), unless it wrote nothing (a full disk)."""
         active_size = self.end - self.active_base
         if active_size > 0 and active_size + len(data) > self.segment_bytes:
             self.rotate()
+        if sync and DSYNC and not self._unsynced:
+            try:
+                pwrite_all(self._fd, data, self.end - self.active_base, DSYNC)
+            except OSError as e:
+                if e.errno in NOTHING_WRITTEN:
+                    raise
+                raise _Unrecoverable(f"sync failed: {e}") from e
+            self.end += len(data)
+            return True
         pwrite_all(self._fd, data, self.end - self.active_base)
         self.end += len(data)
         self._unsynced = True
+        return False
 
     def sync(self) -> None:
         if self._unsynced:

@@ -17,7 +17,7 @@ from commitlog.entry import ENTRY_SIZE
 from diskqueue.queue import (PARTITION_SHIFT, AppendError, DiskFullError, DiskQueue, QueueFailedError,
                              QueueClosedError, QueueOptions, SyncPolicy)
 from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, Record, encode_into
-from diskqueue.segments import MissingSegmentError
+from diskqueue.segments import DSYNC, MissingSegmentError
 
 
 def body(i: int, size: int | None = None) -> bytes:
@@ -284,6 +284,14 @@ async def test_acknowledged_only_after_its_data_is_synced(tmp_path, queues, monk
         st = os.fstat(fd)
         synced[st.st_ino] = st.st_size
 
+    real_pwritev = os.pwritev
+
+    def pwritev(fd, buffers, pos, flags=0):  # DSYNC: synced up to its end (nothing before it
+        n = real_pwritev(fd, buffers, pos, flags)  # is unsynced: Segments.write's rule)
+        if flags & DSYNC:
+            synced[os.fstat(fd).st_ino] = pos + n
+        return n
+
     def fsync(fd):
         real_fsync(fd)
         path = os.readlink(f"/proc/self/fd/{fd}")
@@ -291,6 +299,7 @@ async def test_acknowledged_only_after_its_data_is_synced(tmp_path, queues, monk
             listed[path] = set(os.listdir(path))
 
     monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "fsync", fsync)
     q = await queues(tmp_path, QueueOptions(segment_bytes=4096, clog_entries_per_segment=64,
                                         clog_sync_every=48))
@@ -419,17 +428,18 @@ async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queue
     thread pool of 2 cores has threads) and one healthy partition: the healthy one's
     appends and reads finish long before any slow sync does.
 
-    The slowness is a test hook on the slow queues' data files (their `Segments.sync`
-    sleeps, then runs the real fdatasync): this machine's kernel has no device-mapper
+    The slowness is a test hook on the slow queues' data files (their `Segments.write`
+    of a synced batch sleeps, then writes and syncs): this machine's kernel has no device-mapper
     (no dm-delay), and no FUSE binding is installed for a slow file system."""
     slow = [await queues(tmp_path / f"slow{i}") for i in range(8)]
     healthy = await queues(tmp_path / "healthy")
     await healthy.append([b"before"])
     for q in slow:
-        def sleepy_sync(real=q._segments.sync):
-            time.sleep(1.0)
-            real()
-        q._segments.sync = sleepy_sync
+        def sleepy_write(data, sync=False, real=q._segments.write):
+            if sync:
+                time.sleep(1.0)
+            return real(data, sync)
+        q._segments.write = sleepy_write
     stuck = [q.append([b"waits for a slow disk"]) for q in slow]
     await asyncio.sleep(0.1)  # every slow partition is in its sync now
     t0 = time.monotonic()
@@ -442,7 +452,7 @@ async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queue
     assert elapsed < 0.5, f"the healthy partition took {elapsed:.2f} s"
     await asyncio.gather(*stuck)
     for q in slow:
-        del q._segments.sync  # the real one again, for close
+        del q._segments.write  # the real one again, for close
 
 
 def queue_threads(q) -> list[str]:
@@ -498,13 +508,22 @@ async def test_one_fdatasync_per_durable_batch(tmp_path, queues, monkeypatch):
     `clog_sync_every` entries, or at a data rotation), not once per batch."""
     q = await queues(tmp_path)
     synced = []
-    real = os.fdatasync
+    real, real_pwritev = os.fdatasync, os.pwritev
+
+    def folder(fd):
+        return os.path.basename(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")))
 
     def fdatasync(fd):
-        synced.append(os.path.basename(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}"))))
+        synced.append(folder(fd))
         real(fd)
 
+    def pwritev(fd, buffers, pos, flags=0):  # DSYNC: write + sync in one call
+        if flags & DSYNC:
+            synced.append(folder(fd))
+        return real_pwritev(fd, buffers, pos, flags)
+
     monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     await append_singles(q, 30)
     await asyncio.gather(*(q.append([body(100 + i)]) for i in range(20)))
     assert q.stats["batches"] == q.stats["syncs"] == 31
@@ -1086,7 +1105,7 @@ def is_data_fd(q):
     return when
 
 
-@pytest.mark.parametrize("call,what", [("pwrite", "data"), ("pwrite", "commitlog"),
+@pytest.mark.parametrize("call,what", [("pwritev", "data"), ("pwrite", "commitlog"),
                                        ("open", "new segment")])
 async def test_a_failed_batch_leaves_everything_as_before(tmp_path, queues, monkeypatch, call,
                                                           what):
@@ -1096,15 +1115,15 @@ async def test_a_failed_batch_leaves_everything_as_before(tmp_path, queues, monk
     if what == "new segment":
         new_file = os.path.join(data_dir(q), f"{end:020d}.dat")
         state = fail_once(monkeypatch, "open", errno.EMFILE, lambda path, *_: path == new_file)
-    elif what == "data":
-        state = fail_once(monkeypatch, call, errno.EIO, is_data_fd(q))
+    elif what == "data":  # a durable write (written and synced in one call) that wrote
+        state = fail_once(monkeypatch, call, errno.ENOSPC, is_data_fd(q))  # nothing: disk full
     else:
         state = fail_once(monkeypatch, call, errno.EIO,
                           lambda fd, *_: "commitlog" in os.readlink(f"/proc/self/fd/{fd}"))
     batch = [q.append([body(5 + i, 1000)]) for i in range(3)]
     results = await asyncio.gather(*batch, return_exceptions=True)
     assert state["failed"] == 1
-    assert all(type(r) is AppendError for r in results), results
+    assert all(type(r) in (AppendError, DiskFullError) for r in results), results
     assert (q.written_end, q.written_count, q.commitlog.next_log_id) == (end, 5, next_log)
     assert sum(os.path.getsize(f) for f in segment_files(q)) == end
     # the error has passed: the queue goes on, with the ids the failed batch did not use
@@ -1128,8 +1147,8 @@ async def test_a_failed_sync_fails_the_queue_until_reopened(tmp_path, queues, mo
     q = await queues(tmp_path, opts)
     await append_singles(q, 5, size=1000)
     end = q.written_end
-    if what == "data":
-        state = fail_once(monkeypatch, "fdatasync", errno.EIO, is_data_fd(q))
+    if what == "data":  # a durable batch's data is written and synced in one call (DSYNC)
+        state = fail_once(monkeypatch, "pwritev", errno.EIO, is_data_fd(q))
     else:
         state = fail_once(monkeypatch, "fdatasync", errno.EIO,
                           lambda fd, *_: "commitlog" in os.readlink(f"/proc/self/fd/{fd}"))
@@ -1152,6 +1171,79 @@ async def test_a_failed_sync_fails_the_queue_until_reopened(tmp_path, queues, mo
     a = await q.append([b"after"])
     assert a.first_id == len(got)
     check_commitlog_matches(q, await read_all(q))
+
+
+def fail_slowly_once(monkeypatch, name, error, when, delay=0.3):
+    """Like fail_once, the failing call first sleeping `delay` s (in the write worker), so
+    the loop hands the next batch over while it runs."""
+    real = getattr(os, name)
+    state = {"failed": 0}
+
+    def fake(*args, **kwargs):
+        if not state["failed"] and when(*args):
+            state["failed"] += 1
+            time.sleep(delay)
+            raise OSError(error, os.strerror(error))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, fake)
+    return state
+
+
+async def hand_over_ahead(q, first: list[bytes], second: list[bytes]):
+    """Append `first`, then, while its batch is in the worker, `second`: handed over ahead
+    (both in flight). Returns both futures."""
+    a = q.append(first)
+    for _ in range(100):
+        await asyncio.sleep(0.002)
+        if q._flight:
+            break
+    b = q.append(second)
+    await asyncio.sleep(0.02)
+    assert len(q._flight) == 2, "the second batch was not handed over ahead"
+    return a, b
+
+
+async def test_a_batch_handed_over_ahead_of_a_failed_one_is_written_in_its_place(
+        tmp_path, queues, monkeypatch):
+    """A durable queue hands the next batch to the write worker while one is in flight,
+    encoded for the place after it. When the one before fails (and is undone), the next is
+    not written there: it comes back and is written in the failed batch's place, with its
+    ids."""
+    q = await queues(tmp_path)
+    await append_singles(q, 5, size=100)
+    end, next_log = q.written_end, q.commitlog.next_log_id
+    state = fail_slowly_once(monkeypatch, "pwritev", errno.ENOSPC, is_data_fd(q))
+    a, b = await hand_over_ahead(q, [body(5, 100)], [body(6, 100), body(7, 100)])
+    with pytest.raises(AppendError):
+        await a
+    got = await b
+    assert state["failed"] == 1
+    assert (got.first_id, got.offset, got.log_id) == (5, end, next_log)
+    want = [body(i, 100) for i in range(5)] + [body(6, 100), body(7, 100)]
+    assert [r.body for r in await read_all(q)] == want
+    check_commitlog_matches(q, await read_all(q))
+    await q.close()
+    q = await queues(tmp_path)
+    assert [r.body for r in await read_all(q)] == want
+
+
+async def test_a_batch_handed_over_ahead_of_a_failed_sync_is_never_written(
+        tmp_path, queues, monkeypatch):
+    """After a failed sync nothing more is written (the unsynced pages may be gone), not
+    even a batch already handed to the worker ahead of it: both fail, and the files end
+    with the failed batch at most."""
+    q = await queues(tmp_path)
+    await append_singles(q, 5, size=100)
+    state = fail_slowly_once(monkeypatch, "pwritev", errno.EIO, is_data_fd(q))
+    a, b = await hand_over_ahead(q, [body(5, 100)], [body(6, 100)])
+    results = await asyncio.gather(a, b, return_exceptions=True)
+    assert state["failed"] == 1
+    assert all(type(r) is QueueFailedError for r in results), results
+    await q.close()
+    q = await queues(tmp_path)
+    got = [r.body for r in await read_all(q)]
+    assert got in ([body(i, 100) for i in range(5)], [body(i, 100) for i in range(6)])
 
 
 async def test_a_failed_timed_sync_fails_the_queue_once(tmp_path, queues, monkeypatch):

@@ -421,7 +421,15 @@ async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatc
             raise OSError(errno.EIO, "Input/output error (injected)")
         return real(fd)
 
+    real_pwritev = os.pwritev
+
+    def pwritev(fd, buffers, pos, flags=0):  # a durable batch's write + sync in one call
+        if flags and sick["on"] and os.readlink(f"/proc/self/fd/{fd}").startswith(folder):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real_pwritev(fd, buffers, pos, flags)
+
     monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     assert (await refused(pub.pub("t", b"lost"))).startswith("E_PUB_FAILED")
     pub = await Connection("127.0.0.1", n.tcp_port).connect()
     assert (await refused(pub.pub("t", b"again"))).startswith("E_PUB_FAILED")
