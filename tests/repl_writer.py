@@ -9,7 +9,7 @@
     python repl_writer.py truncate FOLDER SEGMENT_BYTES CLOG_ENTRIES OFFSET COUNT CRASH_AT
         Opens the queue, then truncates it to (OFFSET, COUNT), killing itself (SIGKILL) just
         before its CRASH_AT-th file-changing system call (unlink, ftruncate, fsync, fdatasync,
-        replace, write, pwrite) from then on. Prints "done" if it got through. Its batches
+        replace, write, pwrite, pwritev) from then on. Prints "done" if it got through. Its batches
         are small (max_batch_bytes 1 KiB): recovery then refuses a commitlog that runs more
         than 2 KiB past the data, so a wrong order of the cut shows.
 """
@@ -23,7 +23,7 @@ import sys
 from collections import deque
 
 LAG = 20  # committer turns
-MUTATING = ("unlink", "ftruncate", "fsync", "fdatasync", "replace", "write", "pwrite")
+MUTATING = ("unlink", "ftruncate", "fsync", "fdatasync", "replace", "write", "pwrite", "pwritev")
 
 
 async def commit(path: str, segment_bytes: int) -> None:
