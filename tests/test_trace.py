@@ -338,7 +338,12 @@ def store_processes(node) -> list[int]:
     for task in os.listdir(f"/proc/{node.proc.pid}/task"):
         with open(f"/proc/{node.proc.pid}/task/{task}/children") as f:
             pids += [int(x) for x in f.read().split()]
-    return [pid for pid in pids if b"nsqtrace.process" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    found = []
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"nsqtrace.process" in f.read():
+                found.append(pid)
+    return found
 
 
 def gone(pid: int, timeout: float = 10.0) -> bool:
