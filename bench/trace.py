@@ -147,7 +147,7 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
         server.command(c.cmd_sub(TOPIC, "ch"))  # topic and channel made before timing
         cpu0, t0 = pid_cpu_seconds(server.pid), time.monotonic()
         loop0 = loop_cpu_seconds(server.pid)
-        store0 = {pid: pid_cpu_seconds(pid) for pid in store_processes(server.pid)}
+        store0 = {pid: pid_cpu_seconds(pid) for pid in server.proc.trace_store_pids()}
         each = count // PUBLISHERS
         await asyncio.gather(consumer(server, each * PUBLISHERS),
                              *(publisher(server, each) for _ in range(PUBLISHERS)))
@@ -163,25 +163,11 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
         # the SQLite store's child process (trace/process.py; started with the node, as
         # tracing is on), read once it wrote everything
         store_cpu = sum(pid_cpu_seconds(pid) - store0.get(pid, 0.0)
-                        for pid in store_processes(server.pid))
+                        for pid in server.proc.trace_store_pids())
         return {"msgs_per_s": each * PUBLISHERS / wall, "cpu_us_per_msg": cpu / count * 1e6,
                 "loop_cpu_us_per_msg": loop_cpu / count * 1e6,
                 "threads_cpu_us_per_msg": (cpu - loop_cpu) / count * 1e6,
                 "store_cpu_us_per_msg": store_cpu / count * 1e6, "trace": trace}
-
-
-def store_processes(pid: int) -> list[int]:
-    """The children of nsqd `pid` that run its SQLite trace store."""
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(x) for x in f.read().split()]
-    found = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"nsqtrace.process" in f.read():
-                found.append(child)
-    return found
 
 
 class _Holder:

@@ -105,6 +105,20 @@ class NsqdProcess(DaemonProcess):
             args += ["--rpc-address", self.rpc_address]
         return args
 
+    def trace_store_pids(self) -> list[int]:
+        """The pids of its children that run its SQLite trace store (trace/process.py)."""
+        pid = self.proc.pid
+        children = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(x) for x in f.read().split()]
+        found = []
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"nsqtrace.process" in f.read():
+                    found.append(child)
+        return found
+
 
 class NsqlookupdProcess(DaemonProcess):
     """`nsqlookupd`, its log in `log_dir`."""

@@ -332,20 +332,6 @@ async def test_store_that_cannot_be_written_loses_no_message_and_counts_events(t
     await sub.close()
 
 
-def store_processes(node) -> list[int]:
-    """The node's children running the SQLite store (trace/process.py)."""
-    pids = []
-    for task in os.listdir(f"/proc/{node.proc.pid}/task"):
-        with open(f"/proc/{node.proc.pid}/task/{task}/children") as f:
-            pids += [int(x) for x in f.read().split()]
-    found = []
-    for pid in pids:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"nsqtrace.process" in f.read():
-                found.append(pid)
-    return found
-
-
 def gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -363,14 +349,14 @@ async def test_the_store_process_is_restarted_when_killed_and_ends_with_the_node
     node = traced("--trace-all")
     ok(node, "POST", "/pub?topic=p", b"one")
     await events_of(node, "topic=p", 1)
-    [child] = store_processes(node)
+    [child] = node.trace_store_pids()
     os.kill(child, 9)
     assert gone(child)
     ok(node, "POST", "/pub?topic=p", b"two")  # its batch is kept and sent to a new child
     assert [e["kind"] for e in await events_of(node, "topic=p", 2)] == ["PUB", "PUB"]
     t = await settled(node)
     assert t["error"] is None and t["written"] == 2 and t["dropped"] == 0, t
-    [again] = store_processes(node)
+    [again] = node.trace_store_pids()
     assert again != child
     node.proc.kill()  # kill -9 of the node: the child sees the end of its input and exits
     assert gone(again)
