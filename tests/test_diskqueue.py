@@ -14,8 +14,9 @@ import time
 import pytest
 
 from commitlog.entry import ENTRY_SIZE
-from diskqueue.queue import (PARTITION_SHIFT, AppendError, DiskFullError, DiskQueue, QueueFailedError,
+from diskqueue.queue import (AppendError, DiskFullError, DiskQueue, QueueFailedError,
                              QueueClosedError, QueueOptions, SyncPolicy)
+from nsqwire.ids import PARTITION_SHIFT
 from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, Record, encode_into
 from diskqueue.segments import DSYNC, MissingSegmentError
 

@@ -1,0 +1,400 @@
+"""GroupCommit: the write path of a DiskQueue (a mixin: it uses the queue's state, made in
+DiskQueue.__init__). Appends wait in batches; one writer slot (the loop hands it on) takes
+each batch in turn: encoded on the loop, written and synced by the partition's write
+worker, then answered. Exclusive jobs (retain, find, truncate) take the same slot between
+batches. A durable queue that is not replicated hands its next batch over while one is in
+flight (encoded for the place after it), so the worker goes from one sync straight to the
+next write; a batch is written only where it was encoded for, never after a failed sync.
+Invariants and figures: diskqueue/README.md ("Workers", "The commitlog lags the data").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import errno
+import time
+from typing import NamedTuple
+
+import structlog
+
+from commitlog.entry import SYNCED_BEFORE, encode_fields
+from nsqwire.ids import PARTITION_SHIFT
+
+from .errors import (AppendError, DiskFullError, NotCommitted, QueueClosedError, QueueFailedError,
+                     _Unrecoverable)
+from .record import encode_records
+
+log = structlog.get_logger("diskqueue")
+
+_new = tuple.__new__
+_STALE = object()  # a batch's outcome: not written, the log was not where it was encoded for
+
+# Upper bounds of the group-commit histograms in `DiskQueue.histograms` (one slot per
+# bound, plus one for larger values; counts per slot, not cumulative): messages per
+# written batch, and seconds per sync.
+BATCH_MESSAGES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+SYNC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Appended(NamedTuple):
+    """What one `append` call wrote: ids first_id .. first_id + count - 1."""
+
+    first_id: int
+    count: int
+    offset: int  # virtual offset of the first record
+    end_offset: int  # just past the last record
+    log_id: int  # its commitlog entry
+    timestamp: int
+    offsets: list[int]  # virtual offset of each record
+
+
+class _Batch:
+    __slots__ = ("requests", "bytes", "count", "ahead")
+
+    def __init__(self):
+        self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
+        self.bytes = 0
+        self.count = 0
+        self.ahead = False  # handed over while another batch was in flight
+
+
+def _settle(waiter, result, error) -> None:
+    """Resolve one request's waiter: a future, or a callback(result, error)."""
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            if error is None:
+                waiter.set_result(result)
+            else:
+                waiter.set_exception(error)
+        return
+    try:
+        waiter(result, error)
+    except Exception:  # a caller's bug must never stop the writer
+        log.exception("append_callback_failed")
+
+
+class GroupCommit:
+    """The write path of DiskQueue (see the module docstring)."""
+
+    def _kick(self) -> None:
+        """Have the writer look at its work on the next turn of the loop (so the appends of
+        this turn join the batch); with one batch in flight, hand the next one over then."""
+        if not self._busy:
+            self._busy = True
+            self._loop.call_soon(self._write_next)
+        elif len(self._flight) == 1 and not self._ahead_due:
+            self._ahead_due = True
+            self._loop.call_soon(self._submit_ahead)
+
+    def _write_next(self, turns_first: bool = True) -> None:
+        """Give the writer slot (held by the caller) to the next work: an exclusive job
+        waiting its turn, the next batch, a sync that is due; or free it. Never raises."""
+        if turns_first and self._give_turn():
+            return
+        while self._batches and not self._held():
+            batch = self._take_batch()
+            if self.failed is not None:
+                self._fail_batch(batch, self.failed)
+                continue
+            if self._submit(batch):
+                return
+        if self._give_turn():
+            return
+        due = self._sync_due_in()
+        if due is not None and due <= 0:
+            self._write_worker.call(self._sync_job)
+            return
+        self._busy = False
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+        if due is not None and not self._closing:
+            self._sync_timer = self._loop.call_later(due, self._kick)
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _take_batch(self) -> _Batch:
+        batch = self._batches.popleft()
+        if batch is self._open:
+            self._open = None
+        return batch
+
+    def _submit(self, batch: _Batch) -> bool:
+        """Encode `batch` for the place the log will be at once the batches in flight are
+        written, and hand it to the write worker. False: it could not be encoded (a bug, or
+        a request the encoder cannot take), and its waiters failed."""
+        if self._flight:
+            end, count, log_id, last_ts = self._ahead
+        else:
+            end, count = self.written_end, self.written_count
+            log_id, last_ts = self.commitlog.next_log_id, self._last_ts
+        try:
+            ts = max(time.time_ns(), last_ts)
+            data, clog, results, seq = self._encode(batch.requests, ts, end, count, log_id)
+            sync = self._should_sync(batch.count)
+            self._write_worker.call(self._write_job, batch, data, clog, results, seq, ts, sync,
+                                    (end, log_id))
+        except Exception as e:
+            log.exception("write_batch_failed", path=self.path, partition=self.partition)
+            self._fail_batch(batch, AppendError(f"writing {self.path} failed: {e!r}"))
+            return False
+        batch.ahead = bool(self._flight)
+        self._flight.append(batch)
+        self._ahead = (end + len(data), seq, log_id + len(results), ts)
+        if self.on_batch is not None:
+            self._announce(data, clog, len(results))
+        return True
+
+    def _submit_ahead(self) -> None:
+        """With one batch in flight, hand the next one to the write worker now: it starts
+        the moment the one before is synced, with no trip through the loop between them
+        (the loop's hand-over waited 150-200 us for a busy loop and a busy CPU). Only for a
+        durable queue that is not replicated, with nothing unsynced (so each batch in flight
+        is synced before the next is written, and its first entry is SYNCED_BEFORE), and
+        never while an exclusive job waits for the slot (the pipe drains for it)."""
+        self._ahead_due = False
+        if (len(self._flight) == 1 and self._batches and not self._turns
+                and self.failed is None and self.options.sync.durable
+                and not self._unsynced_messages and self._parked is None
+                and self.on_batch is None):
+            self._submit(self._take_batch())
+
+    def _give_turn(self) -> bool:
+        while self._turns:
+            turn = self._turns.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return True
+        return False
+
+    async def _exclusive(self, fn, *args, then=None):
+        """Run fn(*args) in the write worker while the writer is stopped: no batch in flight,
+        and `written_end` & co. match the files (open, close, retain, empty, find). `then`
+        (on the loop) takes its result before the slot passes on."""
+        if self._shut:
+            raise QueueClosedError(self.path)
+        if self._busy:
+            turn = self._loop.create_future()
+            self._turns.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():  # it was ours: pass it on
+                    self._write_next(turns_first=False)
+                raise
+        else:
+            self._busy = True
+        try:
+            result = await self._write_worker.run(self._loop, fn, *args)
+            if then is not None:
+                then(result)
+            return result
+        finally:
+            self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
+
+    def _fail_batch(self, batch: _Batch, err: Exception) -> None:
+        for waiter, *_ in batch.requests:
+            _settle(waiter, None, err)
+
+    def _fail_queue(self, reason: str) -> QueueFailedError:
+        if self.failed is None:
+            self.failed = QueueFailedError(f"{self.path}: {reason}; no append is taken until "
+                                           "the queue is reopened")
+            log.error("queue_failed", path=self.path, partition=self.partition, reason=reason)
+        return self.failed
+
+    def _sync_due_in(self) -> float | None:
+        if not self._unsynced_messages or self.failed is not None:  # a failed queue waits
+            return None
+        policy = self.options.sync
+        if policy.durable:  # set_sync made the queue durable with data unsynced
+            return 0.0
+        if not policy.every_ms:
+            return None
+        return max(0.0, self._unsynced_since + policy.every_ms / 1000 - time.monotonic())
+
+    def _sync_job(self) -> None:
+        """Sync the data (write worker): what the time rule or set_sync asked for."""
+        t0 = time.perf_counter()
+        error = None
+        try:
+            self._segments.sync()
+        except BaseException as e:
+            error = e
+        self._loop.call_soon_threadsafe(self._synced, time.perf_counter() - t0, error)
+
+    def _synced(self, elapsed: float, error: BaseException | None) -> None:
+        if error is not None:
+            self._fail_queue(f"sync failed: {error}")
+        else:
+            self._count_sync(elapsed)
+            self._unsynced_messages = 0
+            if self.options.auto_commit:
+                self._commit(self.written_end, self.written_count)
+        self._write_next()
+
+    def _count_sync(self, elapsed: float) -> None:
+        self.stats["syncs"] += 1
+        self.stats["sync_seconds_total"] += elapsed
+        self.histograms["sync_seconds"][bisect.bisect_left(SYNC_SECONDS_BUCKETS, elapsed)] += 1
+
+    def _write_job(self, batch: _Batch, data, clog, results, seq: int, ts: int,
+                   sync: bool, at: tuple[int, int]) -> None:
+        """Write (and sync) one batch (write worker), then hand it back to the loop. Only
+        at the place it was encoded for (`at`: data end, next log id), and never after a
+        failed sync or undo: else it comes back `_STALE`, written nowhere (a batch handed
+        over ahead, whose predecessor failed)."""
+        t0 = time.perf_counter()
+        error = None
+        if self._write_broken or at != (self._segments.end, self.commitlog.next_log_id):
+            error = _STALE
+        else:
+            try:
+                self._write_sync(data, clog, len(results), sync)
+            except BaseException as e:
+                error = e
+                self._write_broken = isinstance(e, _Unrecoverable)
+            else:
+                self._store_committed()
+        self._loop.call_soon_threadsafe(self._written, batch, len(data), results, seq, ts, sync,
+                                        time.perf_counter() - t0, error)
+
+    def _written(self, batch: _Batch, size: int, results, seq: int, ts: int, synced: bool,
+                 elapsed: float, error: BaseException | None) -> None:
+        """A batch came back from the worker (loop): account for it, start the next batch,
+        then resolve this one. Batches come back in the order they were handed over."""
+        self._flight.popleft()
+        if error is _STALE and batch.ahead:  # written nowhere: it goes again, once at the front
+            self._batches.appendleft(batch)
+            if not self._flight:
+                self._write_next()
+            return
+        if error is _STALE:  # the loop's view and the files disagree: never write over them
+            error = _Unrecoverable("the log's files are not where the writer expected them")
+        if error is not None:
+            pushed = self.on_batch is not None
+            err = self._batch_error(error)
+            if pushed:  # the followers may hold it, and a new leader may commit it
+                err = NotCommitted(f"not written here ({err}): it may still be delivered")
+            self._fail_batch(batch, err)
+            if not self._flight:  # else the one in flight comes back (stale) first
+                self._write_next()
+            return
+        self.stats["batches"] += 1
+        self.stats["batch_messages_total"] += batch.count
+        self.histograms["batch_messages"][
+            bisect.bisect_left(BATCH_MESSAGES_BUCKETS, batch.count)] += 1
+        if synced:
+            self._count_sync(elapsed)
+        self._last_ts = ts
+        self.written_end += size
+        self.written_count = seq
+        if synced:
+            self._unsynced_messages = 0
+        else:
+            if not self._unsynced_messages:
+                self._unsynced_since = time.monotonic()
+            self._unsynced_messages += batch.count
+        if self.options.auto_commit:
+            self._commit(self.written_end, self.written_count)
+        if self._parked is not None:  # replicated: answered once committed
+            return self._park(batch, results)
+        if not self._flight:
+            self._write_next()  # the disk works on the next batch while the loop answers this one
+        elif self._batches:
+            self._kick()  # the next goes ahead of the one in flight, on the next turn
+        for request, result in zip(batch.requests, results):
+            _settle(request[0], result, None)
+
+    def _batch_error(self, error: BaseException) -> AppendError:
+        if isinstance(error, _Unrecoverable):
+            return self._fail_queue(str(error))
+        if self.on_batch is not None:  # followers may hold it: its place is never reused
+            return self._fail_queue(f"a batch pushed to the followers was not written: {error!r}")
+        if isinstance(error, OSError):
+            err = self._append_error(error)
+            log.error("append_failed", path=self.path, partition=self.partition, error=str(err))
+            return err
+        log.error("write_batch_failed", path=self.path, partition=self.partition,
+                  error=repr(error))
+        return AppendError(f"writing {self.path} failed: {error!r}")
+
+    def _encode(self, requests, ts: int, offset: int, seq: int, log_id: int):
+        """Encode a batch starting at (offset, seq, log_id): (data bytes, commitlog bytes,
+        one Appended per request, next sequence).
+
+        The hot loop of the write path: no per-record object but the pieces joined once.
+        """
+        parts = []
+        add = parts.append
+        clog = []
+        results = []
+        prefix = self.partition << PARTITION_SHIFT
+        epoch = self.epoch
+        flags = SYNCED_BEFORE if not self._unsynced_messages else 0  # the first entry's
+        for _fut, bodies, trace_id, ext, attempts in requests:
+            start = offset
+            first_id = prefix | seq
+            offsets = []
+            if ext.__class__ is bytes:
+                offset = encode_records(add, offsets, offset, first_id, trace_id, ts, attempts,
+                                        ext, bodies)
+            else:  # a trace id and an ext header per record (append's trace_ids, exts)
+                for i, body in enumerate(bodies):
+                    offset = encode_records(add, offsets, offset, first_id + i, trace_id[i], ts,
+                                            attempts, ext[i], (body,))
+            n = len(bodies)
+            clog.append(encode_fields(log_id, epoch, first_id, start, seq, ts, offset - start, n,
+                                      flags))
+            flags = 0
+            results.append(_new(Appended, (first_id, n, start, offset, log_id, ts, offsets)))
+            seq += n
+            log_id += 1
+        return b"".join(parts), b"".join(clog), results, seq
+
+    def _should_sync(self, count: int) -> bool:
+        policy = self.options.sync
+        if self._unsynced_messages + count >= policy.every_messages:
+            return True
+        return bool(policy.every_ms and self._unsynced_messages
+                    and time.monotonic() - self._unsynced_since >= policy.every_ms / 1000)
+
+    def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
+        """Write one batch (write worker), and sync its data if `sync` (in the same system
+        call as its write when it can: Segments.write). A failed write is undone (both files
+        cut back) and re-raised; a failed undo or a failed sync raises _Unrecoverable.
+
+        The commitlog is synced only when `clog_sync_every` entries are unsynced or the data
+        moved to a new segment (so its lag never spans a data segment); recovery rebuilds
+        what a power loss took of it from the data."""
+        data_before = self._segments.end
+        base_before = self._segments.active_base
+        log_before = self.commitlog.next_log_id
+        try:
+            synced = self._segments.write(data, sync)  # durable: one system call, write + sync
+            self.commitlog.append_encoded(clog, entries)
+        except _Unrecoverable:  # its sync failed: the queue fails, as after a failed fdatasync
+            raise
+        except BaseException:
+            try:
+                self.commitlog.truncate_after(log_before - 1)
+                self._segments.truncate_to(max(data_before, self._segments.active_base))
+            except OSError as undo:
+                raise _Unrecoverable(f"undoing a failed write failed: {undo}") from undo
+            raise
+        try:
+            if sync and not synced:
+                self._segments.sync()
+            if self.commitlog.sync_due or self._segments.active_base != base_before:
+                self.commitlog.sync()
+        except OSError as e:
+            raise _Unrecoverable(f"sync failed: {e}") from e
+
+    def _append_error(self, e: OSError) -> AppendError:
+        if e.errno == errno.ENOSPC:
+            return DiskFullError(f"no space left on device writing {self.path}: "
+                                 "nothing of this batch was acknowledged")
+        return AppendError(f"writing {self.path} failed: {e}")
+
+    # ---- committing and waiting ------------------------------------------
