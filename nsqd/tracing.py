@@ -22,7 +22,6 @@ import time
 
 from nsqtrace import events as ev
 from nsqtrace import store as sqlite_store
-from nsqtrace.process import ProcessStore
 from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
@@ -66,7 +65,6 @@ class Tracer:
             self.path = os.path.join(o.data_path, STORE_FILE)
             self.writer = EventWriter(
                 self.path, node, bound=o.trace_buffer,
-                open_store=lambda: ProcessStore(self.path, self.writer.node),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None,
                 max_bytes=o.trace_retention_max_bytes or None)
 

@@ -8,8 +8,8 @@ transaction; a batch the store refuses (read-only file, full disk, locked) is dr
 counted in `dropped_failed`, and the thread goes on with the next (the store may come
 back). So tracing never waits on SQLite, and SQLite never waits on anything but itself.
 
-The store is SQLite's TraceStore unless `open_store` makes another (the node's: SQLite in a
-process of its own, process.py's ProcessStore, or es.py's EsStore). A
+The store is SQLite's, in a process of its own (process.py's ProcessStore), unless
+`open_store` makes another (es.py's EsStore). A
 store that cannot be reached raises StoreUnavailable: the thread keeps that batch and
 sends it again with backoff (0.1 s doubling to 5 s) while new events wait in the bounded
 buffer (past the bound, dropped and counted as always); on shutdown what it still could
@@ -28,7 +28,8 @@ import time
 
 import structlog
 
-from .store import StoreUnavailable, TraceStore
+from .process import ProcessStore
+from .store import StoreUnavailable
 
 log = structlog.get_logger("nsqtrace.writer")
 
@@ -43,7 +44,7 @@ class EventWriter:
         self.path = path  # the SQLite file; None for a store elsewhere (open_store)
         self.sink = sink
         self.node = node  # the events' `node`, final once started (start's argument)
-        self._open_store = open_store or (lambda: TraceStore(path, self.node))
+        self._open_store = open_store or (lambda: ProcessStore(path, self.node))
         self.bound = bound
         self.batch = batch
         self.max_age_s = max_age_s
@@ -162,7 +163,7 @@ class EventWriter:
             self._failed("trace_store_open_failed", e)
             return None
 
-    def _write(self, store: TraceStore | None, events: list) -> None:
+    def _write(self, store, events: list) -> None:
         if store is None:
             self.dropped_failed += len(events)
             return
@@ -178,7 +179,7 @@ class EventWriter:
             self.dropped_failed += refused
             self.error = None
 
-    def _retain(self, store: TraceStore) -> None:
+    def _retain(self, store) -> None:
         if not (self.max_age_s or self.max_bytes):
             return
         try:
