@@ -115,12 +115,12 @@ def jepsen(store, *args: str, timeout: float) -> tuple[int, dict]:
     return proc.returncode, summary
 
 
-def test_kill_and_pause_r1_for_40_s_lose_nothing(tmp_path):
+def test_kill_and_pause_r1_for_25_s_lose_nothing(tmp_path):
     """R=1: a killed or paused node's partitions wait for it; what was acknowledged
     survives kill -9 and the restart of the final heal."""
     store = tmp_path / "run"
-    status, s = jepsen(store, "--nemesis", "kill,pause", "--time-limit", "40", "--nodes",
-                       "3", "--interval", "8", "--seed", "7", timeout=300)
+    status, s = jepsen(store, "--nemesis", "kill,pause", "--time-limit", "25", "--nodes",
+                       "3", "--interval", "5", "--seed", "7", timeout=300)
     tq = s["total_queue"]
     assert status == 0, s
     assert s["valid"] is True
@@ -158,7 +158,7 @@ def test_broken_build_ack_before_sync_is_caught(tmp_path):
     lost."""
     runs = {}
     for name, flags in (("broken", ["--nsqd-flag=--test-ack-before-sync"]), ("sound", [])):
-        runs[name] = jepsen(tmp_path / name, "--nemesis", "disk-full", "--time-limit", "18",
+        runs[name] = jepsen(tmp_path / name, "--nemesis", "disk-full", "--time-limit", "12",
                             "--nodes", "3", "--interval", "4", "--no-classic", "--seed", "5",
                             *flags, timeout=300)
         assert leftovers() == []

@@ -125,7 +125,7 @@ async def test_sink_down_10s_loses_no_message_counts_drops_and_resumes(traced, e
     node = traced("--trace-all", "--trace-buffer", "200", "--msg-timeout", "60s",
                   es_url=proxy.url)
     ok(node, "POST", "/pub?topic=outage", b"before")
-    sub = await conn(node)
+    sub = await conn(node, output_buffer_timeout=-1)  # each delivery at once: the loop is paced
     await sub.sub("outage", "ch", rdy=200)
     (await take(sub))[0].fin()
     await events_of(node, "topic=outage", 3)
