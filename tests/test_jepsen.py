@@ -197,7 +197,7 @@ def test_power_cuts_lose_nothing_acknowledged(tmp_path):
 def unsynced_run(tmp_path, nemesis: str) -> tuple[int, dict]:
     """A run whose topic has syncdisk 1000000: it acknowledges data it has not synced (a
     sync every 2 s)."""
-    run = jepsen(tmp_path / nemesis, "--nemesis", nemesis, "--time-limit", "20", "--nodes",
+    run = jepsen(tmp_path / nemesis, "--nemesis", nemesis, "--time-limit", "12", "--nodes",
                  "3", "--interval", "4", "--no-classic", "--seed", "3", "--sync-every",
                  "1000000", timeout=300)
     assert leftovers() == []
