@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                          "without a partition is E_BAD_PARTITION there)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=90.0)
+    ap.add_argument("--drain-quiet", type=float, default=10.0,
+                    help="the drain gives up after this long with nothing new dequeued")
     ap.add_argument("--keep-data", action="store_true", help="keep the hosts' data")
     ap.add_argument("--cleanup", action="store_true",
                     help="only remove what an earlier run left behind, then exit")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                       nodes=args.nodes, lookupds=args.lookupds, replicas=args.replicas,
                       partitions=args.partitions, interval=args.interval, store=store,
                       loopback=args.loopback, nsqd_flags=args.nsqd_flag, seed=args.seed,
-                      drain_timeout=args.drain_timeout, keep_data=args.keep_data,
+                      drain_timeout=args.drain_timeout,
+                      drain_quiet=args.drain_quiet, keep_data=args.keep_data,
                       classic=not args.no_classic, pause_s=args.pause,
                       unkeyed=args.unkeyed, disk_mb=args.disk_mb, ordered=args.ordered,
                       sync_every=args.sync_every)

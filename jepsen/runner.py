@@ -39,6 +39,7 @@ class RunOptions:
     nsqd_flags: list[str] = field(default_factory=list)
     seed: int = 0
     drain_timeout: float = 90.0
+    drain_quiet: float = 10.0  # the drain gives up after this long with nothing new
     keep_data: bool = False
     classic: bool = True
     pause_s: float = 0.05  # each producer's pause between its operations
@@ -130,21 +131,21 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
                                 opts.partitions, 60, "every partition led after the heal")
         await workload.stop_producing()
         history.record("info", "drain", "nemesis", {"acknowledged": len(workload.acknowledged)})
-        info["drain_s"] = await _drain(workload, opts.drain_timeout)
+        info["drain_s"] = await _drain(workload, opts.drain_timeout, opts.drain_quiet)
     finally:
         await workload.close()
 
 
-async def _drain(workload: Workload, timeout: float) -> float:
+async def _drain(workload: Workload, timeout: float, quiet: float) -> float:
     """Consumers read until every acknowledged enqueue was seen, or nothing new came for
-    10 s, or `timeout`; returns how long it took."""
+    `quiet` seconds, or `timeout`; returns how long it took."""
     start = time.monotonic()
     last, seen = start, len(workload.dequeued)
     while time.monotonic() - start < timeout and workload.missing():
         await asyncio.sleep(0.5)
         if len(workload.dequeued) != seen:
             last, seen = time.monotonic(), len(workload.dequeued)
-        elif time.monotonic() - last > 10:
+        elif time.monotonic() - last > quiet:
             break
     await asyncio.sleep(1.0)  # late redeliveries still count as duplicates
     return round(time.monotonic() - start, 2)

@@ -157,7 +157,8 @@ def test_broken_build_ack_before_sync_is_caught(tmp_path):
     flag passes: nsqd refuses those publishes (E_PUB_FAILED), nothing acknowledged is
     lost."""
     runs = {}
-    for name, flags in (("broken", ["--nsqd-flag=--test-ack-before-sync"]), ("sound", [])):
+    for name, flags in (("broken", ["--nsqd-flag=--test-ack-before-sync", "--drain-quiet", "3"]),
+                        ("sound", [])):
         runs[name] = jepsen(tmp_path / name, "--nemesis", "disk-full", "--time-limit", "12",
                             "--nodes", "3", "--interval", "4", "--no-classic", "--seed", "5",
                             *flags, timeout=300)
@@ -194,12 +195,12 @@ def test_power_cuts_lose_nothing_acknowledged(tmp_path):
     assert leftovers() == []
 
 
-def unsynced_run(tmp_path, nemesis: str) -> tuple[int, dict]:
+def unsynced_run(tmp_path, nemesis: str, *extra: str) -> tuple[int, dict]:
     """A run whose topic has syncdisk 1000000: it acknowledges data it has not synced (a
     sync every 2 s)."""
     run = jepsen(tmp_path / nemesis, "--nemesis", nemesis, "--time-limit", "12", "--nodes",
                  "3", "--interval", "4", "--no-classic", "--seed", "3", "--sync-every",
-                 "1000000", timeout=300)
+                 "1000000", *extra, timeout=300)
     assert leftovers() == []
     return run
 
@@ -208,7 +209,7 @@ def unsynced_run(tmp_path, nemesis: str) -> tuple[int, dict]:
 def test_power_cut_catches_acknowledged_unsynced_data(tmp_path):
     """A power cut drops what was acknowledged and not synced: the checker finds
     acknowledged messages lost."""
-    status, s = unsynced_run(tmp_path, "power-cut")
+    status, s = unsynced_run(tmp_path, "power-cut", "--drain-quiet", "3")
     assert status == 1 and s["valid"] is False
     assert s["total_queue"]["lost"] > 10 and s["total_queue"]["unexpected"] == 0, s["total_queue"]
 
