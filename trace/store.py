@@ -291,12 +291,13 @@ def _topic_rows(db, where: str, args: list, topic: str, since_ns: int | None,
         bounds.append(until_ns)
     spans = db.execute(f"SELECT first_id, last_id, min_time FROM topic_spans WHERE topic = ?"
                        f"{window} ORDER BY min_time, first_id", (topic, *bounds)).fetchall()
-    sql = f"SELECT {_COLUMNS}, id FROM events WHERE id BETWEEN ? AND ? AND {where}"
+    sql = (f"SELECT {_COLUMNS}, id FROM events WHERE id BETWEEN ? AND ? AND {where} "
+           f"ORDER BY time_ns, id LIMIT ?")  # a span's oldest `limit`, chosen by SQLite
     rows: list[tuple] = []
     for first, last, min_time in spans:
         if len(rows) >= limit and min_time > rows[-1][1]:
             break  # every later span's events come after the `limit` found
-        rows += db.execute(sql, (first, last, *args)).fetchall()
+        rows += db.execute(sql, (first, last, *args, limit)).fetchall()
         rows.sort(key=_time_then_id)
         del rows[limit:]
     return [row[:-1] for row in rows]
