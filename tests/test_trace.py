@@ -561,9 +561,9 @@ def test_topic_search_reads_spans_in_time_order_whatever_the_write_order(tmp_pat
         store.write([(ts, "FIN", topic, 0, channel, ts, 0, 0, 1, "") for ts in times])
 
     batch(range(100, 200))
-    batch([*range(50, 60), *range(300, 310)])  # earlier and later times in one batch
-    batch(range(60, 70), topic="other")
     batch(range(200, 300), channel="d")
+    batch(range(60, 70), topic="other")
+    batch([*range(50, 60), *range(300, 310)])  # written last: earlier and later times
     store.close()
     times = [e["time_ns"] for e in search(path, topic="t", limit=15)]
     assert times == [*range(50, 60), *range(100, 105)]
