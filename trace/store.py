@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from operator import itemgetter
 import sqlite3
 import time
+from operator import itemgetter
 
 from .events import FIELDS
 
