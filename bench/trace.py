@@ -188,20 +188,23 @@ def off_hook_ns() -> float:
 
 
 def build_store(path: str, events: int) -> float:
-    """A store of `events` (PUB, DELIVER, FIN per message, 100 ms apart, 4 partitions);
-    returns rows written per second."""
+    """A store of `events` written as a node writes them, in time order: message i
+    published at t0 + i µs, delivered 100 ms and finished 200 ms later (PUB, DELIVER, FIN;
+    4 partitions), in batches of 30,000; returns rows written per second."""
     store = TraceStore(path, "bench:4150")
     t0 = time.monotonic()
     now = time.time_ns() - events * 1000
-    batch = []
     msgs = events // 3
-    for i in range(msgs):
-        msg_id = (i % 4) << 50 | i // 4
-        ts = now + i * 1000
-        batch += [(ts, "PUB", TOPIC, i % 4, "", msg_id, i, i * 236, 0, "127.0.0.1:50000"),
-                  (ts + 100_000_000, "DELIVER", TOPIC, i % 4, "ch", msg_id, i, i * 236, 1,
-                   "127.0.0.1:50001"),
-                  (ts + 200_000_000, "FIN", TOPIC, i % 4, "ch", msg_id, i, i * 236, 1, "")]
+    lag = 100_000  # messages published in 100 ms
+    batch = []
+    for j in range(msgs + 2 * lag):
+        ts = now + j * 1000
+        for i, kind, channel, attempts, who in ((j, "PUB", "", 0, "127.0.0.1:50000"),
+                                                (j - lag, "DELIVER", "ch", 1, "127.0.0.1:50001"),
+                                                (j - 2 * lag, "FIN", "ch", 1, "")):
+            if 0 <= i < msgs:
+                batch.append((ts, kind, TOPIC, i % 4, channel, (i % 4) << 50 | i // 4, i,
+                              i * 236, attempts, who))
         if len(batch) >= 30_000:
             store.write(batch)
             batch = []
@@ -234,6 +237,18 @@ def search_latency(report: Report, events: int, base_dir: str | None) -> None:
                    fmt=".3f")
         report.add("search_direct_p99_ms", percentile(direct, 99), "search by id, direct: p99 (ms)",
                    fmt=".3f")
+        by_topic = []  # the first 100 events from a random time on (the store's topic spans)
+        first_ns = search(path, topic=TOPIC, limit=1)[0]["time_ns"]
+        for i in random.Random(8).sample(range(msgs), 200):
+            t0 = time.perf_counter()
+            found = search(path, topic=TOPIC, since_ns=first_ns + i * 1000, limit=100)
+            by_topic.append((time.perf_counter() - t0) * 1000)
+            assert len(found) == 100, (i, len(found))
+        by_topic.sort()
+        report.add("search_topic_p50_ms", percentile(by_topic, 50),
+                   "search by topic from a time, 100 events, direct: p50 (ms)", fmt=".3f")
+        report.add("search_topic_p99_ms", percentile(by_topic, 99),
+                   "search by topic from a time, 100 events, direct: p99 (ms)", fmt=".3f")
         node = _load_servers().NsqdProcess(data, "--log-level", "warning").start()
         try:
             over_http = []

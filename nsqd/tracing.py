@@ -166,13 +166,12 @@ class Tracer:
 
         def published(appended, exc):
             if exc is None:
-                now = time.time_ns()
-                name = topic.name
+                now, name, add = time.time_ns(), topic.name, writer.add
                 first, offsets = appended.first_id, appended.offsets
-                writer.add_many([
-                    (now, ev.PUB, name, number, "", first + i,
-                     trace_ids[i] if trace_ids is not None else trace_id, offsets[i], 0, source)
-                    for i in range(appended.count)])
+                for i in range(appended.count):
+                    add((now, ev.PUB, name, number, "", first + i,
+                         trace_ids[i] if trace_ids is not None else trace_id, offsets[i], 0,
+                         source))
             if callback is not None:
                 callback(appended, exc)
             elif not waiter.done():
@@ -191,17 +190,20 @@ class Tracer:
         return (time.time_ns(), kind, channel.topic_name, channel.partition, channel.name,
                 msg.msg_id, msg.trace_id, msg.offset, msg.attempts, detail)
 
+    # the events of every message (PUB above, DELIVER, FIN) are added one by one in a loop:
+    # a list comprehension handed to add_many cost 0.3 µs more an event (its function)
+
     def delivered(self, channel, msgs, client) -> None:
-        now, who = time.time_ns(), client.remote_address
+        now, who, add = time.time_ns(), client.remote_address, self.writer.add
         t, n, c = channel.topic_name, channel.partition, channel.name
-        self.writer.add_many([(now, ev.DELIVER, t, n, c, m.msg_id, m.trace_id, m.offset,
-                               m.attempts, who) for m in msgs])
+        for m in msgs:
+            add((now, ev.DELIVER, t, n, c, m.msg_id, m.trace_id, m.offset, m.attempts, who))
 
     def finished(self, channel, msgs) -> None:
-        now = time.time_ns()
+        now, add = time.time_ns(), self.writer.add
         t, n, c = channel.topic_name, channel.partition, channel.name
-        self.writer.add_many([(now, ev.FIN, t, n, c, m.msg_id, m.trace_id, m.offset,
-                               m.attempts, "") for m in msgs])
+        for m in msgs:
+            add((now, ev.FIN, t, n, c, m.msg_id, m.trace_id, m.offset, m.attempts, ""))
 
     def requeued(self, channel, msg, delay_ms: int) -> None:
         self.writer.add(self._event(channel, ev.REQ, msg, str(delay_ms)))

@@ -518,3 +518,57 @@ async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, e
         for node in nodes:
             node.kill()
         await etcd.close()
+
+
+def test_a_version_1_store_is_searched_then_converted_when_opened(tmp_path):
+    """A store the previous version made (tests/data/trace-store-v1.sql: its schema with the
+    (topic, time_ns) index, its rows): searched as it is, then converted by the first open."""
+    path = str(tmp_path / "trace.sqlite")
+    old = sqlite3.connect(path)
+    with open(os.path.join(os.path.dirname(__file__), "data", "trace-store-v1.sql")) as f:
+        old.executescript(f.read())
+    old.close()
+    expected = [(e["kind"], e["msg_id"]) for e in search(path, topic="orders", limit=100)]
+    assert len(expected) == 18  # through its own topic index, not converted yet
+    store = TraceStore(path, "127.0.0.1:4150")
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert db.execute("SELECT name FROM sqlite_master WHERE name = 'events_topic_time'"
+                      ).fetchone() is None
+    assert [(e["kind"], e["msg_id"]) for e in search(path, topic="orders", limit=100)] == expected
+    assert [e["kind"] for e in search(path, trace_id=(1 << 64) - 6)] == ["PUB", "DELIVER", "FIN"]
+    then = search(path, topic="audit", limit=100)[-1]["time_ns"]
+    store.write([(then + 1, "PUB", "audit", 0, "", 99, 0, 5, 0, "x"),
+                 (then + 2, "PUB", "orders", 0, "", 98, 0, 6, 0, "x")])
+    audit = search(path, topic="audit", limit=100)
+    assert len(audit) == 19 and audit[-1]["msg_id"] == 99
+    assert [e["msg_id"] for e in search(path, topic="audit", since_ns=then, limit=5)] == [
+        audit[-2]["msg_id"], 99]
+    store.close()
+    again = TraceStore(path, "127.0.0.1:4150")  # opened again: nothing converted twice
+    assert db.execute("SELECT count(*) FROM topic_spans").fetchone()[0] == 4
+    again.close()
+    db.close()
+
+
+def test_topic_search_reads_spans_in_time_order_whatever_the_write_order(tmp_path):
+    """A topic's events are its spans' rows: the oldest `limit` in time order, even when a
+    later batch holds earlier times (a clock stepped back), with channel and window."""
+    path = str(tmp_path / "trace.sqlite")
+    store = TraceStore(path, "n")
+
+    def batch(times, topic="t", channel="c"):
+        store.write([(ts, "FIN", topic, 0, channel, ts, 0, 0, 1, "") for ts in times])
+
+    batch(range(100, 200))
+    batch(range(200, 300), channel="d")
+    batch(range(60, 70), topic="other")
+    batch([*range(50, 60), *range(300, 310)])  # written last: earlier and later times
+    store.close()
+    times = [e["time_ns"] for e in search(path, topic="t", limit=15)]
+    assert times == [*range(50, 60), *range(100, 105)]
+    assert [e["time_ns"] for e in search(path, topic="t", since_ns=195, until_ns=302,
+                                         channel="c")] == [195, 196, 197, 198, 199, 300, 301]
+    assert len(search(path, topic="t", limit=10_000)) == 220
+    assert search(path, topic="t", since_ns=60, until_ns=70) == []
+    assert [e["time_ns"] for e in search(path, topic="other")] == list(range(60, 70))
