@@ -94,7 +94,7 @@ class FollowerLog:
         self.level: tuple[str, int] | None = None  # (leader, epoch) the log is checked against
         self.state = None
         self._lock = asyncio.Lock()
-        self._pending: list[tuple[dict, bytes, asyncio.Future]] = []
+        self._pending: list[tuple[dict, bytes, object]] = []  # (header, payload, answer)
         self._appender: asyncio.Task | None = None
         self._catch_up: asyncio.Task | None = None
         self._fence_path = os.path.join(q.path, FENCE_FILE)
@@ -117,10 +117,9 @@ class FollowerLog:
                 task.cancel()
         await asyncio.gather(*(t for t in (self._catch_up, self._appender) if t),
                              return_exceptions=True)
-        for _, _, fut in self._pending:
-            if not fut.done():
-                fut.set_result(error(wire.E_NOT_REPLICA, "replica closed"))
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for _, _, answer in pending:
+            answer(error(wire.E_NOT_REPLICA, "replica closed"))
 
     # ---- the partition state (the host calls `follow` with every state it sees) ----
 
@@ -151,21 +150,22 @@ class FollowerLog:
                              epoch=self.epoch)
             self.host.channels_received(self.topic, self.partition, h["channels"])
             return Kind.OK, {}, b""
-        return await self.push(frame)
-
-    def push(self, frame: Frame) -> asyncio.Future:
-        """Take a PUSH (in arrival order); the future gives its answer. Called by the RPC
-        server straight from the connection's read (no task of its own per push)."""
-        h = frame.header
         fut = asyncio.get_running_loop().create_future()
+        self.push(frame, lambda answer: fut.done() or fut.set_result(answer))
+        return await fut
+
+    def push(self, frame: Frame, answer) -> None:
+        """Take a PUSH (in arrival order); `answer(Answer)` is called once with its answer.
+        Called by the RPC server straight from the connection's read (no task, no future of
+        its own per push)."""
+        h = frame.header
         if h["epoch"] < self.epoch:
-            fut.set_result(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
-                                 epoch=self.epoch))
-            return fut
-        self._pending.append((h, frame.payload, fut))
+            answer(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                         epoch=self.epoch))
+            return
+        self._pending.append((h, frame.payload, answer))
         if self._appender is None or self._appender.done():
             self._appender = asyncio.create_task(self._append_pending())
-        return fut
 
     async def _append_pending(self) -> None:
         async with self._lock:
@@ -178,11 +178,11 @@ class FollowerLog:
     async def _append_group(self, pending, i: int) -> int:
         """Append pending[i] and the contiguous pushes after it of the same leader and
         epoch in one `append_raw`; answer each. Returns how many were taken."""
-        h, payload, fut = pending[i]
+        h, payload, answer = pending[i]
         try:
             if h["epoch"] < self.epoch:
-                fut.set_result(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
-                                     epoch=self.epoch))
+                answer(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                             epoch=self.epoch))
                 return 1
             await self._raise_epoch(h["epoch"])
             if self.level != (h["leader"], h["epoch"]):
@@ -190,7 +190,7 @@ class FollowerLog:
         except (PeerError, FollowError, OSError, ValueError) as e:
             log.warning("follower_reconcile_failed", topic=self.topic, partition=self.partition,
                         error=str(e))
-            fut.set_result(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
+            answer(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
             return 1
         group = [pending[i]]
         n = h["n"] * wire.ENTRY_SIZE
@@ -220,14 +220,14 @@ class FollowerLog:
             if not isinstance(e, DiskFullError):
                 log.warning("follower_push_refused", topic=self.topic, partition=self.partition,
                             error=str(e))
-            answer = _answer_error(e, self.end)
-            for _, _, f in group:
-                f.set_result(answer)
+            refused = _answer_error(e, self.end)
+            for _, _, answer in group:
+                answer(refused)
             return len(group)
         self.q.replicated_to(*group[-1][0]["commit"])
         ack = (Kind.ACK, {"end": list(self.end)}, b"")
-        for _, _, f in group:
-            f.set_result(ack)
+        for _, _, answer in group:
+            answer(ack)
         return len(group)
 
     # ---- divergence and catch-up ----
