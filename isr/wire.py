@@ -200,15 +200,21 @@ class Decoder:
         return len(self._buf) - self._pos
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Every whole frame that `data` completes, in order."""
+        """Every whole frame that `data` completes, in order. The frames that `data` holds
+        whole while nothing is buffered are not copied: their payloads are memoryviews of
+        `data` (so is every payload bytes-like, not always `bytes`)."""
         buf = self._buf
-        if self._pos and self._pos == len(buf):
-            buf.clear()
-            self._pos = 0
-        buf += data
         frames = []
         try:
-            self._parse(frames)
+            if self._pos == len(buf) and type(data) is bytes:
+                buf.clear()
+                self._pos = 0
+                end = self._parse(frames, data, 0)
+                if end < len(data):
+                    buf += memoryview(data)[end:]
+                return frames
+            buf += data
+            self._pos = self._parse(frames, buf, self._pos)
         except BadFrame as e:
             e.frames = frames
             raise
@@ -217,32 +223,39 @@ class Decoder:
             self._pos = 0
         return frames
 
-    def _parse(self, frames: list) -> None:
-        buf = self._buf
-        while True:
-            avail = len(buf) - self._pos
-            if avail < 4:
-                break
-            (size,) = struct.unpack_from(">I", buf, self._pos)
-            if size < FIXED or size > self.max_frame:
-                raise BadFrame(f"frame size {size}")
-            if avail >= PREFIX.size:
-                _, kind, rid, hlen = PREFIX.unpack_from(buf, self._pos)
-                if FIXED + hlen > size:
-                    raise BadFrame(f"header length {hlen} beyond frame size {size}")
-                try:
-                    kind = Kind(kind)
-                except ValueError:
-                    raise BadFrame(f"unknown kind {kind}") from None
-            if avail < 4 + size:
-                break
-            start = self._pos + PREFIX.size
-            end = self._pos + 4 + size
-            with memoryview(buf) as view:  # one copy each (a bytearray slice is a copy too)
+    def _parse(self, frames: list, buf, pos: int) -> int:
+        """Append the whole frames of `buf` from `pos` to `frames`; the position after them.
+        `buf` is the caller's `bytes` (payloads are views of it) or our bytearray (copied:
+        it changes)."""
+        view = memoryview(buf)
+        copy = type(buf) is not bytes
+        try:
+            while True:
+                avail = len(buf) - pos
+                if avail < 4:
+                    return pos
+                (size,) = struct.unpack_from(">I", buf, pos)
+                if size < FIXED or size > self.max_frame:
+                    raise BadFrame(f"frame size {size}")
+                if avail >= PREFIX.size:
+                    _, kind, rid, hlen = PREFIX.unpack_from(buf, pos)
+                    if FIXED + hlen > size:
+                        raise BadFrame(f"header length {hlen} beyond frame size {size}")
+                    try:
+                        kind = Kind(kind)
+                    except ValueError:
+                        raise BadFrame(f"unknown kind {kind}") from None
+                if avail < 4 + size:
+                    return pos
+                start = pos + PREFIX.size
+                pos += 4 + size
                 head = bytes(view[start:start + hlen])
-                payload = bytes(view[start + hlen:end])
-            self._pos = end
-            frames.append(Frame(kind, rid, _header(kind, head), payload))
+                payload = view[start + hlen:pos]
+                frames.append(Frame(kind, rid, _header(kind, head),
+                                    bytes(payload) if copy else payload))
+        finally:
+            if copy:
+                view.release()  # (a bytearray with an export cannot be resized)
 
 
 def _header(kind: Kind, raw: bytes) -> dict:
