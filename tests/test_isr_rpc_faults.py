@@ -248,3 +248,40 @@ async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path, disk)
             assert h.queues[(T, 0)].committed_end <= aq.written_end
     finally:
         await stop(hosts)
+
+
+async def test_a_node_of_the_old_wire_format_is_refused_at_hello(tmp_path):
+    """Wire version 2 (binary PUSH/ACK headers) against version 1 (JSON, HELLO without a
+    version): the server answers an old HELLO E_BAD_VERSION and closes; a leader whose ISR
+    follower answers HELLO the old way never sends it a PUSH, and drops it from the ISR by
+    CAS (a failed follower) while the partition goes on with the others."""
+    heard = []
+
+    async def old_node(reader, writer):  # a version 1 server: OK without a version
+        d = Decoder()
+        while chunk := await reader.read(65536):
+            for f in d.feed(chunk):
+                heard.append(f)
+                if f.kind is Kind.HELLO:
+                    writer.write(wire.encode(Kind.OK, 0, {"node": B}))
+        writer.close()
+
+    old = await asyncio.start_server(old_node, "127.0.0.1", 0)
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=2).start()
+             for n in (A, C)]
+    states.addresses[B] = f"127.0.0.1:{old.sockets[0].getsockname()[1]}"
+    try:
+        frames, closed = await exchange(hosts[0].rpc.port, wire.encode(
+            Kind.HELLO, 0, {"cluster": CLUSTER, "node": B}), hello=False)
+        assert [f.header["code"] for f in frames] == [wire.E_BAD_VERSION] and closed
+        await hosts[1].open(T, 0)
+        lq = await hosts[0].open(T, 0)
+        await asyncio.wait_for(lq.append([b"without the old node"]), 5)
+        s = states.states[(T, 0)]
+        assert s.isr == (A, C) and s.catchup == (B,)
+        assert [f.kind for f in heard] == [Kind.HELLO] and heard[0].header["version"] == 2
+    finally:
+        await stop(hosts)
+        old.close()
