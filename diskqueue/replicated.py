@@ -19,6 +19,7 @@ Invariants (with `QueueOptions.replicated`):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import struct
@@ -247,6 +248,45 @@ class Replicated:
         except (OSError, _Unrecoverable) as e:
             raise self._batch_error(e) from None
         return self.written_end, self.written_count
+
+    def append_raw_then(self, offset: int, count: int, entries, data, done,
+                        records_checked: bool = False) -> None:
+        """`append_raw` with a callback (a follower's pushes: no task, no future when the
+        writer slot is free): `done(error)` is called on the loop once the batch is written,
+        or found a duplicate (error None), or refused (error: what append_raw raises)."""
+        if self._busy or self._closing or self._shut or self.failed is not None:
+            task = asyncio.ensure_future(self.append_raw(offset, count, entries, data,
+                                                         records_checked))
+            task.add_done_callback(
+                lambda t: done(asyncio.CancelledError() if t.cancelled() else t.exception()))
+            return
+        if (not entries and not data) or offset + len(data) <= self.written_end:
+            self._loop.call_soon(done, None)
+            return
+        self._busy = True
+        loop = self._loop
+
+        def job() -> None:  # write worker
+            try:
+                result = self._append_raw_job(offset, count, entries, data, records_checked)
+            except BaseException as e:
+                loop.call_soon_threadsafe(finished, None, e)
+            else:
+                loop.call_soon_threadsafe(finished, result, None)
+
+        def finished(result, error) -> None:  # loop
+            try:
+                if error is None:
+                    self._appended_raw(result)
+                elif isinstance(error, (OSError, _Unrecoverable)):
+                    error = self._batch_error(error)
+            except Exception as e:  # (a bug) the caller is answered all the same
+                error = e
+            finally:
+                self._write_next(turns_first=False)
+            done(error)
+
+        self._write_worker.call(job)
 
     def _append_raw_job(self, offset, count, entries, data, records_checked):
         """Check, renumber, write and (as the policy says) sync a raw batch (write worker)."""

@@ -9,8 +9,10 @@ chunks, JOIN when the lag is small), and CHANNELS (handed to `host.channels_rece
 Invariants: nothing of an epoch older than `epoch` is taken; the log is appended only
 while it is checked level with the pushing leader at the push's epoch (`level`: a new
 leader or epoch first runs the EPOCH_END round); appends and truncations run one at a
-time (`_lock`), pushes in the order they arrived, contiguous pushes in one `append_raw`
-(group commit on the follower too).
+time (`_lock`; the hot path, a push needing no fencing or reconcile, goes to the queue
+with `append_raw_then` only while the lock is free, and whoever takes the lock first waits
+for it), pushes in the order they arrived, contiguous pushes in one append (group commit
+on the follower too).
 """
 
 from __future__ import annotations
@@ -94,8 +96,10 @@ class FollowerLog:
         self.level: tuple[str, int] | None = None  # (leader, epoch) the log is checked against
         self.state = None
         self._lock = asyncio.Lock()
-        self._pending: list[tuple[dict, bytes, asyncio.Future]] = []
-        self._appender: asyncio.Task | None = None
+        self._pending: list[tuple[dict, bytes, object]] = []  # (header, payload, answer)
+        self._appender: asyncio.Task | None = None  # appends under the lock (the slow path)
+        self._fast = False  # a group handed to `append_raw_then` (the hot path), not written yet
+        self._quiet: asyncio.Future | None = None  # a lock holder waiting for it
         self._catch_up: asyncio.Task | None = None
         self._fence_path = os.path.join(q.path, FENCE_FILE)
         self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0,
@@ -117,10 +121,9 @@ class FollowerLog:
                 task.cancel()
         await asyncio.gather(*(t for t in (self._catch_up, self._appender) if t),
                              return_exceptions=True)
-        for _, _, fut in self._pending:
-            if not fut.done():
-                fut.set_result(error(wire.E_NOT_REPLICA, "replica closed"))
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for _, _, answer in pending:
+            answer(error(wire.E_NOT_REPLICA, "replica closed"))
 
     # ---- the partition state (the host calls `follow` with every state it sees) ----
 
@@ -151,24 +154,66 @@ class FollowerLog:
                              epoch=self.epoch)
             self.host.channels_received(self.topic, self.partition, h["channels"])
             return Kind.OK, {}, b""
-        return await self.push(frame)
-
-    def push(self, frame: Frame) -> asyncio.Future:
-        """Take a PUSH (in arrival order); the future gives its answer. Called by the RPC
-        server straight from the connection's read (no task of its own per push)."""
-        h = frame.header
         fut = asyncio.get_running_loop().create_future()
+        self.push(frame, lambda answer: fut.done() or fut.set_result(answer))
+        return await fut
+
+    def push(self, frame: Frame, answer) -> None:
+        """Take a PUSH (in arrival order); `answer(Answer)` is called once with its answer.
+        Called by the RPC server straight from the connection's read (no task, no future of
+        its own per push)."""
+        h = frame.header
         if h["epoch"] < self.epoch:
-            fut.set_result(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
-                                 epoch=self.epoch))
-            return fut
-        self._pending.append((h, frame.payload, fut))
-        if self._appender is None or self._appender.done():
+            answer(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                         epoch=self.epoch))
+            return
+        self._pending.append((h, frame.payload, answer))
+        if not self._fast and (self._appender is None or self._appender.done()):
+            self._append_next()
+
+    def _append_next(self) -> None:
+        """Append the next group of pushes that wait: straight to the queue with a callback
+        (`append_raw_then`: the hot path) when it needs no fencing, no reconcile and the
+        lock is free; else in the task `_append_pending`, under the lock."""
+        h = self._pending[0][0]
+        if self._lock.locked() or h["epoch"] != self.epoch or \
+                self.level != (h["leader"], h["epoch"]):
             self._appender = asyncio.create_task(self._append_pending())
-        return fut
+            return
+        group = self._group(self._pending, 0)
+        del self._pending[:len(group)]
+        self.stats["pushes"] += len(group)
+        entries, data = self._joined(group)
+        try:
+            checked = _checksums_match(group)
+        except BadBatch as e:
+            self._settle(group, e)
+            return
+        self._fast = True
+        self.q.append_raw_then(h["offset"], h["count"], entries, data,
+                               lambda e: self._appended(group, e), records_checked=checked)
+
+    def _appended(self, group, e: BaseException | None) -> None:
+        """A group handed to `append_raw_then` is written (or refused): answer it, let a
+        lock holder waiting for it go on, take the next."""
+        self._fast = False
+        self._settle(group, e)
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None and not quiet.done():
+            quiet.set_result(None)
+        if self._pending and (self._appender is None or self._appender.done()):
+            self._append_next()
+
+    async def _quiet_appends(self) -> None:
+        """(With the lock held) wait for the group handed to `append_raw_then`, if any."""
+        while self._fast:
+            if self._quiet is None:
+                self._quiet = asyncio.get_running_loop().create_future()
+            await self._quiet
 
     async def _append_pending(self) -> None:
         async with self._lock:
+            await self._quiet_appends()
             while self._pending:
                 pending, self._pending = self._pending, []
                 i = 0
@@ -177,12 +222,13 @@ class FollowerLog:
 
     async def _append_group(self, pending, i: int) -> int:
         """Append pending[i] and the contiguous pushes after it of the same leader and
-        epoch in one `append_raw`; answer each. Returns how many were taken."""
-        h, payload, fut = pending[i]
+        epoch in one `append_raw` (after fencing and reconciling as they need); answer each.
+        Returns how many were taken."""
+        h, payload, answer = pending[i]
         try:
             if h["epoch"] < self.epoch:
-                fut.set_result(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
-                                     epoch=self.epoch))
+                answer(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                             epoch=self.epoch))
                 return 1
             await self._raise_epoch(h["epoch"])
             if self.level != (h["leader"], h["epoch"]):
@@ -190,45 +236,63 @@ class FollowerLog:
         except (PeerError, FollowError, OSError, ValueError) as e:
             log.warning("follower_reconcile_failed", topic=self.topic, partition=self.partition,
                         error=str(e))
-            fut.set_result(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
+            answer(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
             return 1
-        group = [pending[i]]
-        n = h["n"] * wire.ENTRY_SIZE
+        group = self._group(pending, i)
+        entries, data = self._joined(group)
+        self.stats["pushes"] += len(group)
         try:
-            end = batch_end(h["offset"], h["count"], payload[:n])
-            for h2, p2, _ in pending[i + 1:]:
+            await self.q.append_raw(h["offset"], h["count"], entries, data,
+                                    records_checked=_checksums_match(group))
+        except (AppendError, GapError, BadBatch, ValueError) as e:
+            self._settle(group, e)
+            return len(group)
+        self._settle(group, None)
+        return len(group)
+
+    @staticmethod
+    def _group(pending, i: int) -> list:
+        """pending[i] and the pushes after it that continue it (same leader and epoch, each
+        starting where the one before ends): appended as one."""
+        h, payload, _ = pending[i]
+        group = [pending[i]]
+        try:
+            end = batch_end(h["offset"], h["count"], payload[:h["n"] * wire.ENTRY_SIZE])
+            for h2, p2, a2 in pending[i + 1:]:
                 if (h2["leader"], h2["epoch"]) != (h["leader"], h["epoch"]) or not h2["n"] \
                         or [h2["offset"], h2["count"]] != list(end):
                     break
-                n2 = h2["n"] * wire.ENTRY_SIZE
-                end = batch_end(h2["offset"], h2["count"], p2[:n2])
-                group.append((h2, p2, _))
+                end = batch_end(h2["offset"], h2["count"], p2[:h2["n"] * wire.ENTRY_SIZE])
+                group.append((h2, p2, a2))
         except clog_entry.CorruptEntryError:
             pass  # append_raw names the bad entry
-        if len(group) == 1:  # no copy: slices of the frame's payload
-            entries, data = memoryview(payload)[:n], memoryview(payload)[n:]
-        else:
-            entries = b"".join(memoryview(p)[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group)
-            data = b"".join(memoryview(p)[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group)
-        self.stats["pushes"] += len(group)
-        try:
-            if entries:
-                await self.q.append_raw(h["offset"], h["count"], entries, data,
-                                        records_checked=_checksums_match(group))
+        return group
+
+    @staticmethod
+    def _joined(group) -> tuple:
+        """The group's entries and data (one push: slices of its frame's payload, no copy)."""
+        if len(group) == 1:
+            h, payload, _ = group[0]
+            n = h["n"] * wire.ENTRY_SIZE
+            return memoryview(payload)[:n], memoryview(payload)[n:]
+        return (b"".join(memoryview(p)[:g["n"] * wire.ENTRY_SIZE] for g, p, _ in group),
+                b"".join(memoryview(p)[g["n"] * wire.ENTRY_SIZE:] for g, p, _ in group))
+
+    def _settle(self, group, e: BaseException | None) -> None:
+        """Answer a group's pushes: ACK with the end (and commit what the leader committed),
+        or the ERROR for `e`."""
+        if e is None:
+            if group[0][0]["n"]:
                 self.stats["appends"] += 1
-        except (AppendError, GapError, BadBatch, ValueError) as e:
+            self.q.replicated_to(*group[-1][0]["commit"])
+            answer = (Kind.ACK, {"end": list(self.end)}, b"")
+        else:
             if not isinstance(e, DiskFullError):
                 log.warning("follower_push_refused", topic=self.topic, partition=self.partition,
                             error=str(e))
             answer = _answer_error(e, self.end)
-            for _, _, f in group:
-                f.set_result(answer)
-            return len(group)
-        self.q.replicated_to(*group[-1][0]["commit"])
-        ack = (Kind.ACK, {"end": list(self.end)}, b"")
-        for _, _, f in group:
-            f.set_result(ack)
-        return len(group)
+        for _, _, a in group:
+            a(answer)
 
     # ---- divergence and catch-up ----
 
@@ -237,6 +301,7 @@ class FollowerLog:
         follows our end): drop ours and take its history from its start. Raises FollowError
         when the start is not ahead (a leader's answer that makes no sense here)."""
         async with self._lock:
+            await self._quiet_appends()
             if start[0] <= self.q.written_end:
                 raise FollowError({"code": wire.E_OUT_OF_RANGE,
                                    "message": f"leader starts at {list(start)}, at or before "
@@ -286,6 +351,7 @@ class FollowerLog:
         peer = self.peers.get(leader)
         base = {"topic": self.topic, "partition": self.partition}
         async with self._lock:
+            await self._quiet_appends()
             await self._raise_epoch(epoch)
             await self._reconcile(leader, epoch)
         while True:
@@ -304,6 +370,7 @@ class FollowerLog:
             self.stats["fetches"] += 1
             if h["n"]:
                 async with self._lock:
+                    await self._quiet_appends()
                     if self.level != (leader, epoch) or self.end != (offset, count):
                         continue  # a push or a reconcile came between: fetch again
                     n = h["n"] * wire.ENTRY_SIZE

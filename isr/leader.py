@@ -209,7 +209,7 @@ class LeaderLog:
         header = {**self._base, "epoch": self.state.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
                   "crc": zlib.crc32(data), "commit": list(self.committed)}
-        head = wire.dumps(header)  # once for every follower
+        head = wire.encode_header(Kind.PUSH, header)  # once for every follower
         payload = (entries, data)
         for f in self.followers.values():
             if not f.failed:
@@ -220,14 +220,14 @@ class LeaderLog:
             f.held.append((header, payload, end, head))
             return
         try:
-            fut = f.peer.send(Kind.PUSH, head or header, payload)
+            f.peer.send_callback(Kind.PUSH, head or header, payload,
+                                 lambda answer: self._acked(f, answer))
         except PeerError as e:
             self._fail(f, str(e))
             return
         self.stats["pushes"] += 1
         f.unacked.append(time.monotonic())
         f.sent_commit = tuple(header["commit"])
-        fut.add_done_callback(lambda fut: self._acked(f, fut))
 
     def _release(self, f: _Follower) -> None:
         """Send a follower's held pushes in order; later ones go straight out."""
@@ -235,13 +235,13 @@ class LeaderLog:
         for header, payload, end, head in held:
             self._push(f, header, payload, end, head)
 
-    def _acked(self, f: _Follower, fut: asyncio.Future) -> None:
+    def _acked(self, f: _Follower, frame: Frame | PeerError) -> None:
+        """A push's answer (or the broken connection's PeerError), from the peer's read."""
         if f.unacked:
             f.unacked.popleft()
-        if fut.cancelled() or fut.exception() is not None:
-            self._fail(f, str(fut.exception()) if not fut.cancelled() else "cancelled")
+        if isinstance(frame, PeerError):
+            self._fail(f, str(frame))
             return
-        frame = fut.result()
         if frame.kind is Kind.ACK:
             self.stats["acks"] += 1
             end = tuple(frame.header.get("end", (0, 0)))

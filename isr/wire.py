@@ -1,11 +1,14 @@
 """The replication protocol's frames, sans-I/O: bytes in, frames out, and back.
 
-Frame: `[u32 size][u8 kind][u32 request id][u16 header length][header: compact JSON]
-[payload]`, big-endian; `size` counts everything after itself and is at most
-`MAX_FRAME`. A `Decoder` takes bytes in any pieces and gives whole frames; it holds at
-most one unfinished frame (never more than `MAX_FRAME` + 4 bytes plus the piece just fed)
-and raises `BadFrame` on anything that is not a frame, after which the connection is
-closed. `check` validates a request's header fields against `REQUESTS`.
+Frame: `[u32 size][u8 kind][u32 request id][u16 header length][header][payload]`,
+big-endian; `size` counts everything after itself and is at most `MAX_FRAME`. The header
+is compact JSON, but for the hot kinds PUSH and ACK: fixed binary layouts (`PUSH_HEAD`,
+`ACK_HEAD`), decoded to the same dicts. `VERSION` (in HELLO and its OK) names this
+format; a peer of another version is refused at HELLO. A `Decoder` takes bytes in any
+pieces and gives whole frames; it holds at most one unfinished frame (never more than
+`MAX_FRAME` + 4 bytes plus the piece just fed) and raises `BadFrame` on anything that is
+not a frame, after which the connection is closed. `check` validates a request's header
+fields against `REQUESTS`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+VERSION = 2  # 1: JSON headers for every kind (HELLO without a version)
 MAX_FRAME = 64 * 1024 * 1024 + 64 * 1024
 MAX_HEADER = 65535
 PREFIX = struct.Struct(">IBIH")  # size, kind, request id, header length
@@ -40,6 +44,7 @@ class Kind(IntEnum):
 # error codes (ERROR {code, message, end?, epoch?})
 E_BAD_FRAME = "E_BAD_FRAME"
 E_BAD_CLUSTER = "E_BAD_CLUSTER"
+E_BAD_VERSION = "E_BAD_VERSION"
 E_STALE_EPOCH = "E_STALE_EPOCH"
 E_NOT_LEADER = "E_NOT_LEADER"
 E_NOT_REPLICA = "E_NOT_REPLICA"
@@ -93,9 +98,76 @@ def dumps(header: dict) -> bytes:
     return head
 
 
+# PUSH header: epoch, offset, count, commit offset, commit count (u64 each), partition, n,
+# data_len, crc (u32 each), has_crc, topic length, leader length (u8 each); then the topic
+# and the leader, UTF-8. ACK header: the end's offset and count (u64 each).
+PUSH_HEAD = struct.Struct(">QQQQQIIIIBBB")
+ACK_HEAD = struct.Struct(">QQ")
+_MAX_INT = (1 << 63) - 1
+
+
+def _push_head(h: dict) -> bytes:
+    try:
+        topic, leader = h["topic"].encode(), h["leader"].encode()
+        commit, crc = h["commit"], h.get("crc")
+        return PUSH_HEAD.pack(h["epoch"], h["offset"], h["count"], commit[0], commit[1],
+                              h["partition"], h["n"], h["data_len"], crc or 0, crc is not None,
+                              len(topic), len(leader)) + topic + leader
+    except (KeyError, TypeError, IndexError, AttributeError, struct.error) as e:
+        raise ValueError(f"PUSH header {h!r}: {e!r}") from None
+
+
+def _push_fields(raw: bytes) -> dict:
+    size = PUSH_HEAD.size
+    if len(raw) < size:
+        raise BadFrame(f"PUSH header of {len(raw)} bytes")
+    (epoch, offset, count, c_offset, c_count, partition, n, data_len, crc, has_crc,
+     topic_len, leader_len) = PUSH_HEAD.unpack_from(raw)
+    if len(raw) != size + topic_len + leader_len:
+        raise BadFrame(f"PUSH header of {len(raw)} bytes, its names need {topic_len} + {leader_len}")
+    if max(epoch, offset, count, c_offset, c_count) > _MAX_INT or has_crc > 1:
+        raise BadFrame("PUSH header: a field out of range")
+    try:
+        topic = raw[size:size + topic_len].decode()
+        leader = raw[size + topic_len:].decode()
+    except UnicodeDecodeError:
+        raise BadFrame("PUSH header: a name is not UTF-8") from None
+    h = {"topic": topic, "partition": partition, "epoch": epoch, "leader": leader,
+         "offset": offset, "count": count, "n": n, "data_len": data_len,
+         "commit": [c_offset, c_count]}
+    if has_crc:
+        h["crc"] = crc
+    return h
+
+
+def _ack_head(h: dict) -> bytes:
+    try:
+        return ACK_HEAD.pack(*h["end"])
+    except (KeyError, TypeError, struct.error) as e:
+        raise ValueError(f"ACK header {h!r}: {e!r}") from None
+
+
+def _ack_fields(raw: bytes) -> dict:
+    if len(raw) != ACK_HEAD.size:
+        raise BadFrame(f"ACK header of {len(raw)} bytes")
+    return {"end": list(ACK_HEAD.unpack(raw))}
+
+
+_BINARY = {Kind.PUSH: (_push_head, _push_fields), Kind.ACK: (_ack_head, _ack_fields)}
+
+
+def encode_header(kind: Kind, header: dict) -> bytes:
+    """A frame's header as it goes on the wire: binary for PUSH and ACK, else compact JSON
+    (ValueError for a header its kind cannot carry)."""
+    codec = _BINARY.get(kind)
+    if codec is not None:
+        return codec[0](header)
+    return dumps(header)
+
+
 def frame_parts(kind: Kind, rid: int, head: bytes, parts: tuple) -> tuple:
     """One frame as its parts, none copied: (prefix + `head`, *parts). `head` is the header
-    as `dumps` gives it, so a frame sent to several peers encodes its header once."""
+    as `encode_header` gives it, so a frame sent to several peers encodes its header once."""
     size = FIXED + len(head) + sum(len(x) for x in parts)
     if size > MAX_FRAME:
         raise ValueError(f"frame of {size} bytes")
@@ -103,10 +175,10 @@ def frame_parts(kind: Kind, rid: int, head: bytes, parts: tuple) -> tuple:
 
 
 def encode(kind: Kind, rid: int, header: dict, payload: bytes | tuple = b"") -> bytes:
-    """One frame as bytes (the header is compact JSON); `payload` may be a tuple of
-    parts (joined with the rest in one copy)."""
+    """One frame as bytes (the header as `encode_header` gives it); `payload` may be a
+    tuple of parts (joined with the rest in one copy)."""
     parts = payload if isinstance(payload, tuple) else (payload,)
-    return b"".join(frame_parts(kind, rid, dumps(header), parts))
+    return b"".join(frame_parts(kind, rid, encode_header(kind, header), parts))
 
 
 def error(rid: int, code: str, message: str, **extra) -> bytes:
@@ -128,15 +200,21 @@ class Decoder:
         return len(self._buf) - self._pos
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Every whole frame that `data` completes, in order."""
+        """Every whole frame that `data` completes, in order. The frames that `data` holds
+        whole while nothing is buffered are not copied: their payloads are memoryviews of
+        `data` (so is every payload bytes-like, not always `bytes`)."""
         buf = self._buf
-        if self._pos and self._pos == len(buf):
-            buf.clear()
-            self._pos = 0
-        buf += data
         frames = []
         try:
-            self._parse(frames)
+            if self._pos == len(buf) and type(data) is bytes:
+                buf.clear()
+                self._pos = 0
+                end = self._parse(frames, data, 0)
+                if end < len(data):
+                    buf += memoryview(data)[end:]
+                return frames
+            buf += data
+            self._pos = self._parse(frames, buf, self._pos)
         except BadFrame as e:
             e.frames = frames
             raise
@@ -145,35 +223,45 @@ class Decoder:
             self._pos = 0
         return frames
 
-    def _parse(self, frames: list) -> None:
-        buf = self._buf
-        while True:
-            avail = len(buf) - self._pos
-            if avail < 4:
-                break
-            (size,) = struct.unpack_from(">I", buf, self._pos)
-            if size < FIXED or size > self.max_frame:
-                raise BadFrame(f"frame size {size}")
-            if avail >= PREFIX.size:
-                _, kind, rid, hlen = PREFIX.unpack_from(buf, self._pos)
-                if FIXED + hlen > size:
-                    raise BadFrame(f"header length {hlen} beyond frame size {size}")
-                try:
-                    kind = Kind(kind)
-                except ValueError:
-                    raise BadFrame(f"unknown kind {kind}") from None
-            if avail < 4 + size:
-                break
-            start = self._pos + PREFIX.size
-            end = self._pos + 4 + size
-            with memoryview(buf) as view:  # one copy each (a bytearray slice is a copy too)
+    def _parse(self, frames: list, buf, pos: int) -> int:
+        """Append the whole frames of `buf` from `pos` to `frames`; the position after them.
+        `buf` is the caller's `bytes` (payloads are views of it) or our bytearray (copied:
+        it changes)."""
+        view = memoryview(buf)
+        copy = type(buf) is not bytes
+        try:
+            while True:
+                avail = len(buf) - pos
+                if avail < 4:
+                    return pos
+                (size,) = struct.unpack_from(">I", buf, pos)
+                if size < FIXED or size > self.max_frame:
+                    raise BadFrame(f"frame size {size}")
+                if avail >= PREFIX.size:
+                    _, kind, rid, hlen = PREFIX.unpack_from(buf, pos)
+                    if FIXED + hlen > size:
+                        raise BadFrame(f"header length {hlen} beyond frame size {size}")
+                    try:
+                        kind = Kind(kind)
+                    except ValueError:
+                        raise BadFrame(f"unknown kind {kind}") from None
+                if avail < 4 + size:
+                    return pos
+                start = pos + PREFIX.size
+                pos += 4 + size
                 head = bytes(view[start:start + hlen])
-                payload = bytes(view[start + hlen:end])
-            self._pos = end
-            frames.append(Frame(kind, rid, _header(head), payload))
+                payload = view[start + hlen:pos]
+                frames.append(Frame(kind, rid, _header(kind, head),
+                                    bytes(payload) if copy else payload))
+        finally:
+            if copy:
+                view.release()  # (a bytearray with an export cannot be resized)
 
 
-def _header(raw: bytes) -> dict:
+def _header(kind: Kind, raw: bytes) -> dict:
+    codec = _BINARY.get(kind)
+    if codec is not None:
+        return codec[1](raw)
     try:
         header = json.loads(raw) if raw else {}
     except (ValueError, RecursionError) as e:

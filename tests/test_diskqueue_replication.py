@@ -342,6 +342,49 @@ async def test_append_raw_refuses_a_gap_and_takes_a_duplicate_as_done(tmp_path, 
                                                               leader.written_count)
 
 
+async def test_append_raw_then_answers_by_callback_in_order(tmp_path, queues):
+    """The follower's hot path: each batch's `done` gets None (written, or a duplicate) or
+    the error append_raw raises; a duplicate never answers from inside the call; batches
+    given while the writer slot is busy (an exclusive job) go after it, in order."""
+    leader = await queues(tmp_path / "leader", QueueOptions())
+    await fill(leader, 6)
+    follower = await queues(tmp_path / "follower")
+    raws, offset = [], 0
+    while offset < leader.written_end:
+        raws.append(await leader.read_raw(offset, 1))  # one entry each
+        offset = raws[-1].offset + len(raws[-1].data)
+    loop = asyncio.get_running_loop()
+    answers = []
+
+    async def then(raw, tag):
+        fut = loop.create_future()
+        follower.append_raw_then(raw.offset, raw.count, raw.entries, raw.data,
+                                 lambda e: (answers.append((tag, e)), fut.set_result(e)))
+        return await fut
+
+    assert isinstance(await then(raws[1], "gap"), GapError)
+    assert await then(raws[0], "first") is None
+    assert follower.written_end == raws[1].offset and follower.stats["batches"] == 1
+    follower.append_raw_then(raws[0].offset, raws[0].count, raws[0].entries, raws[0].data,
+                             lambda e: answers.append(("duplicate", e)))
+    assert answers[-1][0] == "first"  # not from inside the call
+    await asyncio.sleep(0)
+    assert answers[-1] == ("duplicate", None)
+    find = asyncio.ensure_future(follower.find("offset", 0))
+    await asyncio.sleep(0)
+    assert follower._busy  # the find holds the writer slot
+    rest = []
+    for i, r in enumerate(raws[1:], 1):
+        rest.append(loop.create_future())
+        follower.append_raw_then(r.offset, r.count, r.entries, r.data,
+                                 lambda e, i=i, f=rest[-1]: (answers.append((i, e)), f.set_result(e)))
+    await find
+    assert await asyncio.gather(*rest) == [None] * len(rest)
+    assert [tag for tag, _ in answers[-len(rest):]] == list(range(1, len(raws)))
+    assert (follower.written_end, follower.written_count) == (leader.written_end,
+                                                              leader.written_count)
+
+
 async def test_append_raw_is_durable_when_it_returns(tmp_path, queues):
     leader = await queues(tmp_path / "leader", QueueOptions())
     await fill(leader, 3)

@@ -87,12 +87,9 @@ async def test_what_arrives_while_a_batch_replicates_joins_one_next_batch(tmp_pa
             follower = h.followers[(T, 0)]
             real = follower.push
 
-            def delayed(frame, real=real):
-                out = asyncio.get_running_loop().create_future()
+            def delayed(frame, answer, real=real):
                 slow.append(frame)
-                asyncio.get_running_loop().call_later(
-                    0.3, lambda: real(frame).add_done_callback(lambda f: out.set_result(f.result())))
-                return out
+                asyncio.get_running_loop().call_later(0.3, real, frame, answer)
 
             follower.push = delayed
         batches = lq.stats["batches"]
@@ -215,9 +212,8 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
         await stop(hosts)
 
 
-def _never(frame):
+def _never(frame, answer):
     """A follower's `push` that never answers (the PUSH is read, never acked)."""
-    return asyncio.get_running_loop().create_future()
 
 
 async def records(q):
@@ -502,13 +498,10 @@ async def test_a_refused_push_of_the_leaders_own_older_epoch_does_not_depose_it(
     try:
         leader = hosts[0].leaders[(T, 0)]
         epoch = leader.state.epoch
-        loop = asyncio.get_running_loop()
 
         def refusal(seen):
-            fut = loop.create_future()
-            fut.set_result(wire.Frame(Kind.ERROR, 0, {"code": wire.E_STALE_EPOCH,
-                                                      "message": "stale", "epoch": seen}))
-            return fut
+            return wire.Frame(Kind.ERROR, 0, {"code": wire.E_STALE_EPOCH, "message": "stale",
+                                              "epoch": seen})
 
         leader._acked(leader.followers[B], refusal(epoch))
         assert not leader.closed and leader.followers[B].failed

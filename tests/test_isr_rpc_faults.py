@@ -24,7 +24,8 @@ async def exchange(port: int, raw: bytes, hello=True):
     closed the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     if hello:
-        writer.write(wire.encode(Kind.HELLO, 0, {"cluster": CLUSTER, "node": "127.0.0.1:9"}))
+        writer.write(wire.encode(Kind.HELLO, 0, {"cluster": CLUSTER, "node": "127.0.0.1:9",
+                                                 "version": wire.VERSION}))
     writer.write(raw)
     await writer.drain()
     d, frames = Decoder(), []
@@ -56,7 +57,8 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
             (struct.pack(">I", wire.MAX_FRAME + 1), True, wire.E_BAD_FRAME),
             (wire.PREFIX.pack(9, 200, 1, 2) + b"{}", True, wire.E_BAD_FRAME),  # unknown kind
             (wire.PREFIX.pack(9, Kind.PING, 1, 2) + b"{x", True, wire.E_BAD_FRAME),
-            (wire.encode(Kind.PUSH, 1, {"topic": T}), True, wire.E_BAD_FRAME),  # fields missing
+            (wire.PREFIX.pack(wire.FIXED + 3, Kind.PUSH, 1, 3) + b"abc", True,
+             wire.E_BAD_FRAME),  # a PUSH header cut short
             (wire.encode(Kind.PING, 1, {})[:-1], False, None),  # truncated: no answer
         ]
         for raw, closes, code in cases:
@@ -68,7 +70,7 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
         frames, closed = await exchange(port, wire.encode(Kind.PING, 5, {}), hello=False)
         assert frames[0].header["code"] == wire.E_BAD_FRAME and closed
         frames, closed = await exchange(port, wire.encode(
-            Kind.HELLO, 1, {"cluster": "other", "node": "127.0.0.1:9"}), hello=False)
+            Kind.HELLO, 1, {"cluster": "other", "node": "127.0.0.1:9", "version": wire.VERSION}), hello=False)
         assert frames[0].header["code"] == wire.E_BAD_CLUSTER and closed
         frames, _ = await exchange(port, wire.encode(Kind.PING, 7, {}))
         assert frames[0].kind is Kind.OK and frames[0].rid == 7
@@ -83,7 +85,7 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
         assert states.states[(T, 0)].isr == (A, B, C)
         # a PUSH whose partition side raises (a bug) is answered E_FAILED; the connection goes on
 
-        def broken(frame):
+        def broken(frame, answer):
             raise RuntimeError("a bug")
 
         monkeypatch.setattr(hosts[1].followers[(T, 0)], "push", broken)
@@ -187,11 +189,12 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
         refused = []
         real = hosts[1].followers[(T, 0)].push
 
-        def spy(frame):
-            fut = real(frame)
-            fut.add_done_callback(lambda f: f.result()[0] is Kind.ERROR
-                                  and refused.append(f.result()[1]["code"]))
-            return fut
+        def spy(frame, answer):
+            def spied(a):
+                if a[0] is Kind.ERROR:
+                    refused.append(a[1]["code"])
+                answer(a)
+            real(frame, spied)
 
         hosts[1].followers[(T, 0)].push = spy
         big = b"x" * 300_000
@@ -245,3 +248,40 @@ async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path, disk)
             assert h.queues[(T, 0)].committed_end <= aq.written_end
     finally:
         await stop(hosts)
+
+
+async def test_a_node_of_the_old_wire_format_is_refused_at_hello(tmp_path):
+    """Wire version 2 (binary PUSH/ACK headers) against version 1 (JSON, HELLO without a
+    version): the server answers an old HELLO E_BAD_VERSION and closes; a leader whose ISR
+    follower answers HELLO the old way never sends it a PUSH, and drops it from the ISR by
+    CAS (a failed follower) while the partition goes on with the others."""
+    heard = []
+
+    async def old_node(reader, writer):  # a version 1 server: OK without a version
+        d = Decoder()
+        while chunk := await reader.read(65536):
+            for f in d.feed(chunk):
+                heard.append(f)
+                if f.kind is Kind.HELLO:
+                    writer.write(wire.encode(Kind.OK, 0, {"node": B}))
+        writer.close()
+
+    old = await asyncio.start_server(old_node, "127.0.0.1", 0)
+    states = States()
+    states.put(T, 0, PartitionState(leader=A, isr=(A, B, C), epoch=1))
+    hosts = [await Host(states, n, str(tmp_path / n.replace(":", "_")), min_isr=2).start()
+             for n in (A, C)]
+    states.addresses[B] = f"127.0.0.1:{old.sockets[0].getsockname()[1]}"
+    try:
+        frames, closed = await exchange(hosts[0].rpc.port, wire.encode(
+            Kind.HELLO, 0, {"cluster": CLUSTER, "node": B}), hello=False)
+        assert [f.header["code"] for f in frames] == [wire.E_BAD_VERSION] and closed
+        await hosts[1].open(T, 0)
+        lq = await hosts[0].open(T, 0)
+        await asyncio.wait_for(lq.append([b"without the old node"]), 5)
+        s = states.states[(T, 0)]
+        assert s.isr == (A, C) and s.catchup == (B,)
+        assert [f.kind for f in heard] == [Kind.HELLO] and heard[0].header["version"] == 2
+    finally:
+        await stop(hosts)
+        old.close()

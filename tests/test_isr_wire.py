@@ -131,3 +131,99 @@ def test_frames_before_a_bad_one_are_given_with_the_error():
     with pytest.raises(BadFrame) as e:
         d.feed(wire.encode(Kind.PING, 1, {}) + wire.encode(Kind.PING, 2, {}) + b"\xff" * 8)
     assert [f.rid for f in e.value.frames] == [1, 2]
+
+
+# ---- wire version 2: binary PUSH and ACK headers ----
+
+def push_header(**over):
+    return {"topic": "topic.a", "partition": 7, "epoch": 3, "leader": "10.0.0.1:4150",
+            "offset": 1 << 40, "count": 12345, "n": 2, "data_len": 5, "commit": [9, 4],
+            "crc": 0xFFFFFFFF, **over}
+
+
+def test_push_and_ack_headers_are_binary_and_decode_to_the_same_fields():
+    for header in (push_header(), {k: v for k, v in push_header().items() if k != "crc"}):
+        raw = wire.encode(Kind.PUSH, 5, header, b"e" * 128 + b"12345")
+        (frame,) = Decoder().feed(raw)
+        assert frame.header == header and frame.rid == 5
+        wire.check(frame)
+        hlen = wire.PREFIX.unpack_from(raw)[3]
+        assert hlen == wire.PUSH_HEAD.size + len("topic.a") + len("10.0.0.1:4150")
+    raw = wire.encode(Kind.ACK, 6, {"end": [1 << 62, 3]})
+    assert wire.PREFIX.unpack_from(raw)[3] == wire.ACK_HEAD.size
+    assert Decoder().feed(raw)[0].header == {"end": [1 << 62, 3]}
+    assert Decoder().feed(wire.encode(Kind.PING, 1, {}))[0].header == {}  # others: JSON
+
+
+def _push_raw(head: bytes) -> bytes:
+    return wire.PREFIX.pack(wire.FIXED + len(head), Kind.PUSH, 1, len(head)) + head
+
+
+@pytest.mark.parametrize("head", [
+    b"",  # no header
+    wire.encode_header(Kind.PUSH, push_header())[:wire.PUSH_HEAD.size - 1],  # cut short
+    wire.encode_header(Kind.PUSH, push_header())[:-1],  # a name cut short
+    wire.encode_header(Kind.PUSH, push_header()) + b"x",  # longer than its names
+    wire.PUSH_HEAD.pack(1, 0, 0, 0, 0, 0, 0, 0, 0, 2, 1, 1) + b"ta",  # has_crc not 0/1
+    wire.PUSH_HEAD.pack(1 << 63, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1) + b"ta",  # epoch >= 2**63
+    wire.PUSH_HEAD.pack(1, 0, 0, 0, 1 << 63, 0, 0, 0, 0, 0, 1, 1) + b"ta",  # commit count
+    wire.PUSH_HEAD.pack(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1) + b"\xffa",  # not UTF-8
+])
+def test_bad_push_headers_are_bad_frames(head):
+    with pytest.raises(BadFrame):
+        Decoder().feed(_push_raw(head))
+
+
+def test_bad_ack_headers_and_unencodable_headers():
+    for head in (b"", bytes(15), bytes(17)):
+        with pytest.raises(BadFrame):
+            Decoder().feed(wire.PREFIX.pack(wire.FIXED + len(head), Kind.ACK, 1, len(head)) + head)
+    for bad in ({"topic": "t"}, push_header(topic="t" * 256), push_header(epoch=-1),
+                push_header(commit=[1]), push_header(partition="0")):
+        with pytest.raises(ValueError):
+            wire.encode(Kind.PUSH, 1, bad)
+    with pytest.raises(ValueError):
+        wire.encode(Kind.ACK, 1, {"end": [1]})
+
+
+def test_empty_names_pass_the_decoder_and_fail_the_check():
+    frame = Decoder().feed(wire.encode(Kind.PUSH, 1, push_header(topic="", n=0, data_len=0)))[0]
+    with pytest.raises(BadFrame):
+        wire.check(frame)
+
+
+_u63 = st.integers(0, (1 << 63) - 1)
+_u32 = st.integers(0, (1 << 32) - 1)
+_name = st.text(min_size=1, max_size=60)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.fixed_dictionaries({
+    "topic": _name, "leader": _name, "partition": _u32, "epoch": _u63, "offset": _u63,
+    "count": _u63, "n": st.integers(0, 3), "data_len": st.integers(0, 100),
+    "commit": st.tuples(_u63, _u63).map(list)}, optional={"crc": _u32}), st.integers(1, 50))
+def test_fuzz_push_headers_round_trip_in_any_pieces(header, piece):
+    payload = b"e" * wire.ENTRY_SIZE * header["n"] + b"d" * header["data_len"]
+    stream = wire.encode(Kind.PUSH, 9, header, payload) + wire.encode(Kind.ACK, 9, {"end": [1, 2]})
+    if len(header["topic"].encode()) > 255 or len(header["leader"].encode()) > 255:
+        return
+    d, got = Decoder(), []
+    for i in range(0, len(stream), piece):
+        got += d.feed(stream[i:i + piece])
+    assert got[0].header == header and bytes(got[0].payload) == payload
+    assert got[1].header == {"end": [1, 2]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=120), st.sampled_from([Kind.PUSH, Kind.ACK]))
+def test_fuzz_random_binary_headers(head, kind):
+    raw = wire.PREFIX.pack(wire.FIXED + len(head), kind, 1, len(head)) + head
+    try:
+        (frame,) = Decoder().feed(raw)
+    except BadFrame:
+        return
+    if kind is Kind.PUSH:
+        try:
+            wire.check(frame)
+        except BadFrame:
+            pass
