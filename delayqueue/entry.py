@@ -19,7 +19,7 @@ import struct
 import zlib
 from typing import NamedTuple
 
-from diskqueue.record import CorruptRecordError, decode_at, encode_into
+from diskqueue.record import HEAD_SIZE, CorruptRecordError, decode_at, encode_into
 
 MAX_U64 = (1 << 64) - 1
 MAX_DUE_MS = (1 << 63) - 1
@@ -37,6 +37,8 @@ _pack_tail = _TAIL.pack
 _unpack_tail = _TAIL.unpack_from
 _unpack_sealed_tail = struct.Struct(">QqI").unpack_from  # due_ms, origin_offset, crc32
 _unpack_u32 = struct.Struct(">I").unpack_from
+_unpack_u16 = struct.Struct(">H").unpack_from
+ATTEMPTS_AT = 32  # [4 crc32][4 length][8 msg_id][8 trace_id][8 timestamp][2 attempts]
 _crc32 = zlib.crc32
 _new = tuple.__new__
 
@@ -111,6 +113,18 @@ def checked_tail(value: bytes) -> tuple[int, int] | None:
     if _crc32(memoryview(value)[end:end + 16], int.from_bytes(value[:4], "big")) != crc:
         return None
     return _unpack_tail(value, end)
+
+
+def held_fields(value: bytes) -> tuple[int, int, int] | None:
+    """(due_ms, origin_offset, attempts) of a value whose record and tail both pass their
+    checksums (None otherwise), without copying its ext or body."""
+    tail = checked_tail(value)
+    if tail is None or len(value) < TAIL_SIZE + HEAD_SIZE:
+        return None
+    with memoryview(value) as view:
+        if _crc32(view[4:len(value) - TAIL_SIZE]) != _unpack_u32(value, 0)[0]:
+            return None
+    return tail[0], tail[1], _unpack_u16(value, ATTEMPTS_AT)[0]
 
 
 def tail_due_ms(value: bytes) -> int | None:

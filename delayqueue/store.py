@@ -33,7 +33,7 @@ from delayqueue import footprint
 from diskqueue.atomic import fsync_dir, make_dirs
 from delayqueue.entry import (MAX_DUE_MS, U64, CorruptEntry, DelayedMessage, check_taken,
                               check_waiting, checked_tail, decode_value, encode_value,
-                              pack_due_key, pack_id, pack_origin_key, tail_due_ms,
+                              held_fields, pack_due_key, pack_id, pack_origin_key, tail_due_ms,
                               unpack_origin_key, with_due)
 
 FORMAT = b"delaystore-2"
@@ -636,6 +636,32 @@ class DelayStore:
         def fn(txn):
             cur = txn.cursor(db=self._origins)
             return unpack_origin_key(cur.key()) if cur.first() else None
+        return self._read(fn)
+
+    def first_held(self, limit: int) -> list[tuple[int, int, int, int]]:
+        """(origin_offset, msg_id, due_ms, attempts) of the first `limit` log messages the
+        store holds (waiting or taken), in (origin_offset, msg_id) order; one read
+        transaction, about 2.6 us an entry. An entry whose value fails its checks is left
+        out (take_due sets it aside when it comes due)."""
+        def fn(txn):
+            out = []
+            if limit <= 0:
+                return out
+            cur = txn.cursor(db=self._origins)
+            if not cur.first():
+                return out
+            value_of, tick = self._value_of, self._tick
+            for key in cur.iternext(values=False):
+                found = value_of(txn, key[8:])
+                fields = held_fields(found[2]) if found is not None else None
+                tick()
+                if fields is None or pack_id(fields[1]) != key[:8]:
+                    continue
+                origin, msg_id = unpack_origin_key(key)
+                out.append((origin, msg_id, fields[0], fields[2]))
+                if len(out) >= limit:
+                    break
+            return out
         return self._read(fn)
 
     def holding(self, msg_ids: list[int]) -> set[int]:

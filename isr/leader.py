@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 import zlib
 
@@ -394,16 +395,24 @@ class LeaderLog:
                     await asyncio.sleep(TICK)  # refused (an epoch moving on): asked again
 
     def _send_channels(self, channels: dict) -> None:
-        header = {**self._base, "epoch": self.state.epoch, "channels": channels}
+        """As many CHANNELS frames as the states need (each header at most wire.MAX_HEADER
+        bytes); a state too large for a frame of its own is left out, with one log line."""
         self.stats["channels_sent"] += 1
-        for f in self.followers.values():
-            if f.failed or f.held is not None:
-                continue
+        for group in _fitting(channels, wire.MAX_HEADER - 1024):  # 1 KiB: topic, epoch...
             try:
-                fut = f.peer.send(Kind.CHANNELS, header)
-            except PeerError:
+                head = wire.dumps({**self._base, "epoch": self.state.epoch, "channels": group})
+            except ValueError as e:
+                log.error("channel_state_too_large", topic=self.topic, partition=self.partition,
+                          channels=sorted(group), error=str(e))
                 continue
-            fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+            for f in self.followers.values():
+                if f.failed or f.held is not None:
+                    continue
+                try:
+                    fut = f.peer.send(Kind.CHANNELS, head)
+                except PeerError:
+                    continue
+                fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
 
     # ---- requests from catching-up replicas ----
 
@@ -549,3 +558,18 @@ class LeaderLog:
             if r.kind is not Kind.ACK:
                 raise ValueError(f"copy refused: {r.header}")
             f.acked = at = tuple(r.header["end"])
+
+
+def _fitting(channels: dict, room: int) -> list[dict]:
+    """`channels` in groups whose states take at most `room` bytes of JSON together (a state
+    larger than `room` is a group of its own)."""
+    groups: list[dict] = []
+    size = room
+    for name, state in channels.items():
+        n = len(json.dumps({name: state}, separators=(",", ":")))
+        if size + n > room:
+            groups.append({})
+            size = 0
+        groups[-1][name] = state
+        size += n
+    return groups

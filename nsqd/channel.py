@@ -34,11 +34,11 @@ from diskqueue.segments import MissingSegmentError
 from nsqwire.ids import PARTITION_SHIFT
 
 from . import tags
-from .cursor import (MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64,
-                     replica_state)
+from .cursor import MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64
 from .delaying import ChannelDelay
 from .message import Message, defer_until_ms
 from .ordered import OrderedDispatch
+from .handover import take_over
 
 log = structlog.get_logger("nsqd.channel")
 
@@ -51,7 +51,8 @@ class Channel:
                  max_window: int = 100_000, read_batch: int = 1024,
                  delay_path: str | None = None, delay_threshold_ms: int = 60_000,
                  max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False,
-                 saved: SavedWindow | None = None, ordered: bool = False, confirm_fin=None):
+                 saved: SavedWindow | None = None, ordered: bool = False, confirm_fin=None,
+                 held: bytes | None = None):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -63,6 +64,7 @@ class Channel:
         self.read_batch = read_batch
         self.cursor = Cursor(confirmed, confirmed_count, saved.ahead if saved else None)
         self.saved = saved  # until reading passes its `next_read`
+        self.held = held  # the old leader's held messages, until put back (handover.py)
         self.put_back: dict[int, Message] = {}  # offset -> log message requeued or deferred
         self._saved_finished = (-1, b"")  # (cursor.changes, encoded ranges) of the last save
         self._reader = queue.reader(confirmed)
@@ -157,12 +159,17 @@ class Channel:
                 "next_read": next_read, "finished": finished,
                 "attempts": self._saved_attempts(), "paused": self.paused,
                 "ordered": self.ordered is not None,
-                "delay_store": d is not None and (d.store is not None or d.expected)}
+                "delay_store": d is not None and (d.store is not None or d.expected),
+                **({"held": self.held} if self.held is not None else {})}
 
-    def replica_state(self, state: dict) -> dict:
-        """What followers may store of `state` (a checkpoint() result taken no later than
-        now): cursor.replica_state over this channel's delay store."""
-        return replica_state(state, self.delay.min_origin if self.delay is not None else None)
+    def reopen_at(self, state: dict) -> None:
+        """Start again from `state` (a checkpoint) before anything was delivered (handover)."""
+        self.saved = saved = SavedWindow.from_state(state)
+        self.cursor = Cursor(state["confirmed"], state["confirmed_count"],
+                             saved.ahead if saved else None)
+        self._saved_finished = (-1, b"")
+        self._reader.seek(state["confirmed"])
+        self.dirty = True
 
     def _saved_attempts(self) -> bytes:
         """Offsets, then attempts, of the unfinished log messages whose attempts are not 1:
@@ -222,9 +229,11 @@ class Channel:
     # ---- delivery --------------------------------------------------------
 
     async def _pump(self) -> None:
-        if self.delay is not None:
+        if self.held is not None:
+            await take_over(self)  # the old leader's held messages into the store first
+        elif self.delay is not None:
             await self.delay.open()
-            self.dirty = True  # the checkpoint now records that the channel has a store
+        self.dirty = True  # the checkpoint now records whether the channel has a store
         self._wake.set()  # deferred publishes at the head count as deferred from the start
         while True:
             await self._wake.wait()

@@ -30,8 +30,6 @@ from bisect import bisect_right
 from collections import deque
 from operator import attrgetter
 
-from nsqwire.ids import SEQUENCE_MASK
-
 FOLD_EVERY = 1024  # FINs beyond the gap noted before they are folded into the ranges
 _offset = attrgetter("offset")
 
@@ -315,24 +313,3 @@ class SavedWindow:
         return cls(ahead if len(ahead) else None, next_read,
                    dict(zip(attempts[:half], attempts[half:])))
 
-
-def replica_state(state: dict, min_origin: tuple[int, int] | None) -> dict:
-    """What followers may store of a channel's checkpoint `state`, given `min_origin`, the
-    smallest (offset, msg_id) its delay store holds (taken no later than `state`). No
-    message the store holds counts as finished in it, since followers have no delay store
-    (a new leader reads such a message from the log again: a DPUB is deferred again by its
-    ext header, a requeued one is delivered again at once). So `confirmed` and `next_read`
-    go no further than that origin, the finished ranges are kept only below it (the one it
-    falls in is cut there), and `delay_store` is False. Pure; `state` itself when it names
-    no delay store and the store holds no log message."""
-    if min_origin is None:
-        return dict(state, delay_store=False) if state.get("delay_store") else state
-    offset, count = min_origin[0], min_origin[1] & SEQUENCE_MASK
-    out = dict(state, delay_store=False)
-    if offset < state["confirmed"]:
-        out["confirmed"], out["confirmed_count"] = offset, count
-    if offset < state.get("next_read", 0):
-        out["next_read"] = offset
-        out["finished"] = Ranges.decode(state.get("finished", b"")).below(
-            offset, count).encode(MAX_SAVED_RANGES)
-    return out

@@ -25,7 +25,13 @@ Invariants:
   before `on_stored` confirms anything: whenever the cursor has passed a message because
   the store holds it, `min_origin` is at or below it (what replicas get: Channel.replica_state).
   The flusher and the poller read in two threads: a read older (by `store.commits`) than
-  the one applied last is dropped, so a late one never undoes a newer one.
+  the one applied last is dropped, so a late one never undoes a newer one;
+- `held` reads the first log messages the store holds when a replica state is made (not
+  with every write: it costs ~3 us an entry), at least as new as the checkpoint it goes
+  with; `on_stored` is called after every flush that changed the store, so the channel
+  saves (and its followers get) a checkpoint with the store's new content;
+- `open(restore=...)` (a new leader, nsqd/takeover.py) empties a store left from an older
+  term and puts the old leader's held messages in, before the store is used at all.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class ChannelDelay:
         self.oldest_due_ms: int | None = None
         self.min_origin: tuple[int, int] | None = None  # (offset, msg_id): see the docstring
         self._read_at = 0  # store.commits before the read applied last (see _refresh)
+        self._held: tuple[int, int, list] = (-1, 0, [])  # store.commits before, limit, rows
         self.max_origin = -1  # at open: no log record past this offset is in the store
         self._puts: list = []  # (DelayedMessage, message from the log or None)
         self._finishes: list[int] = []
@@ -79,29 +86,42 @@ class ChannelDelay:
             return False
         return self.store is not None or time.monotonic() >= self._create_after
 
-    async def open(self) -> None:
-        """Open the channel's store if it has one; a new one is made by the first move."""
+    async def open(self, restore: list | None = None) -> bool:
+        """Open the channel's store if it has one; a new one is made by the first move.
+        `restore` (a new leader's takeover): DelayedMessages to hold instead of whatever the
+        store holds, made when there are some; False when they could not be stored."""
         if self.expected and not os.path.isdir(self.path):
             self.error = (f"{self.path}: the channel's delay store is missing (what it held "
                           "counts as confirmed in the log): deferred messages wait in memory")
             self._failed = True  # never an empty store in its place
             log.error("delay_store_missing", path=self.path)
-            return
-        if os.path.isdir(self.path) and not await self._open_store():
+            return not restore
+        stored = True
+        if restore is not None and (restore or os.path.isdir(self.path)):
+            stored = await self._open_store(restore)
+        elif os.path.isdir(self.path):
+            stored = await self._open_store()
+        if not stored and os.path.isdir(self.path):
             self._failed = True
-            return
+            return False
+        if not stored:  # could not be made (a full disk?): as after a failed first move
+            self._create_after = time.monotonic() + CREATE_RETRY_S
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        return stored
 
-    async def _open_store(self) -> bool:
-        """Open (or make) the store; False, with `error` set and one log line, if it fails."""
+    async def _open_store(self, restore: list | None = None) -> bool:
+        """Open (or make) the store, with only `restore` in it when given; False, with
+        `error` set and one log line, if it fails."""
         from delayqueue.store import DelayStore, DelayStoreError
 
         try:
             self.store = await asyncio.to_thread(DelayStore.open, self.path)
+            if restore is not None:
+                await asyncio.to_thread(self._replace, restore)
             self._read_at = 0
             self._refresh(*await asyncio.to_thread(self._read_state))
             self.max_origin = await asyncio.to_thread(self.store.max_origin_offset)
-        except (DelayStoreError, OSError) as e:
+        except (DelayStoreError, OSError, ValueError) as e:
             if self.store is not None:
                 await asyncio.to_thread(self.store.close)
                 self.store = None
@@ -110,6 +130,31 @@ class ChannelDelay:
             return False
         self.error = None
         return True
+
+    def _replace(self, items: list) -> None:
+        """Hold exactly `items` (worker thread): two synced transactions, so a crash between
+        them leaves an empty store, and the takeover, not yet done, runs again."""
+        self.store.empty()
+        self.store.put(items)
+
+    async def held(self, limit: int) -> list[tuple[int, int, int, int]] | None:
+        """The first `limit` log messages the store holds, (origin, msg_id, due_ms, attempts)
+        in origin order (DelayStore.first_held; read again only when the store changed):
+        [] without a store, None when it cannot be read."""
+        store = self.store
+        if store is None:
+            return None if self._failed or self._closed else []
+        at = store.commits
+        read_at, read_limit, rows = self._held
+        if read_at == at and (read_limit >= limit or len(rows) < read_limit):
+            return rows[:limit]
+        try:
+            rows = await asyncio.to_thread(store.first_held, limit)
+        except Exception as e:  # closed meanwhile, or LMDB failed: the caller is careful
+            log.warning("delay_store_held_unread", path=self.path, error=str(e))
+            return None
+        self._held = (at, limit, rows)
+        return rows
 
     async def holding(self, records) -> set[int]:
         """Ids of the log `records` that the store held when it was opened (checked only
@@ -182,9 +227,7 @@ class ChannelDelay:
             self._write_failures.ok(path=self.path)
             self.flushes += 1
             self._refresh(*state)
-            stored = [m for _, m in puts if m is not None]
-            if stored:
-                self.on_stored(stored)
+            self.on_stored([m for _, m in puts if m is not None])
 
     def _apply(self, puts, finishes, requeues):
         """One flush (worker thread): each kind in one synced transaction."""

@@ -17,11 +17,14 @@ Invariants:
 - the ISR is changed only through `change_isr` (CAS on the state's revision);
 - channel states a leader sends are stored like a checkpoint of this node's own, so a
   follower that becomes leader opens its channels where the old leader's last send left
-  them (at-least-once: what moved on after that send is delivered again).
+  them (at-least-once: what moved on after that send is delivered again);
+- a led channel's states go out in the order they were taken, the latest of each channel
+  (one task makes them: handover.replica_of reads the delay store off the event loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import os
@@ -36,7 +39,9 @@ from isr.peer import Peers
 from isr.rpc import RpcServer
 from isr.state import PartitionState
 
+from .handover import replica_of
 from .metastore import channel_key
+from .replica import held_floor
 
 log = structlog.get_logger("nsqd.replication")
 
@@ -68,9 +73,11 @@ class Replication:
         # partitions whose leadership this node gave up at an epoch (its LeaderLog closed
         # for good while etcd still names it): not taken again before a newer epoch
         self.refused: dict[tuple[str, int], int] = {}
-        # the confirmed offset of each channel of each followed partition, as its leader
-        # last sent it: what retention may drop here (see followed_floors)
+        # the lowest offset each channel of each followed partition needs, as its leader
+        # last sent it (replica.held_floor): what retention may drop here (followed_floors)
         self._confirmed: dict[tuple[str, int], dict[str, int]] = {}
+        self._outbox: dict = {}  # channel -> its latest checkpoint not yet sent (send_states)
+        self._sender: asyncio.Task | None = None
 
     # ---- the host interface isr calls ----------------------------------------------
 
@@ -112,18 +119,36 @@ class Replication:
         for name, state in channels.items():
             try:
                 state = state_from_wire(state)
+                floor = held_floor(state)
                 meta.put(channel_key(topic, partition, name), state)
-                confirmed[name] = int(state["confirmed"])
+                confirmed[name] = floor
             except (TypeError, ValueError, AttributeError, KeyError) as e:
                 log.warning("channel_state_refused", topic=topic, partition=partition,
                             channel=name, error=str(e))
 
     def channel_stored(self, channel, state: dict) -> None:
         """A checkpoint of a channel led here: its followers get it (batched, async), with
-        every message its delay store holds counted unfinished (Channel.replica_state)."""
-        leader = self.leaders.get((channel.topic_name, channel.partition))
-        if leader is not None:
-            leader.send_channels({channel.name: state_to_wire(channel.replica_state(state))})
+        the first messages its delay store holds listed (handover.replica_of)."""
+        if (channel.topic_name, channel.partition) in self.leaders:
+            self._outbox[channel] = state
+            if self._sender is None or self._sender.done():
+                self._sender = asyncio.get_running_loop().create_task(self._send_states())
+
+    async def _send_states(self) -> None:
+        """Send what is in the outbox, one channel at a time, so each channel's states go
+        out in the order they were taken (LeaderLog.send_channels keeps the latest)."""
+        while self._outbox:
+            channel = next(iter(self._outbox))
+            state = self._outbox.pop(channel)
+            try:
+                replica = await replica_of(channel, state)
+            except Exception:  # this channel's state waits for its next checkpoint
+                log.exception("channel_state_failed", topic=channel.topic_name,
+                              partition=channel.partition, channel=channel.name)
+                continue
+            leader = self.leaders.get((channel.topic_name, channel.partition))
+            if leader is not None and channel not in self._outbox:
+                leader.send_channels({channel.name: state_to_wire(replica)})
 
     async def push_channel(self, channel) -> None:
         """An ordered channel's FIN: its checkpoint, stored here, to every ISR follower now;
@@ -133,7 +158,7 @@ class Replication:
             raise NotWritable(f"partition {channel.partition} is not led here")
         state = channel.checkpoint()
         self.nsqd.meta.put(channel_key(channel.topic_name, channel.partition, channel.name), state)
-        await leader.push_channels({channel.name: state_to_wire(channel.replica_state(state))})
+        await leader.push_channels({channel.name: state_to_wire(await replica_of(channel, state))})
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -143,6 +168,8 @@ class Replication:
     async def stop(self) -> None:
         """Stop replicating: leaders first (their partitions close with the node), then
         followers with their queues, then the server."""
+        if self._sender is not None:
+            self._sender.cancel()
         for key in list(self.leaders):
             await self._stop_leader(key)
         for key in list(self.followers):
@@ -228,8 +255,9 @@ class Replication:
 
     def followed_floors(self):
         """(topic, partition, queue, floor) of each partition followed here: `floor` is the
-        lowest offset a channel of the topic (in the cluster's view) has not confirmed, as the
-        leader last said; 0, keep everything, until the leader has said it for each."""
+        lowest offset a channel of the topic (in the cluster's view) still needs, as the
+        leader last said (its `confirmed`, or its first held message's origin: a new leader
+        reads that record); 0, keep everything, until the leader has said it for each."""
         topics = self.cluster.mirror.view.topics
         for (name, n), follower in list(self.followers.items()):
             tv = topics.get(name)

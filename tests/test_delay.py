@@ -414,7 +414,7 @@ async def test_deferred_messages_do_not_stall_reading_with_a_small_rdy(node):
     assert channel_of(n).delay.flushes < 30, "moves to the store must share writes"
 
 
-# ---- what followers get: Channel.replica_state ---------------------------------------------
+# ---- what followers get: handover.replica_of, and a new leader's takeover ----------------
 
 async def log_records(queue) -> list:
     reader = queue.reader(queue.start_offset)
@@ -424,13 +424,16 @@ async def log_records(queue) -> list:
         reader.close()
 
 
-async def test_replica_state_never_passes_a_dpub_in_the_store(node, tmp_path):
+async def test_a_new_leader_puts_a_held_dpub_back_and_redelivers_nothing_finished(node,
+                                                                                   tmp_path):
     """A DPUB deferred an hour among published messages, every other message FINed: the
-    channel's checkpoint passes the DPUB (the store holds it), what followers get stops at
-    it. A node that opens the channel from that state over the same log, without the
-    store (as a new leader does), defers the DPUB again and delivers it when due, and
-    redelivers only what came after it (at-least-once), never what came before."""
+    checkpoint passes the DPUB (the store holds it), and so does what followers get, which
+    lists it in `held`. A node that opens the channel from that state over the same log,
+    without the store (as a new leader does), puts the DPUB into its own store, delivers
+    none of the finished messages again, and the DPUB when due, once."""
+    from nsqd.handover import replica_of
     from nsqd.metastore import MetaStore, channel_key
+    from nsqd.replica import Held, decode_held
     from nsqd.topic import delay_folder
 
     clock = FakeClock()
@@ -447,14 +450,14 @@ async def test_replica_state_never_passes_a_dpub_in_the_store(node, tmp_path):
     await until(lambda: ch.delayed_count == 1 and ch.cursor.confirmed == ch.queue.committed_end)
     records = await log_records(ch.queue)
     (dpub,) = [r for r in records if r.body == b"in an hour"]
-    assert ch.replica_state(ch.checkpoint()) == ch.replica_state(ch.checkpoint())  # pure
     state = ch.checkpoint()
     assert state["confirmed"] == ch.queue.committed_end and state["delay_store"]
-    replica = ch.replica_state(state)
-    assert (replica["confirmed"], replica["confirmed_count"]) == (dpub.offset, 5)
-    assert replica["next_read"] == dpub.offset and replica["finished"] == b""
-    assert replica["delay_store"] is False
-    assert state["confirmed"] == ch.queue.committed_end, "the checkpoint itself is unchanged"
+    replica = await replica_of(ch, state)
+    assert replica == await replica_of(ch, state), "the same store, the same state"
+    assert (replica["confirmed"], replica["next_read"]) == (state["confirmed"], state["next_read"])
+    assert replica["delay_store"] is False and "held" not in state
+    due_ms = int(clock() * 1000) + 3_600_000
+    assert decode_held(replica["held"]) == [Held(dpub.offset, dpub.msg_id, due_ms, 0)]
     await c.close()
     await pub.close()
     await n.stop()
@@ -468,48 +471,55 @@ async def test_replica_state_never_passes_a_dpub_in_the_store(node, tmp_path):
     n = await node(clock)
     c = await connect(n)
     await c.sub("t", "c", rdy=20)
-    again = await take(c, 4)
-    assert [m.body for m in again] == [b"m%d" % i for i in range(6, 10)]
-    await nothing_arrives(c)
     ch = channel_of(n)
-    assert ch.delayed_count == 1, "the DPUB is deferred again, in the new leader's store"
-    for m in again:
-        m.fin()
-    clock.advance(3600)
+    await until(lambda: ch.held is None and ch.delayed_count == 1)
+    assert "held" not in ch.checkpoint() and ch.checkpoint()["delay_store"] is True
+    await nothing_arrives(c)
+    clock.advance(3599)
+    await nothing_arrives(c)
+    clock.advance(2)
     (due,) = await take(c)
-    assert (due.body, due.id) == (b"in an hour", b"%016x" % dpub.msg_id)
+    assert (due.body, due.id, due.attempts) == (b"in an hour", b"%016x" % dpub.msg_id, 1)
     due.fin()
     await nothing_arrives(c)
 
 
-async def test_replica_state_follows_a_requeued_message_in_the_store(node):
-    """A message REQ'd past the threshold is in the store: what followers get stops at it
-    while it is there (waiting, then brought back and in flight), and passes it once it is
-    FINed. A channel without a store gives followers its checkpoint as it is."""
+async def test_what_followers_get_lists_a_requeued_message_while_the_store_holds_it(node):
+    """A message REQ'd past the threshold is in the store: what followers get lists it with
+    its due time and attempts while it is there (waiting, then brought back and in flight),
+    counting it finished, and no longer once it is FINed. A channel without a store gives
+    followers its checkpoint with an empty list."""
+    from nsqd.handover import replica_of
+    from nsqd.replica import Held, decode_held
+
     clock = FakeClock()
     n, c, ch = await one_message_requeued_for_half_an_hour(node, clock)
     plain = await connect(n)
     await plain.sub("t", "plain", rdy=0)
     state = channel_of(n, name="plain").checkpoint()
     assert state["delay_store"] is False
-    assert channel_of(n, name="plain").replica_state(state) is state
+    assert await replica_of(channel_of(n, name="plain"), state) == dict(state, held=b"")
     pub = await connect(n)
     await pub.pub("t", b"after")
     (after,) = await take(c)
     after.fin()
     await until(lambda: ch.delayed_count == 1 and ch.cursor.confirmed == ch.queue.committed_end)
     (held, _) = await log_records(ch.queue)
-    replica = ch.replica_state(ch.checkpoint())
-    assert (replica["confirmed"], replica["confirmed_count"]) == (held.offset, 0)
+    due_ms = int(clock() * 1000) + 30 * 60_000
+    replica = await replica_of(ch, ch.checkpoint())
+    assert replica["confirmed"] == ch.queue.committed_end
+    assert decode_held(replica["held"]) == [Held(held.offset, held.msg_id, due_ms, 1)]
     clock.advance(31 * 60)
     (back,) = await take(c)
-    assert ch.delay.taken == 1
-    assert ch.replica_state(ch.checkpoint())["confirmed"] == held.offset, "in flight: still held"
+    assert ch.delay.taken == 1 and back.attempts == 2
+    replica = await replica_of(ch, ch.checkpoint())
+    assert decode_held(replica["held"]) == [Held(held.offset, held.msg_id, due_ms, 1)], \
+        "in flight: still held"
     back.fin()
     await until(lambda: ch.delayed_count == 0)
     state = ch.checkpoint()
-    replica = ch.replica_state(state)
-    assert replica == dict(state, delay_store=False) and state["delay_store"] is True
+    replica = await replica_of(ch, state)
+    assert replica == dict(state, delay_store=False, held=b"") and state["delay_store"] is True
     assert replica["confirmed"] == ch.queue.committed_end
 
 

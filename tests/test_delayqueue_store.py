@@ -265,6 +265,28 @@ def test_min_origin_skips_an_entry_set_aside_as_corrupt(path):
     s.close()
 
 
+def test_first_held_lists_log_messages_by_origin_with_due_and_attempts(path):
+    """first_held: the first `limit` log messages held, waiting or taken, in origin order,
+    each with its due time and attempts as they are now; a corrupt value is left out."""
+    s = DelayStore.open(path)
+    assert s.first_held(10) == []
+    bad_body = b"ROTTEN-HELD-BODY-" * 4
+    s.put([msg(7, 10, origin=-1), msg(3, 30, origin=900, attempts=2),
+           msg(1, 40, origin=500), msg(2, 5, origin=700, attempts=9),
+           msg(4, 50, origin=800, body=bad_body)])
+    assert s.first_held(10) == [(500, 1, 40, 0), (700, 2, 5, 9), (800, 4, 50, 0),
+                                (900, 3, 30, 2)]
+    assert s.first_held(2) == [(500, 1, 40, 0), (700, 2, 5, 9)] and s.first_held(0) == []
+    assert [m.msg_id for m in s.take_due(6, 10)] == [2]
+    s.requeue([(1, 77, 3)])
+    assert s.first_held(2) == [(500, 1, 77, 3), (700, 2, 5, 9)], "taken still held"
+    s.close()
+    assert flip_on_disk(os.path.join(path, "data.mdb"), bad_body) >= 1
+    s = DelayStore.open(path, now_ms=1)
+    assert s.first_held(10) == [(500, 1, 77, 3), (700, 2, 1, 9), (900, 3, 30, 2)]
+    s.close()
+
+
 def format_1_store(path: str, waiting, taken) -> None:
     """A store as the format before `origins` made it (no such sub-database)."""
     os.makedirs(path)
