@@ -484,6 +484,71 @@ async def test_a_new_leader_puts_a_held_dpub_back_and_redelivers_nothing_finishe
     await nothing_arrives(c)
 
 
+async def test_a_takeover_replaces_a_stale_store_and_runs_again_after_a_crash(node, tmp_path):
+    """The state followers got lists a DPUB; this node's store also holds a message REQ'd
+    after that state was taken (left from its own older term). Opened from that state, the
+    channel's store holds exactly the DPUB, and the REQ'd message, which the state does not
+    count as finished, is read from the log again and delivered at once. A crash before
+    the checkpoint without `held` was saved (the state is the same, the store already
+    filled) runs the takeover again: the DPUB is held once and delivered once, when due."""
+    from nsqd.handover import replica_of
+    from nsqd.metastore import MetaStore, channel_key
+
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    pub = await connect(n)
+    await pub.mpub("t", [b"m%d" % i for i in range(5)])
+    await pub.dpub("t", 3_600_000, b"in an hour")
+    for m in await take(c, 5):
+        m.fin()
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1 and ch.cursor.confirmed == ch.queue.committed_end)
+    replica = await replica_of(ch, ch.checkpoint())
+    await pub.pub("t", b"late")
+    (late,) = await take(c)
+    late.req(30 * 60_000)
+    await until(lambda: ch.delayed_count == 2 and ch.cursor.confirmed == ch.queue.committed_end)
+    await c.close()
+    await pub.close()
+    await n.stop()
+
+    def as_followers_got_it():
+        meta = MetaStore(str(tmp_path / "data" / "nsqd.meta.sqlite"))
+        meta.put(channel_key("t", 0, "c"), replica)
+        meta.close()
+
+    as_followers_got_it()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    (again,) = await take(c)
+    assert (again.body, again.attempts) == (b"late", 1), "read from the log, not the stale store"
+    again.fin()
+    ch = channel_of(n)
+    await until(lambda: ch.held is None and ch.delayed_count == 1)
+    assert [(m.body, m.due_ms) for _, m in ch.delay.store.scan()] == [
+        (b"in an hour", int(clock() * 1000) + 3_600_000)]
+    await c.close()
+    await n.stop()
+
+    as_followers_got_it()  # the crash: the takeover's checkpoint never saved
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    (again,) = await take(c)
+    assert again.body == b"late", "FINed after the state followers got: at least once"
+    again.fin()
+    ch = channel_of(n)
+    await until(lambda: ch.held is None and ch.delayed_count == 1)
+    clock.advance(3601)
+    (due,) = await take(c)
+    assert due.body == b"in an hour"
+    due.fin()
+    await nothing_arrives(c)
+
+
 async def test_what_followers_get_lists_a_requeued_message_while_the_store_holds_it(node):
     """A message REQ'd past the threshold is in the store: what followers get lists it with
     its due time and attempts while it is there (waiting, then brought back and in flight),
