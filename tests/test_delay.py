@@ -549,6 +549,48 @@ async def test_a_takeover_replaces_a_stale_store_and_runs_again_after_a_crash(no
     await nothing_arrives(c)
 
 
+async def test_a_held_message_not_in_the_log_sends_the_cursor_back_to_it(node, tmp_path):
+    """A held entry whose record at its origin is another message (or none): never lost in
+    silence: the channel reads the log again from there, as before `held` existed (the
+    messages after it come again, the DPUB is deferred again by its ext header)."""
+    from nsqd.handover import replica_of
+    from nsqd.metastore import MetaStore, channel_key
+    from nsqd.replica import decode_held, encode_held
+    from nsqd.topic import delay_folder
+
+    clock = FakeClock()
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    pub = await connect(n)
+    await pub.dpub("t", 3_600_000, b"in an hour")
+    await pub.mpub("t", [b"m%d" % i for i in range(3)])
+    for m in await take(c, 3):
+        m.fin()
+    ch = channel_of(n)
+    await until(lambda: ch.delayed_count == 1 and ch.cursor.confirmed == ch.queue.committed_end)
+    replica = await replica_of(ch, ch.checkpoint())
+    (h,) = decode_held(replica["held"])
+    replica["held"] = encode_held([h._replace(msg_id=h.msg_id + 1)])
+    partition_path = ch.queue.path
+    await c.close()
+    await pub.close()
+    await n.stop()
+    meta = MetaStore(str(tmp_path / "data" / "nsqd.meta.sqlite"))
+    meta.put(channel_key("t", 0, "c"), replica)
+    meta.close()
+    shutil.rmtree(delay_folder(partition_path, "c"))
+    n = await node(clock)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=20)
+    assert sorted(m.body for m in await take(c, 3)) == [b"m0", b"m1", b"m2"]
+    ch = channel_of(n)
+    await until(lambda: ch.held is None and ch.delayed_count == 1)
+    clock.advance(3601)
+    (due,) = await take(c)
+    assert due.body == b"in an hour"
+
+
 async def test_what_followers_get_lists_a_requeued_message_while_the_store_holds_it(node):
     """A message REQ'd past the threshold is in the store: what followers get lists it with
     its due time and attempts while it is there (waiting, then brought back and in flight),
