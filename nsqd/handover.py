@@ -3,6 +3,8 @@
 - `replica_of(channel, state)`: what the followers get of a checkpoint `state`:
   replica.replica_state over the first held messages of the channel's delay store, read
   after `state` was taken (ChannelDelay.held).
+- `opening_state(state, ...)`: the checkpoint a channel opens from, given its stored state
+  (a replica state's `held_cursor` is its cursor: replica.checkpoint_of).
 - `take_over(channel)`: a new leader's channel opened from a replica state with `held` (a
   promoted follower, or a follower restarted as leader). Before the channel delivers
   anything, each held message's record is read from this node's log at its origin and
@@ -29,7 +31,7 @@ from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
 from nsqwire.ids import SEQUENCE_MASK
 
-from .replica import MAX_HELD, Held, capped, decode_held, replica_state
+from .replica import MAX_HELD, Held, capped, checkpoint_of, decode_held, replica_state
 
 log = structlog.get_logger("nsqd.handover")
 
@@ -43,6 +45,18 @@ async def replica_of(channel, state: dict) -> dict:
     rows = await d.held(MAX_HELD + 1) if d is not None else []
     return replica_state(state, None if rows is None else [Held(*r) for r in rows],
                          d.min_origin if d is not None else None)
+
+
+def opening_state(state: dict, topic: str, partition: int, channel: str) -> dict:
+    """The checkpoint to open a channel from, its stored `state` (see the module docstring).
+    A damaged `held` or `held_cursor` is dropped with one log line: the classic cursor
+    stops at the first held message, so those are read from the log again."""
+    try:
+        return checkpoint_of(state)
+    except ValueError as e:
+        log.warning("held_messages_dropped", topic=topic, partition=partition,
+                    channel=channel, reason=str(e))
+        return {k: v for k, v in state.items() if k not in ("held", "held_cursor")}
 
 
 async def take_over(channel) -> None:

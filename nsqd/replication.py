@@ -41,7 +41,7 @@ from isr.state import PartitionState
 
 from .handover import replica_of
 from .metastore import channel_key
-from .replica import held_floor
+from .replica import checkpoint_of
 
 log = structlog.get_logger("nsqd.replication")
 
@@ -73,8 +73,8 @@ class Replication:
         # partitions whose leadership this node gave up at an epoch (its LeaderLog closed
         # for good while etcd still names it): not taken again before a newer epoch
         self.refused: dict[tuple[str, int], int] = {}
-        # the lowest offset each channel of each followed partition needs, as its leader
-        # last sent it (replica.held_floor): what retention may drop here (followed_floors)
+        # the confirmed offset of each channel of each followed partition, as its leader
+        # last sent it (never past its first held message): what retention may drop here
         self._confirmed: dict[tuple[str, int], dict[str, int]] = {}
         self._outbox: dict = {}  # channel -> its latest checkpoint not yet sent (send_states)
         self._sender: asyncio.Task | None = None
@@ -119,9 +119,9 @@ class Replication:
         for name, state in channels.items():
             try:
                 state = state_from_wire(state)
-                floor = held_floor(state)
+                checkpoint_of(state)  # raises ValueError on a damaged `held` or `held_cursor`
                 meta.put(channel_key(topic, partition, name), state)
-                confirmed[name] = floor
+                confirmed[name] = int(state["confirmed"])
             except (TypeError, ValueError, AttributeError, KeyError) as e:
                 log.warning("channel_state_refused", topic=topic, partition=partition,
                             channel=name, error=str(e))
@@ -255,9 +255,9 @@ class Replication:
 
     def followed_floors(self):
         """(topic, partition, queue, floor) of each partition followed here: `floor` is the
-        lowest offset a channel of the topic (in the cluster's view) still needs, as the
-        leader last said (its `confirmed`, or its first held message's origin: a new leader
-        reads that record); 0, keep everything, until the leader has said it for each."""
+        lowest offset a channel of the topic (in the cluster's view) has not confirmed, as the
+        leader last said (a replica state's `confirmed` stops at its first held message: a
+        new leader reads that record); 0, keep everything, until the leader has said it."""
         topics = self.cluster.mirror.view.topics
         for (name, n), follower in list(self.followers.items()):
             tv = topics.get(name)

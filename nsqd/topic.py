@@ -38,6 +38,7 @@ from isr.leader import NotWritable
 from .assignment import Assignment
 from .channel import Channel
 from .cursor import SavedWindow
+from .handover import opening_state
 
 log = structlog.get_logger("nsqd.topic")
 
@@ -148,6 +149,8 @@ class Partition:
             offset, count = (self.floor if at_floor or not self.channels
                              else (q.committed_end, q.committed_count))
             state = {"confirmed": offset, "confirmed_count": count, "paused": False}
+        else:
+            state = opening_state(state, self.topic.name, self.number, name)
         channel = Channel(self.topic, name, self.queue, state["confirmed"],
                           state["confirmed_count"], paused=state.get("paused", False),
                           delay_path=delay_folder(self.queue.path, name),

@@ -433,7 +433,7 @@ async def test_a_new_leader_puts_a_held_dpub_back_and_redelivers_nothing_finishe
     none of the finished messages again, and the DPUB when due, once."""
     from nsqd.handover import replica_of
     from nsqd.metastore import MetaStore, channel_key
-    from nsqd.replica import Held, decode_held
+    from nsqd.replica import Held, checkpoint_of, decode_held
     from nsqd.topic import delay_folder
 
     clock = FakeClock()
@@ -454,7 +454,10 @@ async def test_a_new_leader_puts_a_held_dpub_back_and_redelivers_nothing_finishe
     assert state["confirmed"] == ch.queue.committed_end and state["delay_store"]
     replica = await replica_of(ch, state)
     assert replica == await replica_of(ch, state), "the same store, the same state"
-    assert (replica["confirmed"], replica["next_read"]) == (state["confirmed"], state["next_read"])
+    opened = checkpoint_of(replica)
+    assert (opened["confirmed"], opened["next_read"]) == (state["confirmed"], state["next_read"])
+    assert (replica["confirmed"], replica["next_read"]) == (dpub.offset, dpub.offset), \
+        "the classic cursor (an nsqd without `held` reads it) stops at the held DPUB"
     assert replica["delay_store"] is False and "held" not in state
     due_ms = int(clock() * 1000) + 3_600_000
     assert decode_held(replica["held"]) == [Held(dpub.offset, dpub.msg_id, due_ms, 0)]
@@ -597,7 +600,7 @@ async def test_what_followers_get_lists_a_requeued_message_while_the_store_holds
     counting it finished, and no longer once it is FINed. A channel without a store gives
     followers its checkpoint with an empty list."""
     from nsqd.handover import replica_of
-    from nsqd.replica import Held, decode_held
+    from nsqd.replica import Held, checkpoint_of, decode_held
 
     clock = FakeClock()
     n, c, ch = await one_message_requeued_for_half_an_hour(node, clock)
@@ -614,7 +617,8 @@ async def test_what_followers_get_lists_a_requeued_message_while_the_store_holds
     (held, _) = await log_records(ch.queue)
     due_ms = int(clock() * 1000) + 30 * 60_000
     replica = await replica_of(ch, ch.checkpoint())
-    assert replica["confirmed"] == ch.queue.committed_end
+    assert checkpoint_of(replica)["confirmed"] == ch.queue.committed_end
+    assert replica["confirmed"] == held.offset, "the classic cursor stops at it"
     assert decode_held(replica["held"]) == [Held(held.offset, held.msg_id, due_ms, 1)]
     clock.advance(31 * 60)
     (back,) = await take(c)

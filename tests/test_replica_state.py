@@ -1,5 +1,6 @@
-"""What followers get of a channel (nsqd/replica.py, pure): the held list, the cap at the
-(MAX_HELD + 1)-th held origin, the bounds that keep a state inside one CHANNELS header."""
+"""What followers get of a channel (nsqd/replica.py, pure): the held list, the two cursors
+(the classic one stops at the first held message, `held_cursor` at the (MAX_HELD + 1)-th),
+the bounds that keep a state inside one CHANNELS header."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from isr import wire
 from isr.leader import _fitting
 from nsqd.cursor import Ranges, pack_u64, unpack_u64
 from nsqd.replica import (MAX_HELD, MAX_REPLICA_ATTEMPTS, MAX_REPLICA_RANGES, Held, capped,
-                          decode_held, encode_held, held_floor, replica_state)
+                          checkpoint_of, decode_held, encode_held, replica_state)
 from nsqd.replication import state_from_wire, state_to_wire
 
 SEQ = 1 << 50  # partition 1's ids: partition << 50 | sequence
@@ -47,50 +48,75 @@ def test_held_round_trips_and_refuses_what_it_is_not():
             decode_held(bad)
 
 
-def test_up_to_max_held_the_state_is_the_checkpoint_with_its_list():
-    state = checkpoint()
-    for h in ([], held(3), held(MAX_HELD)):
-        replica = replica_state(state, h, min_origin=(100, SEQ | 100))
-        assert replica == dict(state, delay_store=False, held=encode_held(h))
+def cursor(state: dict) -> tuple:
+    return (state["confirmed"], state["confirmed_count"], state["next_read"],
+            Ranges.decode(state["finished"]).pairs())
+
+
+def test_up_to_max_held_a_new_leader_gets_the_checkpoint_and_its_list():
+    """The classic cursor stops at the first held message (what an nsqd that ignores `held`
+    reads: it reads the held ones from the log again); `held_cursor`, which a node that
+    puts `held` back opens from, is the checkpoint's own."""
+    state = checkpoint(confirmed=1000, count=10, next_read=5000,
+                       ranges=((2000, 3000, 20, 30), (4000, 4500, 40, 45)))
+    for h in (held(3, first=2500), held(MAX_HELD, first=100, step=1)):
+        replica = replica_state(state, h, min_origin=(1, SEQ | 1))
+        assert decode_held(replica["held"]) == h and replica["delay_store"] is False
+        assert checkpoint_of(replica) == dict(state, delay_store=False, held=encode_held(h))
+        assert cursor(replica) == cursor(capped(state, h[0].origin, h[0].origin))
+    assert cursor(replica) == (100, 100, 100, [])
+    replica = replica_state(state, [], min_origin=None)
+    assert replica == dict(state, delay_store=False, held=b"") == checkpoint_of(replica)
     assert state["delay_store"] is True and "held" not in state, "the checkpoint is unchanged"
 
 
 def test_the_cap_is_the_first_held_message_beyond_the_list():
     """MAX_HELD + 1 held: the last is not listed, so nothing from its origin on counts as
-    finished: confirmed, next_read and the finished ranges stop there."""
+    finished in `held_cursor` either: confirmed, next_read and the finished ranges stop
+    there (the range it falls in is cut)."""
     state = checkpoint(confirmed=100_000, count=9000, next_read=100_000, ranges=())
     h = held(MAX_HELD + 1)  # origins 100 .. 10100
     beyond = h[MAX_HELD]
     replica = replica_state(state, h, min_origin=None)
     assert decode_held(replica["held"]) == h[:MAX_HELD]
-    assert (replica["confirmed"], replica["confirmed_count"]) == (beyond.origin, beyond.origin)
-    assert replica["next_read"] == beyond.origin
-    # the cap inside a finished range cuts it there; ranges beyond it go
+    opened = checkpoint_of(replica)
+    assert cursor(opened) == (beyond.origin, beyond.origin, beyond.origin, [])
+    assert cursor(replica) == (100, 100, 100, [])
     state = checkpoint(confirmed=50, count=5, next_read=20_000,
                        ranges=((9_000, 10_500, 900, 1050), (12_000, 13_000, 1200, 1300)))
-    replica = replica_state(state, held(MAX_HELD + 5), min_origin=None)
-    assert (replica["confirmed"], replica["next_read"]) == (50, beyond.origin)
-    assert Ranges.decode(replica["finished"]).pairs() == [(9_000, beyond.origin)]
+    opened = checkpoint_of(replica_state(state, held(MAX_HELD + 5), min_origin=None))
+    assert cursor(opened) == (50, 5, beyond.origin, [(9_000, beyond.origin)])
 
 
 def test_a_store_that_cannot_be_read_caps_at_its_smallest_origin_as_before():
     state = checkpoint(confirmed=1000, count=10, next_read=5000,
                        ranges=((2000, 3000, 20, 30), (4000, 4500, 40, 45)))
     replica = replica_state(state, None, min_origin=(2500, SEQ | 25))
-    assert "held" not in replica and replica["delay_store"] is False
-    assert (replica["confirmed"], replica["next_read"]) == (1000, 2500)
-    assert Ranges.decode(replica["finished"]).pairs() == [(2000, 2500)]
+    assert "held" not in replica and "held_cursor" not in replica
+    assert cursor(replica) == (1000, 10, 2500, [(2000, 2500)])
+    assert checkpoint_of(replica) is replica
     replica = replica_state(state, None, min_origin=(500, SEQ | 5))
-    assert (replica["confirmed"], replica["confirmed_count"], replica["next_read"]) == (500, 5, 500)
+    assert cursor(replica) == (500, 5, 500, [])
     assert replica_state(state, None, None) == dict(state, delay_store=False)
     assert capped(state, 9000, 90) == state
 
 
-def test_a_state_still_carrying_held_goes_as_it_came():
+def test_a_state_still_carrying_held_passes_its_list_on():
     """A new leader's channel before its takeover put the held messages back: its store
-    does not hold them yet, so the list it got is what it passes on."""
-    state = dict(checkpoint(), delay_store=False, held=encode_held(held(2)))
-    assert replica_state(state, [], None) is state
+    does not hold them yet, so the list it got is what it passes on, with its cursor."""
+    h = held(2, first=2500)
+    state = dict(checkpoint(), delay_store=False, held=encode_held(h))
+    replica = replica_state(state, [], None)
+    assert decode_held(replica["held"]) == h and checkpoint_of(replica) == state
+    assert cursor(replica) == cursor(capped(state, 2500, 2500))
+
+
+def test_a_damaged_list_or_cursor_is_refused():
+    replica = replica_state(checkpoint(), held(3, first=2500), None)
+    for bad in (dict(replica, held=b"\x01"), dict(replica, held_cursor=b"\x01" * 8),
+                dict(replica, held_cursor=replica["held_cursor"][:24] + b"\x00" * 32)):
+        with pytest.raises(ValueError):
+            checkpoint_of(bad)
 
 
 def test_ranges_and_attempts_are_bounded_for_the_wire():
@@ -98,9 +124,11 @@ def test_ranges_and_attempts_are_bounded_for_the_wire():
     attempts = [(10_050 + 100 * i, i % 1000) for i in range(4096)]
     state = checkpoint(confirmed=1000, count=10, next_read=10_000 + 100 * 4096,
                        ranges=ranges, attempts=attempts)
-    replica = replica_state(state, held(MAX_HELD), None)
-    kept = Ranges.decode(replica["finished"]).pairs()
-    assert kept == [(s, e) for s, e, _, _ in ranges[:MAX_REPLICA_RANGES]]
+    h = held(MAX_HELD, first=10_000 + 100 * 4000, step=1)
+    replica = replica_state(state, h, None)
+    expected = [(s, e) for s, e, _, _ in ranges[:MAX_REPLICA_RANGES]]
+    assert Ranges.decode(replica["finished"]).pairs() == expected
+    assert Ranges.decode(checkpoint_of(replica)["finished"]).pairs() == expected
     values = unpack_u64(replica["attempts"])
     offsets, counts = values[:len(values) // 2], values[len(values) // 2:]
     assert len(offsets) == MAX_REPLICA_ATTEMPTS and list(offsets) == sorted(offsets)
@@ -116,12 +144,3 @@ def test_ranges_and_attempts_are_bounded_for_the_wire():
     small = state_to_wire(checkpoint())
     assert [len(g) for g in _fitting({f"c{i}": small for i in range(300)},
                                      wire.MAX_HEADER - 1024)] == [300]
-
-
-def test_held_floor_keeps_the_first_held_record_on_the_followers():
-    state = dict(checkpoint(confirmed=1000), held=encode_held(held(3, first=400)))
-    assert held_floor(state) == 400
-    assert held_floor(dict(state, held=encode_held(held(3, first=4000)))) == 1000
-    assert held_floor(checkpoint(confirmed=1000)) == 1000
-    with pytest.raises(ValueError):
-        held_floor(dict(state, held=b"\x01"))
