@@ -59,6 +59,7 @@ class ChannelDelay:
         self.give_back = give_back  # called with (message, due_ms) the store did not take
         self.take_limit = take_limit
         self.store = None
+        self.opened = False  # open() has run: what the store holds is known (or failed)
         self.error: str | None = None
         self.waiting = 0
         self.taken = 0
@@ -95,12 +96,14 @@ class ChannelDelay:
                           "counts as confirmed in the log): deferred messages wait in memory")
             self._failed = True  # never an empty store in its place
             log.error("delay_store_missing", path=self.path)
+            self.opened = True
             return not restore
         stored = True
         if restore is not None and (restore or os.path.isdir(self.path)):
             stored = await self._open_store(restore)
         elif os.path.isdir(self.path):
             stored = await self._open_store()
+        self.opened = True
         if not stored and os.path.isdir(self.path):
             self._failed = True
             return False
@@ -140,10 +143,10 @@ class ChannelDelay:
     async def held(self, limit: int) -> list[tuple[int, int, int, int]] | None:
         """The first `limit` log messages the store holds, (origin, msg_id, due_ms, attempts)
         in origin order (DelayStore.first_held; read again only when the store changed):
-        [] without a store, None when it cannot be read."""
+        [] without a store, None when it cannot be read (or is not open yet)."""
         store = self.store
         if store is None:
-            return None if self._failed or self._closed else []
+            return None if self._failed or self._closed or not self.opened else []
         at = store.commits
         read_at, read_limit, rows = self._held
         if read_at == at and (read_limit >= limit or len(rows) < read_limit):

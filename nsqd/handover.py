@@ -38,11 +38,15 @@ log = structlog.get_logger("nsqd.handover")
 MAX_READS = 32  # reads of one record (a record longer than a read grows the next one)
 
 
-async def replica_of(channel, state: dict) -> dict:
+async def replica_of(channel, state: dict) -> dict | None:
     """What followers may store of `state`, a checkpoint of `channel` taken no later than
-    now (see the module docstring)."""
+    now (see the module docstring); None while the channel's store is not open yet (what
+    it holds is unknown, and the checkpoint may count it finished: the channel is saved
+    again once it is open)."""
     d = channel.delay
-    rows = await d.held(MAX_HELD + 1) if d is not None else []
+    if d is not None and not d.opened and "held" not in state:
+        return None
+    rows = await d.held(MAX_HELD + 1) if d is not None and "held" not in state else []
     return replica_state(state, None if rows is None else [Held(*r) for r in rows],
                          d.min_origin if d is not None else None)
 

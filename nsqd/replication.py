@@ -147,7 +147,7 @@ class Replication:
                               partition=channel.partition, channel=channel.name)
                 continue
             leader = self.leaders.get((channel.topic_name, channel.partition))
-            if leader is not None and channel not in self._outbox:
+            if leader is not None and replica is not None and channel not in self._outbox:
                 leader.send_channels({channel.name: state_to_wire(replica)})
 
     async def push_channel(self, channel) -> None:
@@ -158,7 +158,9 @@ class Replication:
             raise NotWritable(f"partition {channel.partition} is not led here")
         state = channel.checkpoint()
         self.nsqd.meta.put(channel_key(channel.topic_name, channel.partition, channel.name), state)
-        await leader.push_channels({channel.name: state_to_wire(await replica_of(channel, state))})
+        replica = await replica_of(channel, state)
+        if replica is not None:  # None only before the channel delivered anything
+            await leader.push_channels({channel.name: state_to_wire(replica)})
 
     # ---- lifecycle -------------------------------------------------------------------
 
