@@ -38,7 +38,7 @@ from bench.common import Report, machine_info  # noqa: E402
 from delayqueue.entry import DelayedMessage  # noqa: E402
 from delayqueue.store import DelayStore  # noqa: E402
 from nsqd.cursor import Ranges  # noqa: E402
-from nsqd.replica import MAX_HELD, Held, replica_state  # noqa: E402
+from nsqd.replica import MAX_HELD, Held, checkpoint_of, replica_state  # noqa: E402
 from nsqd.replication import state_to_wire  # noqa: E402
 
 SIZE = 200  # body bytes
@@ -86,8 +86,9 @@ def measure(report: Report, store: DelayStore, held: int, end: int) -> None:
     report.add(f"read_cpu_us_h{held}", statistics.median(reads) * 1e6,
                f"{held:>6} held: of it, the LMDB read")
     listed = len(rows[:MAX_HELD])
-    report.note(f"listed {listed}, replicated confirmed {new['confirmed']:,} "
-                f"(before: {old['confirmed']:,}) of {state['confirmed']:,}")
+    opened = checkpoint_of(new)["confirmed"]
+    report.note(f"listed {listed}; a new leader opens at {opened:,} (before: "
+                f"{old['confirmed']:,}) of {state['confirmed']:,} confirmed")
 
 
 def main() -> None:
