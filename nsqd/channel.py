@@ -36,9 +36,9 @@ from nsqwire.ids import PARTITION_SHIFT
 from . import tags
 from .cursor import MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64
 from .delaying import ChannelDelay
+from .handover import take_over
 from .message import Message, defer_until_ms
 from .ordered import OrderedDispatch
-from .handover import take_over
 
 log = structlog.get_logger("nsqd.channel")
 

@@ -23,14 +23,15 @@ Invariants:
 - `min_origin` is the smallest (log offset, msg_id) the store holds (None: no log
   message), read in the same worker call as every write that may change it, and updated
   before `on_stored` confirms anything: whenever the cursor has passed a message because
-  the store holds it, `min_origin` is at or below it (what replicas get: Channel.replica_state).
+  the store holds it, `min_origin` is at or below it (what replicas get when the store
+  cannot be listed: nsqd/replica.py).
   The flusher and the poller read in two threads: a read older (by `store.commits`) than
   the one applied last is dropped, so a late one never undoes a newer one;
 - `held` reads the first log messages the store holds when a replica state is made (not
   with every write: it costs ~3 us an entry), at least as new as the checkpoint it goes
   with; `on_stored` is called after every flush that changed the store, so the channel
   saves (and its followers get) a checkpoint with the store's new content;
-- `open(restore=...)` (a new leader, nsqd/takeover.py) empties a store left from an older
+- `open(restore=...)` (a new leader, nsqd/handover.py) empties a store left from an older
   term and puts the old leader's held messages in, before the store is used at all.
 """
 
