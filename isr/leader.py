@@ -398,13 +398,18 @@ class LeaderLog:
         """As many CHANNELS frames as the states need (each header at most wire.MAX_HEADER
         bytes); a state too large for a frame of its own is left out, with one log line."""
         self.stats["channels_sent"] += 1
-        for group in _fitting(channels, wire.MAX_HEADER - 1024):  # 1 KiB: topic, epoch...
-            try:
-                head = wire.dumps({**self._base, "epoch": self.state.epoch, "channels": group})
-            except ValueError as e:
-                log.error("channel_state_too_large", topic=self.topic, partition=self.partition,
-                          channels=sorted(group), error=str(e))
-                continue
+        base = {**self._base, "epoch": self.state.epoch}
+        try:
+            heads = [wire.dumps({**base, "channels": channels})]  # one frame, mostly
+        except ValueError:
+            heads = []
+            for group in _fitting(channels, wire.MAX_HEADER - 1024):  # 1 KiB: topic, epoch
+                try:
+                    heads.append(wire.dumps({**base, "channels": group}))
+                except ValueError as e:
+                    log.error("channel_state_too_large", topic=self.topic,
+                              partition=self.partition, channels=sorted(group), error=str(e))
+        for head in heads:
             for f in self.followers.values():
                 if f.failed or f.held is not None:
                     continue

@@ -339,6 +339,27 @@ async def test_states_of_two_channels_sent_within_one_interval_both_arrive(tmp_p
         await stop(hosts)
 
 
+async def test_channel_states_over_one_header_go_in_several_frames(tmp_path):
+    """States whose JSON together passes a frame's header limit (64 KiB) go out in as many
+    CHANNELS frames as they need; one too large for a frame of its own is left out, and
+    the leader goes on (before: ValueError in its tick task, which stopped sending)."""
+    _, hosts = await cluster(tmp_path)
+    try:
+        leader = hosts[0].leaders[(T, 0)]
+        got = {B: {}, C: {}}
+        for h in hosts[1:]:
+            h.channels_received = lambda t, p, ch, node=h.node_id: got[node].update(ch)
+        big = {f"c{i}": {"confirmed": i, "pad": "x" * 30_000} for i in range(4)}
+        leader.send_channels({**big, "huge": {"confirmed": 9, "pad": "y" * 70_000}})
+        await until(lambda: all(len(g) == 4 for g in got.values()), 2)
+        assert all(g == big for g in got.values())
+        leader.send_channels({"after": {"confirmed": 1}})
+        await until(lambda: all("after" in g for g in got.values()), 2)
+        assert all("huge" not in g for g in got.values())
+    finally:
+        await stop(hosts)
+
+
 async def test_push_channels_returns_once_every_isr_follower_stored_the_state(tmp_path):
     """An ordered FIN's push: awaited, straight to the ISR (no 200 ms timer); a follower that
     is gone is dropped from the ISR (CAS) and the push then completes without it."""
