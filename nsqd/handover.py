@@ -75,7 +75,11 @@ async def take_over(channel) -> None:
     except ValueError as e:
         log.error("held_messages_damaged", **where, error=str(e))
         held, back_to = [], (q.start_offset, q.start_count)
-    items, missing = await read_held(q, held)
+    try:
+        items, missing = await read_held(q, held)
+    except Exception:  # never a channel that does not start: read again from the first
+        log.exception("held_messages_unread", **where)
+        items, missing = [], (held[0] if held else None)
     delay = channel.delay
     stored = await delay.open(items) if delay is not None else not items
     if not stored and held:
