@@ -22,6 +22,7 @@ import time
 
 from nsqtrace import events as ev
 from nsqtrace import store as sqlite_store
+from nsqtrace.process import ProcessStore
 from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
@@ -58,8 +59,9 @@ class Tracer:
             self.path = None
             self.writer = EventWriter(
                 None, node, bound=o.trace_buffer, sink="elasticsearch",
-                open_store=lambda: es.EsStore(self.es_url, self.writer.node, self.es_prefix,
-                                              **access),
+                open_store=lambda: ProcessStore("elasticsearch", {
+                    "url": self.es_url, "node": self.writer.node, "prefix": self.es_prefix,
+                    "id_base": es.id_base_of(self.writer.node), **access}),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None)
         else:
             self.path = os.path.join(o.data_path, STORE_FILE)

@@ -1,6 +1,6 @@
 """The Elasticsearch trace store (`--trace-es-url`), through the official `elasticsearch`
-client (9.x, synchronous: it runs on the writer's thread and in searches' threads, never
-on the event loop).
+client (9.x, synchronous: EsStore runs in the trace store's process, process.py, and
+`search` in the node's searches' threads, never on the event loop).
 
 Events go in bulk requests to daily indices `<prefix>YYYY.MM.DD` (the event's UTC day;
 prefix `nsq-trace-` by default), shaped by one index template (`<prefix>template`, put
@@ -9,7 +9,8 @@ trace_id decimal: both are unsigned 64-bit, past ES's signed `long`), `time` a d
 (ms), `time_ns` a long (exact order and windows), names and kinds keywords.
 
 Each document's `_id` is `<node>/<boot ns>/<seq>`, so a bulk request retried after a lost
-answer writes nothing twice. A store that cannot be reached (connection refused, 5xx,
+answer writes nothing twice (by a new store process too: the node gives each the same
+`id_base` and the `seq` to go on from). A store that cannot be reached (connection refused, 5xx,
 429) raises StoreUnavailable: the writer keeps the batch and retries with backoff. A
 document the server refuses (a mapping conflict) is dropped and counted, never retried.
 
@@ -79,20 +80,28 @@ def client(url: str, *, ca_certs: str | None = None, username: str | None = None
                          **options)
 
 
+def id_base_of(node: str) -> str:
+    """The start of a node's document ids, `<node>/<start ns>/`: unique to this run of the
+    node, the same in every store process it starts (process.py), so that a batch sent
+    again by a new one has the ids it had."""
+    return f"{node}/{time.time_ns()}/"
+
+
 def day_index(prefix: str, time_ns: int) -> str:
     day = datetime.datetime.fromtimestamp(time_ns / 1e9, datetime.timezone.utc)
     return f"{prefix}{day:%Y.%m.%d}"
 
 
 class EsStore:
-    """The writer thread's side: put the template, bulk-write batches, drop old indices."""
+    """The store process's side: put the template, bulk-write batches, drop old indices."""
 
-    def __init__(self, url: str, node: str, prefix: str = DEFAULT_PREFIX, **client_options):
+    def __init__(self, url: str, node: str, prefix: str = DEFAULT_PREFIX, *,
+                 id_base: str | None = None, seq: int = 0, **client_options):
         self.node = node
         self.prefix = prefix
         self._es = client(url, **client_options)
-        self._id_base = f"{node}/{time.time_ns()}/"
-        self._seq = 0
+        self._id_base = id_base or id_base_of(node)
+        self._seq = seq  # the last event's number: the next batch's first is seq + 1
         self._template_put = False  # put before the first bulk (and after each outage)
 
     def _put_template(self) -> None:
