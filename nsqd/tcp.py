@@ -385,10 +385,11 @@ class ClientConnection(asyncio.Protocol):
                 trace_id, extension = ext.stored(cmd.header)
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
-        slot = [False, None, topic, bodies, command, trace_id, None]  # done, error, ..., appended
+        # done, error, ..., appended, trace_ids
+        slot = [False, None, topic, bodies, command, trace_id, None, trace_ids]
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
-                          trace_ids=trace_ids, exts=exts, source=self.client.remote_address,
+                          trace_ids=trace_ids, exts=exts,
                           callback=functools.partial(self._published, slot))
         except PartitionNotFound:
             raise errors.bad_partition(command, str(cmd.partition)) from None
@@ -431,10 +432,13 @@ class ClientConnection(asyncio.Protocol):
         flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
         others that this turn answers (pipelined publishes written by one batch)."""
         slot[0], slot[1], slot[6] = True, exc, appended
+        topic = slot[2]
+        if exc is None and appended is not None and topic.trace is not None:  # PUB events
+            topic.trace.published(topic, appended, slot[5], slot[7], self.client.remote_address)
         publishing = self._publishing
         oks = 0
         while publishing and publishing[0][0]:
-            _, exc, topic, bodies, command, trace_id, appended = publishing.popleft()
+            _, exc, topic, bodies, command, trace_id, appended, _ = publishing.popleft()
             if exc is not None:
                 if oks:
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
