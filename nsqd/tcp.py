@@ -84,7 +84,7 @@ class ClientConnection(asyncio.Protocol):
                                       state_check=self._state_check)
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
         self._held = None  # a command (or parser error) that answers after the publishes
-        self._publishing: deque[list] = deque()  # [done, error, topic, bodies, command] in order
+        self._publishing: deque[list] = deque()  # slots (`_publish`), in order
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
         self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
         self.state = self.INIT
@@ -242,7 +242,7 @@ class ClientConnection(asyncio.Protocol):
         if not self._publishing:
             self._fail(err)
             return
-        self._publishing.append([True, err, None, None, None, 0, None])
+        self._publishing.append([True, err, None, None, None, 0, None, None])
         if err.fatal:
             self._parser_dead = True
             self._held = None
@@ -385,7 +385,7 @@ class ClientConnection(asyncio.Protocol):
                 trace_id, extension = ext.stored(cmd.header)
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
-        # done, error, ..., appended, trace_ids
+        # done, error, topic, bodies, command, trace_id, appended, trace_ids
         slot = [False, None, topic, bodies, command, trace_id, None, trace_ids]
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
