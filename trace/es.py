@@ -21,6 +21,7 @@ that is the cluster's ILM's job).
 from __future__ import annotations
 
 import datetime
+import json
 import time
 
 from elasticsearch import ApiError, Elasticsearch, TransportError
@@ -48,6 +49,12 @@ MAPPING = {
         "detail": {"type": "keyword", "ignore_above": 1024},
     },
 }
+
+
+DAY_NS = 86_400 * 10**9  # a UTC day: POSIX time has no leap seconds
+# the bulk body's lines, encoded here: one encoder for all (the client's serializer makes
+# one a line, and the encoding was most of this process's CPU)
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def _transient(e: Exception) -> bool:
@@ -126,15 +133,19 @@ class EsStore:
         ids make a resend idempotent)."""
         if not self._template_put:
             self._put_template()
-        ops = []
+        lines = []
         seq = self._seq
+        day_start = day_end = 0  # the UTC day of `index`, in ns
         for e in events:
             seq += 1
-            ops.append({"index": {"_index": day_index(self.prefix, e[0]),
-                                  "_id": f"{self._id_base}{seq}"}})
-            ops.append(self._doc(e, seq))
+            if not day_start <= e[0] < day_end:  # a batch's events mostly share one day
+                day_start = e[0] - e[0] % DAY_NS
+                day_end, index = day_start + DAY_NS, day_index(self.prefix, e[0])
+            lines.append(_encode({"index": {"_index": index, "_id": f"{self._id_base}{seq}"}}))
+            lines.append(_encode(self._doc(e, seq)))
+        lines.append("")
         try:
-            answer = self._es.bulk(operations=ops)
+            answer = self._es.bulk(operations="\n".join(lines))
         except Exception as e:
             if _transient(e):
                 self._template_put = False
