@@ -160,8 +160,8 @@ async def throughput(flags: list[str], count: int, base_dir: str | None) -> dict
             if trace["buffered"] == 0 and trace["written"] + trace["dropped"] >= made:
                 break
             await asyncio.sleep(0.1)
-        # the SQLite store's child process (trace/process.py; started with the node, as
-        # tracing is on), read once it wrote everything
+        # the store's child process (trace/process.py, SQLite's or Elasticsearch's; started
+        # with the node, as tracing is on), read once it wrote everything
         store_cpu = sum(pid_cpu_seconds(pid) - store0.get(pid, 0.0)
                         for pid in server.proc.trace_store_pids())
         return {"msgs_per_s": each * PUBLISHERS / wall, "cpu_us_per_msg": cpu / count * 1e6,
@@ -326,6 +326,10 @@ async def main_async(args) -> None:
                    "throughput lost with the Elasticsearch sink", fmt=".3f")
         report.add("es_cpu_us_per_msg", es["cpu_us_per_msg"],
                    "Elasticsearch sink: nsqd CPU per message (us)")
+        report.add("es_loop_cpu_us_per_msg", es["loop_cpu_us_per_msg"],
+                   "Elasticsearch sink: event loop CPU per message (us)")
+        report.add("es_store_cpu_us_per_msg", es["store_cpu_us_per_msg"],
+                   "Elasticsearch sink: its store process's CPU per message (us)")
         report.add("es_events_written", es["trace"]["written"],
                    "Elasticsearch sink: events written", fmt=",")
         report.add("es_events_dropped", es["trace"]["dropped"],

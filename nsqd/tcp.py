@@ -84,7 +84,7 @@ class ClientConnection(asyncio.Protocol):
                                       state_check=self._state_check)
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
         self._held = None  # a command (or parser error) that answers after the publishes
-        self._publishing: deque[list] = deque()  # [done, error, topic, bodies, command] in order
+        self._publishing: deque[list] = deque()  # slots (`_publish`), in order
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
         self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
         self.state = self.INIT
@@ -242,7 +242,7 @@ class ClientConnection(asyncio.Protocol):
         if not self._publishing:
             self._fail(err)
             return
-        self._publishing.append([True, err, None, None, None, 0, None])
+        self._publishing.append([True, err, None, None, None, 0, None, None])
         if err.fatal:
             self._parser_dead = True
             self._held = None
@@ -385,10 +385,11 @@ class ClientConnection(asyncio.Protocol):
                 trace_id, extension = ext.stored(cmd.header)
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
-        slot = [False, None, topic, bodies, command, trace_id, None]  # done, error, ..., appended
+        # done, error, topic, bodies, command, trace_id, appended, trace_ids
+        slot = [False, None, topic, bodies, command, trace_id, None, trace_ids]
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
-                          trace_ids=trace_ids, exts=exts, source=self.client.remote_address,
+                          trace_ids=trace_ids, exts=exts,
                           callback=functools.partial(self._published, slot))
         except PartitionNotFound:
             raise errors.bad_partition(command, str(cmd.partition)) from None
@@ -431,10 +432,13 @@ class ClientConnection(asyncio.Protocol):
         flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
         others that this turn answers (pipelined publishes written by one batch)."""
         slot[0], slot[1], slot[6] = True, exc, appended
+        topic = slot[2]
+        if exc is None and appended is not None and topic.trace is not None:  # PUB events
+            topic.trace.published(topic, appended, slot[5], slot[7], self.client.remote_address)
         publishing = self._publishing
         oks = 0
         while publishing and publishing[0][0]:
-            _, exc, topic, bodies, command, trace_id, appended = publishing.popleft()
+            _, exc, topic, bodies, command, trace_id, appended, _ = publishing.popleft()
             if exc is not None:
                 if oks:
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them

@@ -378,7 +378,9 @@ class Topic:
         that ends (and counts the messages) once the log acknowledged the request; with one,
         the log calls `callback(appended, error)` and the caller counts them
         (`count_published`) when it answers: TCP's path, with no task per publish.
-        `source`: the publisher's address, for the PUB trace event (nsqd/tracing.py)."""
+        `source`: the publisher's address, for the PUB trace events (nsqd/tracing.py) of a
+        publish without `callback`; a caller with one records them itself when it is called
+        (`Tracer.published`)."""
         if partition is None:
             if self.assignment.ordered:  # a key's order needs its partition named
                 raise PartitionNotFound(None)
@@ -397,13 +399,10 @@ class Topic:
             if gate is not None and not gate.writable:
                 raise PartitionNotWritable(f"topic {self.name} partition {partition} is not "
                                            f"writable: {gate.reason}")
-        if self.trace is not None:
-            return self.trace.publish(self, part, bodies, ext, trace_id, trace_ids, exts,
-                                      callback, source)
         appended = part.queue.append(bodies, trace_id, ext, callback=callback,
                                      trace_ids=trace_ids, exts=exts)
         if callback is None:
-            return self._counted(appended, bodies)
+            return self._counted(appended, bodies, trace_id, trace_ids, source)
 
     def _writable_after(self, refused: Partition) -> Partition:
         """A publish without a partition whose round-robin pick is not writable: the next
@@ -420,8 +419,11 @@ class Topic:
             self.check_partition(number)  # a led partition that does not serve says why
         raise PartitionNotLed(None)
 
-    async def _counted(self, appended, bodies: list[bytes]) -> None:
-        await appended
+    async def _counted(self, appended, bodies: list[bytes], trace_id: int, trace_ids,
+                       source: str) -> None:
+        appended = await appended
+        if self.trace is not None:
+            self.trace.published(self, appended, trace_id, trace_ids, source)
         self.count_published(bodies)
 
     def count_published(self, bodies: list[bytes]) -> None:

@@ -10,8 +10,8 @@ channel's switch covers that channel's consumer events (DELIVER, REQ, TIMEOUT, F
 DELAY_IN, DELAY_OUT, its DROP).
 
 Making an event is building a tuple and appending it to the writer's deque (no I/O, no
-await): the publish path's callback records PUB after the log acknowledged the write, and
-its answer is never delayed by the store.
+await): a publish's PUB events are recorded when the log acknowledged it, by the code
+that learns it (`published`), and its answer is never delayed by the store.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import os
 import time
 
 from nsqtrace import events as ev
+from nsqwire.ids import PARTITION_SHIFT
 from nsqtrace import store as sqlite_store
+from nsqtrace.process import ProcessStore
 from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
@@ -58,8 +60,9 @@ class Tracer:
             self.path = None
             self.writer = EventWriter(
                 None, node, bound=o.trace_buffer, sink="elasticsearch",
-                open_store=lambda: es.EsStore(self.es_url, self.writer.node, self.es_prefix,
-                                              **access),
+                open_store=lambda: ProcessStore("elasticsearch", {
+                    "url": self.es_url, "node": self.writer.node, "prefix": self.es_prefix,
+                    "id_base": es.id_base_of(self.writer.node), **access}),
                 max_age_s=o.trace_retention_max_age_ms / 1000 or None)
         else:
             self.path = os.path.join(o.data_path, STORE_FILE)
@@ -158,33 +161,16 @@ class Tracer:
 
     # ---- events -------------------------------------------------------------------
 
-    def publish(self, topic, part, bodies, ext, trace_id, trace_ids, exts, callback, source):
-        """Topic.publish while PUB events are on: the same append, with PUB events recorded
-        once the log acknowledged it (before the caller's own callback answers)."""
-        number = part.number
-        writer = self.writer
-
-        def published(appended, exc):
-            if exc is None:
-                now, name, add = time.time_ns(), topic.name, writer.add
-                first, offsets = appended.first_id, appended.offsets
-                for i in range(appended.count):
-                    add((now, ev.PUB, name, number, "", first + i,
-                         trace_ids[i] if trace_ids is not None else trace_id, offsets[i], 0,
-                         source))
-            if callback is not None:
-                callback(appended, exc)
-            elif not waiter.done():
-                if exc is None:
-                    waiter.set_result(appended)
-                else:
-                    waiter.set_exception(exc)
-
-        waiter = asyncio.get_running_loop().create_future() if callback is None else None
-        part.queue.append(bodies, trace_id, ext, callback=published, trace_ids=trace_ids,
-                          exts=exts)
-        if callback is None:
-            return topic._counted(waiter, bodies)
+    def published(self, topic, appended, trace_id: int, trace_ids, source: str) -> None:
+        """The PUB events of a publish the log acknowledged (diskqueue's Appended), called
+        by its caller as it learns it (tcp.py's `_published`, Topic's `_counted`): no
+        function made per publish."""
+        now, name, add = time.time_ns(), topic.name, self.writer.add
+        first, offsets = appended.first_id, appended.offsets
+        number = first >> PARTITION_SHIFT
+        for i in range(appended.count):
+            add((now, ev.PUB, name, number, "", first + i,
+                 trace_ids[i] if trace_ids is not None else trace_id, offsets[i], 0, source))
 
     def _event(self, channel, kind: str, msg, detail: str = "") -> tuple:
         return (time.time_ns(), kind, channel.topic_name, channel.partition, channel.name,

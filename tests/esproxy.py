@@ -12,8 +12,10 @@ differences between the two APIs that the client trips on:
 While osmem-server is down the proxy answers 502, as a reverse proxy in front of a dead
 Elasticsearch does. With `tls=(certfile, keyfile)` it serves https (the test of
 --trace-es-ca-certs), and it keeps every Authorization header it was sent
-(`authorizations`: the test of the credentials; osmem-server itself checks none). It is a thread in the test process, not a server of its own: every
-document, mapping and search is osmem-server's.
+(`authorizations`: the test of the credentials; osmem-server itself checks none). With
+`bulk_answers` cleared it holds back the answers of bulk writes the server made (the test
+of a store process killed while it waited for one). It is a thread in the test process,
+not a server of its own: every document, mapping and search is osmem-server's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class MediaTypeProxy:
     def __init__(self, upstream: str, tls: tuple[str, str] | None = None):
         self.upstream = upstream  # host:port of osmem-server
         self.authorizations: list[str] = []
+        self.bulk_answers = threading.Event()  # cleared: a _bulk's answer is held back
+        self.bulk_answers.set()
+        self.bulk_held = threading.Event()  # set once a _bulk reached the server unanswered
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -60,6 +65,9 @@ class MediaTypeProxy:
                 except OSError:
                     status, answer, rheaders = 502, b'{"error":"upstream down"}', [
                         ("Content-Type", "application/json")]
+                if "_bulk" in self.path and not proxy.bulk_answers.is_set():
+                    proxy.bulk_held.set()  # the server wrote it; the client waits on
+                    proxy.bulk_answers.wait(30)
                 self.send_response(status)
                 skip = ("content-length", "transfer-encoding", "connection", "x-elastic-product")
                 for k, v in rheaders:

@@ -27,7 +27,7 @@ from servers import NsqdProcess, free_port
 from nodes import take
 from nsqd.options import from_args
 from test_trace import (  # noqa: F401 (collected again here, with this module's `traced`)
-    conn, events_of, http, ok, settled, test_a_message_timeline_has_each_event_when_it_happens,
+    conn, events_of, gone, http, ok, settled, test_a_message_timeline_has_each_event_when_it_happens,
     test_delay_queue_and_drops, test_off_by_default_and_per_channel_switch,
     test_setoffset_is_a_replay, test_switches_and_store_survive_a_restart_and_time_window,
     test_trace_ids_from_pub_trace_mpub_trace_pub_ext_and_http, test_unknown_ids_are_404_and_bad_arguments_400)
@@ -176,6 +176,34 @@ async def test_sink_down_10s_loses_no_message_counts_drops_and_resumes(traced, e
     await sub.close()
 
 
+async def test_store_process_killed_while_a_bulk_waits_writes_each_event_once(traced, es_store):
+    """The sink's own process (trace/process.py) killed after the server wrote a bulk and
+    before its answer came: a new process sends the batch again with the same `_id`s (no
+    duplicate), and it too ends with the node."""
+    proxy = es_store[1]
+    node = traced("--trace-all", es_url=proxy.url)
+    ok(node, "POST", "/pub?topic=killed", b"one")
+    await events_of(node, "topic=killed", 1)
+    [child] = node.trace_store_pids()
+    proxy.bulk_answers.clear()
+    ok(node, "POST", "/pub?topic=killed", b"two")
+    held = await asyncio.to_thread(proxy.bulk_held.wait, 10)
+    os.kill(child, 9)
+    proxy.bulk_answers.set()
+    assert held and gone(child)
+    deadline = time.monotonic() + 10
+    while (t := ok(node, "GET", "/stats?format=json")["trace"])["written"] < 2:
+        assert time.monotonic() < deadline, t
+        await asyncio.sleep(0.05)
+    assert t["retries"] >= 1 and t["dropped"] == 0 and t["error"] is None, t
+    events = await events_of(node, "topic=killed", 2)
+    assert [e["kind"] for e in events] == ["PUB", "PUB"], events  # the resent one once
+    [again] = node.trace_store_pids()
+    assert again != child
+    node.proc.kill()  # kill -9 of the node: the child sees the end of its input and exits
+    assert gone(again)
+
+
 async def test_search_is_503_while_the_store_is_unreachable(traced, es_store):
     proxy = es_store[1]
     node = traced("--trace-all", es_url=proxy.url)
@@ -258,6 +286,10 @@ async def test_https_checked_against_a_ca_file_with_basic_auth_or_an_api_key(tmp
                 ok(node, "POST", f"/pub?topic={name}", b"x")
                 events = await events_of(node, f"topic={name}", 1)
                 assert [e["kind"] for e in events] == ["PUB"], name
+                [store] = node.trace_store_pids()  # the secrets went over its pipe
+                with open(f"/proc/{store}/cmdline", "rb") as f:
+                    argv = f.read()
+                assert b"s3cret" not in argv and b"aWQ6c2VjcmV0" not in argv, argv
             finally:
                 node.kill()
         basic = "Basic " + base64.b64encode(b"nsq:s3cret").decode()

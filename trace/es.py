@@ -1,6 +1,6 @@
 """The Elasticsearch trace store (`--trace-es-url`), through the official `elasticsearch`
-client (9.x, synchronous: it runs on the writer's thread and in searches' threads, never
-on the event loop).
+client (9.x, synchronous: EsStore runs in the trace store's process, process.py, and
+`search` in the node's searches' threads, never on the event loop).
 
 Events go in bulk requests to daily indices `<prefix>YYYY.MM.DD` (the event's UTC day;
 prefix `nsq-trace-` by default), shaped by one index template (`<prefix>template`, put
@@ -9,7 +9,8 @@ trace_id decimal: both are unsigned 64-bit, past ES's signed `long`), `time` a d
 (ms), `time_ns` a long (exact order and windows), names and kinds keywords.
 
 Each document's `_id` is `<node>/<boot ns>/<seq>`, so a bulk request retried after a lost
-answer writes nothing twice. A store that cannot be reached (connection refused, 5xx,
+answer writes nothing twice (by a new store process too: the node gives each the same
+`id_base` and the `seq` to go on from). A store that cannot be reached (connection refused, 5xx,
 429) raises StoreUnavailable: the writer keeps the batch and retries with backoff. A
 document the server refuses (a mapping conflict) is dropped and counted, never retried.
 
@@ -20,6 +21,7 @@ that is the cluster's ILM's job).
 from __future__ import annotations
 
 import datetime
+import json
 import time
 
 from elasticsearch import ApiError, Elasticsearch, TransportError
@@ -47,6 +49,12 @@ MAPPING = {
         "detail": {"type": "keyword", "ignore_above": 1024},
     },
 }
+
+
+DAY_NS = 86_400 * 10**9  # a UTC day: POSIX time has no leap seconds
+# the bulk body's lines, encoded here: one encoder for all (the client's serializer makes
+# one a line, and the encoding was most of this process's CPU)
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def _transient(e: Exception) -> bool:
@@ -79,20 +87,28 @@ def client(url: str, *, ca_certs: str | None = None, username: str | None = None
                          **options)
 
 
+def id_base_of(node: str) -> str:
+    """The start of a node's document ids, `<node>/<start ns>/`: unique to this run of the
+    node, the same in every store process it starts (process.py), so that a batch sent
+    again by a new one has the ids it had."""
+    return f"{node}/{time.time_ns()}/"
+
+
 def day_index(prefix: str, time_ns: int) -> str:
     day = datetime.datetime.fromtimestamp(time_ns / 1e9, datetime.timezone.utc)
     return f"{prefix}{day:%Y.%m.%d}"
 
 
 class EsStore:
-    """The writer thread's side: put the template, bulk-write batches, drop old indices."""
+    """The store process's side: put the template, bulk-write batches, drop old indices."""
 
-    def __init__(self, url: str, node: str, prefix: str = DEFAULT_PREFIX, **client_options):
+    def __init__(self, url: str, node: str, prefix: str = DEFAULT_PREFIX, *,
+                 id_base: str | None = None, seq: int = 0, **client_options):
         self.node = node
         self.prefix = prefix
         self._es = client(url, **client_options)
-        self._id_base = f"{node}/{time.time_ns()}/"
-        self._seq = 0
+        self._id_base = id_base or id_base_of(node)
+        self._seq = seq  # the last event's number: the next batch's first is seq + 1
         self._template_put = False  # put before the first bulk (and after each outage)
 
     def _put_template(self) -> None:
@@ -117,15 +133,19 @@ class EsStore:
         ids make a resend idempotent)."""
         if not self._template_put:
             self._put_template()
-        ops = []
+        lines = []
         seq = self._seq
+        day_start = day_end = 0  # the UTC day of `index`, in ns
         for e in events:
             seq += 1
-            ops.append({"index": {"_index": day_index(self.prefix, e[0]),
-                                  "_id": f"{self._id_base}{seq}"}})
-            ops.append(self._doc(e, seq))
+            if not day_start <= e[0] < day_end:  # a batch's events mostly share one day
+                day_start = e[0] - e[0] % DAY_NS
+                day_end, index = day_start + DAY_NS, day_index(self.prefix, e[0])
+            lines.append(_encode({"index": {"_index": index, "_id": f"{self._id_base}{seq}"}}))
+            lines.append(_encode(self._doc(e, seq)))
+        lines.append("")
         try:
-            answer = self._es.bulk(operations=ops)
+            answer = self._es.bulk(operations="\n".join(lines))
         except Exception as e:
             if _transient(e):
                 self._template_put = False

@@ -10,8 +10,8 @@ less often); a batch the store refuses (read-only file, full disk, locked) is dr
 counted in `dropped_failed`, and the thread goes on with the next (the store may come
 back). So tracing never waits on SQLite, and SQLite never waits on anything but itself.
 
-The store is SQLite's, in a process of its own (process.py's ProcessStore), unless
-`open_store` makes another (es.py's EsStore). A
+The store runs in a process of its own (process.py's ProcessStore): SQLite's, unless
+`open_store` makes another (Elasticsearch's, nsqd/tracing.py). A
 store that cannot be reached raises StoreUnavailable: the thread keeps that batch and
 sends it again with backoff (0.1 s doubling to 5 s) while new events wait in the bounded
 buffer (past the bound, dropped and counted as always); on shutdown what it still could
@@ -46,7 +46,8 @@ class EventWriter:
         self.path = path  # the SQLite file; None for a store elsewhere (open_store)
         self.sink = sink
         self.node = node  # the events' `node`, final once started (start's argument)
-        self._open_store = open_store or (lambda: ProcessStore(path, self.node))
+        self._open_store = open_store or (
+            lambda: ProcessStore("sqlite", {"path": path, "node": self.node}))
         self.bound = bound
         self.batch = batch
         self.max_age_s = max_age_s
