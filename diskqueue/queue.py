@@ -328,8 +328,9 @@ class DiskQueue(GroupCommit, Replicated):
         fut = asyncio.get_running_loop().create_future()
         self._committed_waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await fut
+        except TimeoutError:
             return False
         return self.committed_end > offset
 

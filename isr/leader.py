@@ -484,7 +484,8 @@ class LeaderLog:
     async def _join_locked(self, f: _Follower, h: dict) -> Answer:
         node = f.node
         try:
-            await asyncio.wait_for(self._copy(f, (h["offset"], h["count"])), JOIN_TIMEOUT)
+            async with asyncio.timeout(JOIN_TIMEOUT):
+                await self._copy(f, (h["offset"], h["count"]))
         except (TimeoutError, PeerError, OSError, ValueError) as e:
             if self.followers.get(node) is f:
                 del self.followers[node]

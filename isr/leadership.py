@@ -151,6 +151,7 @@ class LeaderKeys:
                     log.info("leader_keys_written", node=self.node_id, lease=f"{lease:x}",
                              held=len(self.held), wanted=len(self.wanted))
             try:
-                await asyncio.wait_for(self.registration.next_lease(lease), RETRY_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(RETRY_S):
+                    await self.registration.next_lease(lease)
+            except TimeoutError:
                 pass

@@ -47,12 +47,13 @@ class KeptLease:
                 break
             sent = loop.time()
             try:
-                ttl = await asyncio.wait_for(self.etcd.refresh(self.id), remaining)
+                async with asyncio.timeout(remaining):
+                    ttl = await self.etcd.refresh(self.id)
                 self._expires = sent + ttl
                 wait = interval
             except LeaseGone:
                 break
-            except (EtcdUnavailable, asyncio.TimeoutError):
+            except (EtcdUnavailable, TimeoutError):
                 wait = retry
             except EtcdError as e:
                 log.warning("lease_refresh_refused", lease=f"{self.id:x}", error=str(e))

@@ -139,12 +139,14 @@ class Peer:
             if address is None:
                 raise PeerError(f"{self.node_id}: no address")
             h, _, p = address.rpartition(":")
-            transport, conn = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
-                lambda: _Connection(self), h, int(p)), self.connect_timeout)
+            async with asyncio.timeout(self.connect_timeout):
+                transport, conn = await asyncio.get_running_loop().create_connection(
+                    lambda: _Connection(self), h, int(p))
             transport.write(wire.encode(Kind.HELLO, 0, {"cluster": self.host.cluster_id,
                                                         "node": self.host.node_id,
                                                         "version": wire.VERSION}))
-            frame = await asyncio.wait_for(asyncio.shield(conn.hello), self.connect_timeout)
+            async with asyncio.timeout(self.connect_timeout):
+                frame = await asyncio.shield(conn.hello)
             if frame.kind is not Kind.OK:
                 raise PeerError(f"{self.node_id}: HELLO refused: {frame.header}")
             version = frame.header.get("version", 1)

@@ -43,9 +43,10 @@ class Registration:
 
     async def wait_registered(self, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self.registered.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.registered.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     @property

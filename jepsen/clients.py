@@ -87,9 +87,9 @@ class Workload:
 
     async def close(self) -> None:
         """Stop producers and consumers, also when the run was interrupted: a producer whose
-        cancellation asyncio.wait_for swallowed (Python 3.11, the publish done at the same
-        moment) still ends, at its loop's next turn (an interrupted run once published on
-        for 3 minutes that way)."""
+        cancellation a client library swallowed still ends, at its loop's next turn (an
+        interrupted run once published on for 3 minutes that way, through Python 3.11's
+        asyncio.wait_for)."""
         self.producing = False
         for task in self.tasks:
             task.cancel()
@@ -110,9 +110,8 @@ class Workload:
                          "partition": partition}
                 self.history.record("invoke", "enqueue", process, value)
                 try:
-                    await asyncio.wait_for(
-                        producer.publish(self.topic, json.dumps(value).encode(), key=key),
-                        PUBLISH_TIMEOUT_S)
+                    async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                        await producer.publish(self.topic, json.dumps(value).encode(), key=key)
                     self.history.record("ok", "enqueue", process, value)
                     self.acknowledged.add(value["id"])
                 except PublishError as e:
@@ -121,7 +120,7 @@ class Workload:
                     refused = "refused" in str(e) and UNKNOWN not in str(e)
                     self.history.record("fail" if refused else "info", "enqueue", process,
                                         dict(value, error=str(e)[:200]))
-                except (asyncio.TimeoutError, OSError) as e:
+                except (TimeoutError, OSError) as e:
                     self.history.record("info", "enqueue", process,
                                         dict(value, error=repr(e)[:200]))
                 seq += 1
@@ -152,8 +151,9 @@ class Workload:
 
                 writer.pub(self.topic, json.dumps(value).encode(), callback=answered)
                 try:
-                    conn, data = await asyncio.wait_for(done, PUBLISH_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                        conn, data = await done
+                except TimeoutError:
                     self.history.record("info", "enqueue", process,
                                         dict(value, error="timeout"))
                     seq += 1

@@ -114,7 +114,8 @@ class Consumer:
             await asyncio.wait(list(self._handlers), timeout=self.drain_timeout)
         for conn in conns:
             try:
-                await asyncio.wait_for(conn.command(c.cmd_cls()), 1.0)
+                async with asyncio.timeout(1.0):
+                    await conn.command(c.cmd_cls())
             except (OSError, TimeoutError, NSQError):
                 pass
             await conn.close()
@@ -135,7 +136,8 @@ class Consumer:
             else:
                 wait, delay = delay, min(delay * 2, self.max_backoff)
             try:
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
@@ -160,11 +162,13 @@ class Consumer:
         conn = Connection(node.host, node.tcp_port,
                           on_messages=lambda batch: self._on_messages(batch))
         try:
-            await asyncio.wait_for(conn.connect(self.identify), self.connect_timeout)
             sub = (c.cmd_sub_ordered(self.topic, self.channel, partition)
                    if self.ordered and partition is not None
                    else c.cmd_sub(self.topic, self.channel, partition))
-            await asyncio.wait_for(conn.command(sub), self.connect_timeout)
+            async with asyncio.timeout(self.connect_timeout):
+                await conn.connect(self.identify)
+            async with asyncio.timeout(self.connect_timeout):
+                await conn.command(sub)
         except (OSError, TimeoutError, NSQError) as e:
             log.info("consumer_subscribe_failed", topic=self.topic, partition=partition,
                      node=node.address, error=str(e))

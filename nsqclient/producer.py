@@ -171,7 +171,8 @@ class Producer:
 
     async def _request(self, conn: Connection, node: Node, command: bytes) -> None:
         try:
-            await asyncio.wait_for(conn.command(command), self.response_timeout)
+            async with asyncio.timeout(self.response_timeout):
+                await conn.command(command)
         except (OSError, TimeoutError):
             # unknown state (a lost answer would misalign the next ones): start afresh
             self._drop(node, conn)
@@ -207,7 +208,8 @@ class Producer:
     async def _dial(self, node: Node) -> Connection:
         conn = Connection(node.host, node.tcp_port)
         try:
-            await asyncio.wait_for(conn.connect(self.identify), self.connect_timeout)
+            async with asyncio.timeout(self.connect_timeout):
+                await conn.connect(self.identify)
         except BaseException:
             await conn.close()
             raise

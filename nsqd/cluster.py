@@ -133,8 +133,9 @@ class Cluster:
             task.cancel()
         if apply_task is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(apply_task), WAIT_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(WAIT_S):
+                    await asyncio.shield(apply_task)
+            except TimeoutError:
                 apply_task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.replication.stop()
@@ -196,8 +197,9 @@ class Cluster:
             if self.errors:  # tried again after RETRY_S, or at once on a new view (a
                 # leader key another node released: a leader move takes it without delay)
                 try:
-                    await asyncio.wait_for(self._dirty.wait(), RETRY_S)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(RETRY_S):
+                        await self._dirty.wait()
+                except TimeoutError:
                     pass
                 self._dirty.set()
 
@@ -287,8 +289,9 @@ class Cluster:
                 raise ClusterUnavailable(f"cluster metadata unavailable: {what} not seen "
                                          f"within {WAIT_S:g}s")
             try:
-                await asyncio.wait_for(event_of().wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await event_of().wait()
+            except TimeoutError:
                 pass
 
     def _check_connected(self) -> ClusterView:

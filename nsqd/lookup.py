@@ -118,8 +118,8 @@ class LookupPeer:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _session(self) -> None:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), TIMEOUT)
+        async with asyncio.timeout(TIMEOUT):
+            reader, writer = await asyncio.open_connection(self.host, self.port)
         self._writer = writer
         responses = v1.ResponseReader()
         writer.write(v1.MAGIC_V1 + v1.cmd_identify(self._identity()))
@@ -161,6 +161,7 @@ class LookupPeer:
         finally:
             wake.cancel()
             unasked.cancel()
+            await asyncio.wait({wake, unasked})  # the reader is free for the next read
         if unasked.done() and not unasked.cancelled():
             if unasked.result():  # a connection error raises here
                 raise ConnectionError("the lookupd sent what was not asked for")
@@ -170,7 +171,8 @@ class LookupPeer:
         """The next answer, within TIMEOUT; ConnectionError when the lookupd closed."""
         deadline = time.monotonic() + TIMEOUT
         while (data := responses.next_response()) is None:
-            chunk = await asyncio.wait_for(reader.read(65536), max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                chunk = await reader.read(65536)
             if not chunk:
                 raise ConnectionError("closed by the lookupd")
             responses.feed(chunk)

@@ -160,8 +160,9 @@ class Failover:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(TICK_S):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             view = self.current()

@@ -214,8 +214,9 @@ class LeaderMover:
             if ok(s):
                 return True
             try:
-                await asyncio.wait_for(self.changed().wait(), 0.2)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(0.2):
+                    await self.changed().wait()
+            except TimeoutError:
                 pass
         return False
 
@@ -274,7 +275,8 @@ class LeaderMover:
             if s.epoch == written.epoch and tv.leader_locks.get(partition) == written.leader:
                 return True
             try:
-                await asyncio.wait_for(self.changed().wait(), 0.2)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(0.2):
+                    await self.changed().wait()
+            except TimeoutError:
                 pass
         return False
