@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 
 
@@ -58,3 +60,15 @@ def etcd_server(tmp_path):
     proc = EtcdProcess(str(tmp_path / "etcd")).start()
     yield proc
     proc.kill()
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory, request):
+    """A folder for a module's shared servers; removed after the module when none of its
+    tests failed (as a passed test's tmp_path is: pyproject's tmp_path_retention_policy),
+    so the suite's disk use stays near one test's."""
+    failed = request.session.testsfailed
+    path = tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+    yield path
+    if request.session.testsfailed == failed:
+        shutil.rmtree(path, ignore_errors=True)

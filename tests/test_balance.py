@@ -44,8 +44,8 @@ def closed_window() -> str:
 
 
 @pytest.fixture(scope="module")
-def cl(tmp_path_factory):
-    c = Cluster(str(tmp_path_factory.mktemp("balance")), 3, 1)
+def cl(module_dir):
+    c = Cluster(str(module_dir), 3, 1)
     c.lookupds[0].extra += ["--balance-window", closed_window(), "--balance-interval", "200ms"]
     c.start()
     yield c

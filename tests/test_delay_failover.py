@@ -29,8 +29,8 @@ REQ_DELAY_MS = 11_000
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cl = Cluster(str(tmp_path_factory.mktemp("delayfailover")), 3, 1, "--delay-threshold", "1s",
+def cluster(module_dir):
+    cl = Cluster(str(module_dir), 3, 1, "--delay-threshold", "1s",
                  "--checkpoint-interval", "200ms").start()
     yield cl
     cl.stop()

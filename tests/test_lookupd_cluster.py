@@ -102,8 +102,8 @@ def ready(lookupds, nodes: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("lookupd_cluster"))
+def cluster(module_dir):
+    base = str(module_dir)
     etcd = EtcdProcess(os.path.join(base, "etcd")).start()
     nodes = [Node(etcd, 41000 + 10 * i) for i in range(3)]
     lookupds = [start_lookupd(base, etcd) for _ in range(2)]

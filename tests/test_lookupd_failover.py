@@ -86,8 +86,8 @@ def master_of(lookupds):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("lookupd_failover"))
+def cluster(module_dir):
+    base = str(module_dir)
     etcd = EtcdProcess(os.path.join(base, "etcd")).start()
     lookupds = [NsqlookupdProcess(base, "--etcd-endpoints", etcd.endpoint, "--cluster-id",
                                   CLUSTER, "--etcd-lease-ttl", f"{TTL}s", "--log-format",

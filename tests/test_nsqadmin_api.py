@@ -19,8 +19,8 @@ from cluster import Cluster, http_json, wait_until
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("nsqadmin-api"))
+def env(module_dir):
+    root = str(module_dir)
     c = Cluster(root + "/c", 3, 1, "--msg-timeout", "60s")
     classic = Classic(root + "/classic")
     admins = []

@@ -35,8 +35,8 @@ TIMINGS: list[tuple[str, float, float]] = []  # (page, browser load ms, server r
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, request):
-    root = str(tmp_path_factory.mktemp("nsqadmin-browser"))
+def env(module_dir, request):
+    root = str(module_dir)
     shots = os.path.join(root, "shots")
     os.makedirs(shots)
     c = Cluster(root + "/c", 3, 1, "--msg-timeout", "60s")

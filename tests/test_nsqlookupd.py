@@ -78,8 +78,8 @@ class Peer:
 
 
 @pytest.fixture(scope="module")
-def lookupd(tmp_path_factory):
-    p = NsqlookupdProcess(str(tmp_path_factory.mktemp("lookupd")),
+def lookupd(module_dir):
+    p = NsqlookupdProcess(str(module_dir),
                           "--tombstone-lifetime", "1s", "--inactive-producer-timeout", "2s").start()
     yield p
     assert p.stop() == 0

@@ -61,9 +61,9 @@ def spark():
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node(module_dir):
     """One nsqd with 4 KiB segments (a window spans several), no retention."""
-    proc = NsqdProcess(str(tmp_path_factory.mktemp("spark") / "n"), "--segment-bytes", "4096",
+    proc = NsqdProcess(str(module_dir / "n"), "--segment-bytes", "4096",
                        "--retention-check-interval", "1h").start()
     yield proc
     proc.kill()
@@ -384,8 +384,8 @@ def test_replay_refuses_bad_targets():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cl = Cluster(str(tmp_path_factory.mktemp("spark-cluster")), 3, 1).start()
+def cluster(module_dir):
+    cl = Cluster(str(module_dir / "cluster"), 3, 1).start()
     yield cl
     cl.stop()
 

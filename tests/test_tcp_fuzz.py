@@ -63,8 +63,8 @@ def rss_kb(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = NsqdProcess(str(tmp_path_factory.mktemp("fuzz") / "nsqd")).start()
+def server(module_dir):
+    proc = NsqdProcess(str(module_dir / "nsqd")).start()
     pub_sub_round(proc.tcp_port, "warmup")
     proc.baseline_rss_kb = rss_kb(proc.proc.pid)
     yield proc

@@ -86,10 +86,10 @@ def normalize(frame: tuple[int, bytes]) -> tuple[int, object]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(module_dir):
     """One nsqd for the whole module, with classic nsqd's defaults where ours differ:
     --max-req-timeout is 72h by default here (the disk delay queue), 1h in nsqd v1.3.0."""
-    proc = NsqdProcess(str(tmp_path_factory.mktemp("ref") / "nsqd"),
+    proc = NsqdProcess(str(module_dir / "nsqd"),
                        "--max-req-timeout", "1h").start()
     yield proc
     proc.kill()
