@@ -371,6 +371,7 @@ class Watch:
         self._response: requests.Response | None = None
         self._lost = False
         self.connected = False
+        self._idle_reopen = False  # reopening after an idle timeout: not worth a log line
         self._thread = threading.Thread(target=self._run, name=f"etcd-watch {key}", daemon=True)
         self._thread.start()
 
@@ -422,7 +423,8 @@ class Watch:
                 if self._closed.is_set():
                     break
                 if self.connected:  # a stream that was up (idle timeout, etcd gone): reopen
-                    if "Read timed out" not in str(e):  # idle: reopened every idle timeout
+                    self._idle_reopen = "Read timed out" in str(e)  # every idle timeout
+                    if not self._idle_reopen:
                         log.info("etcd_watch_interrupted", key=self._key, error=str(e)[:200])
                     backoff = 0.05
                 elif not failing and not self._closed.is_set():
@@ -495,7 +497,9 @@ class Watch:
         if result.get("created"):
             if not self._next_revision:
                 self._next_revision = int(result["header"]["revision"]) + 1
-            log.info("etcd_watch_started", key=self._key, revision=self._next_revision)
+            if not self._idle_reopen:
+                log.info("etcd_watch_started", key=self._key, revision=self._next_revision)
+            self._idle_reopen = False
             self.connected = True
             return
         events = []

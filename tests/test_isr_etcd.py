@@ -169,6 +169,27 @@ async def test_watch_from_now_and_cancel(etcd):
     assert not watch._thread.is_alive()
 
 
+async def test_an_idle_watch_reopens_quietly_and_misses_nothing(etcd_server):
+    """A watch stream idle past watch_idle_timeout is reopened: one etcd_watch_started
+    line for its start, none for each idle reopen (it was one line per idle timeout per
+    watch), and an event put after the reopens still arrives."""
+    from structlog.testing import capture_logs
+
+    client = Etcd(etcd_server.endpoint, timeout=2, watch_idle_timeout=0.2)
+    try:
+        with capture_logs() as logs:
+            watch = client.watch_prefix("/idle/")
+            await asyncio.sleep(1.2)  # about 5 idle timeouts
+            await client.put("/idle/k", b"1")
+            assert (await next_event(watch)).kv.key == "/idle/k"
+            watch.close()
+        started = [e for e in logs if e["event"] == "etcd_watch_started"]
+        assert len(started) == 1, logs
+        assert not [e for e in logs if e["event"] == "etcd_watch_interrupted"], logs
+    finally:
+        await client.close()
+
+
 async def test_watch_resumes_after_etcd_is_killed_and_restarted(tmp_path):
     server = EtcdProcess(str(tmp_path / "etcd")).start()
     client = Etcd(server.endpoint, timeout=1)
