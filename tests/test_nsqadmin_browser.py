@@ -10,7 +10,7 @@ a real consumer until unpaused; a trace search finds a message published here; w
 --admin-user an action sends the browser to the login form and back.
 
 Screenshots of every page (laptop 1280 px wide, and the topic and channel pages at 390 px,
-a phone) go to this module's tmp folder: `<basetemp>/nsqadmin-browser0/shots/*.png` (the
+a phone) go to a tmp folder kept after the run: `<basetemp>/nsqadmin-shots0/*.png` (the
 path is printed at the end, with each page's load time in the browser and the server's
 render time from its Server-Timing header).
 """
@@ -35,10 +35,9 @@ TIMINGS: list[tuple[str, float, float]] = []  # (page, browser load ms, server r
 
 
 @pytest.fixture(scope="module")
-def env(module_dir, request):
+def env(module_dir, tmp_path_factory, request):
     root = str(module_dir)
-    shots = os.path.join(root, "shots")
-    os.makedirs(shots)
+    shots = str(tmp_path_factory.mktemp("nsqadmin-shots"))  # kept: module_dir goes
     c = Cluster(root + "/c", 3, 1, "--msg-timeout", "60s")
     classic = Classic(root + "/classic")
     admins = []
