@@ -224,8 +224,10 @@ def main() -> None:
         cpu0, t0 = nsqd_cpu_s(nsqd.proc.pid), time.perf_counter()
         reader("million").load().write.parquet(out)
         seconds = time.perf_counter() - t0
+        # the target is the 1 M rows: a smaller job is mostly Spark's start-up
+        full = messages >= 1_000_000
         report.add("spark_parquet_rows_per_s", messages / seconds, "rows/s", ",.0f",
-                   target=(">= 200,000", messages / seconds >= 200_000))
+                   target=(">= 200,000", messages / seconds >= 200_000) if full else None)
         report.add("spark_parquet_s", seconds, "seconds", ",.2f")
         report.add("nsqd_cpu_s", nsqd_cpu_s(nsqd.proc.pid) - cpu0, "nsqd CPU s meanwhile", ",.2f")
         assert spark.read.parquet(out).count() == messages
