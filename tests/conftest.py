@@ -1,3 +1,4 @@
+import os
 import shutil
 
 import pytest
@@ -6,6 +7,16 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
                      help="run the long fault runs (thousands of kills)")
+
+
+def pytest_report_header(config):
+    """The free disk where the tests write (a CI run once failed on a full disk)."""
+    import tempfile
+    where = config.option.basetemp or tempfile.gettempdir()
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    return f"free disk under {where}: {free / 2**30:.1f} GiB (the suite's peak is about 1.2 GiB)"
 
 
 def pytest_collection_modifyitems(config, items):
