@@ -16,7 +16,7 @@ def pytest_report_header(config):
     while not os.path.exists(where):
         where = os.path.dirname(where)
     free = shutil.disk_usage(where).free
-    return f"free disk under {where}: {free / 2**30:.1f} GiB (the suite's peak is about 1.2 GiB)"
+    return f"free disk under {where}: {free / 2**30:.1f} GiB (the suite's peak is about 0.9 GiB)"
 
 
 def pytest_collection_modifyitems(config, items):
