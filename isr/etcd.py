@@ -427,10 +427,12 @@ class Watch:
                     if not self._idle_reopen:
                         log.info("etcd_watch_interrupted", key=self._key, error=str(e)[:200])
                     backoff = 0.05
-                elif not failing and not self._closed.is_set():
-                    log.warning("etcd_watch_failing", key=self._key, error=str(e)[:200],
-                                endpoint=self._etcd.endpoint)
-                    failing = True
+                else:
+                    self._idle_reopen = False  # a reopen failed: its next start gets a line
+                    if not failing:
+                        log.warning("etcd_watch_failing", key=self._key, error=str(e)[:200],
+                                    endpoint=self._etcd.endpoint)
+                        failing = True
                 if not self.connected and len(self._etcd._clients) > 1:
                     self._etcd._current = (self._etcd._current + 1) % len(self._etcd._clients)
             else:
