@@ -84,6 +84,8 @@ async def take_over(channel) -> None:
     stored = await delay.open(items) if delay is not None else not items
     if not stored and held:
         missing = held[0]
+    elif stored and items and channel.trace is not None:
+        channel.trace.taken_over(channel, items)
     if missing is not None:
         place = (missing.origin, missing.msg_id & SEQUENCE_MASK)
         back_to = min(back_to or place, place)

@@ -205,6 +205,14 @@ class Tracer:
         self.writer.add(self._event(channel, ev.DELAY_IN, msg,
                                     str(max(0, due_ms - int(channel.clock() * 1000)))))
 
+    def taken_over(self, channel, items) -> None:
+        """Held messages a new leader put into its delay store (handover.take_over,
+        DelayedMessages): a DELAY_IN each on this node, the delay left in ms."""
+        now, now_ms = time.time_ns(), int(channel.clock() * 1000)
+        t, n, c = channel.topic_name, channel.partition, channel.name
+        self.writer.add_many([(now, ev.DELAY_IN, t, n, c, d.msg_id, d.trace_id, d.origin_offset,
+                               d.attempts, str(max(0, d.due_ms - now_ms))) for d in items])
+
     def delay_out(self, channel, msg) -> None:
         self.writer.add(self._event(channel, ev.DELAY_OUT, msg))
 

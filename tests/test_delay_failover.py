@@ -6,6 +6,8 @@ A replicated channel with a DPUB due later among 2,000 messages all FINished, an
 message REQ'd with a long delay at its third delivery; the leader is killed (-9) once
 the state was pushed. On the new leader none of the 2,000 comes back, the DPUB comes at
 its due time (not before), and the REQ'd message after its delay, as its 4th delivery.
+The topic is traced: the new leader records a DELAY_IN for each held message it took over,
+and a DELAY_OUT when it came due.
 Before the held list existed, the replicated cursor stopped at the oldest held message:
 every FINished message after it came back, and the REQ'd one came at once, as its first.
 """
@@ -13,13 +15,14 @@ every FINished message after it came back, and the REQ'd one came at once, as it
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import urllib.request
 
 import pytest
 
-from cluster import LEASE_TTL_S, Cluster
+from cluster import LEASE_TTL_S, Cluster, http_json, wait_until
 from nsqclient.conn import Connection
 from nsqwire import commands as c
 
@@ -47,6 +50,25 @@ def channel_partition(http_address: str, topic: str, channel: str) -> dict:
     return {}
 
 
+def trace_on(cl: Cluster, node, topic: str) -> None:
+    """Tracing of `topic` switched on, and followed by every node (any may lead next)."""
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{node.http_address}/message/trace/enable?topic={topic}", data=b"",
+            method="POST"), timeout=10) as r:
+        assert r.status == 200
+    for n in cl.nsqds:
+        wait_until(lambda n=n: topic in http_json(
+            "GET", f"http://{n.http_address}/stats?format=json")[1]["trace"]["topics"],
+            15, "the switch followed")
+
+
+def traced(node, msg_id: str, at_least: int) -> list[tuple[str, int]] | None:
+    """(kind, attempts) of a message's trace events on `node`, once there are `at_least`."""
+    status, body = http_json("GET", f"http://{node.http_address}/trace/search?msg_id={msg_id}")
+    events = [(e["kind"], e["attempts"]) for m in body.get("messages", ()) for e in m["events"]]
+    return events if status == 200 and len(events) >= at_least else None
+
+
 async def until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
@@ -62,6 +84,7 @@ async def test_a_failover_brings_back_the_held_messages_and_nothing_finished(clu
     assert status == 200, body
     s = await cl.until_states("held", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
     leader = cl.nsqd_at(s[0].leader)
+    await asyncio.to_thread(trace_on, cl, leader, "held")
     bodies = [b"m%04d" % i for i in range(2000)]
     finished: set[bytes] = set()
     retry_attempts: list[int] = []
@@ -107,8 +130,10 @@ async def test_a_failover_brings_back_the_held_messages_and_nothing_finished(clu
 
     came: list[tuple[bytes, int, float]] = []
     host, port = s[0].leader.rsplit(":", 1)
+    came_ids: dict[bytes, str] = {}
     conn = await Connection(host, int(port), on_messages=lambda msgs: [
-        (came.append((m.body, m.attempts, time.time())), m.fin()) for m in msgs]).connect()
+        (came.append((m.body, m.attempts, time.time())), came_ids.setdefault(m.body, m.id.decode()),
+         m.fin()) for m in msgs]).connect()
     try:
         await conn.sub("held", "c", rdy=200)
         wait = max(dpub_sent_at + DPUB_DEFER_MS / 1000, req_sent_at[0] + REQ_DELAY_MS / 1000)
@@ -127,3 +152,10 @@ async def test_a_failover_brings_back_the_held_messages_and_nothing_finished(clu
     assert dpub[1] <= dpub_sent_at + DPUB_DEFER_MS / 1000 + 5 and dpub[0] == 1
     assert retry[1] >= req_sent_at[0] + REQ_DELAY_MS / 1000 - 0.05, "the REQ'd message came early"
     assert retry[0] == 4, "its attempts are carried on"
+
+    new = cl.nsqd_at(s[0].leader)
+    for body, attempts in ((b"deferred", 0), (b"retry", 3)):
+        events = await asyncio.to_thread(
+            wait_until, functools.partial(traced, new, came_ids[body], 3), 10,
+            f"{body}'s events on the new leader")
+        assert events[:2] == [("DELAY_IN", attempts), ("DELAY_OUT", attempts)], (body, events)
