@@ -13,6 +13,7 @@ The client half (cmd_* encoders, FrameParser) is commands.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -47,7 +48,12 @@ _FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_
 
 def valid_topic_name(name: str) -> bool:
     """1..64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral."""
-    return 0 < len(name) <= MAX_NAME_LENGTH and _NAME.fullmatch(name) is not None
+    return 0 < len(name) <= MAX_NAME_LENGTH and _name_matches(name)
+
+
+@functools.lru_cache(maxsize=4096)  # every PUB names its topic: the same few names, again
+def _name_matches(name: str) -> bool:
+    return _NAME.fullmatch(name) is not None
 
 
 def valid_channel_name(name: str) -> bool:
@@ -317,7 +323,7 @@ class CommandParser:
         self.max_line_length = max_line_length
         self.max_defer_ms = max_defer_ms  # nsqd's limit is max_req_timeout; ours is the delay queue's
         self._state_check = state_check
-        self._buf = bytearray()
+        self._buf: bytes | bytearray = b""  # see feed
         self._pos = 0  # start of the unparsed bytes
         self._scan = 0  # the newline search resumes here
         self._state = _MAGIC
@@ -338,11 +344,23 @@ class CommandParser:
         return len(self._buf) - self._pos
 
     def feed(self, data: bytes) -> None:
-        if self._pos:
-            del self._buf[:self._pos]
-            self._scan = max(0, self._scan - self._pos)
-            self._pos = 0
-        self._buf += data
+        """Take bytes read. When every byte before them was parsed (a client waiting for
+        its answers sends whole commands) they become the buffer as they are, uncopied;
+        a rest waiting for more goes on in a bytearray."""
+        pos = self._pos
+        buf = self._buf
+        if pos == len(buf):
+            self._buf = bytes(data)
+            self._pos = self._scan = 0
+            return
+        if buf.__class__ is bytes:
+            with memoryview(buf) as view:
+                buf = self._buf = bytearray(view[pos:])
+        else:
+            del buf[:pos]
+        self._scan = max(0, self._scan - pos)
+        self._pos = 0
+        buf += data
 
     def commands(self) -> Iterator[Command]:
         """Yield each whole command buffered; stop when the rest is incomplete."""
@@ -353,6 +371,8 @@ class CommandParser:
         """The next whole command buffered, or None while the rest is incomplete."""
         if self._error is not None:
             raise self._error
+        if self._pos == len(self._buf):  # no state completes a command without a byte
+            return None
         try:
             return self._next()
         except ProtocolError as exc:
