@@ -48,12 +48,15 @@ _FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_
 
 def valid_topic_name(name: str) -> bool:
     """1..64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral."""
-    return 0 < len(name) <= MAX_NAME_LENGTH and _name_matches(name)
+    return 0 < len(name) <= MAX_NAME_LENGTH and _NAME.fullmatch(name) is not None
 
 
 @functools.lru_cache(maxsize=4096)  # every PUB names its topic: the same few names, again
-def _name_matches(name: str) -> bool:
-    return _NAME.fullmatch(name) is not None
+def _valid_name(raw: bytes) -> str | None:
+    """A topic or channel argument of at most MAX_NAME_LENGTH bytes -> the name, or None
+    when it is not a valid one."""
+    name = _raw(raw)
+    return name if valid_topic_name(name) else None
 
 
 def valid_channel_name(name: str) -> bool:
@@ -241,16 +244,18 @@ _MAGIC, _LINE, _SIZE, _BODY, _MPUB = range(5)
 def _topic(command: str, params: list[bytes], needed: int) -> str:
     if len(params) < needed:
         raise insufficient_parameters(command)
-    topic = _raw(params[1])
-    if not valid_topic_name(topic):
-        raise bad_topic(command, topic)
+    raw = params[1]
+    topic = _valid_name(raw) if len(raw) <= MAX_NAME_LENGTH else None
+    if topic is None:
+        raise bad_topic(command, _raw(raw))
     return topic
 
 
 def _channel(command: str, params: list[bytes]) -> str:
-    channel = _raw(params[2])
-    if not valid_channel_name(channel):
-        raise bad_channel(command, channel)
+    raw = params[2]
+    channel = _valid_name(raw) if len(raw) <= MAX_NAME_LENGTH else None
+    if channel is None:
+        raise bad_channel(command, _raw(raw))
     return channel
 
 
