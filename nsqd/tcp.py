@@ -73,6 +73,10 @@ def _snappy_installed() -> bool:
 
 class ClientConnection(asyncio.Protocol):
     INIT, SUBSCRIBED, CLOSING = range(3)
+    _ALLOWED_STATES = {**dict.fromkeys(("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"),
+                                       (INIT,)),
+                       **dict.fromkeys(("RDY", "FIN", "REQ", "TOUCH"), (SUBSCRIBED, CLOSING)),
+                       "CLS": (SUBSCRIBED,)}
 
     def __init__(self, nsqd, turn_flush: TurnFlush | None = None):
         self.nsqd = nsqd
@@ -212,16 +216,8 @@ class ClientConnection(asyncio.Protocol):
         in current state". Runs at parse time; a command is parsed only once every command
         before it that can change the state (IDENTIFY, AUTH, SUB, CLS) has run. The
         handlers check the state again when the command runs."""
-        state = self.state
-        if name in ("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"):
-            ok = state == self.INIT
-        elif name in ("RDY", "FIN", "REQ", "TOUCH"):
-            ok = state != self.INIT
-        elif name == "CLS":
-            ok = state == self.SUBSCRIBED
-        else:
-            return
-        if not ok:
+        allowed = self._ALLOWED_STATES.get(name)  # None: any state (PUB & co)
+        if allowed is not None and self.state not in allowed:
             raise errors.invalid_state(name)
 
     def close(self) -> None:
@@ -369,7 +365,9 @@ class ClientConnection(asyncio.Protocol):
             return False
         kind = type(cmd)
         trace_id, extension, trace_ids, exts = 0, b"", None, None
-        if kind is p.Mpub:
+        if kind is p.Pub:
+            bodies = [cmd.body]
+        elif kind is p.Mpub:
             bodies = cmd.bodies
         elif kind is p.MpubExt:
             bodies = [body for _, body in cmd.messages]
