@@ -280,6 +280,22 @@ def test_newline_search_is_linear():
     assert time.perf_counter() - started < 3  # rescanning the line per read: ~500 GB of memchr
 
 
+def test_a_read_taken_as_the_buffer_is_never_the_callers_to_change():
+    # A read at a command boundary becomes the buffer as it is (no copy for bytes); a
+    # mutable one is copied, so a caller reusing its read buffer changes nothing parsed.
+    parser = p.CommandParser()
+    parser.feed(p.MAGIC_V2)
+    assert list(parser.commands()) == []
+    read = bytearray(b"PUB t\n\x00\x00\x00\x02ab" + b"PUB t\n\x00\x00")
+    parser.feed(read)
+    read[:] = b"x" * len(read)
+    assert list(parser.commands()) == [p.Pub("t", b"ab")]
+    parser.feed(b"\x00\x02cd")  # the rest of a command waits in the buffer, then completes
+    read[:] = b"y" * len(read)
+    assert list(parser.commands()) == [p.Pub("t", b"cd")]
+    assert parser.buffered == 0
+
+
 def test_declared_sizes_are_refused_before_buffering():
     parser = p.CommandParser()
     parser.feed(p.MAGIC_V2 + b"PUB t\n\x7f\xff\xff\xff")
