@@ -79,7 +79,10 @@ class GroupCommit:
 
     def _kick(self) -> None:
         """Have the writer look at its work on the next turn of the loop (so the appends of
-        this turn join the batch); with one batch in flight, hand the next one over then."""
+        this turn join the batch); with one batch in flight, hand the next one over then.
+        A lingering writer (see Replicated._release_held) waits on."""
+        if self._linger is not None and self._lingering():
+            return
         if not self._busy:
             self._busy = True
             self._loop.call_soon(self._write_next)

@@ -46,6 +46,7 @@ log = structlog.get_logger("diskqueue")
 
 COMMITTED_FILE = "committed"
 _POSITION = struct.Struct(">QQI")  # committed end offset, count, crc32 of the first 16 bytes
+LINGER = 0.002  # s: how long a writer released by a commit waits for the clients it answered
 _READ_ENTRIES = 4096  # entries read from the commitlog at a time by read_raw
 _ENTRY_SIZE_FIELD = struct.Struct(">48xI12x")  # an entry's `size` (commitlog/entry.py)
 
@@ -109,6 +110,7 @@ class Replicated:
         self._parked: deque | None = None  # (end offset, requests, results) written, not committed
         self._commit_limit: tuple[int, int] | None = None  # a truncation's point, while it runs
         self._committed_file: CommittedFile | None = None
+        self._linger: tuple[int, asyncio.TimerHandle] | None = None  # (requests awaited, its end)
         if self.options.replicated:
             self._parked = deque()
             self._committed_file = CommittedFile(os.path.join(self.path, COMMITTED_FILE))
@@ -160,11 +162,13 @@ class Replicated:
         parked = self._parked
         if not parked or parked[0][0] > self.committed_end:
             return
+        answered = 0
         while parked and parked[0][0] <= self.committed_end:
             _end, requests, results = parked.popleft()
             for (waiter, *_), result in zip(requests, results):
                 self._settle(waiter, result, None)
-        self._release_held()
+            answered += len(requests)
+        self._release_held(answered)
 
     def _held(self) -> bool:
         """Whether the writer holds the next batch back (loop): a leader pushing to followers
@@ -176,10 +180,44 @@ class Replicated:
         return (bool(self._parked) and self.on_batch is not None and not self._closing
                 and self.failed is None)
 
-    def _release_held(self) -> None:
-        """Nothing is parked any more: the writer takes the batches it held (next loop turn)."""
-        if self._batches and not self._parked:
+    def _release_held(self, answered: int = 0) -> None:
+        """Nothing is parked any more: the writer takes the batches it held (next loop turn).
+        After a commit that answered `answered` requests, a leader pushing to followers first
+        lingers: it waits, at most LINGER, until the requests held reach as many again as the
+        ones it answered. The clients just answered are the other half of the publishers (the
+        held requests came while theirs were in replication) and send again within a round
+        trip, so one push carries both halves instead of each taking turns (single PUBs from
+        100 connections, R=3: about 1.5 times the messages a push). Never while solo,
+        closing or busy."""
+        if not self._batches or self._parked:
+            return
+        if (answered and self.on_batch is not None and not self.options.auto_commit
+                and not self._busy and not self._closing):
+            self._busy = True  # the writer slot is the linger's until it ends
+            self._linger = (self._held_requests() + answered,
+                            self._loop.call_later(LINGER, self._end_linger))
+        else:
             self._kick()
+
+    def _held_requests(self) -> int:
+        return sum(len(b.requests) for b in self._batches)
+
+    def _lingering(self) -> bool:
+        """(`_kick`: a request came, or the writer is wanted) Whether the writer lingers; the
+        linger ends (the held batches go on the next loop turn) once the requests it waits
+        for came, or at once when closing."""
+        if self._linger is None:
+            return False
+        if self._closing or self._held_requests() >= self._linger[0]:
+            self._linger[1].cancel()
+            self._linger = None
+            self._loop.call_soon(self._write_next)
+        return True
+
+    def _end_linger(self) -> None:
+        """LINGER passed: the held batches go now."""
+        self._linger = None
+        self._write_next()
 
     def fail_uncommitted(self, error: Exception) -> None:
         """Fail every written, uncommitted batch with NotCommitted (saying `error`); their data

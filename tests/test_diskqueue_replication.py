@@ -28,6 +28,7 @@ from diskqueue.queue import (
     QueueOptions,
 )
 from diskqueue.raw import BadBatch, check_batch, renumber
+from diskqueue import replicated
 from diskqueue.replicated import COMMITTED_FILE, decode_position, encode_position
 from nsqwire.ids import PARTITION_SHIFT
 
@@ -113,6 +114,91 @@ async def test_batches_are_settled_in_order_as_the_commit_moves(tmp_path, queues
     q.replicated_to(ends[4], 5)
     await asyncio.sleep(0)
     assert all(f.done() for f in futs)
+
+
+async def _pushing_with_one_held(q, pushed):
+    """A leader's queue (`on_batch` set) with a batch of two requests written and parked, and
+    one request held behind it. Returns the three futures."""
+    q.on_batch = lambda *batch: pushed.append(batch)
+    first = [q.append([body(0)]), q.append([body(1)])]  # one batch
+    while q.written_count < 2:
+        await asyncio.sleep(0.001)
+    held = q.append([body(2)])
+    await asyncio.sleep(0.01)
+    assert len(pushed) == 1 and pushed[0][3] == 2 and q.written_count == 2  # held
+    return first, held
+
+
+async def test_a_commit_lets_the_writer_linger_for_the_clients_it_answered(
+        tmp_path, queues, monkeypatch):
+    """After a commit releases held requests, the writer waits for as many new requests as
+    it answered (they come from the clients it just answered), and pushes them all as one."""
+    monkeypatch.setattr(replicated, "LINGER", 10.0)
+    q = await queues(tmp_path / "q")
+    pushed = []
+    first, held = await _pushing_with_one_held(q, pushed)
+    q.replicated_to(q.written_end, q.written_count)
+    assert all(f.done() for f in first)
+    await asyncio.sleep(0.02)
+    assert len(pushed) == 1 and q.written_count == 2  # lingering: 1 of the 3 requests came
+    again = [q.append([body(3)])]
+    await asyncio.sleep(0.02)
+    assert len(pushed) == 1  # 2 of 3
+    again.append(q.append([body(4)]))  # the last: the linger ends, one batch of all three
+    while q.written_count < 5:
+        await asyncio.sleep(0.001)
+    assert len(pushed) == 2 and pushed[1][3] == 3
+    q.replicated_to(q.written_end, q.written_count)
+    assert [(await f).first_id for f in (held, *again)] == [2, 3, 4]
+
+
+async def test_a_linger_ends_after_linger_seconds_or_at_close(tmp_path, queues, monkeypatch):
+    monkeypatch.setattr(replicated, "LINGER", 0.05)
+    q = await queues(tmp_path / "q")
+    pushed = []
+    _, held = await _pushing_with_one_held(q, pushed)
+    started = time.monotonic()
+    q.replicated_to(q.written_end, q.written_count)
+    while q.written_count < 3:  # nobody came back: the held request goes after LINGER
+        await asyncio.sleep(0.001)
+    assert time.monotonic() - started >= 0.05 and len(pushed) == 2
+    monkeypatch.setattr(replicated, "LINGER", 10.0)
+    q.replicated_to(q.written_end, q.written_count)
+    assert (await held).first_id == 2
+    late = q.append([body(3)])
+    while q.written_count < 4:
+        await asyncio.sleep(0.001)
+    later = q.append([body(4)])  # held behind `late`
+    await asyncio.sleep(0.01)
+    q.replicated_to(q.written_end, q.written_count)  # lingers (10 s) for one more request
+    await asyncio.sleep(0.02)
+    assert (await late).first_id == 3 and q.written_count == 4
+    started = time.monotonic()
+    await q.close()  # ends the linger: writes the held request (its outcome unknown)
+    assert time.monotonic() - started < 5 and q.written_count == 5
+    with pytest.raises(NotCommitted):
+        await later
+
+
+async def test_no_linger_when_solo_or_when_nothing_was_answered(tmp_path, queues, monkeypatch):
+    monkeypatch.setattr(replicated, "LINGER", 10.0)
+    q = await queues(tmp_path / "q")
+    pushed = []
+    _, held = await _pushing_with_one_held(q, pushed)
+    q.set_solo(True)  # commits what is parked, and the held request goes at once
+    assert (await asyncio.wait_for(held, 5)).first_id == 2
+    q.set_solo(False)
+    parked = q.append([body(3)])
+    while q.written_count < 4:
+        await asyncio.sleep(0.001)
+    after = q.append([body(4)])
+    q.fail_uncommitted(AppendError("below min_isr"))  # answers nothing: no linger
+    with pytest.raises(NotCommitted):
+        await parked
+    while q.written_count < 5:
+        await asyncio.sleep(0.001)
+    q.replicated_to(q.written_end, q.written_count)
+    assert (await after).first_id == 4
 
 
 async def test_fail_uncommitted_fails_the_waiters_and_keeps_the_data(tmp_path, queues):
