@@ -145,12 +145,13 @@ class Replicated:
 
     def set_solo(self, solo: bool) -> None:
         """Solo: the ISR is this node alone, so the queue commits on write (and commits
-        everything written now). Only for a replicated queue."""
+        everything written now, and ends a linger). Only for a replicated queue."""
         if self._parked is None:
             raise ValueError("set_solo is for a replicated queue (QueueOptions.replicated)")
         self.options = dataclasses.replace(self.options, auto_commit=solo)
         if solo:
             self.replicated_to(self.written_end, self.written_count)
+            self._release_held()
 
     def replicated_to(self, end_offset: int, count: int) -> None:
         """The ISR holds everything up to (end_offset, count): commit min(it, written), and
@@ -187,12 +188,11 @@ class Replicated:
         ones it answered. The clients just answered are the other half of the publishers (the
         held requests came while theirs were in replication) and send again within a round
         trip, so one push carries both halves instead of each taking turns (single PUBs from
-        100 connections, R=3: about 1.5 times the messages a push). Never while solo,
-        closing or busy."""
+        100 connections, R=3: about 1.5 times the messages a push). Never while busy, solo,
+        closing or failed."""
         if not self._batches or self._parked:
             return
-        if (answered and self.on_batch is not None and not self.options.auto_commit
-                and not self._busy and not self._closing):
+        if answered and self.on_batch is not None and not self._busy and not self._stop_linger():
             self._busy = True  # the writer slot is the linger's until it ends
             self._linger = (self._held_requests() + answered,
                             self._loop.call_later(LINGER, self._end_linger))
@@ -202,13 +202,17 @@ class Replicated:
     def _held_requests(self) -> int:
         return sum(len(b.requests) for b in self._batches)
 
+    def _stop_linger(self) -> bool:
+        """Whether a linger must not start, or must end now: solo, closing or failed."""
+        return self.options.auto_commit or self._closing or self.failed is not None
+
     def _lingering(self) -> bool:
         """(`_kick`: a request came, or the writer is wanted) Whether the writer lingers; the
         linger ends (the held batches go on the next loop turn) once the requests it waits
-        for came, or at once when closing."""
+        for came, or at once when solo, closing or failed."""
         if self._linger is None:
             return False
-        if self._closing or self._held_requests() >= self._linger[0]:
+        if self._stop_linger() or self._held_requests() >= self._linger[0]:
             self._linger[1].cancel()
             self._linger = None
             self._loop.call_soon(self._write_next)

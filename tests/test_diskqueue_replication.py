@@ -199,6 +199,16 @@ async def test_no_linger_when_solo_or_when_nothing_was_answered(tmp_path, queues
         await asyncio.sleep(0.001)
     q.replicated_to(q.written_end, q.written_count)
     assert (await after).first_id == 4
+    last = q.append([body(5)])
+    while q.written_count < 6:
+        await asyncio.sleep(0.001)
+    held = q.append([body(6)])
+    await asyncio.sleep(0.01)
+    q.replicated_to(q.written_end, q.written_count)  # lingers (10 s) for one more request
+    await asyncio.sleep(0.02)
+    assert (await last).first_id == 5 and q.written_count == 6
+    q.set_solo(True)  # ends the linger
+    assert (await asyncio.wait_for(held, 5)).first_id == 6
 
 
 async def test_fail_uncommitted_fails_the_waiters_and_keeps_the_data(tmp_path, queues):
