@@ -1,7 +1,9 @@
 """One run: set the cluster up, create the topic, run the workload while the nemesis
 faults and heals at intervals, heal everything, drain, check, write the report, tear
-down. Teardown always runs (an exception, Ctrl-C, SIGTERM: the handler turns SIGTERM
-into KeyboardInterrupt)."""
+down. Teardown always runs (an exception, Ctrl-C, SIGTERM: one handler turns SIGINT and
+SIGTERM into KeyboardInterrupt, raised where the main thread is, so asyncio.run never
+installs its own SIGINT handler, which only cancels the main task: an await that
+swallowed that cancellation let an interrupted run go on to its end)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ class RunOptions:
     sync_every: int = 1  # the topic's syncdisk: 1 syncs every batch before its OK
 
 
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -78,7 +83,7 @@ def run(opts: RunOptions) -> dict:
     log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
     history_path = os.path.join(opts.store, "history.jsonl")
     history = History(history_path)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in INTERRUPTS}
     info = dict(asdict(opts), seed=seed, cluster=type(cluster).__name__)
     try:
         print(f"jepsen: setting up {opts.nodes} hosts ({type(cluster).__name__}) in "
@@ -91,7 +96,8 @@ def run(opts: RunOptions) -> dict:
     finally:
         history.close()
         cluster.teardown()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
         logging.getLogger().removeHandler(handler)
         structlog.reset_defaults()
         log_file.close()
