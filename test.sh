@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist), each taking whole test modules (tests/conftest.py); most
+# tests wait on real processes, so two share the 2-core CI machine well.
+exec .venv/bin/python -m pytest -n "${NSQ_TEST_WORKERS:-2}" --dist loadgroup "$@"
