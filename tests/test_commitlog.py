@@ -162,7 +162,8 @@ def _tail_file(path):
 
 
 @pytest.mark.parametrize("garbage", [b"\x01" * 30, b"\x00" * 63, os.urandom(64), bytes(64),
-                                     os.urandom(64 * 3 + 17)])
+                                     os.urandom(64 * 3 + 17)],
+                         ids=["ones-30", "zeros-63", "random-64", "zeros-64", "random-209"])
 def test_torn_tail_is_cut_on_open(tmp_path, garbage):
     log = open_log(tmp_path)
     entries = make_entries(0, 10)
