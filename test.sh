@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup.sh
-# Two workers (pytest-xdist), each taking whole test modules (tests/conftest.py); most
-# tests wait on real processes, so two share the 2-core CI machine well.
-exec .venv/bin/python -m pytest -n "${NSQ_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# Two workers (pytest-xdist), each taking whole test modules (so every jepsen run, all in
+# tests/test_jepsen.py, runs alone): most tests wait on real processes, so two workers
+# share the 2-core CI machine well (tests/README.md).
+exec .venv/bin/python -m pytest -n "${NSQ_TEST_WORKERS:-2}" --dist loadfile "$@"

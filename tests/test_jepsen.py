@@ -4,8 +4,12 @@ pause against R=1 topics must pass; the deliberately broken build
 (`--test-ack-before-sync`) must be caught by the total-queue checker under the
 disk-full nemesis; the power-cut nemesis (nsqd on PowerFS) loses nothing acknowledged, and
 catches acknowledgements of unsynced data that kill -9 cannot; Ctrl-C leaves nothing
-behind, nor does `--cleanup` after a killed harness (PowerFS mounts included). The
-hour-long run is behind --long."""
+behind, nor does `--cleanup` after a killed harness (PowerFS mounts included); a loopback
+run with the partition nemesis loses nothing. The hour-long run is behind --long.
+
+Every run of the harness is in this module: test.sh's xdist workers take a module whole
+(`--dist loadfile`), so these runs never overlap (each clears the machine's `jep-` names,
+mounts and harness processes before it starts)."""
 
 from __future__ import annotations
 
@@ -317,3 +321,19 @@ def test_every_nemesis_for_an_hour(tmp_path):
     status, s = jepsen(tmp_path / "long", "--nemesis", "partition,kill,pause,restart,disk-full",
                        "--long", "--nodes", "5", timeout=4500)
     assert status == 0 and s["total_queue"]["lost"] == 0, s["total_queue"]
+
+
+def test_loopback_partitions_lose_nothing(tmp_path):
+    """3 loopback hosts, 20 s, two partitions through the relays: nothing acknowledged
+    lost, and each partition held connections between the hosts it cut."""
+    store = tmp_path / "run"
+    status, s = jepsen(store, "--loopback", "--nemesis", "partition", "--time-limit", "20",
+                       "--nodes", "3", "--interval", "4", "--seed", "1", timeout=240)
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, tq
+    assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["acknowledged"] > 500
+    assert nemesis_kinds(store) == ["partition", "partition"]
+    heals = [json.loads(line)["value"] for line in open(store / "history.jsonl")
+             if '"f":"stop"' in line and '"process":"nemesis"' in line]
+    assert len(heals) == 2 and all(h["held_connections"] > 0 for h in heals), heals
+    assert leftovers() == []

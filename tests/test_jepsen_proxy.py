@@ -2,13 +2,12 @@
 one host attributes each connection to the host whose process opened it, relays it,
 stalls a cut pair both ways (old connections and new ones) while the harness's own
 connections go on, and delivers every held byte in order after the heal; the broadcast
-ports the loopback hosts advertise are what nsqd and nsqlookupd register in etcd; a
-short loopback run with the partition nemesis loses nothing acknowledged."""
+ports the loopback hosts advertise are what nsqd and nsqlookupd register in etcd. A short
+loopback run with the partition nemesis is in test_jepsen.py, with every harness run."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -23,7 +22,6 @@ from isr.metadata import Metadata
 from jepsen.ports import free_port
 from jepsen.proxy import Relays
 from servers import NsqdProcess, NsqlookupdProcess
-from test_jepsen import jepsen, leftovers, nemesis_kinds
 
 # a process of "host a": stdin to the socket, the socket to stdout
 PIPE = """
@@ -172,19 +170,3 @@ async def test_broadcast_ports_are_what_nsqd_and_nsqlookupd_register(tmp_path, e
         await etcd.close()
         nsqd.kill()
         lookupd.kill()
-
-
-def test_loopback_partitions_lose_nothing(tmp_path):
-    """3 loopback hosts, 20 s, two partitions through the relays: nothing acknowledged
-    lost, and each partition held connections between the hosts it cut."""
-    store = tmp_path / "run"
-    status, s = jepsen(store, "--loopback", "--nemesis", "partition", "--time-limit", "20",
-                       "--nodes", "3", "--interval", "4", "--seed", "1", timeout=240)
-    tq = s["total_queue"]
-    assert status == 0 and s["valid"] is True, tq
-    assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["acknowledged"] > 500
-    assert nemesis_kinds(store) == ["partition", "partition"]
-    heals = [json.loads(line)["value"] for line in open(store / "history.jsonl")
-             if '"f":"stop"' in line and '"process":"nemesis"' in line]
-    assert len(heals) == 2 and all(h["held_connections"] > 0 for h in heals), heals
-    assert leftovers() == []
