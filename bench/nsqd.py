@@ -56,7 +56,8 @@ from bench import common  # noqa: E402
 from bench.common import MB, Report, percentile  # noqa: E402
 from bench.loadgen import Workers, cpu_seconds  # noqa: E402
 from bench import nsqd_server  # noqa: E402
-from bench.nsqd_server import Profiler, Server, pid_cpu_seconds, summarize_profile  # noqa: E402
+from bench.nsqd_server import (Profiler, Server, pid_cpu_seconds, summarize_profile,  # noqa: E402
+                               thread_cpu)
 from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
 
 BODY_LEN = 200
@@ -104,12 +105,15 @@ class Phase:
     def start(self) -> None:
         self.t0 = time.monotonic()
         self.server0 = pid_cpu_seconds(self.pid)
+        self.threads0 = thread_cpu(self.pid)
         self.sys0 = common._system_busy_seconds()
         self.self0 = cpu_seconds()
 
     def stop(self, client_cpu_s: float) -> None:
         self.wall = max(time.monotonic() - self.t0, 1e-9)
         self.server_cpus = (pid_cpu_seconds(self.pid) - self.server0) / self.wall
+        threads1 = thread_cpu(self.pid)
+        self.threads = {k: v - self.threads0[k] for k, v in threads1.items()}  # over the span
         self.client_cpus = client_cpu_s / self.wall
         own = (cpu_seconds() - self.self0) / self.wall
         sys1 = common._system_busy_seconds()
@@ -176,6 +180,15 @@ def cpu_note(report: Report, key: str, phase: Phase, clients: str, rate: float) 
                    "msgs per server CPU-second", fmt=",.0f")
         report.add(f"{key}_server_cpu_us_per_msg", phase.server_cpus / rate * 1e6,
                    "server CPU per message (µs)", fmt=",.2f")
+        msgs = rate * phase.wall
+        split = {k: v / msgs * (1 if k.endswith("switches") else 1e6)
+                 for k, v in phase.threads.items()}
+        for k, v in split.items():
+            report.figures[f"{key}_server_{k}_per_msg"] = round(v, 2)
+        report.note(f"server CPU per message (µs): event loop {split['loop_user']:.1f} user + "
+                    f"{split['loop_sys']:.1f} system, other threads {split['threads_user']:.1f} "
+                    f"+ {split['threads_sys']:.1f}; their waits (voluntary switches) "
+                    f"{split['threads_switches']:.2f} a message  [{key}_server_*_per_msg]")
     report.figures[f"{key}_server_cpus"] = round(phase.server_cpus, 2)
     report.figures[f"{key}_client_cpus"] = round(phase.client_cpus, 2)
     report.figures[f"{key}_other_cpus"] = round(phase.other_cpus, 2)

@@ -56,6 +56,35 @@ def pid_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """A process's CPU split by thread kind: the event loop's thread (the main one, whose
+    id is the pid) and all the others (write and read workers, trace writer), each in user
+    and system seconds, and the others' voluntary context switches (waits: a lock, the GIL,
+    a queue). Threads gone since an earlier call take their time with them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict(loop_user=0.0, loop_sys=0.0, threads_user=0.0, threads_sys=0.0,
+               threads_switches=0.0)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches = next(int(line.split()[1]) for line in f
+                                if line.startswith("voluntary_ctxt_switches:"))
+        except (OSError, StopIteration):
+            continue
+        who = "loop" if tid == str(pid) else "threads"
+        out[f"{who}_user"] += int(fields[11]) / tick
+        out[f"{who}_sys"] += int(fields[12]) / tick
+        if who == "threads":
+            out["threads_switches"] += switches
+    return out
+
+
 class PidRssSampler(common.RssSampler):
     """common.RssSampler for another process: VmRSS of `pid` every `interval` s, from a thread."""
 
