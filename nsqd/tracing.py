@@ -142,16 +142,19 @@ class Tracer:
         await self._apply(topic, topics, channels)
 
     async def _apply(self, topic: str, topics: set[str], channels: set[tuple[str, str]]) -> None:
+        """The switches become `topics` and `channels`, applied to the open topic at once
+        (what /stats shows is what makes events), then stored (that write may wait behind
+        another)."""
         self.topics, self.channels = topics, channels
         if topics or channels:
             self.writer.want_store()
+        t = self.nsqd.topics.get(topic)
+        if t is not None:
+            self.attach(t)
         meta = self.nsqd.meta
         meta.put(SWITCHES_KEY, {"topics": sorted(topics),
                                 "channels": sorted(list(tc) for tc in channels)})
         await meta.flush()
-        t = self.nsqd.topics.get(topic)
-        if t is not None:
-            self.attach(t)
 
     def state(self) -> dict:
         """/stats `trace`."""

@@ -572,3 +572,32 @@ def test_topic_search_reads_spans_in_time_order_whatever_the_write_order(tmp_pat
     assert len(search(path, topic="t", limit=10_000)) == 220
     assert search(path, topic="t", since_ns=60, until_ns=70) == []
     assert [e["time_ns"] for e in search(path, topic="other")] == list(range(60, 70))
+
+
+async def test_a_switch_stats_show_is_applied_before_it_is_stored(node):
+    """What /stats shows as traced makes events at once: a topic switched on gets its
+    events before the switch's metadata write is awaited (that write can wait behind
+    another; a publish in that window went untraced while /stats said "on")."""
+    from nodes import connect
+
+    n = await node()
+    pub = await connect(n)
+    await pub.pub("sw", b"before")  # the topic is open, not traced
+    stored, flush = asyncio.Event(), n.meta.flush
+
+    async def slow_flush():
+        await stored.wait()
+        await flush()
+    n.meta.flush = slow_flush
+    switching = asyncio.create_task(n.tracer.switch("sw", None, True))
+    while "sw" not in n.tracer.state()["topics"]:
+        await asyncio.sleep(0)
+    await pub.pub("sw", b"during")  # the switch is not stored yet
+    stored.set()
+    assert await switching is True
+    deadline = time.monotonic() + 10
+    while not (found := await asyncio.to_thread(n.tracer.search, topic="sw")):
+        assert time.monotonic() < deadline, "no event written"
+        await asyncio.sleep(0.1)
+    assert [(e["kind"], e["offset"] > 0) for e in found] == [("PUB", True)]  # "during" only
+    await pub.close()
