@@ -19,15 +19,7 @@ def pytest_report_header(config):
     return f"free disk under {where}: {free / 2**30:.1f} GiB (the suite's peak is about 0.9 GiB)"
 
 
-# Modules that must not run beside each other on two xdist workers: each jepsen run
-# clears every `jep-` namespace, mount and harness on the machine before it starts.
-SHARED_GROUPS = {"test_jepsen": "jepsen", "test_jepsen_proxy": "jepsen"}
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # test.sh's `--dist loadgroup`: a worker takes a module whole
-        module = item.module.__name__.rpartition(".")[2]
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
     if config.getoption("--long"):
         for item in items:
             if "long" in item.keywords:
