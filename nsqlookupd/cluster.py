@@ -206,16 +206,26 @@ class Cluster:
                     raise
             await asyncio.sleep(0.02)
 
+    def _placeable(self, view: ClusterView) -> list[str]:
+        """The live nodes a new topic goes to: those not draining (all, if all are)."""
+        return sorted(set(view.nodes) - self.balancer.draining) or sorted(view.nodes)
+
     async def create_topic(self, topic: str, meta: TopicMeta) -> bool:
         """Place and write a new topic: False if it exists already with these settings."""
         view = await self.master_view()
         existing = view.topics.get(topic)
         if existing is not None:
             return self._same_topic(topic, existing.meta, meta)
-        live = sorted(set(view.nodes) - self.balancer.draining) or sorted(view.nodes)
-        if meta.replicas > len(live):
-            raise HTTPError(400, "INVALID_ARG_REPLICATOR",
-                            detail=f"replicas {meta.replicas} > live nodes {len(live)}")
+        live = self._placeable(view)
+        if meta.replicas > len(live):  # the mirror may lag etcd (a watch replaying): ask etcd
+            try:
+                view = await self.metadata.read()
+            except EtcdError as e:
+                raise _unavailable(e) from None
+            live = self._placeable(view)
+            if meta.replicas > len(live):
+                raise HTTPError(400, "INVALID_ARG_REPLICATOR",
+                                detail=f"replicas {meta.replicas} > live nodes {len(live)}")
         load = load_of(s for t in view.topics.values() for s in t.partitions.values())
         placement = place(live, meta.partitions, meta.replicas, load)
         try:

@@ -388,3 +388,44 @@ def test_v1_registration_is_refused_in_cluster_mode(cluster):
         while chunk := s.recv(4096):
             data += chunk
     assert data[4:].startswith(b"E_INVALID cluster mode")
+
+
+async def test_too_few_nodes_is_etcds_answer_not_a_lagging_views(etcd_server):
+    """The master refuses `replicas > live nodes` only when etcd says so. Its view can lag
+    etcd (a watch that reopens replays what it missed): a node registered just before a
+    create must count. A jepsen run's first create was once refused with 0 live nodes
+    while all 3 were registered."""
+    from isr.state import TopicMeta
+    from jepsen.ports import free_port
+    from nsqlookupd.cluster import Cluster
+    from nsqlookupd.http import HTTPError
+    from nsqlookupd.options import Options
+
+    cluster = Cluster(Options(etcd_endpoints=etcd_server.endpoint, cluster_id=CLUSTER,
+                              etcd_lease_ttl=TTL), "test")
+    await cluster.start("127.0.0.1", free_port(), free_port())
+    node = None
+    try:
+        deadline = time.monotonic() + 10
+        while not (cluster.is_master and cluster._current_view() is not None):
+            assert time.monotonic() < deadline, "a master with a view"
+            await asyncio.sleep(0.05)
+        held, catch_up = [], cluster.mirror.on_change
+        cluster.mirror.on_change = held.append  # the master's view stops here, with no node
+        node = Node(etcd_server, free_port())
+        creating = asyncio.create_task(cluster.create_topic("lagged", TopicMeta(partitions=2)))
+        while not any("lagged" in v.topics for v in held):  # written on etcd's word
+            if creating.done():
+                creating.result()  # the refusal, if that is what it was
+            assert time.monotonic() < deadline + 10, "the topic written"
+            await asyncio.sleep(0.02)
+        assert not cluster.directory.view.nodes  # the view still lags
+        catch_up(held[-1])
+        assert await creating is True
+        with pytest.raises(HTTPError) as refused:  # etcd itself has one node
+            await cluster.create_topic("wide", TopicMeta(partitions=1, replicas=2, min_isr=1))
+        assert (refused.value.status, refused.value.code) == (400, "INVALID_ARG_REPLICATOR")
+    finally:
+        if node is not None:
+            node.kill()
+        await cluster.close()
