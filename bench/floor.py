@@ -1,0 +1,145 @@
+"""How far is nsqd from the floor? Single PUBs against bench/floor_server.py and our nsqd,
+in one run, with the same load generator.
+
+    .venv/bin/python bench/floor.py [--quick] [--rounds N]
+
+Three servers: the floor in `ack` mode (answer at once, keep nothing), the floor in `sync`
+mode (the simplest durable group commit: a file and a thread per topic, one write and one
+fdatasync a batch) and nsqd with its defaults (durable). Each takes 100 producer
+connections, one 200-byte PUB at a time each, on 1 topic (bench/nsqd.py's (a)), spread
+over 6 topics (bench/cluster.py's partitions) and over 16 (bench/nsqd.py's (g)). Each
+gives msgs/s and the server's CPU per message, split into its event loop's thread and the
+others (bench/nsqd.py's `Phase`), and the ratios to 1 topic. The rounds alternate the
+three servers; every figure is the median of the rounds.
+
+What it answers: issue #5's targets are at most 20 µs of CPU per durable single PUB, and
+16 topics at least 0.9x one topic. The floor spends what any Python asyncio server with a
+thread per partition spends at least; if the floor misses a target, no change inside nsqd
+meets it on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # see bench/nsqd.py
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
+
+from bench import common  # noqa: E402
+from bench.common import Report  # noqa: E402
+from bench.nsqd import BODY_LEN, timed_produce  # noqa: E402
+from bench.nsqd_server import Server  # noqa: E402
+from nsqwire.commands import cmd_pub  # noqa: E402
+
+TOPIC_COUNTS = (1, 6, 16)  # (a), the cluster bench's 6 partitions, (g)
+CONNS = 100
+KINDS = ("floor-ack", "floor-sync", "nsqd")
+
+
+class FloorProcess:
+    """bench/floor_server.py in a subprocess: the `Server` interface that run_load uses
+    (pid, host, port)."""
+
+    def __init__(self, mode: str, base_dir: str | None):
+        self.mode, self.base_dir = mode, base_dir
+
+    def __enter__(self) -> "FloorProcess":
+        self.tmp = tempfile.mkdtemp(prefix="bench-floor-", dir=self.base_dir)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.host = "127.0.0.1"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "floor_server.py"), "--mode", self.mode,
+             "--port", str(self.port), "--dir", self.tmp], stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the floor server did not start")
+        self.pid = self.proc.pid
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def server(kind: str, base_dir: str | None):
+    return Server([], base_dir) if kind == "nsqd" else FloorProcess(kind[6:], base_dir)
+
+
+def per_msg(phase, rate: float) -> dict:
+    msgs = rate * phase.wall
+    t = phase.threads
+    return {"cpu_us": phase.server_cpus / rate * 1e6,
+            "loop_us": (t["loop_user"] + t["loop_sys"]) / msgs * 1e6,
+            "threads_us": (t["threads_user"] + t["threads_sys"]) / msgs * 1e6}
+
+
+def one_round(kind: str, warm_s: float, dur_s: float, args) -> dict:
+    """One server of `kind`: each topic count in turn, the same 100 connections spread over
+    that many topics; per count its msgs/s and CPU per message."""
+    body = b"x" * BODY_LEN
+    out = {}
+    with server(kind, args.dir) as srv:
+        for n in TOPIC_COUNTS:
+            cmds = [cmd_pub(f"floor{i:02d}", body) for i in range(n)]
+            rate, _, phase = timed_produce(srv, cmds[0], 1, CONNS, warm_s, dur_s, args,
+                                           cmds=cmds)
+            out[n] = {"msgs_per_s": rate, **per_msg(phase, rate)}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 s a part, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--dir", default=None, help="where the data goes (default: /tmp)")
+    args = parser.parse_args()
+    args.procs, args.py_spy_rate, args.py_spy_native = 1, 0, False  # timed_produce's
+    warm_s, dur_s = (0.5, 2.0) if args.quick else (1.0, 5.0)
+    rounds = args.rounds or (2 if args.quick else 3)
+
+    report = Report("floor")
+    report.figures.update(common.machine_info())
+    report.section(f"{CONNS} connections, one {BODY_LEN}-byte PUB at a time each, spread over "
+                   f"{', '.join(map(str, TOPIC_COUNTS))} topics; the floor server (ack, sync) "
+                   f"and nsqd (durable), alternated, {rounds} rounds, medians")
+    got: dict[str, list[dict]] = {k: [] for k in KINDS}
+    for r in range(rounds):
+        report.note(f"round {r + 1} of {rounds} ...")
+        for kind in KINDS:
+            got[kind].append(one_round(kind, warm_s, dur_s, args))
+    for kind in KINDS:
+        key = kind.replace("-", "_")
+        med = {n: {f: statistics.median(x[n][f] for x in got[kind]) for f in got[kind][0][n]}
+               for n in TOPIC_COUNTS}
+        for n in TOPIC_COUNTS:
+            m = med[n]
+            report.add(f"{key}_{n}_topics_msgs_per_s", m["msgs_per_s"],
+                       f"{kind}, {n} topic(s): msgs/s", fmt=",.0f")
+            report.add(f"{key}_{n}_topics_cpu_us_per_msg", m["cpu_us"],
+                       f"{kind}, {n} topic(s): server CPU per message (µs)", fmt=".1f")
+            report.note(f"of it: event loop {m['loop_us']:.1f} µs, other threads "
+                        f"{m['threads_us']:.1f} µs")
+            if n != 1:
+                report.add(f"{key}_{n}_to_1_ratio", m["msgs_per_s"] / med[1]["msgs_per_s"],
+                           f"{kind}: {n} topics / 1 topic, msgs/s", fmt=".2f")
+        report.figures[f"{key}_rounds"] = {str(n): [x[n] for x in got[kind]]
+                                          for n in TOPIC_COUNTS}
+    report.emit_json()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
