@@ -37,11 +37,16 @@ class Conflict(Exception):
 
 @dataclass(frozen=True)
 class TopicView:
+    """One topic as etcd holds it. `incarnation`: the etcd revision that created its meta
+    key, so a topic deleted and made again under the same name is a different one (0: not
+    known, a view made by hand)."""
+
     name: str
     meta: TopicMeta
     channels: dict[str, ChannelMeta] = field(default_factory=dict)
     partitions: dict[int, PartitionState] = field(default_factory=dict)
     leader_locks: dict[int, str] = field(default_factory=dict)
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
     master = None
     problems: list[str] = []
     metas: dict[str, TopicMeta] = {}
+    incarnations: dict[str, int] = {}
     channels: dict[str, dict[str, ChannelMeta]] = {}
     states: dict[str, dict[int, PartitionState]] = {}
     locks: dict[str, dict[int, str]] = {}
@@ -127,6 +133,7 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
             master = value
         elif kind == "meta":
             metas[topic] = value
+            incarnations[topic] = kv.create_revision
         elif kind == "channel":
             channels.setdefault(topic, {})[detail] = value
         elif kind == "state":
@@ -150,7 +157,7 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
             problems.append(f"{keys.topic_prefix(cluster, name)}: no state for "
                             f"partitions {missing[:10]}")
         topics[name] = TopicView(name, meta, channels.get(name, {}), parts,
-                                 locks.get(name, {}))
+                                 locks.get(name, {}), incarnations[name])
     return ClusterView(revision, nodes, lookupds, master, topics, problems)
 
 

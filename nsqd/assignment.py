@@ -34,6 +34,7 @@ class Assignment:
     ordered: bool = False
     replicas: int = 1
     ext: dict = field(default_factory=dict, compare=False)
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         n = self.partition_num
@@ -44,6 +45,8 @@ class Assignment:
             raise AssignmentError(f"leading partitions {bad} are outside 0..{n - 1}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise AssignmentError(f"replicas must be at least 1, not {self.replicas!r}")
+        if not isinstance(self.incarnation, int) or self.incarnation < 0:
+            raise AssignmentError(f"incarnation must be 0 or more, not {self.incarnation!r}")
         object.__setattr__(self, "leading", frozenset(self.leading))
 
     @classmethod
@@ -63,7 +66,8 @@ class Assignment:
 
     def state(self) -> dict:
         return {"partition_num": self.partition_num, "leading": sorted(self.leading),
-                "ordered": self.ordered, "replicas": self.replicas, "ext": dict(self.ext)}
+                "ordered": self.ordered, "replicas": self.replicas, "ext": dict(self.ext),
+                "incarnation": self.incarnation}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "Assignment":
@@ -72,4 +76,4 @@ class Assignment:
             return cls.single()
         return cls(state["partition_num"], frozenset(state["leading"]),
                    bool(state.get("ordered", False)), int(state.get("replicas", 1)),
-                   dict(state.get("ext", {})))
+                   dict(state.get("ext", {})), int(state.get("incarnation", 0)))

@@ -11,7 +11,9 @@ It owns three things, all through isr, never blocking the event loop:
   (NSQD.apply_assignment), with every channel of etcd on every led partition and no
   other (ephemeral channels stay local); a topic deleted in etcd is deleted here; a
   local topic etcd never showed (left from an earlier run) is kept on disk and leads
-  nothing.
+  nothing; a local topic of another incarnation than etcd's (`TopicView.incarnation`:
+  deleted and made again under its name while this node was away) is deleted here before
+  the new one is served, as Kafka does with a log whose topic id is not the topic's.
 
 Writes go to etcd first and are served here once the mirror shows them: a classic PUB or
 SUB of an unknown topic creates it in etcd (default partitions and replicas, placed over
@@ -218,20 +220,32 @@ class Cluster:
             if name in view.topics:
                 continue
             if name in self._seen:  # deleted in etcd
-                await self.replication.drop_topic(name)
-                await self.leader_keys.release({p for p in self.leader_keys.wanted
-                                                if p[0] == name})
-                await self.nsqd.delete_topic(name)
+                await self._delete_here(name)
                 log.info("cluster_topic_deleted", topic=name)
             elif topic.assignment.leading:  # never in etcd: kept on disk, led by nobody
-                await self.nsqd.apply_assignment(name, topic.assignment.partition_num, ())
+                await self.nsqd.apply_assignment(name, topic.assignment.partition_num, (),
+                                                 incarnation=topic.assignment.incarnation)
                 log.warning("cluster_topic_unknown", topic=name,
                             action="closed; its data stays on disk")
         self._seen = (self._seen & set(self.nsqd.topics)) | set(view.topics)
         self.applied = applied
         self.applied_revision = view.revision
 
+    async def _delete_here(self, name: str) -> None:
+        """Delete the topic on this node: its followed logs, leader keys, then its data."""
+        await self.replication.drop_topic(name)
+        await self.leader_keys.release({p for p in self.leader_keys.wanted if p[0] == name})
+        await self.nsqd.delete_topic(name)
+
     async def _apply_topic(self, name: str, tv) -> None:
+        local = self.nsqd.topics.get(name)
+        if local is not None and local.assignment.incarnation not in (0, tv.incarnation):
+            # The same name, another topic: the one held here was deleted in etcd while this
+            # node was away (or between two views) and a new one made. Its data is never the
+            # new one's log: its offsets and epochs would pass for the new leader's.
+            await self._delete_here(name)
+            log.warning("cluster_topic_replaced", topic=name,
+                        incarnation=local.assignment.incarnation, by=tv.incarnation)
         named = {n for n, s in tv.partitions.items() if s.leader == self.node_id
                  and not self.replication.gave_up(name, n, s)}
         stale = {p for p in self.leader_keys.wanted if p[0] == name and p[1] not in named}
@@ -253,11 +267,12 @@ class Cluster:
                                  "not held yet")
         await self.replication.release(name, follow)  # a followed log closes before it is led
         want = Assignment(tv.meta.partitions, frozenset(leading), tv.meta.ordered,
-                          tv.meta.replicas)
+                          tv.meta.replicas, incarnation=tv.incarnation)
         topic = self.nsqd.topics.get(name)
         if topic is None or topic.assignment != want:
             topic = await self.nsqd.apply_assignment(name, want.partition_num, want.leading,
-                                                     want.ordered, replicas=want.replicas)
+                                                     want.ordered, replicas=want.replicas,
+                                                     incarnation=want.incarnation)
         await self.nsqd.apply_topic_settings(
             topic, (tv.meta.sync_every, tv.meta.sync_timeout_ms), tv.meta.retention_ms or None)
         await self.nsqd.tracer.follow(name, tv.meta.trace,

@@ -389,7 +389,7 @@ class NSQD:
 
     async def apply_assignment(self, name: str, partition_num: int, leading,
                                ordered: bool = False, ext: dict | None = None,
-                               replicas: int = 1) -> Topic:
+                               replicas: int = 1, incarnation: int = 0) -> Topic:
         """Serve `leading` of the topic's `partition_num` partitions, without a restart (the
         cluster driver's call; tests call it in-process). A missing topic is made.
 
@@ -406,7 +406,7 @@ class NSQD:
         Raises AssignmentError (bad numbers), NameError_, or StorageError when the
         metadata could not be stored (it stays pending: the next checkpoint retries)."""
         assignment = Assignment(partition_num, frozenset(leading), ordered, replicas,
-                                dict(ext or {}))
+                                dict(ext or {}), incarnation)
         if not valid_topic_name(name):
             raise NameError_(name)
         async with self._create_lock:

@@ -10,6 +10,8 @@ nsqds in cluster mode; topics of 3 replicas (min_isr 2).
 - a stale leader (SIGSTOP past its lease, a new leader elected, SIGCONT) commits nothing:
   no publisher gets OK for a message the new leader's log does not hold;
 - channel checkpoints follow the leader (and a message a delay store held is not lost);
+- a topic deleted and made again while a replica was away: the replica takes the new
+  topic's log from nothing, never the old one's as its prefix;
 - with --long: 100 leader kills under load, nothing acknowledged lost.
 """
 
@@ -206,6 +208,61 @@ async def wait_until_async(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:g} s: {what}")
         await asyncio.sleep(0.05)
+
+
+async def test_a_topic_made_again_while_a_replica_was_away_is_never_served_from_its_old_log(
+        cluster):
+    """A follower is killed, its topic deleted and made again (same name, R=3) once it is
+    back. Both topics' logs start at offset 0 and epoch 1, so the old log looked like a
+    prefix of the new one: the node either never joined the new ISR again ("cannot truncate
+    to ...: committed up to ...") or kept the old records and served them in place of
+    acknowledged new ones once it led. It must start the new topic from nothing."""
+    cl = cluster
+    make_topic(cl, "again", 1)
+    await cl.until_states("again", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
+    try:
+        for i in range(8):  # the same sizes as the new ones: records line up at the same offsets
+            await producer.publish("again", f"old-{i:02d}".encode())
+        s = await cl.states("again")
+        victim = next(n for n in cl.nsqds if n.tcp_address != s[0].leader)
+        await asyncio.sleep(0.5)  # the last push's commit reaches the victim
+        victim.kill()
+        status, body = http_json("POST", f"http://{cl.lookupds[0].http_address}"
+                                         "/topic/delete?topic=again")
+        assert status == 200, body
+        victim.start()
+        await wait_until_async(lambda: victim.tcp_address in cl.live_nodes(), 10,
+                               "the victim registered again")
+        make_topic(cl, "again", 1)
+        await cl.until_states("again", lambda s: victim.tcp_address in s[0].isr
+                              or victim.tcp_address in s[0].catchup, 10, "the victim a replica")
+        new = [f"new-{i:02d}".encode() for i in range(40)]
+        for i in range(0, len(new), 10):  # 10 at once: batches of several entries
+            await asyncio.gather(*(producer.publish("again", b) for b in new[i:i + 10]))
+        await producer.publish("again", b"tail")  # its push carries the others' commit
+    finally:
+        await producer.close()
+    await cl.until_states("again", lambda s: len(s[0].isr) == 3, 20,
+                          "the victim back in the new topic's ISR")
+    others = [n for n in cl.nsqds if n is not victim]
+    for n in others:  # the victim alone: it leads, and serves what its log holds
+        n.kill()
+    await cl.until_states("again", lambda s: s[0].leader == victim.tcp_address,
+                          LEASE_TTL_S + 1 + SLACK_S, "the victim leads")
+
+    async def held(msg_id: int) -> bytes:
+        deadline = time.monotonic() + 10
+        while True:  # until the victim serves what etcd says it leads
+            status, m = await asyncio.to_thread(
+                http_json, "GET", f"http://{victim.http_address}/message/get?topic=again"
+                                  f"&partition=0&msg_id={msg_id:016x}")
+            if status != 400 or time.monotonic() > deadline:
+                return m.get("body", f"{status} {m}").encode()
+            await asyncio.sleep(0.1)
+
+    held = [await held(msg_id) for msg_id in range(len(new))]
+    assert sorted(held) == sorted(new), [(i, h) for i, h in enumerate(held) if h not in new]
 
 
 async def test_a_new_leader_takes_the_channels_where_the_old_one_left_them(tmp_path):
