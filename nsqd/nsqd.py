@@ -132,6 +132,14 @@ class NSQD:
         if self.cluster is not None:
             await self.cluster.replication.push_channel(channel)
 
+    async def replicate_channels(self, channels: list[Channel]) -> None:
+        """Channels moved by an admin action (a replay): returns once every ISR follower of
+        each replicated partition stored the channel's state. NotWritable: not led here."""
+        if self.cluster is not None:
+            for channel in channels:
+                if channel.queue.options.replicated:
+                    await self.cluster.replication.push_channel(channel)
+
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))

@@ -4,7 +4,9 @@ One rule for POST /channel/setoffset and SUB_ADVANCED: the place is found by the
 log's search (DiskQueue.locate: the commitlog's binary search, snapped to a record
 boundary), the channel seeks there (Channel.seek), and the new cursor is stored (one SQLite
 commit, off the event loop) before the answer, so a move that was answered survives kill -9;
-in a replicated partition the stored state goes to the followers as every checkpoint does.
+in a replicated partition every ISR follower stores it too before the answer (as an
+ordered channel's FIN), so it survives a failover right after: sent with the next
+checkpoint instead, a leader killed within that time took the move with it.
 
 What a move does to the messages the channel holds (decided here, the issue left it open):
 - in flight at clients, requeued, and deferred in memory (short REQ delays, a DPUB due
@@ -28,6 +30,7 @@ from __future__ import annotations
 import structlog
 
 from diskqueue.queue import NotABoundary, QueueClosedError
+from isr.leader import NotWritable
 from nsqwire.errors import ProtocolError
 from nsqwire.protocol import parse_consume_start
 
@@ -105,6 +108,10 @@ async def set_offsets(nsqd, channels: list, kind: str, value: int | None) -> dic
     for c in channels:
         nsqd._store_channel(c)
     await nsqd.meta.flush()
+    try:
+        await nsqd.replicate_channels(channels)
+    except NotWritable as e:  # moved here, not known to the followers: a failover may undo it
+        raise ReplayError(503, "NOT_REPLICATED", partitions=moved, detail=str(e)) from None
     return {"partitions": moved}
 
 

@@ -1,7 +1,7 @@
 """Replay in a cluster (tests/cluster.py: etcd, an nsqlookupd, three nsqds, R=3): the master
 nsqlookupd's POST /channel/setoffset moves the channel on every partition's leader; a
-partition whose leader is gone is named in a 502; the moved cursor reaches the followers,
-so a new leader after a kill -9 of the old one starts there.
+partition whose leader is gone is named in a 502; the moved cursor is on every ISR follower
+before the answer, so a new leader after a kill -9 of the old one right after starts there.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ async def publish(address: str, partition: int, body: bytes) -> None:
 async def test_lookupd_moves_every_partition_and_a_new_leader_keeps_the_move(tmp_path):
     """Messages before and after a second boundary on 3 partitions; the lookupd's setoffset
     to that second moves each leader's channel to its partition's 10th message. Checkpoints
-    are an hour apart, so only the move's own store reaches the followers: after the leader
-    of partition 0 is killed, the channel delivers exactly the later messages of every
+    are an hour apart, so only the move's own store reaches the followers; the leader of
+    partition 0 is killed as soon as the move is answered (before, the followers got the
+    move with the next 200 ms send of channel states, and the new leader delivered
+    everything), and then the channel delivers exactly the later messages of every
     partition. Right after that kill (before the failover), a setoffset names the dead
     leader's partitions in a 502 and moves the others."""
     cl = Cluster(str(tmp_path), 3, 1, "--checkpoint-interval", "1h",
@@ -81,9 +83,7 @@ async def test_lookupd_moves_every_partition_and_a_new_leader_keeps_the_move(tmp
         assert status == 200, answer
         assert sorted((e["partition"], e["count"], e["clipped"]) for e in answer["partitions"]) == [
             (n, EACH, None) for n in range(PARTITIONS)]
-        await asyncio.sleep(1.0)  # channel states go to the followers every 200 ms
-
-        victim = states[0].leader
+        victim = states[0].leader  # killed at once: the answer came once followers stored it
         cl.nsqd_at(victim).kill()
         status, answer = lookupd_post(cl, "/channel/setoffset?topic=rp&channel=d", b"end")
         dead = {n for n, s in states.items() if s.leader == victim}
