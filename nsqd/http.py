@@ -36,7 +36,10 @@ Ours, beyond classic:
 - Cluster mode (`--etcd-endpoints`, cluster.py): /topic/create, /topic/delete and
   /channel/delete act on etcd (cluster-wide; 503 `CLUSTER_UNAVAILABLE` or
   `TOPIC_CREATE_FAILED` while etcd is away), /info adds `node_id` and `cluster_id`,
-  /stats a `cluster` object.
+  /stats a `cluster` object. A channel change (pause, unpause, empty, setorder,
+  setoffset) on a replicated partition is answered once every ISR follower stored the
+  channel's state, so a failover right after keeps it; 503 `NOT_REPLICATED` when the
+  partition stopped being led here meanwhile.
 - Storage failures: 503 `EXITING` when the log is closing (as classic), 503
   `PUB_FAILED`/`MPUB_FAILED` for other write errors (disk full), 413 `MSG_TOO_BIG`
   when a body exceeds what one record can hold; an action whose state could not be
@@ -199,9 +202,15 @@ async def _persist_topic(nsqd, topic) -> None:
 
 
 async def _persist_channels(nsqd, channels) -> None:
+    """Store the channels' changed state here and, in a replicated partition, on every ISR
+    follower, before the answer: an admin change survives a failover right after it."""
     for c in channels:
         nsqd._store_channel(c)
     await nsqd.meta.flush()
+    try:
+        await nsqd.replicate_channels(channels)
+    except NotWritable as e:  # changed here only: a failover may undo it
+        raise HTTPError(503, "NOT_REPLICATED") from e
 
 
 # ---- handlers: (nsqd, request) -> str | None | JSON data; errors raise HTTPError ----

@@ -10,6 +10,7 @@ nsqds in cluster mode; topics of 3 replicas (min_isr 2).
 - a stale leader (SIGSTOP past its lease, a new leader elected, SIGCONT) commits nothing:
   no publisher gets OK for a message the new leader's log does not hold;
 - channel checkpoints follow the leader (and a message a delay store held is not lost);
+- a channel paused on the leader, the leader killed at once: paused on the new leader;
 - a topic deleted and made again while a replica was away: the replica takes the new
   topic's log from nothing, never the old one's as its prefix;
 - with --long: 100 leader kills under load, nothing acknowledged lost.
@@ -263,6 +264,42 @@ async def test_a_topic_made_again_while_a_replica_was_away_is_never_served_from_
 
     held = [await held(msg_id) for msg_id in range(len(new))]
     assert sorted(held) == sorted(new), [(i, h) for i, h in enumerate(held) if h not in new]
+
+
+async def test_a_pause_answered_by_the_leader_survives_a_failover_right_after(cluster):
+    """/channel/pause on a replicated partition's leader is answered once every ISR follower
+    stored the channel's state. The leader is killed as soon as it answered; the new leader's
+    channel is paused. (Before, the pause went with the next 200 ms send of channel states,
+    and the new leader delivered to the paused channel.)"""
+    cl = cluster
+    make_topic(cl, "held", 1)
+    s = await cl.until_states("held", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    status, body = http_json("POST", f"http://{cl.lookupds[0].http_address}"
+                                     "/channel/create?topic=held&channel=c")
+    assert status == 200, body
+    leader = cl.nsqd_at(s[0].leader)
+    assert await pub_when_led(leader.tcp_address, "held", 0, b"m") == b"OK"
+    await asyncio.sleep(0.5)  # the channel made from the view, its state at the followers
+
+    status, body = http_json("POST", f"http://{leader.http_address}"
+                                     "/channel/pause?topic=held&channel=c")
+    assert status == 200, body
+    leader.kill()
+    s = await cl.until_states("held", lambda s: s[0].leader not in (None, leader.tcp_address),
+                              LEASE_TTL_S + 1 + SLACK_S, "a new leader")
+    new = cl.nsqd_at(s[0].leader)
+
+    def channel_c() -> dict | None:
+        status, stats = http_json("GET", f"http://{new.http_address}/stats?format=json"
+                                         "&topic=held")
+        for t in stats.get("topics", []) if status == 200 else []:
+            for c in t["channels"]:
+                if c["channel_name"] == "c" and c["partitions"]:
+                    return c
+        return None
+
+    await wait_until_async(channel_c, 10, "the new leader serves channel c")
+    assert channel_c()["paused"] is True
 
 
 async def test_a_new_leader_takes_the_channels_where_the_old_one_left_them(tmp_path):
