@@ -239,13 +239,14 @@ class Cluster:
 
     async def _apply_topic(self, name: str, tv) -> None:
         local = self.nsqd.topics.get(name)
-        if local is not None and local.assignment.incarnation not in (0, tv.incarnation):
+        mine = local.assignment.incarnation if local is not None else 0
+        if mine and tv.incarnation and mine != tv.incarnation:  # 0: not known, never deleted
             # The same name, another topic: the one held here was deleted in etcd while this
             # node was away (or between two views) and a new one made. Its data is never the
             # new one's log: its offsets and epochs would pass for the new leader's.
             await self._delete_here(name)
-            log.warning("cluster_topic_replaced", topic=name,
-                        incarnation=local.assignment.incarnation, by=tv.incarnation)
+            log.warning("cluster_topic_replaced", topic=name, incarnation=mine,
+                        by=tv.incarnation)
         named = {n for n, s in tv.partitions.items() if s.leader == self.node_id
                  and not self.replication.gave_up(name, n, s)}
         stale = {p for p in self.leader_keys.wanted if p[0] == name and p[1] not in named}

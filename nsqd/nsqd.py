@@ -133,8 +133,9 @@ class NSQD:
             await self.cluster.replication.push_channel(channel)
 
     async def replicate_channels(self, channels: list[Channel]) -> None:
-        """Channels moved by an admin action (a replay): returns once every ISR follower of
-        each replicated partition stored the channel's state. NotWritable: not led here."""
+        """Channels changed by an admin action (replay, pause, empty, setorder): returns once
+        every ISR follower of each replicated partition stored the channel's state.
+        NotWritable: a partition no longer led here."""
         if self.cluster is not None:
             for channel in channels:
                 if channel.queue.options.replicated:

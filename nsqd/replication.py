@@ -151,8 +151,9 @@ class Replication:
                 leader.send_channels({channel.name: state_to_wire(replica)})
 
     async def push_channel(self, channel) -> None:
-        """An ordered channel's FIN: its checkpoint, stored here, to every ISR follower now;
-        returns once they all stored it (LeaderLog.push_channels)."""
+        """A channel's checkpoint, stored here, to every ISR follower now (an ordered
+        channel's FIN, an admin change of the channel); returns once they all stored it
+        (LeaderLog.push_channels)."""
         leader = self.leaders.get((channel.topic_name, channel.partition))
         if leader is None:
             raise NotWritable(f"partition {channel.partition} is not led here")
