@@ -95,6 +95,7 @@ class Cluster:
         self._dirty = asyncio.Event()
         self._viewed = asyncio.Event()  # pulsed after each mirror rebuild
         self._passed = asyncio.Event()  # pulsed after each apply pass
+        self.first_applied = asyncio.Event()  # set after the first pass (NSQD.serving)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -194,6 +195,7 @@ class Cluster:
             except Exception as e:  # a bug must not end the loop: said, retried
                 log.exception("cluster_apply_failed")
                 self.errors["*"] = f"{type(e).__name__}: {e}"
+            self.first_applied.set()
             self._passed.set()
             self._passed = asyncio.Event()
             if self.errors:  # tried again after RETRY_S, or at once on a new view (a

@@ -139,6 +139,8 @@ async def _get_topic(nsqd, name: str, failed_code: str = "TOPIC_CREATE_FAILED"):
 
 async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
                   ext: bytes = b"", trace_id: int = 0, source: str = "") -> None:
+    if not nsqd.serving.is_set():  # a cluster node's first view of etcd (NSQD.serving)
+        await nsqd.serving.wait()
     if partition is not None and name not in nsqd.topics and partition != 0:
         raise HTTPError(400, "BAD_PARTITION")  # a new topic has one: before it is made
     topic = await _get_topic(nsqd, name, f"{command}_FAILED")

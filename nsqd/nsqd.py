@@ -2,7 +2,10 @@
 background loops (timeouts, checkpoints, retention); starts and stops the TCP
 and HTTP servers.
 
-Lifecycle: `await start()` opens every stored topic and channel and listens;
+Lifecycle: `await start()` opens every stored topic and channel and listens; in cluster
+mode publishes wait (`serving`) until the first view of etcd is applied, START_GRACE_S at
+most: a topic deleted or made again in etcd while the node was down never takes a
+publish into the data it held (acknowledged there, then closed or deleted by the view);
 `await stop()` stops accepting, closes client connections (their in-flight
 messages go back to their channels), writes what is pending, persists every
 cursor, and closes the logs.
@@ -41,6 +44,9 @@ log = structlog.get_logger("nsqd")
 
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
+# Cluster mode: the longest publishes wait at start for the first view of etcd to be
+# applied; etcd away that long, they go to the assignment the last run stored.
+START_GRACE_S = 2.0
 # sqlitedict logs each failed statement itself, as a multi-line traceback, then raises it
 # to us: on a full disk that was ~80 lines a second. Its errors reach us; we log them.
 logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
@@ -104,6 +110,7 @@ class NSQD:
         self.identify_limits = identify_limits(self)
         self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
         self.cluster = None  # cluster.Cluster in cluster mode (--etcd-endpoints)
+        self.serving = asyncio.Event()  # publishes are taken (cluster mode: see start)
         self.tracer = Tracer(self)  # message trace (tracing.py): switches, events, store
 
     @property
@@ -164,8 +171,19 @@ class NSQD:
 
             self.cluster = Cluster(self)
             await self.cluster.start()
+            self._tasks.append(loop.create_task(self._serve_when_applied()))
+        else:
+            self.serving.set()
         log.info("started", tcp_port=self.tcp_port, http_port=self.http_port,
                  data_path=self.options.data_path, topics=len(self.topics))
+
+    async def _serve_when_applied(self) -> None:
+        try:
+            await asyncio.wait_for(self.cluster.first_applied.wait(), START_GRACE_S)
+        except TimeoutError:
+            log.warning("serving_stored_assignment", waited_s=START_GRACE_S,
+                        reason="no view of etcd applied yet")
+        self.serving.set()
 
     async def stop(self) -> bool:
         """Stop as cleanly as the disk allows: every step is tried even when one before it

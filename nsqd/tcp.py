@@ -361,7 +361,7 @@ class ClientConnection(asyncio.Protocol):
         if o.auth_http_address and not self._authorized(command, cmd.topic, "", fresh_auth):
             return False
         topic = nsqd.topics.get(cmd.topic)
-        if topic is None:
+        if topic is None or not nsqd.serving.is_set():
             return False
         kind = type(cmd)
         trace_id, extension, trace_ids, exts = 0, b"", None, None
@@ -403,10 +403,13 @@ class ClientConnection(asyncio.Protocol):
         return True
 
     async def _publish_after(self, cmd) -> None:
-        """What a publish awaits before `_publish` can take it: the auth server asked again,
-        the topic made. Later commands wait meanwhile."""
+        """What a publish awaits before `_publish` can take it: a cluster node's first view
+        of etcd (NSQD.serving), the auth server asked again, the topic made. Later commands
+        wait meanwhile."""
         fresh_auth = False
         while True:
+            if not self.nsqd.serving.is_set():
+                await self.nsqd.serving.wait()
             if self.nsqd.options.auth_http_address and not fresh_auth and self._auth_expired():
                 await self._ask_auth_server(self.client.auth_secret)
                 fresh_auth = True

@@ -6,7 +6,9 @@ three nsqds in cluster mode.
   and a partition takes PUB on its leader only (E_FAILED_ON_NOT_LEADER elsewhere);
 - kill -9 of an nsqd: its partitions (R=1: no other ISR member) are leaderless on every
   nsqlookupd within the lease TTL, and the other leaders keep taking PUBs; restarted, the
-  node is their only ISR member and the master elects it again (epoch + 1 at each step).
+  node is their only ISR member and the master elects it again (epoch + 1 at each step);
+- a node restarted after its topic was deleted in etcd takes no publish for it before its
+  first view of etcd is applied.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections import Counter
 import pytest
 
 from cluster import LEASE_TTL_S, Cluster, http_json, pub, wait_until
-from nsqclient.conn import NSQError
+from nsqclient.conn import Connection, NSQError
+from nsqwire import commands as c
 
 
 @pytest.fixture
@@ -28,9 +31,10 @@ def cluster(tmp_path):
     cl.stop()
 
 
-async def pub_or_error(address: str, partition: int) -> bytes | None:
+async def pub_or_error(address: str, partition: int, body: bytes = b"back",
+                       topic: str = "orders") -> bytes | None:
     try:
-        return await pub(address, "orders", partition, b"back")
+        return await pub(address, topic, partition, body)
     except (NSQError, OSError):
         return None
 
@@ -109,3 +113,56 @@ async def test_a_killed_nsqd_leaves_its_partitions_leaderless_and_the_others_ser
             await asyncio.sleep(0.05)
         assert reply == b"OK"
     assert cluster.lookupd_get("/info")[1]["cluster"]["leaderless"] == []
+
+
+async def test_a_restarted_node_takes_no_publish_for_a_topic_deleted_while_it_was_down(cluster):
+    """A node leads a topic (R=1), is killed, and the topic is deleted in etcd. A producer
+    publishes to the node from the moment its port accepts again. Before its first view of
+    etcd was applied, it served the assignment it had stored: 3 PUBs in about 10 ms were
+    acknowledged into a topic etcd no longer has, and closed with it (no consumer could
+    ever get them). Publishes now wait for that first view (NSQD.serving) and are refused."""
+    cl = cluster
+    status, body = cl.create_topic("gone", 1)
+    assert status == 200, body
+    node = cl.nsqd_at(wait_until(lambda: cl.leaders("gone").get(0), 10, "a leader"))
+    host, port = node.tcp_address.rsplit(":", 1)
+    for _ in range(100):  # the leader takes the partition over
+        if await pub_or_error(node.tcp_address, 0, b"before", "gone") == b"OK":
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the leader never took a PUB")
+    node.kill()
+    status, body = http_json("POST", f"http://{cl.lookupds[0].http_address}/topic/delete"
+                                     "?topic=gone")
+    assert status == 200, body
+
+    acked: list[bytes] = []
+
+    async def publish_from_the_first_moment(until: float) -> None:
+        i = 0
+        while time.monotonic() < until:
+            try:
+                conn = await Connection(host, int(port)).connect()
+            except OSError:
+                await asyncio.sleep(0.002)
+                continue
+            try:
+                while time.monotonic() < until:
+                    body = b"after-%d" % i
+                    i += 1
+                    try:
+                        if await conn.command(c.cmd_pub("gone", body)) == b"OK":
+                            acked.append(body)
+                    except NSQError:
+                        await asyncio.sleep(0.01)
+            except ConnectionError:
+                pass
+            finally:
+                await conn.close()
+
+    publisher = asyncio.create_task(publish_from_the_first_moment(time.monotonic() + 6))
+    await asyncio.to_thread(node.start)
+    await publisher
+    assert cl.lookup("gone") == {}  # still deleted: nothing made it again
+    assert acked == [], f"acknowledged into a deleted topic: {acked[:5]}"
