@@ -179,7 +179,8 @@ class NSQD:
 
     async def _serve_when_applied(self) -> None:
         try:
-            await asyncio.wait_for(self.cluster.first_applied.wait(), START_GRACE_S)
+            async with asyncio.timeout(START_GRACE_S):
+                await self.cluster.first_applied.wait()
         except TimeoutError:
             log.warning("serving_stored_assignment", waited_s=START_GRACE_S,
                         reason="no view of etcd applied yet")
