@@ -210,7 +210,8 @@ async def _persist_channels(nsqd, channels) -> None:
         nsqd._store_channel(c)
     await nsqd.meta.flush()
     try:
-        await nsqd.replicate_channels(channels)
+        for c in channels:
+            await nsqd.replicate_channel(c)
     except NotWritable as e:  # changed here only: a failover may undo it
         raise HTTPError(503, "NOT_REPLICATED") from e
 

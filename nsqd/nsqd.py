@@ -131,22 +131,14 @@ class NSQD:
         o = self.options
         return {"max_window": o.max_channel_window, "delay_threshold_ms": o.delay_threshold_ms,
                 "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock,
-                "confirm_fin": self.confirm_ordered_fin}
+                "confirm_fin": self.replicate_channel}
 
-    async def confirm_ordered_fin(self, channel: Channel) -> None:
-        """An ordered channel's FIN on a replicated partition: returns once every ISR
-        follower stored the channel's new state (nsqd/ordered.py)."""
-        if self.cluster is not None:
+    async def replicate_channel(self, channel: Channel) -> None:
+        """The channel's state to every ISR follower of its replicated partition now;
+        returns once they all stored it. For an ordered channel's FIN (nsqd/ordered.py) and
+        an admin change (replay, pause, empty, setorder). NotWritable: not led here."""
+        if self.cluster is not None and channel.queue.options.replicated:
             await self.cluster.replication.push_channel(channel)
-
-    async def replicate_channels(self, channels: list[Channel]) -> None:
-        """Channels changed by an admin action (replay, pause, empty, setorder): returns once
-        every ISR follower of each replicated partition stored the channel's state.
-        NotWritable: a partition no longer led here."""
-        if self.cluster is not None:
-            for channel in channels:
-                if channel.queue.options.replicated:
-                    await self.cluster.replication.push_channel(channel)
 
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)

@@ -109,7 +109,8 @@ async def set_offsets(nsqd, channels: list, kind: str, value: int | None) -> dic
         nsqd._store_channel(c)
     await nsqd.meta.flush()
     try:
-        await nsqd.replicate_channels(channels)
+        for c in channels:
+            await nsqd.replicate_channel(c)
     except NotWritable as e:  # moved here, not known to the followers: a failover may undo it
         raise ReplayError(503, "NOT_REPLICATED", partitions=moved, detail=str(e)) from None
     return {"partitions": moved}
