@@ -19,6 +19,7 @@ from nsqwire import commands as c
 from servers import NsqdProcess, NsqlookupdProcess, free_port
 
 LEASE_TTL_S = 2
+START_WAIT_S = 30  # generous: three daemons and etcd start side by side with a suite's load
 
 
 def http_json(method: str, url: str, timeout: float = 5) -> tuple[int, dict]:
@@ -78,9 +79,26 @@ class Cluster:
         self.etcd.start()
         for p in self.lookupds + self.nsqds:
             p.start()
-        wait_until(lambda: self.live_nodes() == {n.tcp_address for n in self.nsqds}, 10,
-                   "every nsqd registered in etcd, as the lookupds see it")
+        expected = {n.tcp_address for n in self.nsqds}
+        try:
+            wait_until(lambda: self.live_nodes() == expected, START_WAIT_S,
+                       "every nsqd registered in etcd, as the lookupds see it")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self._start_report(expected)}") from None
         return self
+
+    def _start_report(self, expected: set[str]) -> str:
+        """What a failed start saw: the nodes the lookupds list, and the log of each process
+        that is missing or gone (a parallel suite run on a loaded machine is the usual case)."""
+        seen = self.live_nodes()
+        lines = [f"lookupds list {sorted(seen)}, expected {sorted(expected)}"]
+        for p in self.lookupds + self.nsqds:
+            missing = p in self.nsqds and p.tcp_address not in seen
+            alive = p.proc is not None and p.proc.poll() is None
+            if missing or not alive:
+                lines.append(f"--- {p.name} {p.tcp_address} alive={alive}:\n{p.log()[-2000:]}")
+        lines.append(f"--- etcd healthy={self.etcd.healthy()}:\n{self.etcd.log()[-2000:]}")
+        return "\n".join(lines)
 
     def stop(self) -> None:
         for p in self.nsqds + self.lookupds:
