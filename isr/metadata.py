@@ -6,7 +6,8 @@ does the writes, each one etcd transaction:
 - a topic is created whole (meta and every partition's state) or not at all;
 - a partition state changes only by compare-and-swap on the revision it was read at;
 - a channel exists only under an existing topic;
-- a topic's or channel's trace switch changes by compare-and-swap on its key.
+- a topic's or channel's switches (trace; a topic's paused) change by compare-and-swap on
+  its key.
 """
 
 from __future__ import annotations
@@ -216,10 +217,11 @@ class Metadata:
             raise TopicNotFound(topic)
         return False
 
-    async def set_trace(self, topic: str, channel: str | None, on: bool) -> int:
-        """Switch `trace` in the topic's meta (channel None) or in the channel's meta, by
-        CAS on the key (read again after a conflict): the revision that holds it, or 0 when
-        the key does not exist. Raises Conflict after 10 conflicts in a row."""
+    async def set_switch(self, topic: str, channel: str | None, switch: str, on: bool) -> int:
+        """Set `switch` (`trace`; a topic's `paused`) in the topic's meta (channel None) or
+        in the channel's meta, by CAS on the key (read again after a conflict): the revision
+        that holds it, or 0 when the key does not exist. Raises Conflict after 10 conflicts
+        in a row."""
         key = (keys.topic_meta(self.cluster, topic) if channel is None
                else keys.channel(self.cluster, topic, channel))
         kind = TopicMeta if channel is None else ChannelMeta
@@ -228,11 +230,11 @@ class Metadata:
             if kv is None:
                 return 0
             meta = kind.decode(kv.value, key)
-            if meta.trace == on:
+            if getattr(meta, switch) == on:
                 return kv.mod_revision
             ok, revision = await self.etcd.txn(
                 [unchanged(key, kv.mod_revision)],
-                [put_op(key, dataclasses.replace(meta, trace=on).encode())])
+                [put_op(key, dataclasses.replace(meta, **{switch: on}).encode())])
             if ok:
                 return revision
         raise Conflict(f"{key}: changed by others 10 times in a row")

@@ -153,10 +153,11 @@ def default_min_isr(replicas: int) -> int:
 @dataclass(frozen=True)
 class TopicMeta:
     """A topic's settings, at topics/<t>/meta; written when the topic is created, and
-    after only `trace` changes (Metadata.set_trace, by CAS).
+    after only its switches `trace` and `paused` change (Metadata.set_switch, by CAS).
 
     min_isr <= replicas; retention_ms 0 means the nodes' own retention flags; trace: its
-    leaders record trace events of it and all its channels (nsqd/tracing.py).
+    leaders record trace events of it and all its channels (nsqd/tracing.py); paused: its
+    leaders deliver none of it (/topic/pause), whichever node leads.
     """
 
     partitions: int
@@ -168,11 +169,12 @@ class TopicMeta:
     ordered: bool = False
     ext: bool = False
     trace: bool = False
+    paused: bool = False
 
     CHECKS = {"partitions": _int(1, MAX_PARTITIONS), "replicas": _int(1, MAX_REPLICAS),
               "min_isr": _int(1, MAX_REPLICAS), "sync_every": _int(1),
               "sync_timeout_ms": _int(0), "retention_ms": _int(0),
-              "ordered": _bool, "ext": _bool, "trace": _bool}
+              "ordered": _bool, "ext": _bool, "trace": _bool, "paused": _bool}
 
     def __post_init__(self):
         _validate(self, "TopicMeta")

@@ -277,7 +277,8 @@ class Cluster:
                                                      want.ordered, replicas=want.replicas,
                                                      incarnation=want.incarnation)
         await self.nsqd.apply_topic_settings(
-            topic, (tv.meta.sync_every, tv.meta.sync_timeout_ms), tv.meta.retention_ms or None)
+            topic, (tv.meta.sync_every, tv.meta.sync_timeout_ms), tv.meta.retention_ms or None,
+            tv.meta.paused)
         await self.nsqd.tracer.follow(name, tv.meta.trace,
                                       {c for c, meta in tv.channels.items() if meta.trace})
         await self.replication.apply(name, tv, follow)
@@ -412,20 +413,21 @@ class Cluster:
         log.info("cluster_channel_created", topic=topic, channel=channel)
         await self._until(lambda: self._viewed, shown, f"channel {topic}/{channel}")
 
-    async def set_trace(self, topic: str, channel: str | None, on: bool) -> bool:
-        """/message/trace/enable|disable in cluster mode: the switch in etcd, which every
-        leader follows; returns once this node applied it (an apply pass of a view at least
-        that recent), so no later pass of an older view takes it back. False: etcd has no
-        such topic or channel. Raises ClusterUnavailable."""
+    async def set_switch(self, topic: str, channel: str | None, switch: str, on: bool) -> bool:
+        """A switch in etcd, which every leader follows: `trace` of a topic or channel
+        (/message/trace/enable|disable), `paused` of a topic (/topic/pause|unpause).
+        Returns once this node applied it (an apply pass of a view at least that recent),
+        so no later pass of an older view takes it back. False: etcd has no such topic or
+        channel. Raises ClusterUnavailable."""
         self._check_connected()
         try:
-            revision = await self.metadata.set_trace(topic, channel, on)
+            revision = await self.metadata.set_switch(topic, channel, switch, on)
         except (EtcdError, Conflict, BadValue) as e:
             raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
         if not revision:
             return False
         await self._until(lambda: self._passed, lambda: self.applied_revision >= revision,
-                          f"the trace switch of {topic}")
+                          f"the {switch} switch of {topic}")
         return True
 
     async def delete_topic(self, name: str) -> bool:

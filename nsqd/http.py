@@ -33,9 +33,11 @@ Ours, beyond classic:
 - `POST /topic/create?topic=&partition_num=N` (1..1024, else 400 `INVALID_PARTITION_NUM`)
   makes a topic of N partitions, all led here; an existing topic with another count is
   409 `TOPIC_PARTITION_NUM_CONFLICT` (the log line gives both counts).
-- Cluster mode (`--etcd-endpoints`, cluster.py): /topic/create, /topic/delete and
-  /channel/delete act on etcd (cluster-wide; 503 `CLUSTER_UNAVAILABLE` or
-  `TOPIC_CREATE_FAILED` while etcd is away), /info adds `node_id` and `cluster_id`,
+- Cluster mode (`--etcd-endpoints`, cluster.py): /topic/create, /topic/delete,
+  /topic/pause, /topic/unpause and /channel/delete act on etcd (cluster-wide; 503
+  `CLUSTER_UNAVAILABLE` or `TOPIC_CREATE_FAILED` while etcd is away; a pause is the
+  topic's switch in etcd, answered once applied here, followed by whichever node leads
+  it, so a failover keeps it), /info adds `node_id` and `cluster_id`,
   /stats a `cluster` object. A channel change (pause, unpause, empty, setorder,
   setoffset) on a replicated partition is answered once every ISR follower stored the
   channel's state, so a failover right after keeps it; 503 `NOT_REPLICATED` when the
@@ -364,6 +366,13 @@ async def _topic_pause(nsqd, request, pause: bool):
     if name is None:
         raise HTTPError(400, "MISSING_ARG_TOPIC")
     topic = _existing_topic(nsqd, name)
+    if nsqd.cluster is not None:  # etcd's switch, which whichever node leads follows
+        try:
+            if not await nsqd.cluster.set_switch(name, None, "paused", pause):
+                raise HTTPError(404, "TOPIC_NOT_FOUND")
+        except ClusterUnavailable:
+            raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+        return None
     if pause:
         topic.pause()
     else:

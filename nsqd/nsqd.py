@@ -623,17 +623,19 @@ class NSQD:
                 conn.close()
 
     async def apply_topic_settings(self, topic: Topic, sync: tuple[int, int],
-                                   retention_ms: int | None) -> None:
-        """A cluster topic's own sync policy and retention, as its metadata says; stored
-        when they change (a restart opens it with them before etcd answers)."""
-        if topic.sync == sync and topic.retention_ms == retention_ms:
+                                   retention_ms: int | None, paused: bool) -> None:
+        """A cluster topic's own sync policy, retention and pause, as its metadata says;
+        stored when they change (a restart opens it with them before etcd answers)."""
+        if (topic.sync, topic.retention_ms, topic.paused) == (sync, retention_ms, paused):
             return
         topic.set_sync(sync)
         topic.retention_ms = retention_ms
+        if paused != topic.paused:
+            topic.pause() if paused else topic.unpause()
         self._store_topic(topic)
         await self.meta.flush()
         log.info("topic_settings_applied", topic=topic.name, sync_every=sync[0],
-                 sync_timeout_ms=sync[1], retention_ms=retention_ms)
+                 sync_timeout_ms=sync[1], retention_ms=retention_ms, paused=paused)
 
     def _store_topic(self, topic: Topic) -> None:
         if not topic.ephemeral:

@@ -118,10 +118,10 @@ class Tracer:
     async def switch(self, topic: str, channel: str | None, on: bool) -> bool:
         """Switch tracing of a topic (channel None) or of one channel; stored before it
         returns, applied at once to what is open. In cluster mode the switch is etcd's
-        (cluster.set_trace: False when etcd has no such topic or channel; raises
+        (cluster.set_switch: False when etcd has no such topic or channel; raises
         ClusterUnavailable), and every leader follows it (`follow`)."""
         if self.nsqd.cluster is not None:  # applied by the apply loop's `follow`
-            return await self.nsqd.cluster.set_trace(topic, channel, on)
+            return await self.nsqd.cluster.set_switch(topic, channel, "trace", on)
         topics, channels = set(self.topics), set(self.channels)
         if channel is None:
             (topics.add if on else topics.discard)(topic)

@@ -59,9 +59,11 @@ states = st.builds(
         isr[0] if lead else None, tuple(isr), tuple(c for c in catchup if c not in isr), epoch),
     st.lists(node_ids, min_size=1, max_size=5, unique=True),
     st.lists(node_ids, max_size=3, unique=True), st.booleans(), st.integers(0, 2**40))
-metas = st.builds(lambda p, r, m, s, o, e: TopicMeta(p, r, min(m, r), s, 100, 0, o, e),
+metas = st.builds(lambda p, r, m, s, o, e, t, z: TopicMeta(p, r, min(m, r), s, 100, 0, o, e,
+                                                          trace=t, paused=z),
                   st.integers(1, 1024), st.integers(1, 5), st.integers(1, 5),
-                  st.integers(1, 10**6), st.booleans(), st.booleans())
+                  st.integers(1, 10**6), st.booleans(), st.booleans(), st.booleans(),
+                  st.booleans())
 
 
 @given(states, metas, st.booleans(), st.integers(0, 2**50))
@@ -115,6 +117,7 @@ def test_malformed_partition_state(raw, reason):
     ({"min_isr": 3, "replicas": 2}, "min_isr 3 > replicas 2"),
     ({"sync_every": 0}, "bad sync_every"),
     ({"ordered": 1}, "bad ordered"), ({"retention_ms": -1}, "bad retention_ms"),
+    ({"paused": "yes"}, "bad paused"),
 ])
 def test_malformed_topic_meta(changes, reason):
     body = json.loads(TopicMeta(4).encode())

@@ -293,13 +293,63 @@ async def test_a_pause_answered_by_the_leader_survives_a_failover_right_after(cl
         status, stats = http_json("GET", f"http://{new.http_address}/stats?format=json"
                                          "&topic=held")
         for t in stats.get("topics", []) if status == 200 else []:
-            for c in t["channels"]:
-                if c["channel_name"] == "c" and c["partitions"]:
-                    return c
+            for ch in t["channels"]:
+                if ch["channel_name"] == "c" and ch["partitions"]:
+                    return ch
         return None
 
     await wait_until_async(channel_c, 10, "the new leader serves channel c")
     assert channel_c()["paused"] is True
+
+
+def topic_stats(node, topic: str) -> dict | None:
+    """The topic's /stats entry on `node`, once it serves a partition of it."""
+    status, stats = http_json("GET", f"http://{node.http_address}/stats?format=json"
+                                     f"&topic={topic}")
+    for t in stats.get("topics", []) if status == 200 else []:
+        if t["topic_name"] == topic and t.get("partitions"):
+            return t
+    return None
+
+
+async def test_a_topic_pause_is_the_clusters_and_survives_a_failover_right_after(cluster):
+    """/topic/pause in cluster mode is the topic's switch in etcd: the leader is killed as
+    soon as it answered, and the new leader delivers nothing; an unpause sent to a node
+    that does not lead the topic reaches the leader, which delivers again. (Before, the
+    pause stayed on the node that took it: the new leader delivered at once.)"""
+    cl = cluster
+    make_topic(cl, "tp", 1)
+    s = await cl.until_states("tp", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    leader = cl.nsqd_at(s[0].leader)
+    assert await pub_when_led(leader.tcp_address, "tp", 0, b"before") == b"OK"
+
+    status, body = http_json("POST", f"http://{leader.http_address}/topic/pause?topic=tp")
+    assert status == 200, body
+    assert topic_stats(leader, "tp")["paused"] is True  # applied here before the answer
+    leader.kill()
+    s = await cl.until_states("tp", lambda s: s[0].leader not in (None, leader.tcp_address),
+                              LEASE_TTL_S + 1 + SLACK_S, "a new leader")
+    new = cl.nsqd_at(s[0].leader)
+    await wait_until_async(lambda: topic_stats(new, "tp"), 10, "the new leader serves tp")
+    assert topic_stats(new, "tp")["paused"] is True
+
+    got: list = []
+    host, port = new.tcp_address.rsplit(":", 1)
+    conn = await Connection(host, int(port), on_messages=got.extend).connect()
+    try:
+        await conn.sub("tp", "c")
+        assert await pub_when_led(new.tcp_address, "tp", 0, b"after") == b"OK"
+        conn.rdy(10)
+        await asyncio.sleep(1.0)
+        assert got == []  # paused: nothing delivered
+
+        other = next(n for n in cl.nsqds if n is not new and n is not leader)
+        status, body = http_json("POST", f"http://{other.http_address}/topic/unpause?topic=tp")
+        assert status == 200, body
+        await wait_until_async(lambda: len(got) >= 1, 10, "a delivery after the unpause")
+        assert topic_stats(new, "tp")["paused"] is False
+    finally:
+        await conn.close()
 
 
 async def test_a_new_leader_takes_the_channels_where_the_old_one_left_them(tmp_path):
