@@ -31,7 +31,8 @@ only catching up, e.g. a dead node the leader dropped, every other replica in sy
    up from the leader and JOINs (isr/README.md: the leader CASes it into the ISR, epoch +
    1, only once it acked every commit);
 2. wait (CATCHUP_S at most; else `to` is taken out of the catch-up list again, 504
-   CATCHUP_TIMEOUT) until the ISR holds `to`;
+   CATCHUP_TIMEOUT; as soon as `to` is no live node any more, the same, 409 NODE_NOT_LIVE)
+   until the ISR holds `to`;
 3. if `from` leads, a leader transfer to `to` first;
 4. CAS `from` out of the ISR (epoch + 1) or the catch-up list: the leader stops pushing
    to it and it stops following (its files stay on its disk). An ISR that was whole never
@@ -164,9 +165,15 @@ class LeaderMover:
             await self._cas(topic, partition, add)
             log.info("replica_adding", topic=topic, partition=partition, node=to, frm=frm,
                      reason=reason)
-            if not await self._until(topic, partition, lambda s: to in s.isr, CATCHUP_S):
+            joined = await self._until(
+                topic, partition, lambda s: to in s.isr or to not in self.view().nodes,
+                CATCHUP_S)
+            if not joined or to not in self._state(topic, partition).isr:
                 await self._cas(topic, partition, lambda s: s.evolve(
                     catchup=tuple(x for x in s.catchup if x != to)) if to in s.catchup else s)
+                if joined:  # its lease ended: it cannot catch up, no use waiting longer
+                    raise HTTPError(409, "NODE_NOT_LIVE",
+                                    detail=f"{to} left the cluster while catching up")
                 raise HTTPError(504, "CATCHUP_TIMEOUT",
                                 detail=f"{to} did not join the ISR within {CATCHUP_S:g} s")
             leader_move = None

@@ -261,6 +261,32 @@ async def test_bad_moves_are_refused_and_move_nothing(cl):
     assert http_json("GET", lookupd(cl) + "/partition/move_leader")[0] == 405
 
 
+async def test_a_replica_move_to_a_node_that_died_ends_with_its_lease(tmp_path):
+    """The target of a replica move is killed just before the move: the move answers 409
+    NODE_NOT_LIVE once the target's lease ended (not after CATCHUP_S, 30 s), and leaves
+    the partition as it was, the dead node in neither the ISR nor the catch-up list."""
+    c = Cluster(str(tmp_path), 3, 1).start()
+    try:
+        make_topic(c, "gone", 1, 2)
+        s = (await settled(c, "gone"))[0]
+        target = next(n for n in c.nsqds if n.tcp_address not in s.isr)
+        frm = next(x for x in s.isr if x != s.leader)
+        target.kill()  # its lease lives on for up to LEASE_TTL_S: the move starts
+        started = time.monotonic()
+        status, body = await asyncio.to_thread(
+            post, c, f"/partition/move_replica?topic=gone&partition=0&from={frm}"
+                     f"&to={target.tcp_address}")
+        took = time.monotonic() - started
+        assert (status, body.get("message")) == (409, "NODE_NOT_LIVE"), body
+        assert "while catching up" in body.get("detail", ""), body  # refused mid-move
+        assert took < LEASE_TTL_S + SLACK_S, took
+        after = (await c.states("gone"))[0]
+        assert target.tcp_address not in (*after.isr, *after.catchup), after
+        assert set(after.isr) == set(s.isr), after
+    finally:
+        c.stop()
+
+
 # ---- leader transfer --------------------------------------------------------------------
 
 
