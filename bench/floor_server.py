@@ -1,8 +1,9 @@
 """The floor: the least any Python asyncio server must do per PUB, for bench/floor.py.
 
 Not a queue. It speaks just enough of the NSQ TCP protocol for bench/loadgen.py's
-producers (the magic, `PUB <topic>\\n` with its 4-byte size and body, the `OK` answer),
-on uvloop with one asyncio.Protocol per connection, as nsqd does. Two modes:
+producers (the magic, `PUB <topic>\\n` or `MPUB <topic>\\n` with its 4-byte size and body,
+kept as one blob, the `OK` answer), on uvloop with one asyncio.Protocol per connection, as
+nsqd does. Two modes:
 
 - `ack`: every PUB is answered at once; nothing is kept. What the protocol, uvloop and
   the kernel's loopback TCP cost a message, with none of nsqd's work.
@@ -14,7 +15,15 @@ on uvloop with one asyncio.Protocol per connection, as nsqd does. Two modes:
 Whatever nsqd spends beyond `sync` is its own; what `sync` spends is the floor that no
 Python design with a thread per partition goes under.
 
-    python bench/floor_server.py --mode ack|sync --port P --dir D
+Replication (for bench/floor_replication.py): `--follow-port` also takes pushes, a thread
+per connection with blocking sockets (a frame: 4-byte topic length, 4-byte batch length,
+the topic, the batch; it appends the batch to its file of that topic, fdatasyncs, answers
+one byte); `--followers host:port,...` makes every batch of `sync` go to each of them
+(one connection per topic and follower) while it is synced here, and the PUBs wait for
+every follower's answer too. No epochs, no offsets, no checks: the least a push costs.
+
+    python bench/floor_server.py --mode ack|sync --port P --dir D [--follow-port F]
+                                 [--followers H:P,...]
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import argparse
 import asyncio
 import os
 import queue
+import socket
 import struct
 import threading
 
@@ -31,15 +41,30 @@ import uvloop
 MAGIC = b"  V2"
 OK = struct.pack(">ii", 6, 0) + b"OK"
 SIZE = struct.Struct(">i")
+PUSH = struct.Struct(">ii")  # topic length, batch length
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return bytes(data)
 
 
 class TopicLog:
     """One topic's file and write thread; `append` answers each PUB once its batch is
     synced."""
 
-    def __init__(self, loop, path: str):
+    def __init__(self, loop, path: str, topic: bytes, followers: list[tuple[str, int]]):
         self.loop = loop
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.topic = topic
+        self.followers = [socket.create_connection(a) for a in followers]
+        for f in self.followers:
+            f.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pending: list = []  # (transport, body) waiting for the next batch
         self.busy = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -58,8 +83,13 @@ class TopicLog:
     def _run(self) -> None:
         while True:
             batch = self.jobs.get()
-            os.write(self.fd, b"".join(body for _, body in batch))
+            data = b"".join(body for _, body in batch)
+            os.write(self.fd, data)
+            for f in self.followers:  # sent before the local sync: both sync at once
+                f.sendall(PUSH.pack(len(self.topic), len(data)) + self.topic + data)
             os.fdatasync(self.fd)
+            for f in self.followers:
+                recv_exactly(f, 1)
             self.loop.call_soon_threadsafe(self._done, batch)
 
     def _done(self, batch: list) -> None:
@@ -98,14 +128,14 @@ class Connection(asyncio.Protocol):
             (size,) = SIZE.unpack_from(buf, nl + 1)
             if len(buf) < start + size:
                 break
-            answer(self.transport, buf[pos + 4:nl], buf[start:start + size])
+            answer(self.transport, buf[buf.index(b" ", pos) + 1:nl], buf[start:start + size])
             pos = start + size
         self.buf = buf[pos:]
 
 
 class FloorServer:
-    def __init__(self, loop, mode: str, data_dir: str):
-        self.loop, self.mode, self.dir = loop, mode, data_dir
+    def __init__(self, loop, mode: str, data_dir: str, followers: list[tuple[str, int]]):
+        self.loop, self.mode, self.dir, self.followers = loop, mode, data_dir, followers
         self.logs: dict[bytes, TopicLog] = {}
         self.answer = self._ack if mode == "ack" else self._sync
 
@@ -115,13 +145,44 @@ class FloorServer:
     def _sync(self, transport, topic: bytes, body: bytes) -> None:
         log = self.logs.get(topic)
         if log is None:
-            log = self.logs[topic] = TopicLog(self.loop, os.path.join(self.dir, topic.decode()))
+            log = self.logs[topic] = TopicLog(self.loop, os.path.join(self.dir, topic.decode()),
+                                              topic, self.followers)
         log.append(transport, body)
 
 
-async def serve(mode: str, port: int, data_dir: str) -> None:
+def follow(conn: socket.socket, data_dir: str) -> None:
+    """One leader connection's pushes: append, sync, answer; until it closes."""
+    fds: dict[bytes, int] = {}
+    try:
+        while True:
+            topic_len, size = PUSH.unpack(recv_exactly(conn, PUSH.size))
+            topic = recv_exactly(conn, topic_len)
+            data = recv_exactly(conn, size)
+            fd = fds.get(topic)
+            if fd is None:
+                fd = fds[topic] = os.open(os.path.join(data_dir, "f-" + topic.decode()),
+                                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(fd, data)
+            os.fdatasync(fd)
+            conn.sendall(b"\x01")
+    except ConnectionError:
+        conn.close()
+
+
+def accept_pushes(listener: socket.socket, data_dir: str) -> None:
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=follow, args=(conn, data_dir), daemon=True).start()
+
+
+async def serve(mode: str, port: int, data_dir: str, follow_port: int,
+                followers: list[tuple[str, int]]) -> None:
     loop = asyncio.get_running_loop()
-    server = FloorServer(loop, mode, data_dir)
+    if follow_port:
+        listener = socket.create_server(("127.0.0.1", follow_port))
+        threading.Thread(target=accept_pushes, args=(listener, data_dir), daemon=True).start()
+    server = FloorServer(loop, mode, data_dir, followers)
     srv = await loop.create_server(lambda: Connection(server), "127.0.0.1", port)
     print("ready", flush=True)
     async with srv:
@@ -133,8 +194,12 @@ def main() -> None:
     parser.add_argument("--mode", choices=("ack", "sync"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--follow-port", type=int, default=0)
+    parser.add_argument("--followers", default="")
     args = parser.parse_args()
-    uvloop.run(serve(args.mode, args.port, args.dir))
+    followers = [(h, int(p)) for h, p in (a.rsplit(":", 1) for a in args.followers.split(",")
+                                          if a)]
+    uvloop.run(serve(args.mode, args.port, args.dir, args.follow_port, followers))
 
 
 if __name__ == "__main__":
