@@ -320,10 +320,13 @@ class NSQD:
 
     async def get_channel(self, topic_name: str, channel_name: str,
                           partition: int | None = None, create: bool = True,
-                          register: bool = True) -> Channel | None:
+                          register: bool = True, created_ms: int = 0) -> Channel | None:
         """The channel of a partition (None: the topic's first), made when missing. In
         cluster mode a new channel is created in etcd first (`register`; the cluster
-        driver, which makes the channels etcd has, passes False)."""
+        driver, which makes the channels etcd has, passes False with the time etcd says
+        the channel was made: made here, it starts at the first message written since
+        then, as on every partition wherever it was made; a new leader that has no state
+        of it redelivers from there, never skipping)."""
         while True:
             topic = await self.get_topic(topic_name, create)
             if topic is None:
@@ -347,18 +350,19 @@ class NSQD:
                     continue  # deleted meanwhile: the channel goes to its successor
                 channel = p.channels.get(channel_name)
                 if channel is None:
-                    # one etcd has but this partition lacks (a new leader of a replicated
-                    # partition that got no state of it): from the floor, never skipping
-                    at_floor = not register and p.queue.options.replicated
-                    channel = await self._create_channel(topic, p, channel_name, at_floor)
+                    start = None
+                    if created_ms and p.channels:  # see the docstring
+                        pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
+                        start = (pos.offset, pos.count)
+                    channel = await self._create_channel(topic, p, channel_name, start)
                 return channel
 
     async def _create_channel(self, topic: Topic, p, name: str,
-                              at_floor: bool = False) -> Channel:
+                              start: tuple[int, int] | None = None) -> Channel:
         """Make a channel: its metadata on disk before SUB's OK (a channel lost in a crash
         would come back starting at the topic's end, past what was published for it in
         between), or not at all (StorageError)."""
-        channel = p.add_channel(name, None, at_floor, **self.channel_settings())
+        channel = p.add_channel(name, None, start, **self.channel_settings())
         try:
             self._store_channel(channel)
             await self.meta.flush()
@@ -457,9 +461,10 @@ class NSQD:
                 if error is None:
                     await self._add_channels(topic, [n])
                     p = topic.partitions[n]
-                    replicated = p.queue.options.replicated  # no state: redeliver, never skip
+                    # no state of them: a replicated partition redelivers, never skips
+                    start = p.floor if p.queue.options.replicated else None
                     for channel_name in sorted(names - set(p.channels)):
-                        self._store_channel(p.add_channel(channel_name, None, replicated,
+                        self._store_channel(p.add_channel(channel_name, None, start,
                                                           **self.channel_settings()))
             topic.set_assignment(topic.assignment)  # still without `new`: stored first
             self._store_topic_as(topic, assignment)

@@ -11,7 +11,9 @@ PartitionNotLed in range but not led here, StorageError when it does not serve).
 Invariants:
 - the first channel of a partition starts at `floor`: what was published
   while the partition had no channel (the oldest retained message at first);
-  later channels start at the partition's end;
+  later channels start at the partition's end, or (in cluster mode, a channel etcd has
+  and this partition lacks) at the first message written since the channel was made,
+  never below the floor;
 - retention never drops a segment some channel has not confirmed past;
 - a fault stays inside its partition: a partition that does not open (corrupt beyond
   repair, its folder or a segment missing, EIO) is held in `failed` with the reason, kept
@@ -138,16 +140,18 @@ class Partition:
             self._floor = (q.start_offset, q.start_count)
         return self._floor
 
-    def add_channel(self, name: str, state: dict | None, at_floor: bool = False,
+    def add_channel(self, name: str, state: dict | None, start: tuple[int, int] | None = None,
                     **settings) -> Channel:
         """Open a channel: from its stored state, or as a new one (see the module invariants;
-        `at_floor`: at the floor even beside other channels: a channel of a replicated
-        partition that a new leader has no state of). `settings` are Channel's keyword
-        options; its delay store is in `delay_folder`."""
+        `start`: (offset, count) where a new channel that is not the first one starts, the
+        end when None). `settings` are Channel's keyword options; its delay store is in
+        `delay_folder`."""
         if state is None:
             q = self.queue
-            offset, count = (self.floor if at_floor or not self.channels
-                             else (q.committed_end, q.committed_count))
+            if not self.channels:
+                offset, count = self.floor
+            else:
+                offset, count = max(start or (q.committed_end, q.committed_count), self.floor)
             state = {"confirmed": offset, "confirmed_count": count, "paused": False}
         else:
             state = opening_state(state, self.topic.name, self.number, name)

@@ -302,6 +302,51 @@ async def test_a_pause_answered_by_the_leader_survives_a_failover_right_after(cl
     assert channel_c()["paused"] is True
 
 
+async def test_a_new_channel_starts_at_its_creation_on_every_partition(cluster):
+    """A topic that has a channel gets a second one, made through nsqlookupd (every leader
+    makes it from etcd), and a third, made by a SUB on partition 0's leader (that
+    partition by the SUB, the other from etcd). Both get what was published after they
+    were made, on every partition, and nothing from before, as classic nsqd's later
+    channels do. (Before, a replicated partition's leader making a channel from etcd
+    started it at the floor: a new channel got partition 1's whole history.)"""
+    cl = cluster
+    make_topic(cl, "nc", 2)
+    s = await cl.until_states("nc", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
+                              "3 in sync")
+    lookupd = f"http://{cl.lookupds[0].http_address}"
+    status, body = http_json("POST", f"{lookupd}/channel/create?topic=nc&channel=first")
+    assert status == 200, body
+    for n in (0, 1):
+        for i in range(20):
+            assert await pub_when_led(s[n].leader, "nc", n, b"old-%d-%d" % (n, i)) == b"OK"
+
+    status, body = http_json("POST", f"{lookupd}/channel/create?topic=nc&channel=second")
+    assert status == 200, body
+    host, port = s[0].leader.rsplit(":", 1)
+    sub = await Connection(host, int(port)).connect()
+    await sub.sub_advanced("nc", "third", 0)  # made by the SUB on partition 0 only
+    await sub.close()
+
+    def every_leader_has(channel: str) -> bool:
+        for n in (0, 1):
+            t = topic_stats(cl.nsqd_at(s[n].leader), "nc") or {}
+            ch = next((c for c in t.get("channels", []) if c["channel_name"] == channel), None)
+            if ch is None or n not in {p["partition"] for p in ch["partitions"]}:
+                return False
+        return True
+
+    for channel in ("second", "third"):
+        await wait_until_async(lambda: every_leader_has(channel), 10,
+                               f"both leaders hold {channel}")
+    new = {b"new-%d-%d" % (n, i) for n in (0, 1) for i in range(5)}
+    for body in sorted(new):
+        n = int(body.split(b"-")[1])
+        assert await pub_when_led(s[n].leader, "nc", n, body) == b"OK"
+    for channel in ("second", "third"):
+        seen = await consume_all(cl, "nc", new, 20, channel=channel)
+        assert set(seen) == new, (channel, sorted(set(seen) - new)[:5])
+
+
 def topic_stats(node, topic: str) -> dict | None:
     """The topic's /stats entry on `node`, once it serves a partition of it."""
     status, stats = http_json("GET", f"http://{node.http_address}/stats?format=json"
@@ -330,7 +375,7 @@ async def test_a_topic_pause_is_the_clusters_and_survives_a_failover_right_after
     s = await cl.until_states("tp", lambda s: s[0].leader not in (None, leader.tcp_address),
                               LEASE_TTL_S + 1 + SLACK_S, "a new leader")
     new = cl.nsqd_at(s[0].leader)
-    await wait_until_async(lambda: topic_stats(new, "tp"), 10, "the new leader serves tp")
+    await wait_until_async(lambda: topic_stats(new, "tp"), 30, "the new leader serves tp")
     assert topic_stats(new, "tp")["paused"] is True
 
     got: list = []
@@ -346,7 +391,10 @@ async def test_a_topic_pause_is_the_clusters_and_survives_a_failover_right_after
         other = next(n for n in cl.nsqds if n is not new and n is not leader)
         status, body = http_json("POST", f"http://{other.http_address}/topic/unpause?topic=tp")
         assert status == 200, body
-        await wait_until_async(lambda: len(got) >= 1, 10, "a delivery after the unpause")
+        try:  # the leader applies etcd's switch in its next pass (a loaded machine: seconds)
+            await wait_until_async(lambda: len(got) >= 1, 30, "a delivery after the unpause")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the leader's tp: {topic_stats(new, 'tp')}") from None
         assert topic_stats(new, "tp")["paused"] is False
     finally:
         await conn.close()
