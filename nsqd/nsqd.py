@@ -351,9 +351,12 @@ class NSQD:
                 channel = p.channels.get(channel_name)
                 if channel is None:
                     start = None
-                    if created_ms and p.channels:  # see the docstring
-                        pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
-                        start = (pos.offset, pos.count)
+                    if not register and p.channels:  # see the docstring
+                        if created_ms:
+                            pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
+                            start = (pos.offset, pos.count)
+                        elif p.queue.options.replicated:  # made when unknown: never skip
+                            start = p.floor
                     channel = await self._create_channel(topic, p, channel_name, start)
                 return channel
 
