@@ -530,6 +530,11 @@ class NSQD:
                 for n in sorted(topic.assignment.leading):
                     topic.check_partition(n)
             numbers = sorted(topic.writable) if partition is None else [partition]
+            if not numbers and self.cluster is not None:
+                # None led here (yet): the channel is etcd's all the same, so the partitions
+                # this node leads later make it for the client (else they would drop it as
+                # deleted in etcd, the client left subscribed to nothing)
+                await self.cluster.ensure_channel(topic_name, channel_name)
             channels = {}
             for n in numbers:
                 channel = await self.get_channel(topic_name, channel_name, n)

@@ -347,6 +347,39 @@ async def test_a_new_channel_starts_at_its_creation_on_every_partition(cluster):
         assert set(seen) == new, (channel, sorted(set(seen) - new)[:5])
 
 
+async def test_a_sub_on_a_follower_is_served_once_the_follower_leads(cluster):
+    """A classic SUB (every partition) on a node that leads none of the topic is answered
+    OK; once the leader is killed and that node leads, the consumer gets what is published.
+    (Before, the channel existed nowhere but in the node's memory: taking the partition
+    over made it, the next pass of the cluster driver deleted it as deleted in etcd, and
+    the consumer stayed subscribed to nothing.) Both followers get a consumer, so the one
+    elected has one."""
+    cl = cluster
+    make_topic(cl, "sf", 1)
+    s = await cl.until_states("sf", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    leader = cl.nsqd_at(s[0].leader)
+    got: dict[str, list] = {}
+    conns = []
+    try:
+        for node in (n for n in cl.nsqds if n is not leader):
+            got[node.tcp_address] = []
+            host, port = node.tcp_address.rsplit(":", 1)
+            conn = await Connection(host, int(port),
+                                    on_messages=got[node.tcp_address].extend).connect()
+            conns.append(conn)
+            await conn.sub("sf", "c")
+            conn.rdy(10)
+        leader.kill()
+        s = await cl.until_states("sf", lambda s: s[0].leader not in (None, leader.tcp_address),
+                                  LEASE_TTL_S + 1 + SLACK_S, "a new leader")
+        assert await pub_when_led(s[0].leader, "sf", 0, b"after") == b"OK"
+        await wait_until_async(lambda: any(m.body == b"after" for m in got[s[0].leader]), 10,
+                               "the consumer on the new leader gets the message")
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
 def topic_stats(node, topic: str) -> dict | None:
     """The topic's /stats entry on `node`, once it serves a partition of it."""
     status, stats = http_json("GET", f"http://{node.http_address}/stats?format=json"
