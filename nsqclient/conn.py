@@ -141,6 +141,8 @@ class Connection:
                     else:
                         for m in batch:
                             self.messages.put_nowait(m)
+        except (ConnectionError, OSError):
+            pass  # reset by the peer (a node killed): the end of the connection, as EOF is
         finally:
             self.closed.set()
             while self._waiters:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from nsqclient.conn import Connection
 from nsqclient.consumer import spread_rdy, targets
 from nsqclient.lookup import LookupFailed, Node, StaticLookup, TopicMap, TopicNotFound, parse_lookup
 from nsqclient.partitioning import partition_of
@@ -224,3 +226,28 @@ async def test_key_order_is_first_come_first_served_per_key():
     assert a == [(0, "in"), (0, "out"), (1, "in"), (1, "out"), (2, "in"), (2, "out")]
     assert seen.index(("b", 0, "out")) < seen.index(("a", 0, "out"))  # b did not wait for a
     assert len(order) == 0
+
+
+async def test_a_connection_reset_by_the_server_ends_the_connection_quietly():
+    """A node killed mid-connection resets it: the read loop ends as at EOF (closed set,
+    a waiting command fails with ConnectionError), and its task holds no exception that
+    asyncio would log as never retrieved."""
+    async def reset(reader, writer):
+        await reader.read(4)  # the magic
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+
+    server = await asyncio.start_server(reset, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = await Connection("127.0.0.1", port).connect()
+        waiting = asyncio.ensure_future(conn.command(b"NOP\n"))
+        await asyncio.wait_for(conn.closed.wait(), 5)
+        with pytest.raises(ConnectionError):
+            await waiting
+        await asyncio.sleep(0)
+        assert conn._reader_task.done() and conn._reader_task.exception() is None
+    finally:
+        server.close()
+        await server.wait_closed()
