@@ -394,10 +394,33 @@ class LeaderLog:
                 else:
                     await asyncio.sleep(TICK)  # refused (an epoch moving on): asked again
 
+    async def _send_every_channel(self, f: _Follower) -> None:
+        """Every channel's state (the host's `channel_states`) to a joiner, stored before it
+        enters the ISR: a member of the ISR may come to lead, and one that lacks a channel's
+        state starts the channel blind (redelivering what was finished). Channels that do
+        not change are not sent otherwise."""
+        channels = await self.host.channel_states(self.topic, self.partition)
+        for head in self._channel_heads(channels) if channels else ():
+            answer = await f.peer.send(Kind.CHANNELS, head)
+            if answer.kind is not Kind.OK:
+                raise ValueError(f"refused: {answer.header}")
+
     def _send_channels(self, channels: dict) -> None:
-        """As many CHANNELS frames as the states need (each header at most wire.MAX_HEADER
-        bytes); a state too large for a frame of its own is left out, with one log line."""
+        """As many CHANNELS frames as the states need, to each follower (not waited for)."""
         self.stats["channels_sent"] += 1
+        for head in self._channel_heads(channels):
+            for f in self.followers.values():
+                if f.failed or f.held is not None:
+                    continue
+                try:
+                    fut = f.peer.send(Kind.CHANNELS, head)
+                except PeerError:
+                    continue
+                fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+
+    def _channel_heads(self, channels: dict) -> list[bytes]:
+        """CHANNELS headers for the states, each at most wire.MAX_HEADER bytes; a state too
+        large for a frame of its own is left out, with one log line."""
         base = {**self._base, "epoch": self.state.epoch}
         try:
             heads = [wire.dumps({**base, "channels": channels})]  # one frame, mostly
@@ -409,15 +432,7 @@ class LeaderLog:
                 except ValueError as e:
                     log.error("channel_state_too_large", topic=self.topic,
                               partition=self.partition, channels=sorted(group), error=str(e))
-        for head in heads:
-            for f in self.followers.values():
-                if f.failed or f.held is not None:
-                    continue
-                try:
-                    fut = f.peer.send(Kind.CHANNELS, head)
-                except PeerError:
-                    continue
-                fut.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+        return heads
 
     # ---- requests from catching-up replicas ----
 
@@ -509,6 +524,13 @@ class LeaderLog:
                     del self.followers[node]
                 return error(wire.E_FAILED, "join: not level with the commit")
             await asyncio.sleep(0.01)
+        try:
+            async with asyncio.timeout(JOIN_TIMEOUT):
+                await self._send_every_channel(f)
+        except (TimeoutError, PeerError, OSError, ValueError) as e:
+            if self.followers.get(node) is f:
+                del self.followers[node]
+            return error(wire.E_FAILED, f"join: channel states: {e!r}")
         for _ in range(50):
             state = self.state
             if self._closed:

@@ -150,6 +150,20 @@ class Replication:
             if leader is not None and replica is not None and channel not in self._outbox:
                 leader.send_channels({channel.name: state_to_wire(replica)})
 
+    async def channel_states(self, topic: str, partition: int) -> dict:
+        """Every channel's state of a partition led here, as followers store it (a joiner
+        gets them all before it enters the ISR: isr.leader)."""
+        t = self.nsqd.topics.get(topic)
+        p = t.partitions.get(partition) if t is not None else None
+        out = {}
+        for channel in list(p.channels.values()) if p is not None else ():
+            if channel.ephemeral:
+                continue
+            replica = await replica_of(channel, channel.checkpoint())
+            if replica is not None:
+                out[channel.name] = state_to_wire(replica)
+        return out
+
     async def push_channel(self, channel) -> None:
         """A channel's checkpoint, stored here, to every ISR follower now (an ordered
         channel's FIN, an admin change of the channel); returns once they all stored it

@@ -86,6 +86,9 @@ class Host:
     def channels_received(self, topic, partition, channels):
         self.channels[(topic, partition)] = channels
 
+    async def channel_states(self, topic, partition):
+        return dict(self.channels.get((topic, partition), {}))
+
     # lifecycle
     async def start(self) -> Host:
         await self.rpc.start()

@@ -380,6 +380,40 @@ async def test_a_sub_on_a_follower_is_served_once_the_follower_leads(cluster):
             await conn.close()
 
 
+async def test_a_replica_moved_in_knows_an_idle_channel_before_it_leads(tmp_path):
+    """A channel finishes 50 messages and goes idle (an idle channel sends no state). The
+    leader's replica is moved to a fourth node, which catches up, joins and takes the
+    leadership over: the channel must redeliver nothing. (Before, a joiner got only the
+    states that changed after it joined: the new leader started the idle channel blind and
+    delivered all 50 again.)"""
+    cl = Cluster(str(tmp_path), 4, 1).start()
+    try:
+        lookupd = f"http://{cl.lookupds[0].http_address}"
+        make_topic(cl, "mi", 1)
+        s = await cl.until_states("mi", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+        status, body = http_json("POST", f"{lookupd}/channel/create?topic=mi&channel=c")
+        assert status == 200, body
+        await asyncio.sleep(0.5)  # the leader made the channel from etcd
+        bodies = {b"m%02d" % i for i in range(50)}
+        host, port = s[0].leader.rsplit(":", 1)
+        conn = await Connection(host, int(port)).connect()
+        assert await conn.command(c.cmd_mpub("mi", sorted(bodies), 0)) == b"OK"
+        await conn.close()
+        assert set(await consume_all(cl, "mi", bodies, 20, channel="c")) == bodies
+        await asyncio.sleep(1.0)  # finished, then idle
+
+        outside = next(n for n in cl.nsqds if n.tcp_address not in s[0].isr)
+        status, body = http_json("POST", f"{lookupd}/partition/move_replica?topic=mi&partition=0"
+                                         f"&from={s[0].leader}&to={outside.tcp_address}", 40)
+        assert status == 200, body
+        s = await cl.until_states("mi", lambda s: s[0].leader == outside.tcp_address, 10,
+                                  "the moved-in replica leads")
+        again = await consume_all(cl, "mi", {b"never"}, 3, channel="c")
+        assert not again, sorted(again)[:5]
+    finally:
+        cl.stop()
+
+
 def topic_stats(node, topic: str) -> dict | None:
     """The topic's /stats entry on `node`, once it serves a partition of it."""
     status, stats = http_json("GET", f"http://{node.http_address}/stats?format=json"
