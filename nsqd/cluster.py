@@ -414,6 +414,12 @@ class Cluster:
         log.info("cluster_channel_created", topic=topic, channel=channel)
         await self._until(lambda: self._viewed, shown, f"channel {topic}/{channel}")
 
+    def channel_created_ms(self, topic: str, channel: str) -> int:
+        """When etcd says the channel was made (ms); 0 when the view lacks it."""
+        tv = self.mirror.view.topics.get(topic) if self.mirror.view else None
+        meta = tv.channels.get(channel) if tv is not None else None
+        return meta.created_ms if meta is not None else 0
+
     async def set_switch(self, topic: str, channel: str | None, switch: str, on: bool) -> bool:
         """A switch in etcd, which every leader follows: `trace` of a topic or channel
         (/message/trace/enable|disable), `paused` of a topic (/topic/pause|unpause).

@@ -352,13 +352,21 @@ class NSQD:
                 if channel is None:
                     start = None
                     if not register and p.channels:  # see the docstring
-                        if created_ms:
-                            pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
-                            start = (pos.offset, pos.count)
-                        elif p.queue.options.replicated:  # made when unknown: never skip
-                            start = p.floor
+                        start = await self._start_without_state(p, created_ms)
                     channel = await self._create_channel(topic, p, channel_name, start)
                 return channel
+
+    @staticmethod
+    async def _start_without_state(p, created_ms: int) -> tuple[int, int] | None:
+        """Where a channel this partition has no state of starts when it is made from etcd
+        or its partition is taken over (a partition's first channel starts at the floor
+        anyway: Partition.add_channel): at the first message written since `created_ms`
+        (etcd's creation time of the channel); when that is unknown (0), at the floor of a
+        replicated partition (never skip), else at the end (None)."""
+        if created_ms:
+            pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
+            return pos.offset, pos.count
+        return p.floor if p.queue.options.replicated else None
 
     async def _create_channel(self, topic: Topic, p, name: str,
                               start: tuple[int, int] | None = None) -> Channel:
@@ -464,9 +472,10 @@ class NSQD:
                 if error is None:
                     await self._add_channels(topic, [n])
                     p = topic.partitions[n]
-                    # no state of them: a replicated partition redelivers, never skips
-                    start = p.floor if p.queue.options.replicated else None
                     for channel_name in sorted(names - set(p.channels)):
+                        created = (self.cluster.channel_created_ms(name, channel_name)
+                                   if self.cluster is not None else 0)
+                        start = await self._start_without_state(p, created)
                         self._store_channel(p.add_channel(channel_name, None, start,
                                                           **self.channel_settings()))
             topic.set_assignment(topic.assignment)  # still without `new`: stored first

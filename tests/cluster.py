@@ -75,16 +75,24 @@ class Cluster:
                                           "--rpc-address", rpc, *nsqd_flags))
 
     def start(self) -> "Cluster":
+        """Every process started and every nsqd registered; on any failure what was started
+        is stopped before the error is raised (a fixture whose start failed never tears
+        down: its daemons would run on through the rest of the suite)."""
         os.makedirs(self.root, exist_ok=True)
-        self.etcd.start()
-        for p in self.lookupds + self.nsqds:
-            p.start()
         expected = {n.tcp_address for n in self.nsqds}
         try:
+            self.etcd.start()
+            for p in self.lookupds + self.nsqds:
+                p.start()
             wait_until(lambda: self.live_nodes() == expected, START_WAIT_S,
                        "every nsqd registered in etcd, as the lookupds see it")
         except AssertionError as e:
-            raise AssertionError(f"{e}\n{self._start_report(expected)}") from None
+            report = self._start_report(expected)
+            self.stop()
+            raise AssertionError(f"{e}\n{report}") from None
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _start_report(self, expected: set[str]) -> str:

@@ -349,7 +349,8 @@ async def test_a_new_channel_starts_at_its_creation_on_every_partition(cluster):
 
 async def test_a_sub_on_a_follower_is_served_once_the_follower_leads(cluster):
     """A classic SUB (every partition) on a node that leads none of the topic is answered
-    OK; once the leader is killed and that node leads, the consumer gets what is published.
+    OK; once the leader is killed and that node leads, the consumer gets what is published
+    from then on (not what was published before the SUB made the channel).
     (Before, the channel existed nowhere but in the node's memory: taking the partition
     over made it, the next pass of the cluster driver deleted it as deleted in etcd, and
     the consumer stayed subscribed to nothing.) Both followers get a consumer, so the one
@@ -358,6 +359,11 @@ async def test_a_sub_on_a_follower_is_served_once_the_follower_leads(cluster):
     make_topic(cl, "sf", 1)
     s = await cl.until_states("sf", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
     leader = cl.nsqd_at(s[0].leader)
+    status, body = http_json("POST", f"http://{cl.lookupds[0].http_address}"
+                                     "/channel/create?topic=sf&channel=first")
+    assert status == 200, body  # so `c` is a later channel: it gets only what comes after it
+    assert await pub_when_led(leader.tcp_address, "sf", 0, b"before") == b"OK"
+    await asyncio.sleep(0.5)  # `first`'s state at the followers (sent every 200 ms)
     got: dict[str, list] = {}
     conns = []
     try:
@@ -375,6 +381,8 @@ async def test_a_sub_on_a_follower_is_served_once_the_follower_leads(cluster):
         assert await pub_when_led(s[0].leader, "sf", 0, b"after") == b"OK"
         await wait_until_async(lambda: any(m.body == b"after" for m in got[s[0].leader]), 10,
                                "the consumer on the new leader gets the message")
+        # made by the SUB, the channel starts at its creation: not at the partition's floor
+        assert [m.body for m in got[s[0].leader]] == [b"after"]
     finally:
         for conn in conns:
             await conn.close()
