@@ -289,8 +289,7 @@ class Cluster:
                 return
             p = topic.writable.get(n)
             for channel in sorted(set(now.channels) - set(p.channels if p else ())):
-                await self.nsqd.get_channel(name, channel, n, register=False,
-                                            created_ms=now.channels[channel].created_ms)
+                await self.nsqd.get_channel(name, channel, n, register=False)
         for channel in sorted({c.name for c in topic.channels() if not c.ephemeral}):
             now = self.mirror.view.topics.get(name)
             if now is None or channel in now.channels:

@@ -320,13 +320,11 @@ class NSQD:
 
     async def get_channel(self, topic_name: str, channel_name: str,
                           partition: int | None = None, create: bool = True,
-                          register: bool = True, created_ms: int = 0) -> Channel | None:
+                          register: bool = True) -> Channel | None:
         """The channel of a partition (None: the topic's first), made when missing. In
         cluster mode a new channel is created in etcd first (`register`; the cluster
-        driver, which makes the channels etcd has, passes False with the time etcd says
-        the channel was made: made here, it starts at the first message written since
-        then, as on every partition wherever it was made; a new leader that has no state
-        of it redelivers from there, never skipping)."""
+        driver, which makes the channels etcd has, passes False: made here, such a channel
+        starts where `_start_without_state` says)."""
         while True:
             topic = await self.get_topic(topic_name, create)
             if topic is None:
@@ -352,17 +350,19 @@ class NSQD:
                 if channel is None:
                     start = None
                     if not register and p.channels:  # see the docstring
-                        start = await self._start_without_state(p, created_ms)
+                        start = await self._start_without_state(p, topic_name, channel_name)
                     channel = await self._create_channel(topic, p, channel_name, start)
                 return channel
 
-    @staticmethod
-    async def _start_without_state(p, created_ms: int) -> tuple[int, int] | None:
+    async def _start_without_state(self, p, topic: str, channel: str) -> tuple[int, int] | None:
         """Where a channel this partition has no state of starts when it is made from etcd
         or its partition is taken over (a partition's first channel starts at the floor
-        anyway: Partition.add_channel): at the first message written since `created_ms`
-        (etcd's creation time of the channel); when that is unknown (0), at the floor of a
+        anyway: Partition.add_channel): at the first message written since etcd's creation
+        time of the channel, as on every partition wherever it was made (a new leader
+        redelivers from there, never skipping); when that is unknown, at the floor of a
         replicated partition (never skip), else at the end (None)."""
+        created_ms = (self.cluster.channel_created_ms(topic, channel)
+                      if self.cluster is not None else 0)
         if created_ms:
             pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
             return pos.offset, pos.count
@@ -473,9 +473,7 @@ class NSQD:
                     await self._add_channels(topic, [n])
                     p = topic.partitions[n]
                     for channel_name in sorted(names - set(p.channels)):
-                        created = (self.cluster.channel_created_ms(name, channel_name)
-                                   if self.cluster is not None else 0)
-                        start = await self._start_without_state(p, created)
+                        start = await self._start_without_state(p, name, channel_name)
                         self._store_channel(p.add_channel(channel_name, None, start,
                                                           **self.channel_settings()))
             topic.set_assignment(topic.assignment)  # still without `new`: stored first
@@ -652,8 +650,10 @@ class NSQD:
             return
         topic.set_sync(sync)
         topic.retention_ms = retention_ms
-        if paused != topic.paused:
-            topic.pause() if paused else topic.unpause()
+        if paused and not topic.paused:
+            topic.pause()
+        elif topic.paused and not paused:
+            topic.unpause()
         self._store_topic(topic)
         await self.meta.flush()
         log.info("topic_settings_applied", topic=topic.name, sync_every=sync[0],
