@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import sqlite3
 import struct
 import time
@@ -16,7 +17,8 @@ import urllib.request
 import pytest
 
 from nsqclient.conn import Connection
-from nsqtrace.store import ROWS_PER_INSERT, TraceStore, search
+from nsqtrace.events import NO_MESSAGE
+from nsqtrace.store import CHUNK_EVENTS, RUN_GAP, RUN_WIDTH, TraceStore, search
 from nsqwire import commands as c
 from servers import NsqdProcess
 from nodes import nothing_arrives, take
@@ -419,18 +421,74 @@ def test_store_retention_by_age_and_size(tmp_path):
     assert search(str(tmp_path / "none.sqlite"), msg_id=1) == []
 
 
-def test_store_writes_batches_larger_than_one_insert_whole_and_in_order(tmp_path):
+def test_store_writes_batches_larger_than_one_chunk_whole_and_in_order(tmp_path):
     path = str(tmp_path / "trace.sqlite")
-    store = TraceStore(path, "it's n")  # a quote in the node's name: part of every row's SQL
+    store = TraceStore(path, "it's n")
     now = time.time_ns()
-    count = 2 * ROWS_PER_INSERT + 7  # two whole statements and a short one
+    count = 2 * CHUNK_EVENTS + 7  # two whole chunks and a short one
     store.write([(now + i, "PUB", "t", 1, "", i, (1 << 64) - 1 if i == count - 1 else 0, i, 0,
                   "a") for i in range(count)])
     store.close()
     events = search(path, topic="t", limit=count + 1)
     assert [e["msg_id"] for e in events] == list(range(count))
     assert {e["node"] for e in events} == {"it's n"}
-    assert events[-1]["trace_id"] == (1 << 64) - 1  # the signed form's batch, converted back
+    assert events[-1]["trace_id"] == (1 << 64) - 1
+    assert [e["msg_id"] for e in search(path, trace_id=(1 << 64) - 1)] == [count - 1]
+    for i in (0, CHUNK_EVENTS - 1, CHUNK_EVENTS, count - 1):  # each side of a chunk's edge
+        assert [e["msg_id"] for e in search(path, msg_id=i)] == [i]
+
+
+def test_search_by_id_finds_every_chunk_that_holds_it_whatever_its_runs(tmp_path):
+    """A chunk's ids are kept as runs: ids far apart, ids of two topics, a gap just past
+    RUN_GAP and a run wider than RUN_WIDTH; events about no message in between."""
+    path = str(tmp_path / "trace.sqlite")
+    store = TraceStore(path, "n")
+    wide = list(range(10**6, 10**6 + 2 * RUN_WIDTH + 1, RUN_GAP))  # every step a whole gap
+    ids = [5, 6, 7 + RUN_GAP + 1, 1 << 50 | 3, *wide]
+    t = 1000
+    first = [(t + i, "PUB", "a", 0, "", m, 0, i, 0, "") for i, m in enumerate(ids)]
+    first.append((t + 99, "DROP", "a", 0, "c", NO_MESSAGE, 0, 9, 0, "emptied"))
+    first.append((t + 100, "PUB", "b", 0, "", 6, 0, 0, 0, ""))  # the same id, another topic
+    store.write(first)
+    store.write([(t + 200 + i, "FIN", "a", 0, "c", m, 0, i, 1, "") for i, m in enumerate(ids)])
+    store.close()
+    for m in ids:
+        assert [(e["kind"], e["topic"]) for e in search(path, msg_id=m, topic="a")] == [
+            ("PUB", "a"), ("FIN", "a")]
+    assert [(e["kind"], e["topic"]) for e in search(path, msg_id=6)] == [
+        ("PUB", "a"), ("PUB", "b"), ("FIN", "a")]
+    for absent in (4, 8, 7 + RUN_GAP, wide[0] + 1, wide[-1] + 1, NO_MESSAGE):
+        assert search(path, msg_id=absent) == []
+    assert [e["kind"] for e in search(path, topic="a", channel="c", since_ns=t + 99,
+                                      until_ns=t + 201)] == ["DROP", "FIN"]
+
+
+def test_a_chunk_that_names_an_object_is_refused_not_loaded(tmp_path):
+    """Chunks are pickles read by the node's searches: one naming any global (here
+    os.system) raises, and nothing is called."""
+    path = str(tmp_path / "trace.sqlite")
+    store = TraceStore(path, "n")
+    store.write([(1, "PUB", "t", 0, "", 1, 0, 0, 0, "")])
+    store.close()
+    marker = tmp_path / "ran"
+    evil = pickle.dumps([(1, "PUB", "t", 0, "", 1, 0, 0, 0, _Call(f"touch {marker}"))])
+    db = sqlite3.connect(path)
+    db.execute("UPDATE chunks SET events = ?", (evil,))
+    db.commit()
+    db.close()
+    with pytest.raises(pickle.UnpicklingError, match="not a trace chunk"):
+        search(path, msg_id=1)
+    assert not marker.exists()
+
+
+class _Call:
+    """Unpickled, runs a shell command: what a hostile chunk would hold."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
 
 
 async def test_untraced_publish_and_consume_make_no_events_at_all(traced):
@@ -520,23 +578,30 @@ async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, e
         await etcd.close()
 
 
-def test_a_version_1_store_is_searched_then_converted_when_opened(tmp_path):
-    """A store the previous version made (tests/data/trace-store-v1.sql: its schema with the
-    (topic, time_ns) index, its rows): searched as it is, then converted by the first open."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_old_store_is_searched_then_converted_when_opened(tmp_path, version):
+    """A store an earlier version made (tests/data/trace-store-v1.sql and -v2.sql: a row
+    per event, 36 events of 12 messages): searched as it is, then converted by the first
+    open."""
     path = str(tmp_path / "trace.sqlite")
     old = sqlite3.connect(path)
-    with open(os.path.join(os.path.dirname(__file__), "data", "trace-store-v1.sql")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "data",
+                           f"trace-store-v{version}.sql")) as f:
         old.executescript(f.read())
     old.close()
-    expected = [(e["kind"], e["msg_id"]) for e in search(path, topic="orders", limit=100)]
-    assert len(expected) == 18  # through its own topic index, not converted yet
+    expected = search(path, topic="orders", limit=100)
+    assert len(expected) == 18  # the old rows, not converted yet
+    by_trace = search(path, trace_id=(1 << 64) - 6)
+    assert [e["kind"] for e in by_trace] == ["PUB", "DELIVER", "FIN"]
     store = TraceStore(path, "127.0.0.1:4150")
     db = sqlite3.connect(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
-    assert db.execute("SELECT name FROM sqlite_master WHERE name = 'events_topic_time'"
-                      ).fetchone() is None
-    assert [(e["kind"], e["msg_id"]) for e in search(path, topic="orders", limit=100)] == expected
-    assert [e["kind"] for e in search(path, trace_id=(1 << 64) - 6)] == ["PUB", "DELIVER", "FIN"]
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = "
+                                           "'table'")} == {"chunks", "msg_runs", "trace_keys",
+                                                           "topic_chunks"}
+    assert search(path, topic="orders", limit=100) == expected
+    assert search(path, trace_id=(1 << 64) - 6) == by_trace
+    assert search(path, msg_id=by_trace[0]["msg_id"]) == by_trace
     then = search(path, topic="audit", limit=100)[-1]["time_ns"]
     store.write([(then + 1, "PUB", "audit", 0, "", 99, 0, 5, 0, "x"),
                  (then + 2, "PUB", "orders", 0, "", 98, 0, 6, 0, "x")])
@@ -545,14 +610,15 @@ def test_a_version_1_store_is_searched_then_converted_when_opened(tmp_path):
     assert [e["msg_id"] for e in search(path, topic="audit", since_ns=then, limit=5)] == [
         audit[-2]["msg_id"], 99]
     store.close()
+    chunks = db.execute("SELECT count(*) FROM chunks").fetchone()[0]
     again = TraceStore(path, "127.0.0.1:4150")  # opened again: nothing converted twice
-    assert db.execute("SELECT count(*) FROM topic_spans").fetchone()[0] == 4
+    assert db.execute("SELECT count(*) FROM chunks").fetchone()[0] == chunks
     again.close()
     db.close()
 
 
-def test_topic_search_reads_spans_in_time_order_whatever_the_write_order(tmp_path):
-    """A topic's events are its spans' rows: the oldest `limit` in time order, even when a
+def test_topic_search_reads_chunks_in_time_order_whatever_the_write_order(tmp_path):
+    """A topic's events are its chunks': the oldest `limit` in time order, even when a
     later batch holds earlier times (a clock stepped back), with channel and window."""
     path = str(tmp_path / "trace.sqlite")
     store = TraceStore(path, "n")

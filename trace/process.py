@@ -15,7 +15,8 @@ frame is a 4-byte big-endian length and a pickle (a private pipe between two pro
 the same program, never a socket). The first frame a child reads is its sink's settings
 (a dict, and where its numbering of events resumes): over the pipe, never on the command
 line, which `ps` shows to every user (an Elasticsearch password or API key is one of
-them). Then requests ("write", events) and ("retain", max_age_s, max_bytes); answers
+them). Then requests ("write", events) (Elasticsearch), ("write_chunks", chunks) (SQLite:
+store.py's `encode` of the events) and ("retain", max_age_s, max_bytes); answers
 ("ok", value), ("unavailable", text) or ("error", text). One request at a time: the
 writer thread waits for each answer.
 
@@ -43,11 +44,12 @@ import struct
 import subprocess
 import sys
 
-from .store import StoreUnavailable, TraceStore
+from .store import StoreUnavailable, TraceStore, encode
 
 _LENGTH = struct.Struct(">I")
 CLOSE_TIMEOUT_S = 10.0
 SINKS = ("sqlite", "elasticsearch")
+REQUESTS = ("write", "write_chunks", "retain")
 
 
 class ProcessStore:
@@ -70,7 +72,10 @@ class ProcessStore:
         self._told = False  # the child has its settings (sent before its first request)
 
     def write(self, events: list[tuple]):
-        value = self._ask(("write", events))
+        # SQLite's chunks are pickled here, on the writer's thread, and stored by the child
+        # as they come: the node pays what pickling the batch for the pipe cost anyway
+        value = self._ask(("write_chunks", encode(events)) if self.sink == "sqlite"
+                          else ("write", events))
         self.sent += len(events)
         return value
 
@@ -158,7 +163,9 @@ def serve(sink: str, requests, answers) -> None:
         try:
             if store is None:
                 store = open_store(sink, settings, sent)
-            value = store.write(*args) if kind == "write" else store.retain(*args)
+            if kind not in REQUESTS:
+                raise ValueError(f"no such request: {kind!r}")
+            value = getattr(store, kind)(*args)
             answer = ("ok", value)
         except StoreUnavailable as e:
             answer = ("unavailable", str(e))

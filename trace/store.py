@@ -1,79 +1,94 @@
 """The embedded trace store: one SQLite file in the node's data path, through `sqlite3`.
 
-One table of events (rowid order = order written), indexed by message id and by trace id
-(only rows that have one), so a search by either is one index range. A search by topic
-goes through `topic_spans`: one row per written batch and topic in it (the batch's rowid
-range and its earliest and latest time), so a topic's events are the rows of its spans,
-read span by span in time order, each a rowid range (never a scan of the table). Why not
-an index on (topic, time_ns): it cost each event about 0.6 µs of the store's 2 µs, a span
-costs a batch one row.
-WAL mode: the writer thread appends while searches read a snapshot, neither waits on
+Events are kept in chunks: up to CHUNK_EVENTS events written together, pickled as one list
+(`encode`), one row of `chunks` with the node that wrote them, their count and their
+earliest and latest time. Three small tables find the chunks a search reads:
+- `msg_runs`: each topic's message ids in a chunk, as runs `lo..hi` of its sorted ids (a
+  new run past a gap of RUN_GAP ids or a width of RUN_WIDTH). A partition's ids are a
+  sequence, so a chunk has about one run per topic partition it touches. A search by id
+  reads the runs whose `lo` is in `[id - RUN_WIDTH, id]` and whose `hi` is at least `id`.
+- `trace_keys`: one row per trace id (not 0) and chunk.
+- `topic_chunks`: one row per topic and chunk, with the chunk's time range.
+A search decodes the chunks these name and keeps the events that match, in time order
+(time, then write order). Message ids are below 2^60 (partition << 50 | sequence); trace
+ids are unsigned 64-bit, kept in `trace_keys` as SQLite's signed INTEGER (the same bits).
+
+Why chunks, not a row per event (versions 1 and 2): a row cost the store's process about
+2.2 µs an event (binding 11 values, the record, the table's b-tree) and its message-id
+index 1.2 more; a chunk costs about 1.5 µs an event in all, 0.7 of it the unpickling that
+finds its keys (the node's writer pickles the chunks: `encode`). The price is paid by
+searches, which decode the chunks they read (about 0.7 ms for a whole chunk).
+
+A chunk is read with an unpickler that refuses every global (`_ChunkReader`): a chunk holds
+only tuples, str and int, so a file that is not the store's own can never run code here.
+
+Versions (`PRAGMA user_version`): 3 is this one. 1 (0 in the file) and 2 kept a row per
+event in a table `events`; such a store is converted when it is opened (its rows, in
+rowid order, become chunks; `events` and version 2's `topic_spans` are dropped), all in
+one transaction (a crash meanwhile leaves the old version, converted at the next open).
+Until then `search` reads the old rows (`_search_rows`).
+
+WAL mode: the store's process appends while searches read a snapshot, neither waits on
 the other. `synchronous=NORMAL`: a power cut may lose the last batches of events, never
 the file (trace events are a record of what happened, not the messages themselves).
 
-Versions (`PRAGMA user_version`): 1 (0 in the file) had the (topic, time_ns) index and no
-spans; a store of version 1 is converted when it is opened: spans made for its rows
-(one pass over them, in rowid ranges of SPAN_ROWS), its topic index dropped, all in one
-transaction (a crash meanwhile leaves version 1, converted at the next open).
+Retention: whole chunks, from the oldest: those whose newest event is older than
+`max_age_s`, then the oldest tenth at a time while the live pages pass `max_bytes` (freed
+pages are reused, so the file stops growing there; it never shrinks by itself).
 
-Retention: rows older than `max_age_s`, then the oldest rows while the live pages pass
-`max_bytes` (freed pages are reused, so the file stops growing there; it never shrinks
-by itself).
-
-Writes are multi-row INSERTs of up to ROWS_PER_INSERT events, not one statement per event
-(one statement's overhead per event cost 2.7 µs of CPU an event against 1.5). The statements
-have a few fixed sizes (ROWS_PER_INSERT, then its halves down to 1 for the rest of a batch),
-so each is prepared once: a statement sized to each batch's remainder was prepared again for
-nearly every batch (a quarter of the store's CPU with batches of 1,000 events).
-
-Every method runs on the thread that owns the connection it uses: `write` and `retain`
-on the writer's thread (TraceStore is made there), `search` on any thread through its own
-short-lived read connection.
+Every method of TraceStore runs on the thread that made it; `search` runs on any thread
+through its own short-lived read-only connection.
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
+import pickle
 import sqlite3
 import time
+from collections import defaultdict
 from operator import itemgetter
 
-from .events import FIELDS
+from .events import FIELDS, NO_MESSAGE
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS events (
+CREATE TABLE chunks (
     id INTEGER PRIMARY KEY,
-    time_ns INTEGER NOT NULL,
     node TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    topic TEXT NOT NULL,
-    partition INTEGER NOT NULL,
-    channel TEXT NOT NULL,
-    msg_id INTEGER NOT NULL,
-    trace_id INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
-    attempts INTEGER NOT NULL,
-    detail TEXT NOT NULL
+    count INTEGER NOT NULL,
+    min_time INTEGER NOT NULL,
+    max_time INTEGER NOT NULL,
+    events BLOB NOT NULL
 );
-CREATE INDEX IF NOT EXISTS events_msg_id ON events (msg_id);
-CREATE INDEX IF NOT EXISTS events_trace_id ON events (trace_id) WHERE trace_id != 0;
-CREATE TABLE IF NOT EXISTS topic_spans (
+CREATE TABLE msg_runs (
     topic TEXT NOT NULL,
-    first_id INTEGER NOT NULL,
-    last_id INTEGER NOT NULL,
+    lo INTEGER NOT NULL,
+    hi INTEGER NOT NULL,
+    chunk INTEGER NOT NULL
+);
+CREATE INDEX msg_runs_lo ON msg_runs (lo);
+CREATE INDEX msg_runs_chunk ON msg_runs (chunk);
+CREATE TABLE trace_keys (trace_id INTEGER NOT NULL, chunk INTEGER NOT NULL);
+CREATE INDEX trace_keys_trace_id ON trace_keys (trace_id);
+CREATE INDEX trace_keys_chunk ON trace_keys (chunk);
+CREATE TABLE topic_chunks (
+    topic TEXT NOT NULL,
+    chunk INTEGER NOT NULL,
     min_time INTEGER NOT NULL,
     max_time INTEGER NOT NULL
 );
-CREATE INDEX IF NOT EXISTS topic_spans_topic ON topic_spans (topic, max_time);
+CREATE INDEX topic_chunks_topic ON topic_chunks (topic, max_time);
+CREATE INDEX topic_chunks_chunk ON topic_chunks (chunk);
 """
-VERSION = 2
-SPAN_ROWS = 5000  # the rowid range of a converted version-1 store's spans
-_INSERT = ("INSERT INTO events (node, time_ns, kind, topic, partition, channel, msg_id, "
-           "trace_id, offset, attempts, detail) VALUES ")
-_ROW = "({node},?,?,?,?,?,?,?,?,?,?)"  # node is the store's, the rest an event's FIELDS
-ROWS_PER_INSERT = 512
-_COLUMNS = "node, " + ", ".join(FIELDS)
+VERSION = 3
+CHUNK_EVENTS = 1000
+RUN_GAP = 256
+RUN_WIDTH = 4096
+PICKLE_PROTOCOL = 5  # fixed, not HIGHEST_PROTOCOL: a file must stay readable by older Pythons
+_KEY_TABLES = ("msg_runs", "trace_keys", "topic_chunks")
+_NAMES = ("node",) + FIELDS
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 
@@ -92,6 +107,40 @@ def _unsigned(v: int) -> int:
     return v + _U64 if v < 0 else v
 
 
+def encode(events: list[tuple]) -> list[bytes]:
+    """A batch of events (events.py's tuples) as chunks for `TraceStore.write_chunks`."""
+    return [pickle.dumps(events[i:i + CHUNK_EVENTS], PICKLE_PROTOCOL)
+            for i in range(0, len(events), CHUNK_EVENTS)]
+
+
+class _ChunkReader(pickle.Unpickler):
+    """Reads a chunk, which holds only lists, tuples, str and int: any global is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"not a trace chunk: it names {module}.{name}")
+
+
+def _decode(blob: bytes) -> list[tuple]:
+    return _ChunkReader(io.BytesIO(blob)).load()
+
+
+def runs(ids) -> list[tuple[int, int]]:
+    """Sorted ids as runs (lo, hi): a new run past a gap of RUN_GAP or a width of
+    RUN_WIDTH."""
+    out = []
+    it = iter(sorted(ids))
+    lo = prev = next(it, None)
+    if lo is None:
+        return out
+    for i in it:
+        if i - prev > RUN_GAP or i - lo >= RUN_WIDTH:
+            out.append((lo, prev))
+            lo = i
+        prev = i
+    out.append((lo, prev))
+    return out
+
+
 class TraceStore:
     def __init__(self, path: str, node: str):
         self.path = path
@@ -103,117 +152,135 @@ class TraceStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._open_schema()
-        row = _ROW.format(node="'" + node.replace("'", "''") + "'")
-        # never more bound values in one statement than this SQLite takes
-        limit = self._db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-        self._rows = max(1, min(ROWS_PER_INSERT, limit // len(FIELDS)))
-        self._inserts = {}  # rows -> the statement of that many rows (a few sizes, prepared once)
-        size = self._rows
-        while size:
-            self._inserts[size] = _INSERT + ",".join([row] * size)
-            size //= 2
 
     def _open_schema(self) -> None:
-        """Make the tables, or convert a version-1 store (module docstring), in one
+        """Make the tables, or convert a store of version 1 or 2 (module docstring), in one
         transaction."""
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
             if db.execute("PRAGMA user_version").fetchone()[0] < VERSION:
-                old = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
-                                 "AND name = 'events'").fetchone() is not None
+                old = _has_table(db, "events")
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
                 if old:
-                    self._convert_v1()
+                    self._convert_rows()
                 db.execute(f"PRAGMA user_version = {VERSION}")
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
 
-    def _convert_v1(self) -> None:
-        """Spans for a version-1 store's rows (one per topic in each SPAN_ROWS rowids), and
-        its (topic, time_ns) index dropped."""
+    def _convert_rows(self) -> None:
+        """An old store's rows as chunks, in rowid order (a chunk's events are one node's);
+        then its tables dropped."""
         db = self._db
         first, last = db.execute("SELECT min(id), max(id) FROM events").fetchone()
-        for start in range(first or 1, (last or 0) + 1, SPAN_ROWS):
-            db.execute("INSERT INTO topic_spans (topic, first_id, last_id, min_time, max_time) "
-                       "SELECT topic, min(id), max(id), min(time_ns), max(time_ns) FROM events "
-                       "WHERE id BETWEEN ? AND ? GROUP BY topic", (start, start + SPAN_ROWS - 1))
-        db.execute("DROP INDEX IF EXISTS events_topic_time")
+        columns = ", ".join(_NAMES)
+        for start in range(first or 1, (last or 0) + 1, CHUNK_EVENTS):
+            rows = db.execute(f"SELECT {columns} FROM events WHERE id BETWEEN ? AND ? "
+                              "ORDER BY id", (start, start + CHUNK_EVENTS - 1)).fetchall()
+            # a chunk's equal strings as one object, which pickle writes once (as a batch's are)
+            same = {}.setdefault
+            for node, group in itertools.groupby(rows, itemgetter(0)):
+                events = [(r[1], same(r[2], r[2]), same(r[3], r[3]), r[4], same(r[5], r[5]),
+                           r[6], _unsigned(r[7]), r[8], r[9], same(r[10], r[10]))
+                          for r in group]
+                self._add_chunk(pickle.dumps(events, PICKLE_PROTOCOL), events, node)
+        db.execute("DROP TABLE events")
+        db.execute("DROP TABLE IF EXISTS topic_spans")
 
     def close(self) -> None:
         self._db.close()
+
     def write(self, events: list[tuple]) -> None:
-        """Insert a batch of events (events.py's tuples) and its spans in one transaction.
-        The tuples go to SQLite as they are; only a batch holding an id of 2^63 or more (a
-        trace id) is converted to SQLite's signed form first."""
-        if not events:
-            return
+        """Write a batch of events (events.py's tuples) in one transaction."""
+        self.write_chunks(encode(events))
+
+    def write_chunks(self, chunks: list[bytes]) -> None:
+        """Write `encode`'s chunks of a batch in one transaction."""
         db = self._db
         db.execute("BEGIN")
         try:
-            first = db.execute("SELECT coalesce(max(id), 0) + 1 FROM events").fetchone()[0]
-            try:
-                last = self._insert(events)
-            except OverflowError:
-                db.execute("ROLLBACK")
-                db.execute("BEGIN")
-                last = self._insert([(*e[:5], _signed(e[5]), _signed(e[6]), *e[7:])
-                                     for e in events])
-            times = list(map(itemgetter(0), events))
-            low, high = min(times), max(times)
-            db.executemany("INSERT INTO topic_spans (topic, first_id, last_id, min_time, "
-                           "max_time) VALUES (?, ?, ?, ?, ?)",
-                           [(topic, first, last, low, high)
-                            for topic in set(map(itemgetter(2), events))])
+            for blob in chunks:
+                self._add_chunk(blob, pickle.loads(blob), self.node)
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
 
-    def _insert(self, events: list[tuple]) -> int:
-        """The events, their fields flattened in order, in statements of the sizes in
-        `self._inserts` (the largest that fits, each time); the last row's id."""
-        inserts, size = self._inserts, self._rows
-        i, n = 0, len(events)
-        cursor = None
-        while i < n:
-            while size > n - i:
-                size //= 2
-            cursor = self._db.execute(inserts[size],
-                                      list(itertools.chain.from_iterable(events[i:i + size])))
-            i += size
-        return cursor.lastrowid
+    def _add_chunk(self, blob: bytes, events: list[tuple], node: str) -> None:
+        """One chunk's row and its keys (module docstring)."""
+        if not events:
+            return
+        db = self._db
+        times = list(map(itemgetter(0), events))
+        low, high = min(times), max(times)
+        chunk = db.execute("INSERT INTO chunks (node, count, min_time, max_time, events) "
+                           "VALUES (?, ?, ?, ?, ?)",
+                           (node, len(events), low, high, blob)).lastrowid
+        topics = set(map(itemgetter(2), events))
+        if len(topics) == 1:
+            ids = {topics.pop(): set(map(itemgetter(5), events))}
+        else:
+            ids = defaultdict(set)
+            for e in events:
+                ids[e[2]].add(e[5])
+        db.executemany("INSERT INTO msg_runs (topic, lo, hi, chunk) VALUES (?, ?, ?, ?)",
+                       [(topic, lo, hi, chunk) for topic, its in ids.items()
+                        for lo, hi in runs(its - {NO_MESSAGE})])
+        db.executemany("INSERT INTO topic_chunks (topic, chunk, min_time, max_time) "
+                       "VALUES (?, ?, ?, ?)", [(topic, chunk, low, high) for topic in ids])
+        traces = set(map(itemgetter(6), events))
+        traces.discard(0)
+        if traces:
+            db.executemany("INSERT INTO trace_keys (trace_id, chunk) VALUES (?, ?)",
+                           [(_signed(t), chunk) for t in traces])
 
     def retain(self, max_age_s: float | None, max_bytes: int | None,
                now_ns: int | None = None) -> int:
-        """Delete events older than `max_age_s`, then the oldest while the live pages pass
-        `max_bytes`; return how many rows went."""
+        """Delete the chunks whose newest event is older than `max_age_s`, then the oldest
+        while the live pages pass `max_bytes`; return how many events went."""
         db = self._db
         gone = 0
         if max_age_s:
             cutoff = (now_ns or time.time_ns()) - int(max_age_s * 1e9)
-            # rowid order is write order, about time order: delete from the front while the
-            # oldest row is too old (never a scan of the whole table)
-            while (first := db.execute("SELECT time_ns FROM events ORDER BY id LIMIT 1")
-                   .fetchone()) and first[0] < cutoff:
-                gone += db.execute("DELETE FROM events WHERE id IN (SELECT id FROM events "
-                                   "ORDER BY id LIMIT 10000) AND time_ns < ?",
-                                   (cutoff,)).rowcount
+            # chunks are in write order, about time order: from the front while the oldest
+            # is wholly too old (never a scan of the whole table)
+            while True:
+                front = db.execute("SELECT id, max_time FROM chunks ORDER BY id LIMIT 1000"
+                                   ).fetchall()
+                old = list(itertools.takewhile(lambda row: row[1] < cutoff, front))
+                if old:
+                    gone += self._drop_through(old[-1][0])
+                if len(old) < 1000:
+                    break
         while max_bytes and self.used_bytes() > max_bytes:
-            count = db.execute("SELECT count(*) FROM events").fetchone()[0]
+            count = db.execute("SELECT count(*) FROM chunks").fetchone()[0]
             if not count:
                 break
             step = max(1, count // 10)  # the oldest tenth at a time: few passes, small overshoot
-            gone += db.execute("DELETE FROM events WHERE id IN (SELECT id FROM events "
-                               "ORDER BY id LIMIT ?)", (step,)).rowcount
-        if gone:  # the spans of rows all gone (all of them when no row is left)
-            db.execute("DELETE FROM topic_spans WHERE last_id < "
-                       "(SELECT coalesce(min(id), ?) FROM events)", (_I64_MAX,))
+            last = db.execute("SELECT id FROM chunks ORDER BY id LIMIT 1 OFFSET ?",
+                              (step - 1,)).fetchone()[0]
+            gone += self._drop_through(last)
+        return gone
+
+    def _drop_through(self, last: int) -> int:
+        """Delete chunks up to id `last` and their keys, in one transaction; their events."""
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            gone = db.execute("SELECT coalesce(sum(count), 0) FROM chunks WHERE id <= ?",
+                              (last,)).fetchone()[0]
+            db.execute("DELETE FROM chunks WHERE id <= ?", (last,))
+            for table in _KEY_TABLES:
+                db.execute(f"DELETE FROM {table} WHERE chunk <= ?", (last,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
         return gone
 
     def used_bytes(self) -> int:
@@ -228,85 +295,91 @@ def search(path: str, *, msg_id: int | None = None, trace_id: int | None = None,
            topic: str | None = None, channel: str | None = None, since_ns: int | None = None,
            until_ns: int | None = None, limit: int = 1000) -> list[dict]:
     """Events matching every given condition, in time order, at most `limit` (the oldest).
-    One of msg_id, trace_id, topic must be given: each is an index. A store not made yet
-    (no file, or no schema in it yet) holds nothing."""
+    One of msg_id, trace_id, topic must be given: each is a key. A channel's events
+    include its topic's (channel ""). A store not made yet (no file, or no schema in it
+    yet) holds nothing."""
+    if msg_id is None and trace_id is None and topic is None:
+        raise ValueError("search needs msg_id, trace_id or topic")
     if not os.path.exists(path):
         return []
-    where, args = [], []
-    if msg_id is not None:
-        where.append("msg_id = ?")
-        args.append(_signed(msg_id))
-    if trace_id is not None:
-        where.append("trace_id = ? AND trace_id != 0")
-        args.append(_signed(trace_id))
-    if topic is not None:
-        where.append("topic = ?")
-        args.append(topic)
-    if channel is not None:
-        where.append("(channel = ? OR channel = '')")  # a channel's events, and its topic's
-        args.append(channel)
-    if since_ns is not None:
-        where.append("time_ns >= ?")
-        args.append(since_ns)
-    if until_ns is not None:
-        where.append("time_ns < ?")
-        args.append(until_ns)
-    if not where:
-        raise ValueError("search needs msg_id, trace_id or topic")
+    conditions = (msg_id, trace_id, topic, channel, since_ns, until_ns)
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2.0)
     try:
-        rows = None
-        if msg_id is None and trace_id is None and _has_spans(db):
-            rows = _topic_rows(db, " AND ".join(where), args, topic, since_ns, until_ns, limit)
-        if rows is None:  # by an id; or a version-1 store not converted yet: its topic index
-            rows = db.execute(f"SELECT {_COLUMNS} FROM events WHERE {' AND '.join(where)} "
-                              f"ORDER BY time_ns, id LIMIT ?", (*args, limit)).fetchall()
-    except sqlite3.OperationalError as e:
-        if "no such table" not in str(e):
-            raise
-        return []  # the writer has made the file, not its schema yet: nothing written
+        if _has_table(db, "chunks"):
+            found = _search_chunks(db, conditions, limit)
+        elif _has_table(db, "events"):
+            found = _search_rows(db, conditions, limit)
+        else:
+            found = []  # the file made, its schema not yet: nothing written
     finally:
         db.close()
-    names = ("node",) + FIELDS
-    out = []
-    for row in rows:
-        event = dict(zip(names, row))
-        event["msg_id"] = _unsigned(event["msg_id"])
-        event["trace_id"] = _unsigned(event["trace_id"])
-        out.append(event)
-    return out
+    return [dict(zip(_NAMES, event)) for event in found]
 
 
-def _topic_rows(db, where: str, args: list, topic: str, since_ns: int | None,
-                until_ns: int | None, limit: int) -> list[tuple]:
-    """A topic's rows matching `where`, the oldest `limit` in time order: its spans in the
-    window, earliest first, each a rowid range; done once `limit` rows are older than the
-    next span's earliest event."""
-    window, bounds = "", []
-    if since_ns is not None:
-        window += " AND max_time >= ?"
-        bounds.append(since_ns)
-    if until_ns is not None:
-        window += " AND min_time < ?"
-        bounds.append(until_ns)
-    spans = db.execute(f"SELECT first_id, last_id, min_time FROM topic_spans WHERE topic = ?"
-                       f"{window} ORDER BY min_time, first_id", (topic, *bounds)).fetchall()
-    sql = (f"SELECT {_COLUMNS}, id FROM events WHERE id BETWEEN ? AND ? AND {where} "
-           f"ORDER BY time_ns, id LIMIT ?")  # a span's oldest `limit`, chosen by SQLite
-    rows: list[tuple] = []
-    for first, last, min_time in spans:
-        if len(rows) >= limit and min_time > rows[-1][1]:
-            break  # every later span's events come after the `limit` found
-        rows += db.execute(sql, (first, last, *args, limit)).fetchall()
-        rows.sort(key=_time_then_id)
-        del rows[limit:]
-    return [row[:-1] for row in rows]
+def _search_chunks(db, conditions: tuple, limit: int) -> list[tuple]:
+    """The oldest `limit` matching events (node first) of the chunks the keys name: by
+    message id or trace id, all of those chunks; by topic, its chunks earliest first, done
+    once `limit` events are older than the next chunk's earliest."""
+    msg_id, trace_id, topic, _, since_ns, until_ns = conditions
+    if msg_id is not None:
+        chunks = db.execute("SELECT DISTINCT chunk FROM msg_runs WHERE lo BETWEEN ? AND ? "
+                            "AND hi >= ? ORDER BY chunk",
+                            (msg_id - RUN_WIDTH, msg_id, msg_id)).fetchall()
+    elif trace_id is not None:
+        chunks = db.execute("SELECT DISTINCT chunk FROM trace_keys WHERE trace_id = ? "
+                            "ORDER BY chunk", (_signed(trace_id),)).fetchall()
+    else:
+        window, bounds = "", []
+        if since_ns is not None:
+            window += " AND max_time >= ?"
+            bounds.append(since_ns)
+        if until_ns is not None:
+            window += " AND min_time < ?"
+            bounds.append(until_ns)
+        chunks = db.execute(f"SELECT chunk, min_time FROM topic_chunks WHERE topic = ?"
+                            f"{window} ORDER BY min_time, chunk", (topic, *bounds)).fetchall()
+    found: list[tuple] = []  # (time_ns, chunk, position, node, event)
+    for chunk, *earliest in chunks:
+        if earliest and len(found) >= limit and earliest[0] > found[-1][0]:
+            break  # every later chunk's events come after the `limit` found
+        node, blob = db.execute("SELECT node, events FROM chunks WHERE id = ?",
+                                (chunk,)).fetchone() or (None, None)
+        if blob is None:
+            continue  # deleted by retention since its key was read
+        found += [(e[0], chunk, i, node, e) for i, e in enumerate(_decode(blob))
+                  if _matches(e, conditions)]
+        found.sort(key=itemgetter(0, 1, 2))
+        del found[limit:]
+    return [(node, *e) for _, _, _, node, e in found]
 
 
-def _time_then_id(row: tuple) -> tuple:
-    return row[1], row[-1]  # (time_ns, id): node is the row's first column
+def _matches(event: tuple, conditions: tuple) -> bool:
+    msg_id, trace_id, topic, channel, since_ns, until_ns = conditions
+    return ((msg_id is None or event[5] == msg_id)
+            and (trace_id is None or (trace_id != 0 and event[6] == trace_id))
+            and (topic is None or event[2] == topic)
+            and (channel is None or event[4] in (channel, ""))
+            and (since_ns is None or event[0] >= since_ns)
+            and (until_ns is None or event[0] < until_ns))
 
 
-def _has_spans(db) -> bool:
-    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
-                      "AND name = 'topic_spans'").fetchone() is not None
+def _search_rows(db, conditions: tuple, limit: int) -> list[tuple]:
+    """A store of version 1 or 2, not converted yet: its rows, through its own indexes
+    (message id, trace id; version 1's topic and time, while version 2 reads the topic's
+    rows whole)."""
+    msg_id, trace_id, topic, channel, since_ns, until_ns = conditions
+    where, args = [], []
+    for sql, value in (("msg_id = ?", msg_id), ("trace_id = ? AND trace_id != 0", trace_id),
+                       ("topic = ?", topic), ("(channel = ? OR channel = '')", channel),
+                       ("time_ns >= ?", since_ns), ("time_ns < ?", until_ns)):
+        if value is not None:
+            where.append(sql)
+            args.append(_signed(value) if isinstance(value, int) else value)
+    rows = db.execute(f"SELECT {', '.join(_NAMES)} FROM events WHERE {' AND '.join(where)} "
+                      "ORDER BY time_ns, id LIMIT ?", (*args, limit)).fetchall()
+    return [(*r[:7], _unsigned(r[7]), *r[8:]) for r in rows]
+
+
+def _has_table(db, name: str) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                      (name,)).fetchone() is not None
