@@ -323,8 +323,8 @@ def _search_chunks(db, conditions: tuple, limit: int) -> list[tuple]:
     msg_id, trace_id, topic, _, since_ns, until_ns = conditions
     if msg_id is not None:
         chunks = db.execute("SELECT DISTINCT chunk FROM msg_runs WHERE lo BETWEEN ? AND ? "
-                            "AND hi >= ? ORDER BY chunk",
-                            (msg_id - RUN_WIDTH, msg_id, msg_id)).fetchall()
+                            "AND hi >= ? AND topic = coalesce(?, topic) ORDER BY chunk",
+                            (msg_id - RUN_WIDTH, msg_id, msg_id, topic)).fetchall()
     elif trace_id is not None:
         chunks = db.execute("SELECT DISTINCT chunk FROM trace_keys WHERE trace_id = ? "
                             "ORDER BY chunk", (_signed(trace_id),)).fetchall()

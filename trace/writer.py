@@ -18,7 +18,9 @@ buffer (past the bound, dropped and counted as always); on shutdown what it stil
 not send is counted in `dropped_failed`.
 
 Retention runs on the same thread every `retain_every_s`. The store's file is made with
-the first event: a node that never traces has none.
+the first event: a node that never traces has none, and its thread sleeps until
+`want_store` or `close` (events come only once tracing is on, which calls `want_store`
+first).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class EventWriter:
         self.error: str | None = None  # the store's last failure, None once it writes again
         self._stop = threading.Event()
         self._wanted = False  # open the store before the first event (want_store)
+        self._kick = threading.Event()  # set by want_store and close: the thread's wait when off
         self._thread: threading.Thread | None = None
         self._last_failure_log = 0.0
 
@@ -89,6 +92,7 @@ class EventWriter:
         """Events are coming: open the store now rather than with the first of them (a
         store in a process of its own takes a tenth of a second to start)."""
         self._wanted = True
+        self._kick.set()
 
     @property
     def buffered(self) -> int:
@@ -115,6 +119,7 @@ class EventWriter:
         """Write what is buffered (within `timeout`), then stop the thread. Blocking: call
         it from a thread (asyncio.to_thread), never on the event loop."""
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -154,7 +159,10 @@ class EventWriter:
             if store is not None and time.monotonic() >= next_retain:
                 next_retain = time.monotonic() + self.retain_every_s
                 self._retain(store)
-            self._stop.wait(self.idle_s)
+            if store is None and not self._wanted and not buf:
+                self._kick.wait()  # off, no file: no event comes before want_store
+            else:
+                self._stop.wait(self.idle_s)
         if store is not None:
             store.close()
 
