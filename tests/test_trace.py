@@ -580,14 +580,15 @@ async def test_cluster_switch_is_in_etcd_and_every_leader_follows_it(tmp_path, e
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_old_store_is_searched_then_converted_when_opened(tmp_path, version):
-    """A store an earlier version made (tests/data/trace-store-v1.sql and -v2.sql: a row
-    per event, 36 events of 12 messages): searched as it is, then converted by the first
-    open."""
+    """A store an earlier version made (tests/data/trace-store-v1.sql, and -v2.sql on top
+    of it: a row per event, 36 events of 12 messages): searched as it is, then converted
+    by the first open."""
     path = str(tmp_path / "trace.sqlite")
     old = sqlite3.connect(path)
-    with open(os.path.join(os.path.dirname(__file__), "data",
-                           f"trace-store-v{version}.sql")) as f:
-        old.executescript(f.read())
+    for v in range(1, version + 1):
+        with open(os.path.join(os.path.dirname(__file__), "data", f"trace-store-v{v}.sql")) as f:
+            old.executescript(f.read())
+    assert old.execute("PRAGMA user_version").fetchone()[0] == (0 if version == 1 else 2)
     old.close()
     expected = search(path, topic="orders", limit=100)
     assert len(expected) == 18  # the old rows, not converted yet
