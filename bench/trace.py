@@ -20,6 +20,9 @@
    message: PUB, DELIVER, FIN) is built with the store's own write path, a real nsqd opens
    it as its trace store, and 1,000 random ids are searched over HTTP
    (`GET /trace/search?msg_id=`) and directly (nsqtrace.store.search): p50, p99.
+4. Converting an old store: the same events as a store of version 2 (a row per event,
+   made by SQL here: its writer is gone), then opened by the current store, which
+   converts it to chunks: wall clock, CPU per event, the file before and after.
 
     .venv/bin/python bench/trace.py [--quick] [--dir /mnt/fast]
 """
@@ -33,6 +36,7 @@ import json
 import os
 import random
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -189,12 +193,10 @@ def off_hook_ns() -> float:
     return max(test - empty, 0.0) / n * 1e9
 
 
-def build_store(path: str, events: int) -> float:
-    """A store of `events` written as a node writes them, in time order: message i
-    published at t0 + i µs, delivered 100 ms and finished 200 ms later (PUB, DELIVER, FIN;
-    4 partitions), in batches of 30,000; returns rows written per second."""
-    store = TraceStore(path, "bench:4150")
-    t0 = time.monotonic()
+def bench_batches(events: int):
+    """Batches of 30,000 events, in time order, as a node writes them: message i published
+    at t0 + i µs, delivered 100 ms and finished 200 ms later (PUB, DELIVER, FIN; 4
+    partitions; 3 * (events // 3) in all)."""
     now = time.time_ns() - events * 1000
     msgs = events // 3
     lag = 100_000  # messages published in 100 ms
@@ -208,12 +210,77 @@ def build_store(path: str, events: int) -> float:
                 batch.append((ts, kind, TOPIC, i % 4, channel, (i % 4) << 50 | i // 4, i,
                               i * 236, attempts, who))
         if len(batch) >= 30_000:
-            store.write(batch)
+            yield batch
             batch = []
     if batch:
+        yield batch
+
+
+def build_store(path: str, events: int) -> float:
+    """A store of bench_batches' events written with the store's own write path; returns
+    events written per second."""
+    store = TraceStore(path, "bench:4150")
+    t0 = time.monotonic()
+    for batch in bench_batches(events):
         store.write(batch)
     store.close()
-    return msgs * 3 / (time.monotonic() - t0)
+    return 3 * (events // 3) / (time.monotonic() - t0)
+
+
+# version 2 of the store (a row per event, as trace/store.py wrote it before 46b7274)
+V2_SCHEMA = """
+CREATE TABLE events (id INTEGER PRIMARY KEY, time_ns INTEGER NOT NULL, node TEXT NOT NULL,
+    kind TEXT NOT NULL, topic TEXT NOT NULL, partition INTEGER NOT NULL,
+    channel TEXT NOT NULL, msg_id INTEGER NOT NULL, trace_id INTEGER NOT NULL,
+    offset INTEGER NOT NULL, attempts INTEGER NOT NULL, detail TEXT NOT NULL);
+CREATE INDEX events_msg_id ON events (msg_id);
+CREATE INDEX events_trace_id ON events (trace_id) WHERE trace_id != 0;
+CREATE TABLE topic_spans (topic TEXT NOT NULL, first_id INTEGER NOT NULL,
+    last_id INTEGER NOT NULL, min_time INTEGER NOT NULL, max_time INTEGER NOT NULL);
+CREATE INDEX topic_spans_topic ON topic_spans (topic, max_time);
+PRAGMA user_version = 2;
+"""
+
+
+def conversion(report: Report, events: int, base_dir: str | None) -> None:
+    """A version-2 store of bench_batches' events (a row each, a span per batch), then
+    timed: its conversion by the current store's open."""
+    tmp = tempfile.mkdtemp(prefix="bench-trace-", dir=base_dir)
+    try:
+        path = os.path.join(tmp, "trace.sqlite")
+        report.note(f"building a version-2 store of {events:,} events ...")
+        db = sqlite3.connect(path, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(V2_SCHEMA)
+        first = 1
+        for batch in bench_batches(events):
+            db.execute("BEGIN")
+            db.executemany("INSERT INTO events (time_ns, node, kind, topic, partition, channel, "
+                           "msg_id, trace_id, offset, attempts, detail) VALUES "
+                           "(?, 'bench:4150', ?, ?, ?, ?, ?, ?, ?, ?, ?)", batch)
+            db.execute("INSERT INTO topic_spans VALUES (?, ?, ?, ?, ?)",
+                       (TOPIC, first, first + len(batch) - 1, batch[0][0], batch[-1][0]))
+            db.execute("COMMIT")
+            first += len(batch)
+        db.close()
+        report.add("v2_file_mb", os.path.getsize(path) / (1 << 20), "the version-2 file (MB)")
+        t0, cpu0 = time.monotonic(), time.process_time()
+        store = TraceStore(path, "bench:4150")
+        wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        used = store.used_bytes()
+        store.close()
+        db = sqlite3.connect(path)
+        converted = db.execute("SELECT sum(count) FROM chunks").fetchone()[0]
+        db.close()
+        assert converted == 3 * (events // 3), converted
+        report.add("convert_s", wall, "its conversion, wall clock (s)")
+        report.add("convert_cpu_us_per_event", cpu / converted * 1e6,
+                   "its conversion, CPU per event (us)", fmt=".2f")
+        report.add("converted_file_mb", os.path.getsize(path) / (1 << 20),
+                   "the file after (MB)")
+        report.add("converted_used_mb", used / (1 << 20), "of it in use (MB)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def search_latency(report: Report, events: int, base_dir: str | None) -> None:
@@ -350,6 +417,8 @@ async def main_async(args) -> None:
                fmt=".5f", target=("< 0.02", share < 0.02))
     report.section(f"search by message id in a store of {events:,} events")
     search_latency(report, events, args.dir)
+    report.section(f"converting a version-2 store (a row per event) of {events:,} events")
+    conversion(report, events, args.dir)
     report.emit_json()
 
 
