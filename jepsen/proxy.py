@@ -22,23 +22,27 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from typing import Callable
 
 CHUNK = 1 << 16
 
 
-def socket_owner(client_port: int, server_port: int, pids: dict[int, str]) -> str | None:
+def socket_owner(client_port: int, server_port: int, pids: dict[int, str],
+                 attempts: int = 5) -> str | None:
     """The name in `pids` of the process holding the loopback TCP socket
-    127.0.0.1:client_port -> 127.0.0.1:server_port, or None."""
-    local, remote = f"0100007F:{client_port:04X}", f"0100007F:{server_port:04X}"
+    127.0.0.1:client_port -> 127.0.0.1:server_port, or None. /proc/net/tcp is read again
+    (up to `attempts` times, 10 ms apart) while the socket is not in it: the kernel lists
+    the table in pieces, and one that changes between them can skip an entry (a busy
+    test run once lost a connection's owner that way)."""
     inode = None
-    with open("/proc/net/tcp") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 9 and fields[1] == local and fields[2] == remote:
-                inode = fields[9]
-                break
-    if inode is None or inode == "0":
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(0.01)
+        inode = _socket_inode(client_port, server_port)
+        if inode is not None:
+            break
+    if inode is None:
         return None
     target = f"socket:[{inode}]"
     for pid, name in pids.items():
@@ -52,6 +56,20 @@ def socket_owner(client_port: int, server_port: int, pids: dict[int, str]) -> st
                     return name
             except OSError:
                 continue
+    return None
+
+
+def _socket_inode(client_port: int, server_port: int) -> str | None:
+    """The inode of the open socket 127.0.0.1:client_port -> 127.0.0.1:server_port in
+    /proc/net/tcp (an entry of inode 0, a closed connection of the same ports in
+    TIME_WAIT, is passed over), or None."""
+    local, remote = f"0100007F:{client_port:04X}", f"0100007F:{server_port:04X}"
+    with open("/proc/net/tcp") as f:
+        for line in f:
+            fields = line.split()
+            if (len(fields) > 9 and fields[1] == local and fields[2] == remote
+                    and fields[9] != "0"):
+                return fields[9]
     return None
 
 
