@@ -19,6 +19,7 @@ import pytest
 from nsqclient.conn import Connection
 from nsqtrace.events import NO_MESSAGE
 from nsqtrace.store import CHUNK_EVENTS, RUN_GAP, RUN_WIDTH, TraceStore, search
+from nsqtrace.writer import EventWriter
 from nsqwire import commands as c
 from servers import NsqdProcess
 from nodes import nothing_arrives, take
@@ -479,6 +480,36 @@ def test_a_chunk_that_names_an_object_is_refused_not_loaded(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="not a trace chunk"):
         search(path, msg_id=1)
     assert not marker.exists()
+
+
+def test_a_writer_with_tracing_off_sleeps_until_tracing_is_wanted(tmp_path):
+    """A node that never traced has no store and its writer thread waits without waking
+    (it woke 20 times a second); `want_store` wakes it, and the first event is written."""
+    path = str(tmp_path / "trace.sqlite")
+    writer = EventWriter(path, "n")
+    writer.start()
+    try:
+        status = f"/proc/self/task/{writer._thread.native_id}/status"
+
+        def wakes() -> int:
+            with open(status) as f:
+                return next(int(line.split()[1]) for line in f
+                            if line.startswith("voluntary_ctxt_switches"))
+
+        time.sleep(0.2)
+        before = wakes()
+        time.sleep(1.0)
+        assert wakes() - before <= 2
+        assert not os.path.exists(path)
+        writer.want_store()
+        writer.add((time.time_ns(), "PUB", "t", 0, "", 1, 0, 0, 0, "x"))
+        deadline = time.monotonic() + 10
+        while writer.written < 1:
+            assert time.monotonic() < deadline, writer.stats()
+            time.sleep(0.05)
+    finally:
+        writer.close()
+    assert [e["kind"] for e in search(path, msg_id=1)] == ["PUB"]
 
 
 class _Call:
