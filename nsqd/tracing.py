@@ -168,8 +168,14 @@ class Tracer:
         """The PUB events of a publish the log acknowledged (diskqueue's Appended), called
         by its caller as it learns it (tcp.py's `_published`, Topic's `_counted`): no
         function made per publish."""
+        first = appended.first_id
+        if appended.count == 1:  # a PUB, the common case, as one expression: 0.9 µs, not 1.6
+            self.writer.add((time.time_ns(), ev.PUB, topic.name, first >> PARTITION_SHIFT, "",
+                             first, trace_id if trace_ids is None else trace_ids[0],
+                             appended.offset, 0, source))
+            return
         now, name, add = time.time_ns(), topic.name, self.writer.add
-        first, offsets = appended.first_id, appended.offsets
+        offsets = appended.offsets
         number = first >> PARTITION_SHIFT
         for i in range(appended.count):
             add((now, ev.PUB, name, number, "", first + i,
