@@ -159,9 +159,10 @@ class EventWriter:
             if store is not None and time.monotonic() >= next_retain:
                 next_retain = time.monotonic() + self.retain_every_s
                 self._retain(store)
-            if store is None and not self._wanted and not buf:
+            if store is None and not (self._wanted or buf
+                                      or (self.path and os.path.exists(self.path))):
                 self._kick.wait()  # off, no file: no event comes before want_store
-            else:
+            else:  # writing, or a store to open (tried again every `idle_s`)
                 self._stop.wait(self.idle_s)
         if store is not None:
             store.close()
