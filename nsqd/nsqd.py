@@ -385,6 +385,7 @@ class NSQD:
             raise StorageError(f"channel {name} could not be created: {error}")
         self.lookup.channel_created(topic.name, name)
         log.info("channel_created", topic=topic.name, partition=p.number, channel=name)
+        self._join_channel(topic, p, channel)
         return channel
 
     # A delete is crash-safe at every point and never shares files with what is made after
@@ -509,16 +510,23 @@ class NSQD:
 
     def _join_subscriptions(self, topic: Topic, numbers: list[int]) -> None:
         """Partitions newly led: every all-partitions subscriber of the topic consumes them
-        too (their channels were made by apply_assignment)."""
-        for conn in list(self.connections):
+        too (their channels were made by apply_assignment, or are made later)."""
+        for n in numbers:
+            p = topic.writable.get(n)
+            for channel in (p.channels.values() if p is not None else ()):
+                self._join_channel(topic, p, channel)
+
+    def _join_channel(self, topic: Topic, p, channel: Channel) -> None:
+        """A channel of a led partition: the topic's all-partitions subscribers of its name
+        consume it. Called when either comes later than the other: a SUB answered while
+        the node took the partition over subscribes to a channel made after it."""
+        if topic.writable.get(p.number) is not p:
+            return
+        for conn in self.connections:
             client = conn.client
-            if not client.all_partitions or client.topic_name != topic.name:
-                continue
-            for n in numbers:
-                p = topic.writable.get(n)
-                channel = p.channels.get(client.channel_name) if p is not None else None
-                if channel is not None and n not in client.channels:
-                    client.subscribe(channel)
+            if (client.all_partitions and client.topic_name == topic.name
+                    and client.channel_name == channel.name and p.number not in client.channels):
+                client.subscribe(channel)
 
     async def subscription(self, topic_name: str, channel_name: str,
                            partition: int | None) -> dict[int, Channel]:

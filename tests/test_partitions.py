@@ -274,6 +274,40 @@ async def test_partition_taken_away_and_given_back(node):
         await conn.close()
 
 
+async def test_a_sub_answered_during_a_takeover_joins_the_channel_made_after_it(node):
+    """A classic SUB answered while the node takes the topic's partition over (the
+    assignment being stored: not led yet, so no channel to join) consumes the partition's
+    channel of its name when that is made afterwards, as the cluster driver makes the
+    channels etcd has. (Before, nothing joined it: the client was subscribed to nothing, a
+    flaky failure of the cluster's pause-failover test.)"""
+    n = await node()
+    await n.apply_assignment("late", 1, set())  # the topic, no partition led here
+    flush, stored, release = n.meta.flush, asyncio.Event(), asyncio.Event()
+
+    async def held_flush():
+        stored.set()
+        await release.wait()
+        await flush()
+
+    n.meta.flush = held_flush
+    taking = asyncio.create_task(n.apply_assignment("late", 1, {0}))
+    await asyncio.wait_for(stored.wait(), 5)  # opened, its channels made; not led yet
+    consumer = await connect(n)
+    await sub(consumer, "late", "c", rdy=10)  # OK: every partition, none led yet
+    n.meta.flush = flush
+    release.set()
+    await taking
+    assert n.topics["late"].partitions[0].channels == {}
+    await n.get_channel("late", "c", 0, register=False)  # the cluster driver's channel pass
+    pub = await connect(n)
+    await pub.pub("late", b"after the takeover")
+    (m,) = await take(consumer, 1)
+    assert m.body == b"after the takeover"
+    m.fin()
+    for conn in (pub, consumer):
+        await conn.close()
+
+
 async def test_assignment_survives_restart(node, tmp_path):
     n = await node()
     await n.apply_assignment("r", 8, {1, 6})

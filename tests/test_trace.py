@@ -57,15 +57,18 @@ async def events_of(node, query: str, count: int, timeout: float = 10.0) -> list
         await asyncio.sleep(0.1)
 
 
-async def settled(node) -> dict:
-    """/stats `trace` once nothing waits in the buffer."""
-    for _ in range(200):
+async def settled(node, timeout: float = 20.0) -> dict:
+    """/stats `trace` once no event waits in the buffer or in a batch being written. (It
+    waited for the buffer only, then 0.2 s: on a loaded machine a batch of 200 took
+    longer to reach the ES sink, and its events were neither written nor dropped yet.)"""
+    deadline = time.monotonic() + timeout
+    while True:
         t = ok(node, "GET", "/stats?format=json")["trace"]
-        if t["buffered"] == 0:
-            await asyncio.sleep(0.2)  # a batch taken but not yet counted
-            return ok(node, "GET", "/stats?format=json")["trace"]
+        if t["buffered"] == 0 and t["writing"] == 0:
+            return t
+        if time.monotonic() > deadline:
+            raise AssertionError(f"trace events never written: {t}")
         await asyncio.sleep(0.05)
-    raise AssertionError("trace buffer never drained")
 
 
 async def conn(node, **identify) -> Connection:

@@ -58,6 +58,7 @@ class EventWriter:
         self.idle_s = idle_s
         self._buffer: collections.deque = collections.deque()
         self.written = 0
+        self.writing = 0  # taken from the buffer by the thread, not yet written or dropped
         self.dropped_full = 0  # past the bound
         self.dropped_failed = 0  # the store refused their batch
         self.retained = 0  # deleted by retention
@@ -99,7 +100,8 @@ class EventWriter:
         return len(self._buffer)
 
     def stats(self) -> dict:
-        return {"sink": self.sink, "buffered": len(self._buffer), "bound": self.bound,
+        return {"sink": self.sink, "buffered": len(self._buffer), "writing": self.writing,
+                "bound": self.bound,
                 "written": self.written, "retries": self.retries,
                 "dropped": self.dropped_full + self.dropped_failed,
                 "dropped_full": self.dropped_full, "dropped_failed": self.dropped_failed,
@@ -134,14 +136,16 @@ class EventWriter:
         while True:
             stopping = self._stop.is_set()
             if not pending and buf:
-                pending = [buf.popleft() for _ in range(min(len(buf), self.batch))]
+                count = min(len(buf), self.batch)
+                self.writing = count  # first: a reader never misses them (buffered + writing)
+                pending = [buf.popleft() for _ in range(count)]
             try:
                 if store is None and (pending or self._wanted
                                       or (self.path and os.path.exists(self.path))):
                     store = self._open()  # none made while off
                 if pending:
                     self._write(store, pending)
-                    pending, backoff = [], 0.0
+                    pending, backoff, self.writing = [], 0.0, 0
                     if stopping or len(buf) >= self.batch:
                         continue  # else the rest waits `idle_s`, so that batches grow
             except StoreUnavailable as e:
@@ -149,6 +153,7 @@ class EventWriter:
                 if stopping:  # shutting down: what could not be sent is lost, counted
                     self.dropped_failed += len(pending) + len(buf)
                     buf.clear()
+                    self.writing = 0
                     break
                 self.retries += 1
                 backoff = min(max(backoff * 2, 0.1), MAX_BACKOFF_S)
