@@ -10,7 +10,8 @@
   16 hex characters clients see; `since`/`until` unix seconds (fractions allowed) or ISO
   8601; `limit` 1..10000 events (default 1000). Bad arguments 400; a msg_id or trace_id
   with no events 404 with a JSON body saying so. The store is trace.sqlite, or
-  Elasticsearch with `--trace-es-url` (503 `TRACE_STORE_UNAVAILABLE` while unreachable).
+  Elasticsearch with `--trace-es-url`: 503 `TRACE_STORE_UNAVAILABLE` (with a `detail`
+  saying why) while it is unreachable, or a file SQLite cannot read.
 - `GET /message/get?topic=&[partition=]&msg_id=|offset=`: one message from the log, found
   through the commitlog (a msg_id alone names its partition): header fields, ext header,
   body (UTF-8 text, or base64 with `body_encoding`).
@@ -66,7 +67,12 @@ def _checked(parse, request):
 
 def _not_found(code: str, what: str) -> web.Response:
     """404 with the code (as every error here) and a sentence saying what was not found."""
-    return web.json_response({"message": code, "detail": what}, status=404, headers=V1_HEADER)
+    return _answer(404, code, what)
+
+
+def _answer(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"message": code, "detail": detail}, status=status,
+                             headers=V1_HEADER)
 
 
 async def do_trace_search(nsqd, request):
@@ -76,8 +82,8 @@ async def do_trace_search(nsqd, request):
         found = await asyncio.to_thread(
             nsqd.tracer.search, msg_id=msg_id, trace_id=trace_id, topic=q.topic,
             channel=q.channel, since_ns=q.since_ns, until_ns=q.until_ns, limit=q.limit)
-    except StoreUnavailable:  # --trace-es-url: Elasticsearch cannot be reached
-        raise HTTPError(503, "TRACE_STORE_UNAVAILABLE") from None
+    except StoreUnavailable as e:  # Elasticsearch unreachable, or a file SQLite cannot read
+        return _answer(503, "TRACE_STORE_UNAVAILABLE", str(e))
     if not found and msg_id is not None:
         return _not_found("MSG_NOT_FOUND", f"no trace events of message {msg_id_hex(msg_id)} "
                           "(its topic not traced then, the id unknown, or past retention)")

@@ -338,6 +338,32 @@ async def test_store_that_cannot_be_written_loses_no_message_and_counts_events(t
     await sub.close()
 
 
+async def test_a_store_file_sqlite_cannot_read_loses_no_message_and_search_says_why(
+        traced, tmp_path):
+    """A trace.sqlite that is not a database (a disk's garbage, a wrong file): messages
+    flow, every event is counted as dropped with SQLite's reason in /stats, and a search
+    answers 503 TRACE_STORE_UNAVAILABLE saying why (it was 500 INTERNAL_ERROR)."""
+    (tmp_path / "nsqd").mkdir()
+    (tmp_path / "nsqd" / "trace.sqlite").write_bytes(b"not sqlite " * 10_000)
+    node = traced("--trace-all")
+    sub = await conn(node)
+    await sub.sub("broken", "ch", rdy=10)
+    for i in range(5):
+        ok(node, "POST", "/pub?topic=broken", b"m%d" % i)
+    got = await take(sub, 5)
+    for m in got:
+        m.fin()
+    assert sorted(m.body for m in got) == [b"m%d" % i for i in range(5)]
+    t = await settled(node)
+    assert (t["written"], t["dropped_failed"]) == (0, 3 * 5), t
+    assert "not a database" in t["error"], t
+    status, data = http(node, "GET", "/trace/search?topic=broken")
+    assert status == 503 and data["message"] == "TRACE_STORE_UNAVAILABLE", (status, data)
+    assert "not a database" in data["detail"], data
+    assert http(node, "GET", "/ping")[0] == 200
+    await sub.close()
+
+
 def gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -297,22 +297,26 @@ def search(path: str, *, msg_id: int | None = None, trace_id: int | None = None,
     """Events matching every given condition, in time order, at most `limit` (the oldest).
     One of msg_id, trace_id, topic must be given: each is a key. A channel's events
     include its topic's (channel ""). A store not made yet (no file, or no schema in it
-    yet) holds nothing."""
+    yet) holds nothing. A file SQLite cannot read (not a database, malformed, locked past
+    the timeout) raises StoreUnavailable, saying why."""
     if msg_id is None and trace_id is None and topic is None:
         raise ValueError("search needs msg_id, trace_id or topic")
     if not os.path.exists(path):
         return []
     conditions = (msg_id, trace_id, topic, channel, since_ns, until_ns)
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2.0)
     try:
-        if _has_table(db, "chunks"):
-            found = _search_chunks(db, conditions, limit)
-        elif _has_table(db, "events"):
-            found = _search_rows(db, conditions, limit)
-        else:
-            found = []  # the file made, its schema not yet: nothing written
-    finally:
-        db.close()
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2.0)
+        try:
+            if _has_table(db, "chunks"):
+                found = _search_chunks(db, conditions, limit)
+            elif _has_table(db, "events"):
+                found = _search_rows(db, conditions, limit)
+            else:
+                found = []  # the file made, its schema not yet: nothing written
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as e:
+        raise StoreUnavailable(f"{path}: {type(e).__name__}: {e}") from e
     return [dict(zip(_NAMES, event)) for event in found]
 
 
