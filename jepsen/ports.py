@@ -4,11 +4,14 @@ A port the kernel handed out for `bind(0)` and that we released lies in the ephe
 range, so any outgoing connection may take it before our daemon listens on it (a full
 test run lost to `address already in use` that way). Ports below that range are never
 chosen for outgoing connections; the ones handed out here are remembered, so one process
-never gets the same port twice.
+never gets the same port twice. Each pytest-xdist worker hands out ports of its own slice
+of the range: a node killed and started again on its ports found one taken by a daemon
+another worker had just started there (a test run lost to `address already in use`).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -35,12 +38,26 @@ def bindable(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def _share() -> tuple[int, int]:
+    """The lowest and highest port this process hands out: of LOWEST up to the ephemeral
+    range, all of it, or a pytest-xdist worker's (gwN of PYTEST_XDIST_WORKER_COUNT) slice."""
+    low, high = LOWEST, _ephemeral_low() - 1
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        size = (high - low + 1) // count
+        low += int(worker[2:]) % count * size
+        high = low + size - 1
+    return low, high
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on, below the ephemeral range, not given before."""
-    high = _ephemeral_low() - 1
+    """A loopback port nobody listens on, below the ephemeral range, not given before by
+    this process, in its share of the range."""
+    low, high = _share()
     for _ in range(1000):
-        port = random.randint(LOWEST, high)
+        port = random.randint(low, high)
         if port not in _given and bindable(port):
             _given.add(port)
             return port
-    raise RuntimeError(f"no free port in {LOWEST}..{high}")
+    raise RuntimeError(f"no free port in {low}..{high}")

@@ -19,6 +19,7 @@ import pytest
 
 from isr.etcd import Etcd
 from isr.metadata import Metadata
+from jepsen import ports
 from jepsen.ports import free_port
 from jepsen.proxy import Relays
 from servers import NsqdProcess, NsqlookupdProcess
@@ -85,6 +86,23 @@ def nothing_arrives(sock: socket.socket, wait: float = 1.0) -> bool:
     except socket.timeout:
         return True
     return False
+
+
+def test_each_xdist_worker_hands_out_ports_of_its_own_slice(monkeypatch):
+    """Two workers never hand out one port (a node restarted on its port found it taken by
+    another worker's daemon), and every port is below the kernel's ephemeral range."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    shares = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        low, high = ports._share()
+        port = free_port()
+        assert low <= port <= high < ports._ephemeral_low(), (worker, low, port, high)
+        shares.append((low, high))
+    (low0, high0), (low1, high1) = shares
+    assert low0 == ports.LOWEST and high0 < low1
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert ports._share() == (ports.LOWEST, ports._ephemeral_low() - 1)  # not under xdist
 
 
 def test_relay_attributes_cuts_both_ways_and_resumes_without_loss():
