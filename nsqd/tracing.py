@@ -17,6 +17,7 @@ that learns it (`published`), and its answer is never delayed by the store.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 
@@ -28,6 +29,7 @@ from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
 STORE_FILE = "trace.sqlite"
+SEARCH_THREADS = 2  # searches run here, never in the loop's default executor (see searching)
 
 
 def es_access(o) -> dict:
@@ -50,6 +52,8 @@ class Tracer:
         self.trace_all = o.trace_all
         self.topics: set[str] = set()
         self.channels: set[tuple[str, str]] = set()
+        self._search_pool = concurrent.futures.ThreadPoolExecutor(
+            SEARCH_THREADS, thread_name_prefix="trace-search")
         node = f"{o.broadcast_address}:{o.tcp_host_port[1]}"
         self.es_url, self.es_prefix = o.trace_es_url, o.trace_es_index_prefix
         if self.es_url:  # the store is Elasticsearch alone (README: why not both)
@@ -88,12 +92,20 @@ class Tracer:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.writer.close)
+        self._search_pool.shutdown(wait=False, cancel_futures=True)
         if self.es_url:
             self.search_client.close()
 
+    async def searching(self, fn, *args):
+        """`fn(*args)` on one of the tracer's own SEARCH_THREADS threads. A flood of searches
+        waits for these alone: in the default executor it held every thread, and the
+        consumers' disk reads, metadata writes and delay-queue work waited behind it."""
+        return await asyncio.get_running_loop().run_in_executor(self._search_pool, fn, *args)
+
     def search(self, **conditions) -> list[dict]:
         """The store's events matching `conditions` (store.search's); blocking: call it from
-        a thread. With Elasticsearch, StoreUnavailable while it cannot be reached."""
+        a thread (`searching`). With Elasticsearch, StoreUnavailable while it cannot be
+        reached."""
         if self.es_url:
             return self._es.search(self.search_client, self.es_prefix, **conditions)
         return sqlite_store.search(self.path, **conditions)
