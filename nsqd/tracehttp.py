@@ -77,7 +77,7 @@ async def do_trace_search(nsqd, request):
 
 
 def _search_answer(tracer, q) -> tuple[int, bytes]:
-    """The search's status and JSON body. Blocking, on the tracer's search threads: the
+    """The search's status and JSON body. Blocking, on the tracer's search thread: the
     store's work, the timelines and the encoding of up to 10,000 events (a few hundred ms
     of CPU at that limit) stay off the event loop, and no step holds the GIL for long."""
     msg_id, trace_id = q.msg_id, q.trace_id

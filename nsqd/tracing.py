@@ -29,7 +29,7 @@ from nsqtrace.writer import EventWriter
 
 SWITCHES_KEY = "trace/switches"
 STORE_FILE = "trace.sqlite"
-SEARCH_THREADS = 2  # searches run here, never in the loop's default executor (see searching)
+SEARCH_THREADS = 1  # searches run here, one at a time (see searching)
 
 
 def es_access(o) -> dict:
@@ -97,9 +97,10 @@ class Tracer:
             self.search_client.close()
 
     async def searching(self, fn, *args):
-        """`fn(*args)` on one of the tracer's own SEARCH_THREADS threads. A flood of searches
-        waits for these alone: in the default executor it held every thread, and the
-        consumers' disk reads, metadata writes and delay-queue work waited behind it."""
+        """`fn(*args)` on the tracer's own search thread. A flood of searches waits for it
+        alone: in the default executor it held every thread, and the consumers' disk
+        reads, metadata writes and delay-queue work waited behind it. One thread, not two:
+        each one's Python work takes the GIL from the event loop (bench/README.md)."""
         return await asyncio.get_running_loop().run_in_executor(self._search_pool, fn, *args)
 
     def search(self, **conditions) -> list[dict]:
