@@ -68,3 +68,15 @@ def decode(buf, pos: int = 0) -> Entry:
     if zlib.crc32(memoryview(buf)[pos:pos + 60]) != crc:
         raise CorruptEntryError(f"entry checksum mismatch at byte {pos}")
     return Entry(*fields)
+
+
+def same_entries(pushed, held) -> bool:
+    """Whether entries from another replica are the ones held at their place: (epoch, offset,
+    count before, timestamp, size, message count) of each, log ids aside (they differ
+    between replicas). A duplicate push is told from a diverged one by this, never by its
+    offset alone."""
+    if len(pushed) != len(held):
+        return False
+    return all((a.epoch, a.offset, a.count_before, a.timestamp, a.size, a.msg_count)
+               == (b.epoch, b.offset, b.count_before, b.timestamp, b.size, b.msg_count)
+               for a, b in zip(pushed, held))

@@ -45,3 +45,8 @@ class OffsetOutOfRange(Exception):
     def __init__(self, start_offset: int, start_count: int):
         self.start = (start_offset, start_count)
         super().__init__(f"the log starts at {self.start}")
+
+
+class Diverged(Exception):
+    """A raw batch overlaps this log where it holds other entries (not a duplicate: the
+    leader's log and this one differ there); the replica must reconcile."""

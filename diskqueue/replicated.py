@@ -29,11 +29,13 @@ from collections import deque
 
 import structlog
 
-from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE
+from commitlog import entry as clog_entry
+from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, same_entries
 
 from .atomic import fsync_dir
 from .errors import (
     AppendError,
+    Diverged,
     GapError,
     NotCommitted,
     OffsetOutOfRange,
@@ -282,7 +284,7 @@ class Replicated:
             raise QueueClosedError(self.path)
         if self.failed is not None:
             raise self.failed
-        if (not entries and not data) or offset + len(data) <= self.written_end:
+        if not entries and not data:
             return self.written_end, self.written_count
         try:
             await self._exclusive(self._append_raw_job, offset, count, entries, data,
@@ -302,7 +304,7 @@ class Replicated:
             task.add_done_callback(
                 lambda t: done(asyncio.CancelledError() if t.cancelled() else t.exception()))
             return
-        if (not entries and not data) or offset + len(data) <= self.written_end:
+        if not entries and not data:
             self._loop.call_soon(done, None)
             return
         self._busy = True
@@ -331,8 +333,11 @@ class Replicated:
         self._write_worker.call(job)
 
     def _append_raw_job(self, offset, count, entries, data, records_checked):
-        """Check, renumber, write and (as the policy says) sync a raw batch (write worker)."""
+        """Check, renumber, write and (as the policy says) sync a raw batch (write worker). A
+        batch wholly within what is written is a duplicate only when its entries are the ones
+        held there (isr.core.same_entries), else Diverged."""
         if offset + len(data) <= self.written_end:
+            self._check_duplicate(offset, entries)
             return None
         if (offset, count) != (self.written_end, self.written_count):
             raise GapError(self.written_end, self.written_count)
@@ -348,6 +353,16 @@ class Replicated:
         self._write_sync(data, clog, len(checked), sync)
         self._store_committed()
         return checked[-1], messages, sync, time.perf_counter() - t0
+
+    def _check_duplicate(self, offset: int, entries) -> None:
+        pushed = [clog_entry.decode(entries, i) for i in range(0, len(entries), ENTRY_SIZE)]
+        held = []
+        first = self.commitlog.find_by_offset(offset) if offset >= self.start_offset else None
+        if first is not None and first.offset == offset:
+            held = [self.commitlog.get(first.log_id + i) for i in range(len(pushed))
+                    if first.log_id + i < self.commitlog.next_log_id]
+        if not same_entries(pushed, held):
+            raise Diverged(f"{self.path}: the batch at {offset} is not the one held there")
 
     def _appended_raw(self, written) -> None:
         """The loop's view of a raw batch written (before the slot passes on)."""
@@ -440,6 +455,20 @@ class Replicated:
     def _raise_epoch(self, epoch: int) -> None:
         self._tail_epoch, self._tail_end = self.last_epoch, self.written_end
         self.epoch = epoch
+
+    async def epoch_starts(self) -> list[tuple[int, tuple[int, int]]]:
+        """(epoch, (offset, count) of its first entry) of every epoch in the log, oldest
+        first (a leader's epoch cache: isr/core.py)."""
+        return await self._exclusive(self._epoch_starts_job)
+
+    def _epoch_starts_job(self) -> list[tuple[int, tuple[int, int]]]:
+        out = []
+        log = self.commitlog
+        entry = log.get(log.first_log_id) if log.next_log_id > log.first_log_id else None
+        while entry is not None:
+            out.append((entry.epoch, (entry.offset, entry.count_before)))
+            entry = log.first_after_epoch(entry.epoch)
+        return out
 
     async def epoch_end(self, epoch: int) -> tuple[int, int]:
         """The start of the first entry whose epoch is above `epoch`, or the written end."""

@@ -24,6 +24,8 @@ import bisect
 from collections import deque
 from typing import NamedTuple
 
+from commitlog.entry import same_entries  # noqa: F401  (a follower's duplicate test, here too)
+
 Pos = tuple[int, int]
 
 
@@ -109,16 +111,6 @@ def push_verdict(fence: int, level: tuple[str, int] | None, end: Pos, leader: st
     if tuple(start) < tuple(end):
         return Verdict.CHECK
     return Verdict.GAP
-
-
-def same_entries(pushed, held) -> bool:
-    """Whether pushed entries are the ones held at their place: (epoch, offset, count before,
-    timestamp, size, message count) of each, log ids aside (they differ between replicas)."""
-    if len(pushed) != len(held):
-        return False
-    return all((a.epoch, a.offset, a.count_before, a.timestamp, a.size, a.msg_count)
-               == (b.epoch, b.offset, b.count_before, b.timestamp, b.size, b.msg_count)
-               for a, b in zip(pushed, held))
 
 
 # ---- the leader -----------------------------------------------------------------------
@@ -237,8 +229,9 @@ class LeaderCore:
             f.unacked.append(now)
 
     def _advance(self) -> Pos | None:
-        """Commit min(own written end, every ISR member's and counted joiner's ack)."""
-        if self.stopped is not None or not self.epoch:
+        """Commit min(own written end, every ISR member's and counted joiner's ack); nothing
+        while the ISR is below min_isr (what waits then fails instead)."""
+        if self.stopped is not None or not self.epoch or len(self.state.isr) < self.min_isr:
             return None
         low = self.written
         for node in self.state.isr:
@@ -344,7 +337,7 @@ class LeaderCore:
             self.writable, self.reason = writable, reason
             self.actions.append(Action("writable", (writable, reason)))
         solo = (self.stopped is None and self.epoch > 0 and self.state.isr == (self.me,)
-                and not self.counted)
+                and self.min_isr <= 1 and not self.counted)
         if solo != self.solo:
             self.solo = solo
             self.actions.append(Action("solo", (solo,)))

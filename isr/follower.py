@@ -26,10 +26,11 @@ import structlog
 
 from commitlog import entry as clog_entry
 from diskqueue.atomic import read_json, write_json_atomic
-from diskqueue.errors import AppendError, DiskFullError, GapError
+from diskqueue.errors import AppendError, DiskFullError, Diverged, GapError
 from diskqueue.raw import BadBatch
 
 from . import wire
+from .core import Verdict, push_verdict, truncation_point
 from .peer import PeerError, Peers
 from .rpc import Answer, error
 from .wire import Frame, Kind
@@ -37,6 +38,7 @@ from .wire import Frame, Kind
 log = structlog.get_logger("isr.follower")
 
 FENCE_FILE = "fence.json"
+REQUEST_TIMEOUT = 2.0  # s: EPOCH_END, FETCH and JOIN to a leader that does not answer
 FETCH_BYTES = 1 << 20
 JOIN_LAG = 64 * 1024
 
@@ -105,6 +107,16 @@ class FollowerLog:
         self.stats = {"pushes": 0, "appends": 0, "fetches": 0, "truncations": 0, "joins": 0,
                       "restarts": 0}
 
+    async def _request(self, peer, kind: Kind, header: dict) -> Frame:
+        """A catch-up request with a deadline: a leader that hangs (SIGSTOP, a frozen host)
+        never holds this replica (PeerError after REQUEST_TIMEOUT)."""
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                return await peer.request(kind, header)
+        except TimeoutError:
+            raise PeerError(f"{peer.node_id}: no answer to {kind.name} in "
+                            f"{REQUEST_TIMEOUT} s") from None
+
     @property
     def end(self) -> tuple[int, int]:
         return self.q.written_end, self.q.written_count
@@ -129,9 +141,13 @@ class FollowerLog:
 
     def follow(self, state) -> None:
         """The partition's state changed: catch up while this node is not in the ISR."""
-        self.state = state
+        old, self.state = self.state, state
         me = self.host.node_id
         outside = state.leader is not None and state.leader != me and me not in state.isr
+        moved = old is not None and (old.leader, old.epoch) != (state.leader, state.epoch)
+        if outside and moved and self._catch_up is not None and not self._catch_up.done():
+            self._catch_up.cancel()  # it may be waiting on the old leader: start again
+            self._catch_up = None
         if outside and (self._catch_up is None or self._catch_up.done()):
             self._catch_up = asyncio.create_task(self._catch_up_loop())
         elif not outside and self._catch_up is not None:
@@ -176,8 +192,9 @@ class FollowerLog:
         (`append_raw_then`: the hot path) when it needs no fencing, no reconcile and the
         lock is free; else in the task `_append_pending`, under the lock."""
         h = self._pending[0][0]
-        if self._lock.locked() or h["epoch"] != self.epoch or \
-                self.level != (h["leader"], h["epoch"]):
+        verdict = push_verdict(self.epoch, self.level, self.end, h["leader"], h["epoch"],
+                               (h["offset"], h["count"]), h["n"])
+        if self._lock.locked() or verdict in (Verdict.FENCE, Verdict.RECONCILE):
             self._appender = asyncio.create_task(self._append_pending())
             return
         group = self._group(self._pending, 0)
@@ -244,7 +261,7 @@ class FollowerLog:
         try:
             await self.q.append_raw(h["offset"], h["count"], entries, data,
                                     records_checked=_checksums_match(group))
-        except (AppendError, GapError, BadBatch, ValueError) as e:
+        except (AppendError, GapError, BadBatch, Diverged, ValueError) as e:
             self._settle(group, e)
             return len(group)
         self._settle(group, None)
@@ -287,6 +304,8 @@ class FollowerLog:
             self.q.replicated_to(*group[-1][0]["commit"])
             answer = (Kind.ACK, {"end": list(self.end)}, b"")
         else:
+            if isinstance(e, Diverged):  # reconciled before anything more is taken
+                self.level = None
             if not isinstance(e, DiskFullError):
                 log.warning("follower_push_refused", topic=self.topic, partition=self.partition,
                             error=str(e))
@@ -313,22 +332,27 @@ class FollowerLog:
             self.stats["restarts"] += 1
 
     async def _reconcile(self, leader: str, epoch: int) -> None:
-        """Truncate the log until it is a prefix of `leader`'s (KIP-101): ask where the
-        leader's first entry newer than our last epoch starts; cut there; repeat."""
+        """Truncate the log until it is a prefix of `leader`'s (KIP-101, KIP-279): send our
+        last epoch; the leader answers its largest epoch not above it and where that epoch
+        ends there; cut at the lower of that and our own end of that epoch; repeat."""
         peer = self.peers.get(leader)
         while True:
             last = self.q.last_epoch
-            r = await peer.request(Kind.EPOCH_END, {"topic": self.topic, "partition": self.partition,
-                                                    "epoch": epoch, "last_epoch": last})
+            r = await self._request(peer, Kind.EPOCH_END, {
+                "topic": self.topic, "partition": self.partition, "epoch": epoch,
+                "last_epoch": last})
             if r.kind is not Kind.POSITION:
                 raise FollowError(r.header)
-            pos = (r.header["offset"], r.header["count"])
-            if pos[0] >= self.q.written_end:
+            answer = (r.header["offset"], r.header["count"])
+            found = r.header.get("epoch", last)  # a leader of before KIP-279: an offset only
+            own = await self.q.epoch_end(found) if found < last else self.end
+            cut = truncation_point(answer, own, self.end)
+            if cut is None:
                 break
             log.info("follower_truncate", topic=self.topic, partition=self.partition,
-                     leader=leader, epoch=epoch, last_epoch=last, end=list(self.end),
-                     to=list(pos))
-            await self.q.truncate_to(*pos)
+                     leader=leader, epoch=epoch, last_epoch=last, leader_epoch=found,
+                     end=list(self.end), to=list(cut))
+            await self.q.truncate_to(*cut)
             self.stats["truncations"] += 1
         self.level = (leader, epoch)
 
@@ -356,7 +380,7 @@ class FollowerLog:
             await self._reconcile(leader, epoch)
         while True:
             offset, count = self.end
-            r = await peer.request(Kind.FETCH, {**base, "epoch": epoch, "node": self.host.node_id,
+            r = await self._request(peer, Kind.FETCH, {**base, "epoch": epoch, "node": self.host.node_id,
                                                 "offset": offset, "count": count,
                                                 "max_bytes": self.fetch_bytes})
             if r.kind is not Kind.DATA:
@@ -379,7 +403,7 @@ class FollowerLog:
             if h["end"][0] - self.q.written_end <= self.join_lag:
                 offset, count = self.end
                 started = time.monotonic()
-                r = await peer.request(Kind.JOIN, {**base, "epoch": epoch,
+                r = await self._request(peer, Kind.JOIN, {**base, "epoch": epoch,
                                                    "node": self.host.node_id,
                                                    "offset": offset, "count": count})
                 if r.kind is Kind.OK:

@@ -50,6 +50,14 @@ async def _arrival(lookup, topic: str, partition: int):
     return target
 
 
+def _push(follower, frame: Frame, answer) -> None:
+    try:
+        follower.push(frame, answer)
+    except Exception as e:  # noqa: BLE001 - a request never takes the server down
+        log.warning("rpc_request_failed", kind=frame.kind.name, error=repr(e))
+        answer(error(wire.E_FAILED, repr(e)))
+
+
 def error(code: str, message: str, **extra) -> Answer:
     return Kind.ERROR, {"code": code, "message": message, **extra}, b""
 
@@ -66,6 +74,7 @@ class RpcServer:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task] = set()
+        self._early: dict[tuple[str, int], list] = {}  # PUSHes waiting for their replica
         self.port = 0
 
     async def start(self) -> None:
@@ -85,6 +94,30 @@ class RpcServer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _wait_for_replica(self, key, frame: Frame, answer) -> None:
+        """A PUSH before its partition's FollowerLog opened: kept, with every later PUSH of
+        that partition, in arrival order, until it opens (then handed over in that order)
+        or ARRIVAL_S passed (then each refused, in that order): no push overtakes another."""
+        early = self._early.get(key)
+        if early is not None:
+            early.append((frame, answer))
+            return
+        self._early[key] = [(frame, answer)]
+        task = asyncio.ensure_future(self._hand_over(key))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _hand_over(self, key) -> None:
+        try:
+            follower = await _arrival(self.host.follower_log, *key)
+        finally:
+            waiting = self._early.pop(key, [])
+        for frame, answer in waiting:
+            if follower is None:
+                answer(error(wire.E_NOT_REPLICA, f"no replica of {key[0]}/{key[1]}"))
+            else:
+                _push(follower, frame, answer)
 
     async def _dispatch(self, frame: Frame) -> Answer:
         h = frame.header
@@ -200,15 +233,16 @@ class _Connection(asyncio.Protocol):
             return False
         if frame.kind is Kind.PUSH:  # the hot path: straight to its partition, no task
             h = frame.header
-            follower = self.server.host.follower_log(h["topic"], h["partition"])
-            if follower is not None:
-                rid = frame.rid
-                try:
-                    follower.push(frame, lambda answer: self._answer(rid, answer))
-                except Exception as e:  # noqa: BLE001 - a request never takes the server down
-                    log.warning("rpc_request_failed", kind=frame.kind.name, error=repr(e))
-                    self._answer(frame.rid, error(wire.E_FAILED, repr(e)))
+            key = (h["topic"], h["partition"])
+            rid = frame.rid
+            answer = lambda a: self._answer(rid, a)  # noqa: E731
+            follower = self.server.host.follower_log(*key)
+            early = self.server._early.get(key)
+            if follower is None or early is not None:  # in arrival order behind the others
+                self.server._wait_for_replica(key, frame, answer)
                 return True
+            _push(follower, frame, answer)
+            return True
         task = asyncio.ensure_future(self.server._dispatch(frame))
         self.server._handlers.add(task)
         task.add_done_callback(lambda t: self._done(frame.rid, t))

@@ -161,8 +161,8 @@ class Cluster:
 
     @property
     def lease_held(self) -> bool:
-        """The node's lease is current: what a leader needs to take a publish (a node that
-        cannot renew it steps down at once, before etcd expires its keys)."""
+        """The node's lease is current: what taking up the leadership of a partition needs
+        (one led already goes on without it: see _apply)."""
         return bool(self.registration is not None and self.registration.lease_id)
 
     async def _watch_lease(self) -> None:
@@ -263,7 +263,13 @@ class Cluster:
             held = set()
         else:
             held = await self.leader_keys.hold({(name, n) for n in named}) if named else set()
-        leading, follow = self.replication.wanted(tv, lambda n: single or (name, n) in held)
+        # etcd away (the lease lost, no key can be held): a partition led here goes on while
+        # its ISR acknowledges (a commit needs every ISR member; a leader elected meanwhile
+        # is one of them and fences this one), none is taken up
+        away = not self.lease_held
+        leading, follow = self.replication.wanted(
+            tv, lambda n: single or (name, n) in held
+            or (away and self.replication.leading_now(name, n)))
         if not single and len(held) < len(named):  # another's key not expired yet: retried
             self.errors[name] = (f"leader keys of partitions "
                                  f"{sorted(n for n in named if (name, n) not in held)} "

@@ -109,6 +109,10 @@ class Replication:
                  isr=list(written.isr), catchup=list(written.catchup), epoch=written.epoch)
         return written
 
+    async def read_state(self, topic: str, partition: int) -> PartitionState | None:
+        """The partition's state as etcd holds it now (a read back after an unknown CAS)."""
+        return await self.cluster.metadata.read_partition(topic, partition)
+
     def channels_received(self, topic: str, partition: int, channels: dict) -> None:
         """The leader's channel states of a partition followed here: stored as this node's
         own checkpoint of them (written with the next flush)."""
@@ -219,6 +223,11 @@ class Replication:
             log.warning("leadership_given_up", topic=topic, partition=n, epoch=state.epoch,
                         reason=leader.reason)
         return self.refused.get((topic, n), -1) >= state.epoch
+
+    def leading_now(self, topic: str, n: int) -> bool:
+        """Whether the partition is led here in an epoch of its own, not stopped."""
+        leader = self.leaders.get((topic, n))
+        return leader is not None and not leader.closed and leader.epoch > 0
 
     def any_given_up(self) -> bool:
         """A LeaderLog closed for good while etcd still names this node (see gave_up)."""
@@ -345,8 +354,10 @@ def _given_up(leader: LeaderLog, me: str) -> bool:
 
 
 class _Gate:
-    """The gate of a partition led here: writable while the LeaderLog says so and the
-    node's lease is current (one that cannot renew it takes no publish, at once)."""
+    """The gate of a partition led here: writable while the LeaderLog says so. The node's
+    etcd lease is not asked: while etcd is away a leader whose whole ISR acknowledges goes
+    on committing (no leader can be elected meanwhile, and one elected from its ISR after
+    fences it: issue 28 item 10)."""
 
     __slots__ = ("leader", "cluster")
 
@@ -356,13 +367,10 @@ class _Gate:
 
     @property
     def writable(self) -> bool:
-        return (self.cluster.lease_held and self.leader.writable
-                and self.leader.q.failed is None)
+        return self.leader.writable and self.leader.q.failed is None
 
     @property
     def reason(self) -> str:
-        if not self.cluster.lease_held:
-            return "this node's etcd lease is lost"
         if self.leader.q.failed is not None:
             return f"its log failed: {self.leader.q.failed}"
         return self.leader.reason

@@ -83,6 +83,10 @@ class Host:
     async def change_isr(self, topic, partition, expected, new):
         return await self.states.cas(topic, partition, expected, new)
 
+    async def read_state(self, topic, partition):
+        await asyncio.sleep(0.001)  # a round trip
+        return self.states.states.get((topic, partition))
+
     def channels_received(self, topic, partition, channels):
         self.channels[(topic, partition)] = channels
 
@@ -108,6 +112,7 @@ class Host:
             self.leaders[(topic, partition)] = await LeaderLog(
                 self, self.peers, topic, partition, q, state, min_isr=self.min_isr,
                 repl_timeout=self.repl_timeout).start()
+            await self.leaders[(topic, partition)].taken()
         else:
             f = await FollowerLog(self, self.peers, topic, partition, q).open()
             self.followers[(topic, partition)] = f
@@ -122,6 +127,7 @@ class Host:
         leader = self.leaders[(topic, partition)] = await LeaderLog(
             self, self.peers, topic, partition, q, self.states.states[(topic, partition)],
             min_isr=self.min_isr, repl_timeout=self.repl_timeout).start()
+        await leader.taken()
         return leader
 
     def on_state(self, topic, partition, state) -> None:

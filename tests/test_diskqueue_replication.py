@@ -464,7 +464,10 @@ async def test_append_raw_then_answers_by_callback_in_order(tmp_path, queues):
     follower.append_raw_then(raws[0].offset, raws[0].count, raws[0].entries, raws[0].data,
                              lambda e: answers.append(("duplicate", e)))
     assert answers[-1][0] == "first"  # not from inside the call
-    await asyncio.sleep(0)
+    for _ in range(200):  # a duplicate is checked against the entries held (write worker)
+        if answers[-1][0] != "first":
+            break
+        await asyncio.sleep(0.005)
     assert answers[-1] == ("duplicate", None)
     find = asyncio.ensure_future(follower.find("offset", 0))
     await asyncio.sleep(0)
@@ -893,3 +896,22 @@ def test_check_batch_without_records_trusts_them_but_not_the_entries():
     assert len(check_batch(0, 0, entries, bytes(bad), 2, 0, records=False)) == 2
     with pytest.raises(BadBatch, match="cover"):
         check_batch(0, 0, entries, data + b"x", 2, 0, records=False)
+
+
+async def test_an_overlapping_batch_of_other_entries_is_diverged_not_a_duplicate(tmp_path, queues):
+    """A push that covers written data is a duplicate only when its entries are the ones held
+    (epoch, timestamp, size, count): another batch of the same size at the same place (a
+    leader that lost its write and wrote again) is Diverged, and nothing is written."""
+    from diskqueue.errors import Diverged
+    a = await queues(tmp_path / "a", QueueOptions())
+    b = await queues(tmp_path / "b", QueueOptions())
+    await a.append([b"x" * 10])
+    await b.append([b"y" * 10])  # same place, same size, another batch
+    follower = await queues(tmp_path / "follower")
+    raw_a, raw_b = await a.read_raw(0, 1 << 20), await b.read_raw(0, 1 << 20)
+    await follower.append_raw(raw_a.offset, raw_a.count, raw_a.entries, raw_a.data)
+    end = (follower.written_end, follower.written_count)
+    assert await follower.append_raw(raw_a.offset, raw_a.count, raw_a.entries, raw_a.data) == end
+    with pytest.raises(Diverged):
+        await follower.append_raw(raw_b.offset, raw_b.count, raw_b.entries, raw_b.data)
+    assert (follower.written_end, follower.written_count) == end

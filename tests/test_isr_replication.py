@@ -119,7 +119,7 @@ async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
                   "commit": [0, 0]}
         r = await peer.request(Kind.PUSH, header, raw.entries + raw.data)
         assert r.kind is Kind.ERROR and r.header["code"] == wire.E_STALE_EPOCH
-        assert r.header["epoch"] == 5
+        assert r.header["epoch"] == 6  # the leader's own epoch: the state's, raised by one
         assert (fq.written_end, fq.written_count) == before
         # a CHANNELS of an older epoch too
         r = await peer.request(Kind.CHANNELS, {"topic": T, "partition": 0, "epoch": 1,
@@ -138,10 +138,10 @@ async def test_a_stopped_follower_is_dropped_and_the_write_completes(tmp_path):
         await hosts[2].rpc.stop()
         a = await asyncio.wait_for(lq.append([b"after"]), 3)
         s = states.states[(T, 0)]
-        assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 2
+        assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 3  # 2: the leadership's
         assert lq.committed_end == a.end_offset == hosts[1].queues[(T, 0)].written_end
         assert hosts[0].leaders[(T, 0)].writable
-        await until(lambda: lq.epoch == 2, 1)  # new entries carry the new epoch
+        await until(lambda: lq.epoch == 3, 1)  # new entries carry the new epoch
     finally:
         await stop(hosts)
 
@@ -257,7 +257,7 @@ async def test_a_diverged_replica_truncates_to_the_new_leader_and_joins(tmp_path
         bodies = [x[2] for x in await records(a2q)]
         assert bodies == [b"m1", b"m2", b"m3", b"n1", b"n2", b"n3", b"n4"]
         s = states.states[(T, 0)]
-        assert s.isr == (B, C, A) and s.catchup == () and s.epoch == 3
+        assert s.isr == (B, C, A) and s.catchup == () and s.epoch == 4
     finally:
         await stop(hosts)
 
@@ -444,7 +444,7 @@ async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
             await asyncio.wait_for(aq.append([b"stale"]), 5)
         assert aq.committed_end == committed
         leader = a.leaders[(T, 0)]
-        assert not leader.writable and "epoch 2" in leader.reason
+        assert not leader.writable and "has seen epoch" in leader.reason
         await until(lambda: cq.committed_end == bq.committed_end, 2)
         for q in (bq, cq):
             assert [x[2] for x in await records(q)] == [b"before", b"new leader"]
@@ -524,9 +524,86 @@ async def test_a_refused_push_of_the_leaders_own_older_epoch_does_not_depose_it(
             return wire.Frame(Kind.ERROR, 0, {"code": wire.E_STALE_EPOCH, "message": "stale",
                                               "epoch": seen})
 
-        leader._acked(leader.followers[B], refusal(epoch))
-        assert not leader.closed and leader.followers[B].failed
-        leader._acked(leader.followers[C], refusal(epoch + 1))
+        leader._acked(B, refusal(epoch))
+        assert not leader.closed and leader.core.followers[B].failed
+        leader._acked(C, refusal(epoch + 1))
         assert leader.closed
+    finally:
+        await stop(hosts)
+
+
+async def test_a_leader_started_again_within_its_lease_leads_in_a_new_epoch(tmp_path):
+    """Issue 28 item 1: the followers hold a batch X the leader pushed but lost (killed
+    before its own write was durable); the leader starts again while etcd still names it.
+    It takes a new epoch first, so its next batch Y (as long as X, at X's place) is not
+    taken for X: the followers cut X and hold Y, as the leader does."""
+    states, hosts = await cluster(tmp_path, min_isr=2)
+    a = hosts[0]
+    try:
+        lq = a.queues[(T, 0)]
+        first = a.leaders[(T, 0)]
+        scratch = await DiskQueue.open(str(tmp_path / "scratch"), QueueOptions(partition=0))
+        await scratch.set_epoch(first.state.epoch)
+        await scratch.append([b"X" * 16])
+        x = await scratch.read_raw(0, 1 << 20)
+        await scratch.close()
+        for h in hosts[1:]:
+            peer = Peer(a, h.node_id)
+            r = await peer.request(Kind.PUSH, {
+                "topic": T, "partition": 0, "epoch": first.state.epoch, "leader": A, "offset": 0,
+                "count": 0, "n": x.n_entries, "data_len": len(x.data), "commit": [0, 0]},
+                x.entries + x.data)
+            assert r.kind is Kind.ACK, r.header
+            await peer.close()
+        await a.leaders.pop((T, 0)).close("killed")  # the leader's own write of X was lost
+        assert lq.written_end == 0
+        again = await a.open(T, 0, lq)  # noqa: F841  (leads again on the same queue)
+        leader = a.leaders[(T, 0)]
+        assert leader.state.epoch > first.state.epoch == states.states[(T, 0)].epoch - 1
+        y = await asyncio.wait_for(lq.append([b"Y" * 16]), 5)
+        assert y.end_offset == x.end[0]
+        for h in hosts[1:]:
+            q = h.queues[(T, 0)]
+            await until(lambda q=q: q.committed_end == y.end_offset, 2)
+            assert [body for *_, body in await records(q)] == [b"Y" * 16]
+    finally:
+        await stop(hosts)
+
+
+async def test_a_shrink_while_etcd_does_not_answer_never_wedges_the_partition(tmp_path):
+    """Issue 28 item 2: a follower fails while etcd refuses every call (not a conflict):
+    what waits is answered (not writable: the ISR change cannot be written) instead of
+    waiting for ever, and once etcd answers again the follower is dropped and publishing
+    goes on."""
+    from diskqueue.errors import NotCommitted
+    states, hosts = await cluster(tmp_path, repl_timeout=0.3, min_isr=2)
+    a = hosts[0]
+    away = True
+    cas, read = states.cas, getattr(a, "read_state", None)
+
+    async def cas_away(*args):
+        if away:
+            raise ConnectionError("etcd unavailable")
+        return await cas(*args)
+
+    async def read_away(*args):
+        if away:
+            raise ConnectionError("etcd unavailable")
+        return await read(*args)
+
+    try:
+        lq = a.queues[(T, 0)]
+        await lq.append([b"before"])
+        states.cas, a.read_state = cas_away, read_away
+        await hosts[2].rpc.stop()
+        with pytest.raises(NotCommitted):
+            await asyncio.wait_for(lq.append([b"waits"]), 5)
+        leader = a.leaders[(T, 0)]
+        assert not leader.writable and "etcd" in leader.reason
+        away = False
+        await until(lambda: states.states[(T, 0)].isr == (A, B), 5)
+        await until(lambda: leader.writable, 2)
+        done = await asyncio.wait_for(lq.append([b"after"]), 5)
+        assert lq.committed_end == done.end_offset
     finally:
         await stop(hosts)

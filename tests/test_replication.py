@@ -595,3 +595,37 @@ async def test_a_topics_sync_policy_and_retention_from_etcd_rule_its_replicas(tm
         await conn.close()
     finally:
         cl.stop()
+
+
+async def test_publishing_goes_on_while_etcd_is_stopped(cluster):
+    """Issue 28 item 10: etcd SIGSTOPped for three lease TTLs under publishing. No leader can
+    be elected meanwhile and the whole ISR acknowledges, so the leader keeps committing
+    (before: every publish was refused once its lease ran out). Nothing is lost after."""
+    cl = cluster
+    make_topic(cl, "away", 1)
+    s = await cl.until_states("away", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    leader = s[0].leader
+    assert await pub_when_led(leader, "away", 0, b"before") == b"OK"
+    host, port = leader.rsplit(":", 1)
+    conn = await Connection(host, int(port)).connect()
+    sent, failed = [], []
+    os.kill(cl.etcd.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        i = 0
+        while time.monotonic() - t0 < 3 * LEASE_TTL_S:
+            body = b"during-%d" % i
+            i += 1
+            try:
+                await asyncio.wait_for(conn.command(c.cmd_pub("away", body, partition=0)), 5)
+                sent.append(body)
+            except (NSQError, asyncio.TimeoutError) as e:
+                failed.append((body, repr(e)))
+            await asyncio.sleep(0.02)
+    finally:
+        os.kill(cl.etcd.proc.pid, signal.SIGCONT)
+        await conn.close()
+    assert not failed, failed[:5]
+    assert len(sent) > 50
+    seen = await consume_all(cl, "away", {b"before", *sent}, 30)
+    assert {b"before", *sent} <= seen.keys()
