@@ -2,8 +2,8 @@
 channel's start"), with real processes (tests/cluster.py): etcd and nsqlookupd on the
 machine's clock, one nsqd whose wall clock is 2 s behind the others (libfaketime through
 LD_PRELOAD; its monotonic clock is left alone) and whose view of etcd lags by 0.6 s (its
-etcd connections go through a relay that holds what etcd sends for that long: a loaded
-node, a slow link), so it makes the new channel after the first messages for it arrived.
+etcd watch goes through a relay that holds what etcd sends for that long: a loaded node,
+a slow link), so it makes the new channel after the first messages for it arrived.
 
 - a channel made by a SUB (or /channel/create) on a node whose clock is ahead: every
   message published to the skewed leader's partition right after the SUB's OK (or the
@@ -40,8 +40,10 @@ pytestmark = pytest.mark.skipif(LIBFAKETIME is None,
 
 
 class LaggingRelay:
-    """A TCP relay to `upstream` on its own thread and loop: what the client sends goes on
-    at once, what upstream answers is held `lag` seconds (order kept)."""
+    """A TCP relay to etcd on its own thread and loop: what the client sends goes on at
+    once, and so do etcd's answers, except on a connection that carries a watch, where
+    what etcd sends is held `lag` seconds (order kept): the node's view lags, its lease
+    and other calls do not."""
 
     def __init__(self, upstream_port: int, lag: float):
         self.upstream_port, self.lag = upstream_port, lag
@@ -65,8 +67,9 @@ class LaggingRelay:
         except OSError:
             writer.close()
             return
+        lag = [0.0]  # this connection's: set once it carries a watch
 
-        async def pipe(src, dst, lag: float) -> None:
+        async def pipe(src, dst, upward: bool) -> None:
             held: asyncio.Queue = asyncio.Queue()
 
             async def deliver() -> None:
@@ -79,7 +82,9 @@ class LaggingRelay:
             sender = asyncio.create_task(deliver())
             try:
                 while data := await src.read(65536):
-                    held.put_nowait((self.loop.time() + lag, data))
+                    if upward and b"/v3/watch" in data:
+                        lag[0] = self.lag
+                    held.put_nowait((self.loop.time() + (0.0 if upward else lag[0]), data))
             except OSError:
                 pass
             held.put_nowait(None)
@@ -88,7 +93,7 @@ class LaggingRelay:
             except OSError:
                 pass
 
-        await asyncio.gather(pipe(reader, up_w, 0.0), pipe(up_r, writer, self.lag),
+        await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False),
                              return_exceptions=True)
 
     def close(self) -> None:
