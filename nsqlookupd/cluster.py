@@ -260,7 +260,7 @@ class Cluster:
 
     async def create_channel(self, topic: str, channel: str) -> bool:
         await self.master_view()
-        meta = ChannelMeta(created_ms=int(time.time() * 1000))
+        meta = ChannelMeta()
         try:
             created = await self.metadata.create_channel(topic, channel, meta)
         except TopicNotFound:
