@@ -5,9 +5,9 @@ LD_PRELOAD; its monotonic clock is left alone) and whose view of etcd lags by 0.
 etcd watch goes through a relay that holds what etcd sends for that long: a loaded node,
 a slow link), so it makes the new channel after the first messages for it arrived.
 
-- a channel made by a SUB (or /channel/create) on a node whose clock is ahead: every
-  message published to the skewed leader's partition right after the SUB's OK (or the
-  200) is delivered on the new channel (before: the skewed leader started the channel at
+- a channel made by a SUB (or nsqd's /channel/create, or the master nsqlookupd's) on a
+  node whose clock is ahead: every message published to the skewed leader's partition
+  right after the SUB's OK (or the 200) is delivered on the new channel (before: the skewed leader started the channel at
   the creating node's wall clock matched against its own record timestamps and skipped
   what was published in those 2 s, for good);
 - the same, with the skewed leader killed with SIGKILL right after those publishes: the
@@ -211,7 +211,7 @@ def three_nodes(tmp_path):
     relay.close()
 
 
-@pytest.mark.parametrize("how", ["sub", "http"])
+@pytest.mark.parametrize("how", ["sub", "http", "lookupd"])
 async def test_messages_right_after_the_create_reach_a_leader_whose_clock_is_behind(
         two_nodes, how):
     cl = two_nodes
@@ -226,8 +226,13 @@ async def test_messages_right_after_the_create_reach_a_leader_whose_clock_is_beh
     if how == "sub":  # a classic SUB on the creating node: every partition it leads
         sub = await Connection("127.0.0.1", creator.tcp_port).connect()
         assert await sub.command(c.cmd_sub("skew", "fresh")) == b"OK"
-    else:
+    elif how == "http":
         status, body = http_json("POST", f"http://{creator.http_address}/channel/create"
+                                         f"?topic=skew&channel=fresh")
+        assert status == 200, body
+    else:  # the master nsqlookupd writes it to etcd, then asks each leader
+        master = cl.lookupds[cl.master()]
+        status, body = http_json("POST", f"http://{master.http_address}/channel/create"
                                          f"?topic=skew&channel=fresh")
         assert status == 200, body
     after = [b"after-%d" % i for i in range(50)]
