@@ -64,6 +64,11 @@ Ours, beyond classic:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
 - GET /metrics: Prometheus text (metrics.py).
+- Cluster mode: /channel/create (and a SUB) that makes a channel answers once every
+  partition's leader made it (503 `CHANNEL_CREATE_FAILED` after 5 s); GET
+  /channel/made?topic=&channel= answers `{"partitions": [...]}`, the partitions led here
+  on which the channel is made with its start on the ISR, which the creating node (or
+  nsqlookupd) asks each leader (cluster.py, wait_made).
 - POST /channel/setoffset?topic=&channel=[&partition=], body `timestamp:<s>|offset:<n>|
   count:<n>|end`: moves the channel's cursor (replay.py; its errors carry extra keys).
 - `/pub?trace_id=` (the record's trace id, message trace); /trace/search, /message/get and
