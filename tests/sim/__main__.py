@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from .mutations import MUTATIONS, mutated
+from .mutations import COMBINED, MUTATIONS, mutated
 from .world import World
 from .invariants import Violation
 
@@ -19,7 +19,7 @@ def main(argv=None):
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--min-isr", type=int, default=0, help="1 or 2 (default: by seed)")
-    p.add_argument("--mutation", choices=sorted(MUTATIONS))
+    p.add_argument("--mutation", choices=sorted(MUTATIONS) + sorted(COMBINED))
     p.add_argument("--trace", action="store_true")
     a = p.parse_args(argv)
     with mutated(a.mutation):
@@ -37,13 +37,18 @@ def main(argv=None):
             return 0
         t = time.monotonic()
         bad = []
+        totals = {}
         for s in range(a.first, a.first + a.seeds):
+            w = World(s, min_isr=a.min_isr or min_isr_for(s))
             try:
-                World(s, min_isr=a.min_isr or min_isr_for(s)).run(a.steps)
+                w.run(a.steps)
             except Violation as v:
                 bad.append(s)
                 print(f"seed {s} step {v.step}: {v}")
+            for k, n in dict(w.stats, pubs=w.pubs, acked=len(w.checker.acks)).items():
+                totals[k] = totals.get(k, 0) + n
         dt = time.monotonic() - t
+        print("per seed:", ", ".join(f"{k} {n / a.seeds:.1f}" for k, n in totals.items()))
         print(f"{a.seeds} seeds, {len(bad)} failed, {a.seeds / dt:.0f} seeds/s")
         return 1 if bad else 0
 

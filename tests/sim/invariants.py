@@ -12,7 +12,8 @@
    knows) is never past the global committed end, nor past its own log; a leader commits
    nothing past its own synced end.
 5. A replica that rejoins (its JOIN CAS written) holds exactly the leader's log up to its
-   end, and has synced everything the leader committed.
+   end, and has synced everything the leader committed; and a replica that ends its
+   EPOCH_END rounds (KIP-279) with a leader holds a prefix of that leader's log.
 6. No publish waits past its deadline without an answer, and none is answered twice.
 """
 
@@ -92,6 +93,16 @@ class Checker:
         if node.disk.durable_end() < d.committed:
             raise Violation(5, f"{node.id} rejoins with synced end "
                                f"{node.disk.durable_end()} < commit {d.committed}")
+
+    def level(self, w, d, node):
+        """`node` ended its EPOCH_END rounds with leadership `d`: its log is a prefix of the
+        leader's (what it pushed, written or not)."""
+        log = node.disk.log
+        if log != d.pushed_log[:len(log)]:
+            k = next((i for i in range(min(len(log), len(d.pushed_log)))
+                      if log[i] != d.pushed_log[i]), min(len(log), len(d.pushed_log)))
+            raise Violation(5, f"{node.id} is level with {d.node.id} (epoch {d.epoch}) holding "
+                               f"{log[k:k + 1]} where the leader has {d.pushed_log[k:k + 1]}")
 
     # ---- after every step ----
 

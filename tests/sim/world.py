@@ -25,9 +25,9 @@ NODES = ("a:1", "b:1", "c:1")
 ETCD = "etcd"
 
 # timing, in ticks
-TTL = 8  # a node's lease
-REPL_TIMEOUT = 4  # a push unanswered this long: the follower failed
-PUB_DEADLINE = 10  # a publish is answered by then
+TTL = 10  # a node's lease
+REPL_TIMEOUT = 5  # a push unanswered this long: the follower failed
+PUB_DEADLINE = 15  # a publish is answered by then
 ETCD_TIMEOUT = 3  # an etcd call unanswered this long: outcome unknown
 REQ_TIMEOUT = 4  # a follower's EPOCH_END / FETCH / JOIN unanswered this long: give up
 JOIN_TIMEOUT = 12  # the leader abandons a JOIN not in the ISR by then
@@ -169,6 +169,7 @@ class LeaderDriver:
         elif a.kind == "joined":
             node, epoch = a.args
             w.checker.joined(w, self, w.nodes[node])
+            w.stats["joined"] += 1
             self.joins.pop(node, None)
             w.send(self.node.id, node, "JOINED", {"leader": self.node.id, "inc": self.inc})
         elif a.kind == "join_failed":
@@ -209,6 +210,7 @@ class LeaderDriver:
             return
         self.committed = pos
         w = self.w
+        w.stats["commits"] += 1
         w.checker.committed(w, self, pos)
         still = []
         for wt in self.waiters:
@@ -535,10 +537,15 @@ class Node:
                     return
                 self.w.trace(f"  {self.id} truncates to {cut}")
                 self.disk.truncate(cut)
+                self.w.stats["truncated"] += 1
                 self.commit = min(self.commit, self.disk.end())
                 self.send_epoch_end()
                 return
             self.level = (r["leader"], b["leader_epoch"])
+            self.w.stats["reconciled"] += 1
+            leader = self.w.nodes[r["leader"]].driver
+            if leader is not None and leader.inc == b["inc"]:
+                self.w.checker.level(self.w, leader, self)
             if r["purpose"] == "push":
                 self.recon = None
                 held, self.held = self.held, []
@@ -644,6 +651,8 @@ class World:
         self.revision = 1
         self.lease = {n: TTL for n in NODES}  # etcd time a node's lease runs out
         self.checker = Checker()
+        self.stats = dict.fromkeys(("reconciled", "truncated", "joined", "unknown", "elected",
+                                    "commits"), 0)
         for n in self.nodes.values():
             n.see(self.state)
 
@@ -682,6 +691,8 @@ class World:
             out.update(outcome="read", state=self.state)
             if unknown:
                 out["outcome"] = "unknown"
+        if unknown:
+            self.stats["unknown"] += 1
         if unknown and rng.random() < 0.5:  # the call applied, its answer lost
             return self.send(ETCD, msg.src, "ETCD", dict(out, outcome="unknown"),
                              delay=ETCD_TIMEOUT + 1)
@@ -700,9 +711,15 @@ class World:
         new = self.rng.choice(live)
         self.nodes[new].key_released = False
         self.trace(f"master elects {new}")
+        self.stats["elected"] += 1
         self.put(s.evolve(leader=new, epoch=s.epoch + 1))
 
     # ---- steps ----
+
+    def deliver_some(self):
+        ready = self.deliverable()
+        if ready:
+            self.deliver(min(ready, key=lambda m: m.seq))
 
     def deliverable(self):
         return [m for m in self.msgs if m.ready <= self.now and not (
@@ -745,6 +762,9 @@ class World:
 
     def tick(self):
         self.now += 1
+        if self.etcd_stalled and self.now >= self.stall_until:
+            self.etcd_stalled = False
+            self.trace("etcd answers again")
         for n in self.nodes.values():
             if n.alive and not self.etcd_stalled and frozenset((n.id, ETCD)) not in self.cut:
                 self.lease[n.id] = self.now + TTL
@@ -759,6 +779,7 @@ class World:
         if n.driver is not None:
             n.driver.fail_waiters("connection lost")
         n.alive = False
+        n.down_until = self.now + self.rng.choice((1, TTL // 2, TTL - 2, 2 * TTL))
         n.disk.crash()
         n.reset()
         self.msgs = [m for m in self.msgs if m.src != n.id or m.dst == ETCD]
@@ -814,8 +835,10 @@ class World:
             self.trace(f"sync {n.id}")
             n.disk.sync()
             n.synced()
-        elif r < 0.90:
+        elif r < 0.86:
             self.tick()
+        elif r < 0.90:
+            self.deliver_some()
         elif r < 0.93:
             n = rng.choice(alive)
             if n.catch_up():
@@ -832,11 +855,11 @@ class World:
                 if ETCD not in (m.src, m.dst):
                     self.trace(f"duplicate {m}")
                     self.send(m.src, m.dst, m.kind, m.body, delay=rng.randint(0, 2))
-        elif r < 0.96:
+        elif r < 0.965:
             if len(alive) > 1 or rng.random() < 0.3:
                 self.crash(rng.choice(alive))
         elif r < 0.98:
-            dead = [n for n in self.nodes.values() if not n.alive]
+            dead = [n for n in self.nodes.values() if not n.alive and self.now >= n.down_until]
             if dead:
                 self.restart(rng.choice(dead))
         elif r < 0.99:
@@ -851,9 +874,10 @@ class World:
                     self.cut.add(frozenset((x, y)))
                     self.trace(f"cut {x}-{y}")
         elif r < 0.995:
-            if self.etcd_stalled or rng.random() < 0.4:
-                self.etcd_stalled = not self.etcd_stalled
-                self.trace(f"etcd stalled={self.etcd_stalled}")
+            if not self.etcd_stalled:
+                self.etcd_stalled = True
+                self.stall_until = self.now + rng.randint(1, 2 * ETCD_TIMEOUT)
+                self.trace(f"etcd stalls until {self.stall_until}")
         else:
             self.unknown_rate = rng.choice((0.0, 0.0, 0.2, 0.5))
             self.master_skew = rng.randint(-2, 2)
