@@ -1,0 +1,1 @@
+"""A deterministic fault simulator for the replication core (see README.md)."""
