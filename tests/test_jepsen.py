@@ -22,8 +22,9 @@ import time
 
 import pytest
 
-from jepsen import checker
+from jepsen import checker, replicas
 from jepsen.cluster import PREFIX, cleanup_leftovers
+from jepsen.nemesis import go_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +88,83 @@ def test_failover_is_fault_start_to_first_acknowledged_publish_of_each_partition
     assert r["max_s"] == 6.5 and r["never"] == 0
     a = checker.availability(h)
     assert a["enqueues"] == 3 and a["ok"] == 2 and a["success_rate"] == 0.6667
+
+
+def test_liveness_fails_a_partition_never_writable_after_the_heal():
+    assert checker.liveness({"bound_s": 30, "partitions_s": {0: 0.1}, "never": [1]})[
+        "valid"] is False
+    assert checker.liveness({"bound_s": 30, "partitions_s": {0: 0.1, 1: 2.0},
+                             "never": []})["valid"] is True
+
+
+def test_go_seconds_reads_nsqd_uptimes():
+    assert go_seconds("23.114703482s") == pytest.approx(23.114703482)
+    assert go_seconds("1h2m3.5s") == pytest.approx(3723.5)
+    assert go_seconds("250ms") == pytest.approx(0.25) and go_seconds("0s") == 0
+
+
+# ---- the replica checker on real partition folders (diskqueue, no cluster) -----------
+
+
+def write_partition(path, bodies: list[bytes], epochs: list[int]) -> None:
+    """A partition folder written by diskqueue, one write request per body, each with its
+    commitlog entry's epoch."""
+    import asyncio
+
+    from diskqueue.queue import DiskQueue
+
+    async def go():
+        q = await DiskQueue.open(str(path))
+        for body, epoch in zip(bodies, epochs):
+            q.epoch = epoch
+            await q.append([body])
+        await q.close()
+    asyncio.run(go())
+
+
+def body(i: int, tag: str = "a") -> bytes:
+    return json.dumps({"id": f"p1-{i}", "tag": tag}).encode()
+
+
+def test_replica_checker_finds_divergent_missing_and_longer_replicas(tmp_path):
+    """A follower whose record differs (same size, other body; then: same body, other
+    epoch) is divergent; an ISR follower that lacks committed records is missing them; a
+    replica longer than the leader is not a prefix of it (divergent past its end); an
+    identical one passes. Acknowledged ids absent from every committed log are counted."""
+    six = [body(i) for i in range(6)]
+    write_partition(tmp_path / "lead", six, [1, 1, 1, 2, 2, 2])
+    write_partition(tmp_path / "same", six, [1, 1, 1, 2, 2, 2])
+    write_partition(tmp_path / "other_body", six[:2] + [body(2, "b")] + six[3:],
+                    [1, 1, 1, 2, 2, 2])
+    write_partition(tmp_path / "other_epoch", six, [1, 1, 1, 1, 2, 2])
+    write_partition(tmp_path / "short", six[:4], [1, 1, 1, 2])
+    write_partition(tmp_path / "long", six + [body(6)], [1, 1, 1, 2, 2, 2, 3])
+    copies = {name: replicas.read_replica(name, str(tmp_path / name))
+              for name in ("lead", "same", "other_body", "other_epoch", "short", "long")}
+    lead = copies["lead"]
+    assert len(lead.records) == 6 and lead.entries == 6 and lead.last_epoch == 2
+    assert [v[3] for _, v in sorted(lead.records.items())] == [1, 1, 1, 2, 2, 2]
+    state = {"leader": "lead", "epoch": 2, "isr": ["lead", "same", "other_body",
+                                                   "other_epoch", "short"],
+             "committed_offset": lead.end_offset}
+    r = replicas.check_partition(0, state, copies)
+    per = r["replicas"]
+    assert per["same"]["divergent"] == 0 and per["same"]["missing"] == 0
+    assert per["other_body"]["divergent"] == 1
+    assert per["other_epoch"]["divergent"] == 1
+    assert per["short"] == dict(per["short"], divergent=0, missing=2)
+    assert per["long"]["in_isr"] is False and per["long"]["divergent"] == 1
+    assert per["long"]["beyond_leader_end"] == 1
+    assert r["divergent"] == 3 and r["missing"] == 2
+    # the whole check: the verdict, and an acknowledged id no committed log holds
+    collected = {"states": {0: state}, "copies": {0: {"lead": lead, "same": copies["same"]}},
+                 "isr_full_s": 0.5, "exits": {}, "replicas": 2, "want": 2}
+    ok = replicas.check(collected, {"p1-0", "p1-5"})
+    assert ok["valid"] is True and ok["divergent"] == 0 and ok["acknowledged_not_in_log"] == 0
+    assert ok["records_compared"] == 6 and ok["duplicated_in_log"] == 0
+    bad = replicas.check(collected, {"p1-0", "p9-1"})
+    assert bad["valid"] is False and bad["acknowledged_not_in_log_ids"] == ["p9-1"]
+    assert replicas.check(None, set())["valid"] == "skipped"
 
 
 # ---- real runs ----------------------------------------------------------------------
