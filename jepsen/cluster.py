@@ -406,12 +406,18 @@ class Cluster:
         clock is the real one plus the offset in `clock_file(host)`, reread at most a
         second after it changes. The monotonic clocks stay real (asyncio's timers, the
         leases' timing), as an NTP step leaves them; etcd and nsqlookupd are never under
-        it."""
+        it. FAKETIME_FORCE_MONOTONIC_FIX=0: libfaketime 0.9.10's fix of
+        pthread_cond_timedwait made every hand-over between nsqd's event loop and its
+        write workers take milliseconds (measured: 2-10 ms a hop instead of 30-60 us, a
+        publish p50 of 400 ms), and it is only needed when the monotonic clock is faked.
+        Under DONT_FAKE_MONOTONIC, libfaketime 0.9.10 fails Python's time.sleep with EINVAL
+        (clock_nanosleep); nsqd never calls it (asyncio and threading waits work)."""
         if not self.clock_skew:
             return []
         return ["env", f"LD_PRELOAD={self._faketime_lib}",
                 f"FAKETIME_TIMESTAMP_FILE={self.clock_file(host)}",
-                "FAKETIME_CACHE_DURATION=1", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+                "FAKETIME_CACHE_DURATION=1", "FAKETIME_DONT_FAKE_MONOTONIC=1",
+                "FAKETIME_FORCE_MONOTONIC_FIX=0"]
 
     def set_clock(self, host: Host, offset_s: float) -> None:
         """The host's nsqd clock becomes real + offset_s (within about 2 s: libfaketime's
