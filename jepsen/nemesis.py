@@ -78,8 +78,18 @@ class Nemesis:
         self.turn = 0
         self.current: dict | None = None
         self._timer: threading.Timer | None = None  # etcd-pause's SIGCONT
+        self._bags: dict[str, list[str]] = {}
 
     # ---- choosing -------------------------------------------------------------------
+
+    def _mode(self, kind: str, modes: list[str]) -> str:
+        """The next mode of a kind: each run of len(modes) faults of that kind takes every
+        mode once, in an order the seed shuffles (so a short run sees them all)."""
+        bag = self._bags.get(kind)
+        if not bag:
+            bag = self._bags[kind] = list(modes)
+            self.rng.shuffle(bag)
+        return bag.pop()
 
     def _target(self) -> tuple[Host, str]:
         """A random host, or the leader of a random partition (every other time)."""
@@ -133,7 +143,7 @@ class Nemesis:
         return {"kind": "pause", "continued": fault["hosts"]}
 
     def _start_restart(self) -> dict:
-        mode = self.rng.choice(["leader-now", "host-now", "every-now", "every-down"])
+        mode = self._mode("restart", ["leader-now", "host-now", "every-now", "every-down"])
         if mode == "leader-now" or mode == "host-now":
             leaders = self.cluster.leaders(self.topic)
             if mode == "leader-now" and leaders:
@@ -176,7 +186,7 @@ class Nemesis:
         return {"kind": "disk-full", "freed": fault["hosts"]}
 
     def _start_power_cut(self) -> dict:
-        mode = self.rng.choice(["one", "two", "all"])
+        mode = self._mode("power-cut", ["one", "two", "all"])
         if mode == "one":
             host, why = self._target()
             hosts = [host]
@@ -214,7 +224,8 @@ class Nemesis:
         return {"kind": "power-cut", "serving": fault["hosts"]}
 
     def _start_etcd_pause(self) -> dict:
-        mode = self.rng.choice(["one-member", "all-members", "all-members+follower-kill"])
+        mode = self._mode("etcd-pause", ["one-member", "all-members",
+                                          "all-members+follower-kill"])
         duration = round(self.rng.uniform(*ETCD_PAUSE_S), 1)
         members = ([self.rng.choice(self.cluster.hosts)] if mode == "one-member"
                    else list(self.cluster.hosts))
@@ -257,7 +268,7 @@ class Nemesis:
         return {"kind": "etcd-pause", "continued": fault["etcd"], "restarted": fault["hosts"]}
 
     def _start_clock_skew(self) -> dict:
-        mode = self.rng.choice(["one-host", "every-host"])
+        mode = self._mode("clock-skew", ["one-host", "every-host"])
         if mode == "one-host":
             host, why = self._target()
             hosts = [host]
@@ -281,7 +292,20 @@ class Nemesis:
                                          - (after[0] - before[h.name][0]), 3)
         return {"mode": mode, "target": why, "hosts": [h.name for h in hosts],
                 "partitions": self._affected(hosts), "offsets_s": offsets,
-                "measured_s": measured}
+                "measured_s": measured,
+                "faketime": {role: any(self._preloaded(h.daemons[role]) for h in hosts)
+                             for role in ("nsqd", "etcd")}}
+
+    @staticmethod
+    def _preloaded(d) -> bool:
+        """Whether the daemon's process runs with libfaketime preloaded."""
+        if not d.running:
+            return False
+        try:
+            with open(f"/proc/{d.proc.pid}/environ", "rb") as f:
+                return b"libfaketime" in f.read()
+        except OSError:
+            return False
 
     def _uptime(self, host: Host) -> tuple[float, float] | None:
         """(the harness's monotonic time, the nsqd's uptime in s from its text /stats)."""
