@@ -17,6 +17,8 @@ command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 # jepsen/: partitions are iptables DROP rules inside network namespaces
 command -v iptables >/dev/null || need_apt+=(iptables)
+# jepsen's clock-skew nemesis: nsqd under libfaketime (the faketime package pulls it in)
+ls /usr/lib/*/faketime/libfaketimeMT.so.1 >/dev/null 2>&1 || need_apt+=(faketime)
 # tests/test_nsqadmin_browser.py: Playwright drives Debian's chromium (no playwright install)
 command -v chromium >/dev/null || need_apt+=(chromium)
 # spark/ (PySpark, installed by pip through the test extra) runs on a JVM: Java 17
