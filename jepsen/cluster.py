@@ -113,9 +113,11 @@ class Daemon:
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM (nsqd drains, syncs and exits 0) and reap; SIGKILL after `timeout`.
-        Returns the exit status (None: it had to be killed, or was not running)."""
-        if not self.running:
+        Returns the exit status (None: it had to be killed, or was never started)."""
+        if self.proc is None:
             return None
+        if not self.running:
+            return self.proc.returncode
         if self.paused:
             self.signal(signal.SIGCONT)
         self.proc.terminate()

@@ -150,8 +150,7 @@ def stop_cleanly(cluster) -> dict[str, int | None]:
             if d.paused:
                 d.signal(signal.SIGCONT)
             d.proc.terminate()
-    return {d.host.name: d.stop(timeout=30) if d.running else
-            (d.proc.returncode if d.proc is not None else None) for d in nsqds}
+    return {d.host.name: d.stop(timeout=30) for d in nsqds}
 
 
 def collect(cluster, topic: str, partitions: int, replicas: int,
