@@ -21,8 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jepsen", description=__doc__)
     ap.add_argument("--nemesis", default="partition,kill,pause",
                     help=f"comma-separated, of {','.join(KINDS)}, or none")
-    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds of faults")
-    ap.add_argument("--long", action="store_true", help="an hour (--time-limit 3600)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds of faults (120; 3600 with --long)")
+    ap.add_argument("--long", action="store_true",
+                    help="an hour (--time-limit 3600) unless --time-limit is given too")
     ap.add_argument("--nodes", type=int, default=5)
     ap.add_argument("--lookupds", type=int, default=3, help="hosts with an nsqlookupd")
     ap.add_argument("--replicas", type=int, default=1)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nemesis = [] if args.nemesis == "none" else [k for k in args.nemesis.split(",") if k]
     store = args.store or os.path.join(HERE, "store", time.strftime("%Y%m%dT%H%M%S"))
-    opts = RunOptions(nemesis=nemesis, time_limit=3600.0 if args.long else args.time_limit,
+    opts = RunOptions(nemesis=nemesis, time_limit=args.time_limit if args.time_limit is not None else (
+                          3600.0 if args.long else 120.0),
                       nodes=args.nodes, lookupds=args.lookupds, replicas=args.replicas,
                       partitions=args.partitions, interval=args.interval, store=store,
                       loopback=args.loopback, nsqd_flags=args.nsqd_flag, seed=args.seed,
@@ -78,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jepsen: run aborted: {e!r}; what was recorded is in {store}", file=sys.stderr)
         return 2
     tq, av, fo = summary["total_queue"], summary["availability"], summary["failover"]
+    rp = summary["replicas"]
     print(json.dumps({"valid": summary["valid"], "lost": tq["lost"],
                       "unexpected": tq["unexpected"], "acknowledged": tq["acknowledged"],
                       "attempted": tq["attempted"], "duplicated": tq["duplicated"],
                       "duplicate_rate": tq["duplicate_rate"],
                       "order": summary["order"]["valid"],
+                      "divergent": rp.get("divergent"), "missing": rp.get("missing"),
+                      "replicas": rp["valid"], "liveness": summary["liveness"]["valid"],
                       "success_rate": av["success_rate"], "latency_ms": av["latency_ms"],
                       "failover_median_s": fo["median_s"], "failover_max_s": fo["max_s"],
                       "report": summary["index"]}))

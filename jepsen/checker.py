@@ -12,6 +12,10 @@ with `valid` (True, False, or "skipped") and its figures, named plainly.
 - availability: the enqueue success rate, latency percentiles, and both per second.
 - failover: per fault that took partition leaders away, the time from the fault's start
   to the first acknowledged keyed publish of each such partition invoked after it.
+- liveness: after the final heal, every partition takes an acknowledged write within a
+  bound (the runner measures it while the producers run).
+- replicas (jepsen/replicas.py, every R>1 run): the nodes' copies of each partition
+  compared record by record after a clean stop.
 """
 
 from __future__ import annotations
@@ -146,8 +150,18 @@ def failover(history: list[dict]) -> dict:
             "never": sum(1 for t in worst if t is None)}
 
 
-def check(history: list[dict], ordered: bool) -> dict:
+def liveness(found: dict | None) -> dict:
+    """After the final heal every partition must take a write again (the runner waits for
+    an acknowledged keyed publish of each, invoked after the heal, at most `bound_s`): a
+    partition that never does is wedged, whatever else the run shows."""
+    if found is None:
+        return {"valid": "skipped", "why": "no final heal (an older history)"}
+    return {"valid": not found["never"], **found}
+
+
+def check(history: list[dict], ordered: bool, after_heal: dict | None = None) -> dict:
     results = {"total_queue": total_queue(history), "order": order(history, ordered),
-               "availability": availability(history), "failover": failover(history)}
+               "availability": availability(history), "failover": failover(history),
+               "liveness": liveness(after_heal)}
     results["valid"] = all(r["valid"] in (True, "skipped") for r in results.values())
     return results

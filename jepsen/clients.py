@@ -57,6 +57,8 @@ class Workload:
         self.tasks: list[asyncio.Task] = []
         self.consumers: list[Consumer] = []
         self.acknowledged: set[str] = set()  # enqueue ids answered OK, for the drain
+        # partition -> invoke time (history clock) of its latest acknowledged keyed publish
+        self.last_ok_invoke: dict[int, float] = {}
         self.dequeued: set[str] = set()
         self._classic_thread: threading.Thread | None = None
 
@@ -108,12 +110,15 @@ class Workload:
             while self.producing:
                 value = {"id": f"{process}-{seq}", "key": key, "seq": seq,
                          "partition": partition}
+                invoked = self.history.now()
                 self.history.record("invoke", "enqueue", process, value)
                 try:
                     async with asyncio.timeout(PUBLISH_TIMEOUT_S):
                         await producer.publish(self.topic, json.dumps(value).encode(), key=key)
                     self.history.record("ok", "enqueue", process, value)
                     self.acknowledged.add(value["id"])
+                    if partition is not None:
+                        self.last_ok_invoke[partition] = invoked
                 except PublishError as e:
                     # refused: never stored; unless the node says it was written and may
                     # still be delivered (replicated, not committed: the outcome is unknown)

@@ -111,6 +111,22 @@ class Daemon:
             elif signum == signal.SIGCONT:
                 self.paused = False
 
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM (nsqd drains, syncs and exits 0) and reap; SIGKILL after `timeout`.
+        Returns the exit status (None: it had to be killed, or was never started)."""
+        if self.proc is None:
+            return None
+        if not self.running:
+            return self.proc.returncode
+        if self.paused:
+            self.signal(signal.SIGCONT)
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
     def kill(self) -> None:
         """SIGKILL and reap (a paused process dies as well)."""
         if self.running:
@@ -170,8 +186,9 @@ class Cluster:
 
     def __init__(self, store: str, nodes: int = 5, lookupds: int = 3,
                  nsqd_flags: tuple[str, ...] = (), lease_ttl: str = "2s", disk_mb: int = 64,
-                 powerfs: bool = False):
+                 powerfs: bool = False, clock_skew: bool = False):
         self.store = store
+        self.clock_skew = clock_skew  # every nsqd under libfaketime (clock_file, set_clock)
         self.disk_mb = disk_mb
         self.powerfs = powerfs  # nsqd's data on PowerFS (network namespaces only)
         self.logs = os.path.join(store, "logs")
@@ -193,6 +210,10 @@ class Cluster:
     def setup(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
         os.makedirs(self.data, exist_ok=True)
+        if self.clock_skew:
+            self._faketime_lib = faketime_library()
+            for h in self.hosts:
+                self.set_clock(h, 0.0)
         etcd_bin = shutil.which("etcd")
         if etcd_bin is None:
             raise RuntimeError("etcd is not installed: run scripts/setup.sh")
@@ -227,7 +248,7 @@ class Cluster:
                     *h.broadcast_ports(("lookupd_tcp", "tcp"), ("lookupd_http", "http"))],
                     f"http://{h.ip}:{lp['lookupd_http']}/ping")
             h.daemons["nsqd"] = Daemon(h, "nsqd", [
-                py, "-m", "nsqd.main", "--data-path", self.nsqd_data(h),
+                *self.faketime_env(h), py, "-m", "nsqd.main", "--data-path", self.nsqd_data(h),
                 "--tcp-address", f"{h.ip}:{lp['nsqd_tcp']}",
                 "--http-address", f"{h.ip}:{lp['nsqd_http']}",
                 "--rpc-address", f"{h.ip}:{lp['nsqd_rpc']}", "--broadcast-address", h.ip,
@@ -333,6 +354,82 @@ class Cluster:
         self.wait(lambda: len(self.leaders(topic)) == partitions, 30,
                   f"every partition of {topic} led")
 
+    def nsqd_http(self, host: Host) -> str:
+        return f"{host.ip}:{host.ports['nsqd_http']}"
+
+    def nsqd_stats(self, host: Host, timeout: float = 2) -> dict | None:
+        """The host's nsqd /stats (JSON), or None (down, paused, no answer)."""
+        d = host.daemons.get("nsqd")
+        if d is None or not d.running or d.paused:
+            return None
+        try:
+            status, body = http_json("GET", f"http://{self.nsqd_http(host)}/stats?format=json",
+                                     timeout=timeout)
+        except OSError:
+            return None
+        return body if status == 200 and isinstance(body, dict) else None
+
+    def partition_states(self, topic: str) -> dict[int, dict]:
+        """partition -> {leader, epoch, isr (host names), writable, committed_offset}, as
+        each partition's leader says in its /stats (a partition no live nsqd leads is
+        missing; two nodes that both say they lead: the higher epoch)."""
+        by_id = {h.nsqd_tcp: h.name for h in self.hosts}
+        out: dict[int, dict] = {}
+        for h in self.hosts:
+            stats = self.nsqd_stats(h)
+            if not stats:
+                continue
+            leading = ((stats.get("cluster") or {}).get("replication") or {}).get("leading") or {}
+            committed = {}
+            for t in stats.get("topics") or ():
+                if t.get("topic_name") == topic:
+                    for p in t.get("partitions") or ():
+                        committed[p.get("partition")] = p.get("committed_offset")
+            for key, st in leading.items():
+                name, _, n = key.rpartition("/")
+                if name != topic:
+                    continue
+                n = int(n)
+                if n in out and out[n]["epoch"] >= st.get("epoch", 0):
+                    continue
+                out[n] = {"leader": h.name, "epoch": st.get("epoch", 0),
+                          "isr": [by_id.get(i, i) for i in st.get("isr") or ()],
+                          "writable": st.get("writable"),
+                          "committed_offset": committed.get(n)}
+        return out
+
+    # ---- clocks (libfaketime under every nsqd when clock_skew) ---------------------------
+
+    def clock_file(self, host: Host) -> str:
+        return os.path.join(self.data, host.name, "faketime")
+
+    def faketime_env(self, host: Host) -> list[str]:
+        """`env LD_PRELOAD=libfaketime ...` before nsqd's argv (clock_skew only): its wall
+        clock is the real one plus the offset in `clock_file(host)`, reread at most a
+        second after it changes. The monotonic clocks stay real (asyncio's timers, the
+        leases' timing), as an NTP step leaves them; etcd and nsqlookupd are never under
+        it. FAKETIME_FORCE_MONOTONIC_FIX=0: libfaketime 0.9.10's fix of
+        pthread_cond_timedwait made every hand-over between nsqd's event loop and its
+        write workers take milliseconds (measured: 2-10 ms a hop instead of 30-60 us, a
+        publish p50 of 400 ms), and it is only needed when the monotonic clock is faked.
+        Under DONT_FAKE_MONOTONIC, libfaketime 0.9.10 fails Python's time.sleep with EINVAL
+        (clock_nanosleep); nsqd never calls it (asyncio and threading waits work)."""
+        if not self.clock_skew:
+            return []
+        return ["env", f"LD_PRELOAD={self._faketime_lib}",
+                f"FAKETIME_TIMESTAMP_FILE={self.clock_file(host)}",
+                "FAKETIME_CACHE_DURATION=1", "FAKETIME_DONT_FAKE_MONOTONIC=1",
+                "FAKETIME_FORCE_MONOTONIC_FIX=0"]
+
+    def set_clock(self, host: Host, offset_s: float) -> None:
+        """The host's nsqd clock becomes real + offset_s (within about 2 s: libfaketime's
+        cache). Written whole (rename), so it never reads a half-written file."""
+        path = self.clock_file(host)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{offset_s:+.3f}\n")
+        os.replace(path + ".tmp", path)
+
     # ---- faults (the network: both kinds; disks and power: NetnsCluster) ----------------
 
     def drop(self, host: Host, sources: list[Host]) -> None:
@@ -349,6 +446,9 @@ class Cluster:
         pass
 
     def power_cut(self, host: Host) -> None:
+        raise RuntimeError("this cluster has no PowerFS disks (loopback fallback)")
+
+    def power_cut_many(self, hosts: list[Host]) -> None:
         raise RuntimeError("this cluster has no PowerFS disks (loopback fallback)")
 
     def nsqd_data(self, host: Host) -> str:
@@ -474,8 +574,16 @@ class NetnsCluster(Cluster):
     def power_cut(self, host: Host) -> None:
         """SIGKILL the host's nsqd, drop what its PowerFS holds unsynced, unmount it and
         mount it again on what survived (the caller starts the nsqd again)."""
-        host.daemons["nsqd"].kill()
-        self.disks[host.name].cut()
+        self.power_cut_many([host])
+
+    def power_cut_many(self, hosts: list[Host]) -> None:
+        """Cut several hosts' power at once: every nsqd SIGKILLed first (from then on
+        nothing of theirs changes), then each PowerFS cut and mounted again in turn (what
+        it drops was decided at the kill, so the cuts are as one)."""
+        for h in hosts:
+            h.daemons["nsqd"].kill()
+        for h in hosts:
+            self.disks[h.name].cut()
 
     def fill_disk(self, host: Host) -> None:
         """Take every free block of the host's nsqd disk (a real ENOSPC for nsqd)."""
@@ -587,11 +695,26 @@ def _parent_of(pid: int) -> int:
         return 0
 
 
+def faketime_library() -> str:
+    """Debian's libfaketime (package libfaketime, pulled by faketime; scripts/setup.sh), the
+    multi-threaded build (nsqd has worker threads)."""
+    import glob
+
+    for pattern in ("/usr/lib/*/faketime/libfaketimeMT.so.1", "/usr/lib/faketime/libfaketimeMT.so.1",
+                    "/usr/lib/*/faketime/libfaketime.so.1"):
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    raise RuntimeError("libfaketime is not installed (the clock-skew nemesis): run "
+                       "scripts/setup.sh, or apt-get install faketime")
+
+
 def make_cluster(store: str, nodes: int, lookupds: int, nsqd_flags=(), loopback: bool = False,
-                 disk_mb: int = 64, powerfs: bool = False) -> Cluster:
+                 disk_mb: int = 64, powerfs: bool = False, clock_skew: bool = False) -> Cluster:
     """A NetnsCluster when we are root with `ip` and iptables, else the loopback one (which
     has no PowerFS: `powerfs` is for the network namespaces only)."""
     if not loopback and os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables"):
         return NetnsCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb,
-                            powerfs=powerfs)
-    return LoopbackCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb)
+                            powerfs=powerfs, clock_skew=clock_skew)
+    return LoopbackCluster(store, nodes, lookupds, tuple(nsqd_flags), disk_mb=disk_mb,
+                           clock_skew=clock_skew)

@@ -12,7 +12,7 @@ from jepsen.checker import fault_windows, pairs
 COLORS = {"ok": "#2a9d4b", "fail": "#d62728", "info": "#ff9f1c"}
 FAULT_COLORS = {"kill": "#d62728", "pause": "#9467bd", "partition": "#1f77b4",
                 "restart": "#8c564b", "disk-full": "#7f7f7f",
-                "power-cut": "#e6b800"}
+                "power-cut": "#e6b800", "etcd-pause": "#17becf", "clock-skew": "#bcbd22"}
 
 
 def _shade(ax, windows: list[dict], end: float) -> None:
@@ -100,6 +100,21 @@ def write(folder: str, history: list[dict], results: dict, run: dict) -> str:
             ("latency p50 / p99 / max (ms)", " / ".join(str(v) for v in
                                                         av["latency_ms"].values())),
             ("failover median / max (s)", f"{fo['median_s']} / {fo['max_s']}")]
+    lv = results.get("liveness") or {}
+    if lv.get("valid") != "skipped" and lv:
+        rows.append(("partitions never writable after the heal (must be none)",
+                     lv.get("never")))
+    rp = results.get("replicas") or {}
+    if rp.get("valid") == "skipped" or not rp:
+        rows.append(("replicas", rp.get("why", "skipped")))
+    else:
+        rows += [("divergent records (must be 0)", rp["divergent"]),
+                 ("missing from an ISR replica (must be 0)", rp["missing"]),
+                 ("acknowledged not in a committed log (must be 0)",
+                  rp["acknowledged_not_in_log"]),
+                 ("records compared", rp["records_compared"]),
+                 ("ISR full after the heal (s)", rp["isr_full_s"]),
+                 ("message ids written twice", rp["duplicated_in_log"])]
     faults = "".join(_fault_row(w) for w in fault_windows(history))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>jepsen {verdict}</title>
 <style>body{{font-family:sans-serif;margin:1.5em}} td,th{{padding:2px 10px;text-align:left}}

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import structlog
 
-from jepsen import checker, report
+from jepsen import checker, replicas, report
 from jepsen.cluster import make_cluster
 from jepsen.clients import Workload
 from jepsen.history import History, read
@@ -77,7 +77,8 @@ def run(opts: RunOptions) -> dict:
     seed = opts.seed or int(time.time())
     rng = random.Random(seed)
     cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
-                           opts.loopback, opts.disk_mb, powerfs="power-cut" in opts.nemesis)
+                           opts.loopback, opts.disk_mb, powerfs="power-cut" in opts.nemesis,
+                           clock_skew="clock-skew" in opts.nemesis)
     nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
     os.makedirs(os.path.join(opts.store, "logs"), exist_ok=True)
     log_file, handler = _client_logs(os.path.join(opts.store, "logs", "clients.log"))
@@ -85,6 +86,8 @@ def run(opts: RunOptions) -> dict:
     history = History(history_path)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in INTERRUPTS}
     info = dict(asdict(opts), seed=seed, cluster=type(cluster).__name__)
+    post: dict = {}  # what the run found after the final heal (liveness), for the checkers
+    copies = None
     try:
         print(f"jepsen: setting up {opts.nodes} hosts ({type(cluster).__name__}) in "
               f"{opts.store}", flush=True)
@@ -92,7 +95,11 @@ def run(opts: RunOptions) -> dict:
         cluster.create_topic(TOPIC, opts.partitions, opts.replicas, opts.ordered,
                              opts.sync_every)
         info["ordered"] = cluster.ordered(TOPIC)
-        asyncio.run(_phases(opts, cluster, nemesis, history, info))
+        asyncio.run(_phases(opts, cluster, nemesis, history, info, post))
+        if opts.replicas > 1:
+            print("jepsen: waiting for full ISRs, stopping the cluster cleanly, reading "
+                  "every replica", flush=True)
+            copies = replicas.collect(cluster, TOPIC, opts.partitions, opts.replicas)
     finally:
         history.close()
         cluster.teardown()
@@ -102,7 +109,11 @@ def run(opts: RunOptions) -> dict:
         structlog.reset_defaults()
         log_file.close()
     ops = read(history_path)
-    results = checker.check(ops, info.get("ordered", False))
+    results = checker.check(ops, info.get("ordered", False), post.get("liveness"))
+    acknowledged = {inv["value"]["id"] for inv, done in checker.pairs(ops)
+                    if done and done["type"] == "ok"}
+    results["replicas"] = replicas.check(copies, acknowledged)
+    results["valid"] = results["valid"] and results["replicas"]["valid"] in (True, "skipped")
     index = report.write(opts.store, ops, results, info)
     if results["valid"] and not opts.keep_data:
         shutil.rmtree(cluster.data, ignore_errors=True)
@@ -112,7 +123,7 @@ def run(opts: RunOptions) -> dict:
 
 
 async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
-                  info: dict) -> None:
+                  info: dict, post: dict) -> None:
     lookupds = cluster.lookupd_http_addresses
     nsqds = [h.nsqd_tcp for h in cluster.hosts]
     workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
@@ -133,13 +144,33 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
         healed = await asyncio.to_thread(nemesis.final_heal)
         history.record("info", "final-heal", "nemesis", healed)
         print(f"jepsen: {history.now():6.1f} s final heal {healed}", flush=True)
+        healed_at = history.now()
         await asyncio.to_thread(cluster.wait, lambda: len(cluster.leaders(TOPIC)) ==
                                 opts.partitions, 60, "every partition led after the heal")
+        post["liveness"] = await _writable_again(workload, history, healed_at, LIVENESS_S)
         await workload.stop_producing()
         history.record("info", "drain", "nemesis", {"acknowledged": len(workload.acknowledged)})
         info["drain_s"] = await _drain(workload, opts.drain_timeout, opts.drain_quiet)
     finally:
         await workload.close()
+
+
+LIVENESS_S = 30.0  # after the final heal, every partition must take a write within this
+
+
+async def _writable_again(workload: Workload, history: History, healed_at: float,
+                          bound_s: float) -> dict:
+    """Wait until every partition acknowledged a keyed publish invoked after the final
+    heal (a partition wedged for good never does), at most `bound_s`."""
+    while True:
+        waited = history.now() - healed_at
+        after = {n: t for n, t in workload.last_ok_invoke.items() if t >= healed_at}
+        if len(after) == workload.partitions or waited > bound_s:
+            break
+        await asyncio.sleep(0.2)
+    return {"bound_s": bound_s,
+            "partitions_s": {n: round(after[n] - healed_at, 2) for n in sorted(after)},
+            "never": sorted(set(range(workload.partitions)) - set(after))}
 
 
 async def _drain(workload: Workload, timeout: float, quiet: float) -> float:

@@ -17,8 +17,9 @@ command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 # jepsen/: partitions are iptables DROP rules inside network namespaces
 command -v iptables >/dev/null || need_apt+=(iptables)
-# tests/test_channel_start.py: one nsqd's wall clock skewed (libfaketime, LD_PRELOAD)
-command -v faketime >/dev/null || need_apt+=(faketime)
+# libfaketime: jepsen's clock-skew nemesis and tests/test_channel_start.py run one nsqd's
+# wall clock skewed (LD_PRELOAD); the faketime package brings the library
+ls /usr/lib/*/faketime/libfaketimeMT.so.1 >/dev/null 2>&1 || need_apt+=(faketime)
 # tests/test_nsqadmin_browser.py: Playwright drives Debian's chromium (no playwright install)
 command -v chromium >/dev/null || need_apt+=(chromium)
 # spark/ (PySpark, installed by pip through the test extra) runs on a JVM: Java 17

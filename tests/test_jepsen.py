@@ -22,8 +22,9 @@ import time
 
 import pytest
 
-from jepsen import checker
+from jepsen import checker, replicas
 from jepsen.cluster import PREFIX, cleanup_leftovers
+from jepsen.nemesis import go_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +88,83 @@ def test_failover_is_fault_start_to_first_acknowledged_publish_of_each_partition
     assert r["max_s"] == 6.5 and r["never"] == 0
     a = checker.availability(h)
     assert a["enqueues"] == 3 and a["ok"] == 2 and a["success_rate"] == 0.6667
+
+
+def test_liveness_fails_a_partition_never_writable_after_the_heal():
+    assert checker.liveness({"bound_s": 30, "partitions_s": {0: 0.1}, "never": [1]})[
+        "valid"] is False
+    assert checker.liveness({"bound_s": 30, "partitions_s": {0: 0.1, 1: 2.0},
+                             "never": []})["valid"] is True
+
+
+def test_go_seconds_reads_nsqd_uptimes():
+    assert go_seconds("23.114703482s") == pytest.approx(23.114703482)
+    assert go_seconds("1h2m3.5s") == pytest.approx(3723.5)
+    assert go_seconds("250ms") == pytest.approx(0.25) and go_seconds("0s") == 0
+
+
+# ---- the replica checker on real partition folders (diskqueue, no cluster) -----------
+
+
+def write_partition(path, bodies: list[bytes], epochs: list[int]) -> None:
+    """A partition folder written by diskqueue, one write request per body, each with its
+    commitlog entry's epoch."""
+    import asyncio
+
+    from diskqueue.queue import DiskQueue
+
+    async def go():
+        q = await DiskQueue.open(str(path))
+        for body, epoch in zip(bodies, epochs):
+            q.epoch = epoch
+            await q.append([body])
+        await q.close()
+    asyncio.run(go())
+
+
+def body(i: int, tag: str = "a") -> bytes:
+    return json.dumps({"id": f"p1-{i}", "tag": tag}).encode()
+
+
+def test_replica_checker_finds_divergent_missing_and_longer_replicas(tmp_path):
+    """A follower whose record differs (same size, other body; then: same body, other
+    epoch) is divergent; an ISR follower that lacks committed records is missing them; a
+    replica longer than the leader is not a prefix of it (divergent past its end); an
+    identical one passes. Acknowledged ids absent from every committed log are counted."""
+    six = [body(i) for i in range(6)]
+    write_partition(tmp_path / "lead", six, [1, 1, 1, 2, 2, 2])
+    write_partition(tmp_path / "same", six, [1, 1, 1, 2, 2, 2])
+    write_partition(tmp_path / "other_body", six[:2] + [body(2, "b")] + six[3:],
+                    [1, 1, 1, 2, 2, 2])
+    write_partition(tmp_path / "other_epoch", six, [1, 1, 1, 1, 2, 2])
+    write_partition(tmp_path / "short", six[:4], [1, 1, 1, 2])
+    write_partition(tmp_path / "long", six + [body(6)], [1, 1, 1, 2, 2, 2, 3])
+    copies = {name: replicas.read_replica(name, str(tmp_path / name))
+              for name in ("lead", "same", "other_body", "other_epoch", "short", "long")}
+    lead = copies["lead"]
+    assert len(lead.records) == 6 and lead.entries == 6 and lead.last_epoch == 2
+    assert [v[3] for _, v in sorted(lead.records.items())] == [1, 1, 1, 2, 2, 2]
+    state = {"leader": "lead", "epoch": 2, "isr": ["lead", "same", "other_body",
+                                                   "other_epoch", "short"],
+             "committed_offset": lead.end_offset}
+    r = replicas.check_partition(0, state, copies)
+    per = r["replicas"]
+    assert per["same"]["divergent"] == 0 and per["same"]["missing"] == 0
+    assert per["other_body"]["divergent"] == 1
+    assert per["other_epoch"]["divergent"] == 1
+    assert per["short"] == dict(per["short"], divergent=0, missing=2)
+    assert per["long"]["in_isr"] is False and per["long"]["divergent"] == 1
+    assert per["long"]["beyond_leader_end"] == 1
+    assert r["divergent"] == 3 and r["missing"] == 2
+    # the whole check: the verdict, and an acknowledged id no committed log holds
+    collected = {"states": {0: state}, "copies": {0: {"lead": lead, "same": copies["same"]}},
+                 "isr_full_s": 0.5, "exits": {}, "replicas": 2, "want": 2}
+    ok = replicas.check(collected, {"p1-0", "p1-5"})
+    assert ok["valid"] is True and ok["divergent"] == 0 and ok["acknowledged_not_in_log"] == 0
+    assert ok["records_compared"] == 6 and ok["duplicated_in_log"] == 0
+    bad = replicas.check(collected, {"p1-0", "p9-1"})
+    assert bad["valid"] is False and bad["acknowledged_not_in_log_ids"] == ["p9-1"]
+    assert replicas.check(None, set())["valid"] == "skipped"
 
 
 # ---- real runs ----------------------------------------------------------------------
@@ -314,6 +392,104 @@ def test_cleanup_stops_a_harness_left_running_and_its_hosts(tmp_path):
                                        text=True).stdout:
         assert time.monotonic() < deadline, "a process of the stopped run is still running"
         time.sleep(0.2)
+
+
+def faults(store) -> list[dict]:
+    """The nemesis's fault records, in order."""
+    return [json.loads(line)["value"] for line in open(store / "history.jsonl")
+            if '"process":"nemesis"' in line and '"f":"start"' in line]
+
+
+def assert_replicas_agree(status: int, s: dict) -> None:
+    """Nothing acknowledged lost, no divergent or missing record in any replica, every
+    partition writable after the heal: the verdict of an R=3 run."""
+    tq, rp = s["total_queue"], s["replicas"]
+    figures = {k: tq[k] for k in ("acknowledged", "lost", "unexpected", "duplicated")}
+    figures.update({k: rp.get(k) for k in ("divergent", "missing", "acknowledged_not_in_log",
+                                            "isr_full_s", "records_compared")},
+                   never_writable=s["liveness"].get("never"))
+    assert tq["lost"] == 0 and tq["unexpected"] == 0, figures
+    assert rp["valid"] is True and rp["divergent"] == 0 and rp["missing"] == 0, (
+        figures, [p["examples"][:2] for p in rp["partitions"].values() if p["examples"]])
+    assert s["liveness"]["valid"] is True, figures
+    assert status == 0 and s["valid"] is True, figures
+    assert rp["partitions_checked"] == 6 and rp["records_compared"] > 1000, figures
+    assert set(rp["nsqd_exits"].values()) == {0}, rp["nsqd_exits"]  # a clean stop
+
+
+def r3_run(tmp_path, nemesis: str, seed: int, time_limit: int = 24,
+           interval: int = 4) -> tuple[int, dict, list[dict]]:
+    store = tmp_path / nemesis
+    status, s = jepsen(store, "--nemesis", nemesis, "--time-limit", str(time_limit),
+                       "--nodes", "3", "--replicas", "3", "--interval", str(interval),
+                       "--seed", str(seed), timeout=360)
+    assert leftovers() == []
+    return status, s, faults(store)
+
+
+def test_restart_at_once_within_the_lease_ttl_r3(tmp_path):
+    """kill -9 and start again at once (a leader, a host, every nsqd): the node is started
+    again within the lease TTL (2 s), while etcd still holds its lease, so it may lead
+    again at the epoch it had. Nothing acknowledged may be lost and the replicas must
+    agree record by record."""
+    status, s, done = r3_run(tmp_path, "restart", seed=2)
+    now = [f for f in done if f["mode"] != "every-down"]
+    assert now and all(f["within_ttl"] and f["started_s"] < 0.5 for f in now), done
+    assert_replicas_agree(status, s)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the power-cut nemesis needs root (FUSE)")
+def test_power_cuts_of_one_two_and_all_replicas_r3(tmp_path):
+    """R=3 on 3 hosts, every nsqd on PowerFS: cuts of one host, of two of a partition's
+    replicas and of all three at once (the whole cluster loses what it had not synced,
+    and starts again on what survived)."""
+    status, s, done = r3_run(tmp_path, "power-cut", seed=SEEDS["power-cut"], time_limit=28,
+                             interval=3)
+    assert {f["mode"] for f in done} == {"one", "two", "all"}, done
+    assert [len(f["hosts"]) for f in done if f["mode"] == "all"] == [3]
+    assert_replicas_agree(status, s)
+
+
+def test_etcd_paused_while_a_follower_dies_r3(tmp_path):
+    """Every etcd member SIGSTOPped for 1-10 s and a follower SIGKILLed during the pause:
+    its leaders' ISR shrink must go through etcd, which does not answer. After the pause
+    the partition must shrink, take writes, and take the follower back."""
+    status, s, done = r3_run(tmp_path, "etcd-pause", seed=SEEDS["etcd-pause"],
+                             time_limit=26)
+    assert any(f["mode"] == "all-members+follower-kill" and f["hosts"] for f in done), done
+    assert all(1 <= f["pause_s"] <= 10 for f in done)
+    assert_replicas_agree(status, s)
+
+
+def test_clock_skew_is_real_and_loses_nothing_r3(tmp_path):
+    """nsqd under libfaketime, etcd not: each fault sets one host's or every host's clock
+    off by up to 2 s, either way, and the nsqd's own /stats shows it (its uptime moved by
+    the offset); nothing acknowledged lost, the replicas agree."""
+    status, s, done = r3_run(tmp_path, "clock-skew", seed=SEEDS["clock-skew"], time_limit=20)
+    offsets = [(f["offsets_s"][h], f["measured_s"][h]) for f in done for h in f["offsets_s"]]
+    assert offsets and all(abs(o) <= 2.0 for o, _ in offsets)
+    assert any(o < 0 for o, _ in offsets) and any(o > 0 for o, _ in offsets), offsets
+    assert all(abs(o - m) < 0.25 for o, m in offsets), offsets
+    for f in done:  # libfaketime under the nsqds, never under etcd
+        assert f["faketime"]["nsqd"] is True and f["faketime"]["etcd"] is False, f
+    assert_replicas_agree(status, s)
+
+
+SEEDS = {"power-cut": 5, "etcd-pause": 20, "clock-skew": 3}  # etcd-pause 20: the follower
+# kill first (a 3.3 s pause); each kind's modes come in a seed-shuffled round (nemesis.py)
+
+
+@pytest.mark.long
+def test_every_nemesis_for_30_minutes_r3(tmp_path):
+    """Every nemesis (but disk-full, which cannot share PowerFS disks with power-cut) in
+    turn for 30 minutes, 5 hosts, R=3: nothing acknowledged lost, no divergence."""
+    kinds = "partition,kill,pause,restart,power-cut,etcd-pause,clock-skew"
+    if os.geteuid() != 0:
+        kinds = "partition,kill,pause,restart,etcd-pause,clock-skew"
+    status, s = jepsen(tmp_path / "long30", "--nemesis", kinds, "--time-limit", "1800",
+                       "--nodes", "5", "--replicas", "3", "--interval", "10", timeout=3000)
+    assert leftovers() == []
+    assert_replicas_agree(status, s)
 
 
 @pytest.mark.long
