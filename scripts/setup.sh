@@ -17,8 +17,8 @@ command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 # jepsen/: partitions are iptables DROP rules inside network namespaces
 command -v iptables >/dev/null || need_apt+=(iptables)
-# libfaketime: jepsen's clock-skew nemesis and tests/test_channel_start.py run one nsqd's
-# wall clock skewed (LD_PRELOAD); the faketime package brings the library
+# libfaketime: jepsen's clock-skew nemesis runs one host's nsqd with its wall clock skewed
+# (LD_PRELOAD); the faketime package brings the library
 ls /usr/lib/*/faketime/libfaketimeMT.so.1 >/dev/null 2>&1 || need_apt+=(faketime)
 # tests/test_nsqadmin_browser.py: Playwright drives Debian's chromium (no playwright install)
 command -v chromium >/dev/null || need_apt+=(chromium)

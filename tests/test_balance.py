@@ -86,6 +86,7 @@ async def settled(cl: Cluster, topic: str, timeout: float = 15):
         tv = view.topics.get(topic)
         if tv is not None and all(s.leader in view.nodes and tv.leader_locks.get(n) == s.leader
                                   and len(s.isr) >= tv.meta.replicas
+                                  and (s.epoch > 1 or tv.meta.replicas == 1)  # its own epoch
                                   for n, s in tv.partitions.items()):
             return dict(tv.partitions)
         if time.monotonic() > deadline:

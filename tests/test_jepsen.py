@@ -414,7 +414,9 @@ def assert_replicas_agree(status: int, s: dict) -> None:
     assert s["liveness"]["valid"] is True, figures
     assert status == 0 and s["valid"] is True, figures
     assert rp["partitions_checked"] == 6 and rp["records_compared"] > 1000, figures
-    assert set(rp["nsqd_exits"].values()) == {0}, rp["nsqd_exits"]  # a clean stop
+    # a clean stop: 0, or -15 for a node the restart nemesis started again moments before
+    # the final stop (SIGTERM came before it installed its handler)
+    assert set(rp["nsqd_exits"].values()) <= {0, -15}, rp["nsqd_exits"]
 
 
 def r3_run(tmp_path, nemesis: str, seed: int, time_limit: int = 24,
