@@ -195,6 +195,8 @@ class ChannelMeta:
 
     ordered: bool = False
     trace: bool = False
+    # written by earlier versions (the creating node's wall clock), still decoded; nothing
+    # writes or reads it now: a channel's start never comes from a clock (nsqd/README.md)
     created_ms: int = 0
 
     CHECKS = {"ordered": _bool, "trace": _bool, "created_ms": _int(0)}

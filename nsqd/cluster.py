@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import urllib.parse
 
+import aiohttp
 import structlog
 
 from isr import keys
@@ -98,6 +100,12 @@ class Cluster:
         self.first_applied = asyncio.Event()  # set after the first pass (NSQD.serving)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        # (topic, n) -> (the LeaderLog, the channels etcd had) at the pass that made that
+        # LeaderLog (start_of)
+        self._led_at: dict[tuple[str, int], tuple[object, frozenset]] = {}
+        # channels made here without a state, whose start is not on the ISR yet (made_here)
+        self._starting: dict[object, asyncio.Task] = {}
+        self._http: aiohttp.ClientSession | None = None  # asks leaders (wait_made)
 
     @property
     def node_id(self) -> str:
@@ -141,6 +149,12 @@ class Cluster:
             except TimeoutError:
                 apply_task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        starting = list(self._starting.values())
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
         await self.replication.stop()
         if self.leader_keys is not None:
             await self.leader_keys.close()
@@ -235,6 +249,7 @@ class Cluster:
 
     async def _delete_here(self, name: str) -> None:
         """Delete the topic on this node: its followed logs, leader keys, then its data."""
+        self._led_at = {k: v for k, v in self._led_at.items() if k[0] != name}
         await self.replication.drop_topic(name)
         await self.leader_keys.release({p for p in self.leader_keys.wanted if p[0] == name})
         await self.nsqd.delete_topic(name)
@@ -288,6 +303,7 @@ class Cluster:
         await self.nsqd.tracer.follow(name, tv.meta.trace,
                                       {c for c, meta in tv.channels.items() if meta.trace})
         await self.replication.apply(name, tv, follow)
+        self._note_led(name, topic, tv)
         # Channels: decided on the latest view, not the pass's (a SUB may have added one).
         for n in sorted(topic.writable):
             now = self.mirror.view.topics.get(name)
@@ -303,6 +319,150 @@ class Cluster:
             for n in sorted(topic.partitions):
                 await self.nsqd.delete_channel(name, channel, n)
             log.info("cluster_channel_deleted", topic=name, channel=channel)
+
+    # ---- where a channel without a state starts (nsqd/README.md "A new channel's start") --
+
+    def _note_led(self, name: str, topic, tv) -> None:
+        """Remember, for each partition led here, the channels etcd had at the pass that
+        made its LeaderLog (the view that named this node its leader): one LeaderLog is
+        one leadership, whatever epochs its ISR changes take; another is a new one,
+        remembered anew. (Waiting for the leadership's own epoch would miss a channel
+        etcd made meanwhile: no pass may run between that epoch and the next change.)"""
+        for n in topic.writable:
+            leader = self.replication.leaders.get((name, n))
+            seen = self._led_at.get((name, n))
+            if leader is not None and (seen is None or seen[0] is not leader):
+                self._led_at[(name, n)] = (leader, frozenset(tv.channels))
+        for key in [k for k in self._led_at if k[0] == name]:
+            if self.replication.leaders.get(key) is not self._led_at[key][0]:
+                del self._led_at[key]
+
+    def start_of(self, topic: str, p, channel: str) -> tuple[int, int]:
+        """Where a channel this partition has no state of starts (offset, count): at the
+        committed end when etcd made the channel while this node led the partition in the
+        leadership leading it now (it learns of the channel from etcd, or a SUB made it:
+        the call that created it waits until this node made it, wait_made, so whatever is
+        published after that call is at or after this end); at the partition's floor
+        otherwise, never skipping (a new leader of a channel its predecessor never
+        stored on the ISR, a view not applied yet, a restart). No clock is read: where
+        a channel starts never depends on two machines' clocks agreeing."""
+        seen = self._led_at.get((topic, p.number))
+        if (seen is not None and seen[0] is self.replication.leaders.get((topic, p.number))
+                and not seen[0].closed and channel not in seen[1]):
+            q = p.queue
+            return q.committed_end, q.committed_count
+        return p.floor
+
+    def channel_made(self, p, channel) -> None:
+        """A channel just made here without a state: on a replicated partition its start
+        is pushed to every ISR follower (Replication.push_channel) before it counts as
+        made (made_here), so a failover keeps it; tried again until it is stored or the
+        channel closes (its partition no longer led here)."""
+        if channel.ephemeral or not p.queue.options.replicated:
+            return
+        old = self._starting.get(channel)
+        if old is None or old.done():
+            self._starting[channel] = asyncio.get_running_loop().create_task(
+                self._push_start(p, channel), name=f"channel start {channel.topic_name}")
+
+    async def _push_start(self, p, channel) -> None:
+        where = {"topic": channel.topic_name, "partition": channel.partition,
+                 "channel": channel.name}
+        began = time.monotonic()
+        failures = 0
+        try:
+            while not channel.closed and not self._stopping:
+                delay = channel.delay
+                if delay is not None and not delay.opened:  # replica_of needs it open
+                    await asyncio.sleep(0.005)
+                    continue
+                try:
+                    await self.replication.push_channel(channel)
+                except Exception as e:  # not led yet (its LeaderLog starts), a closing log
+                    failures += 1
+                    if failures == 1 or failures % 100 == 0:
+                        log.info("channel_start_not_stored_yet", **where,
+                                 error=f"{type(e).__name__}: {e}")
+                    await asyncio.sleep(min(0.5, 0.02 * failures))
+                    continue
+                log.info("channel_start_stored", **where, offset=channel.cursor.confirmed,
+                         ms=round((time.monotonic() - began) * 1000, 1))
+                return
+        finally:
+            if self._starting.get(channel) is asyncio.current_task():
+                del self._starting[channel]
+
+    def made_here(self, topic: str, channel: str) -> list[int]:
+        """The partitions led here on which the channel is made: it exists, and a start
+        made here is on the ISR (channel_made). GET /channel/made answers it."""
+        t = self.nsqd.topics.get(topic)
+        if t is None:
+            return []
+        out = []
+        for n, p in sorted(t.writable.items()):
+            c = p.channels.get(channel)
+            if c is not None and not c.closed and c not in self._starting:
+                out.append(n)
+        return out
+
+    async def wait_made(self, topic: str, channel: str) -> None:
+        """Return once the leader of every partition of the topic (as this node's view
+        names it) has made the channel (made_here; other nodes over their HTTP API, GET
+        /channel/made), WAIT_S at most; else ClusterUnavailable. A partition whose leader
+        is not a live node is waited for: the node may still serve it. What is published
+        after this returns reaches the channel (start_of)."""
+        if channel.endswith("#ephemeral"):
+            return
+        deadline = time.monotonic() + WAIT_S
+        made: set[int] = set()
+        pause = 0.005
+        while True:
+            view = self.mirror.view
+            tv = view.topics.get(topic) if view is not None else None
+            if tv is None or channel not in tv.channels:
+                raise ClusterUnavailable(f"channel {topic}/{channel} is not in the cluster "
+                                         "metadata (deleted meanwhile)")
+            asks: dict[str, set[int]] = {}
+            for n, state in tv.partitions.items():
+                if n not in made:
+                    asks.setdefault(state.leader or "", set()).add(n)
+            if not asks:
+                return
+            nodes = [node for node in asks if node in view.nodes]
+            answers = await asyncio.gather(*(self._made_at(view.nodes[node], topic, channel,
+                                                           deadline) for node in nodes))
+            for node, got in zip(nodes, answers):
+                made |= asks[node] & got
+            if len(made) == len(tv.partitions):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = sorted(set(tv.partitions) - made)
+                raise ClusterUnavailable(
+                    f"channel {topic}/{channel} not made by the leaders of partitions "
+                    f"{waiting} within {WAIT_S:g}s")
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+
+    async def _made_at(self, node: NodeInfo, topic: str, channel: str,
+                       deadline: float) -> set[int]:
+        """The partitions `node` says it leads with the channel made (empty when it does
+        not answer)."""
+        if node.id == self.node_id:
+            return set(self.made_here(topic, channel))
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        query = urllib.parse.urlencode({"topic": topic, "channel": channel})
+        timeout = aiohttp.ClientTimeout(total=max(0.05, min(1.0, deadline - time.monotonic())))
+        try:
+            async with self._http.get(f"http://{node.http}/channel/made?{query}",
+                                      timeout=timeout) as r:
+                if r.status != 200:
+                    return set()
+                doc = await r.json(content_type=None)
+            return {int(n) for n in doc.get("partitions", [])}
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
+            return set()
 
     async def _until(self, event_of, ready, what: str) -> None:
         """Wait (WAIT_S at most) until `ready()`, checking after each pulse of the event
@@ -410,20 +570,13 @@ class Cluster:
             return
         self._check_connected()
         try:
-            await self.metadata.create_channel(
-                topic, channel, ChannelMeta(created_ms=int(time.time() * 1000)))
+            await self.metadata.create_channel(topic, channel, ChannelMeta())
         except TopicNotFound:
             raise ClusterUnavailable(f"topic {topic} is not in the cluster metadata") from None
         except EtcdError as e:
             raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
         log.info("cluster_channel_created", topic=topic, channel=channel)
         await self._until(lambda: self._viewed, shown, f"channel {topic}/{channel}")
-
-    def channel_created_ms(self, topic: str, channel: str) -> int:
-        """When etcd says the channel was made (ms); 0 when the view lacks it."""
-        tv = self.mirror.view.topics.get(topic) if self.mirror.view else None
-        meta = tv.channels.get(channel) if tv is not None else None
-        return meta.created_ms if meta is not None else 0
 
     async def set_switch(self, topic: str, channel: str | None, switch: str, on: bool) -> bool:
         """A switch in etcd, which every leader follows: `trace` of a topic or channel

@@ -64,6 +64,11 @@ Ours, beyond classic:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
 - GET /metrics: Prometheus text (metrics.py).
+- Cluster mode: /channel/create (and a SUB) that makes a channel answers once every
+  partition's leader made it (503 `CHANNEL_CREATE_FAILED` after 5 s); GET
+  /channel/made?topic=&channel= answers `{"partitions": [...]}`, the partitions led here
+  on which the channel is made with its start on the ISR, which the creating node (or
+  nsqlookupd) asks each leader (cluster.py, wait_made).
 - POST /channel/setoffset?topic=&channel=[&partition=], body `timestamp:<s>|offset:<n>|
   count:<n>|end`: moves the channel's cursor (replay.py; its errors carry extra keys).
 - `/pub?trace_id=` (the record's trace id, message trace); /trace/search, /message/get and
@@ -397,14 +402,39 @@ def _topic_channel(nsqd, request):
 
 async def do_channel_create(nsqd, request):
     params, topic, channel_name = _topic_channel(nsqd, request)
-    for n in _held_partitions(topic, params, sorted({*topic.partitions, *topic.failed})):
-        try:
+    numbers = _held_partitions(topic, params, sorted({*topic.partitions, *topic.failed}))
+    cluster = nsqd.cluster if not channel_name.endswith("#ephemeral") else None
+    # cluster mode: a create answers once every partition's leader made the channel
+    creating = cluster is not None and (not numbers or any(
+        channel_name not in topic.partitions[n].channels
+        for n in numbers if n in topic.partitions))
+    try:
+        if cluster is not None and not numbers:  # leads nothing of it: etcd's all the same
+            await cluster.ensure_channel(topic.name, channel_name)
+        for n in numbers:
             await nsqd.get_channel(topic.name, channel_name, n)
-        except NameError_:
-            raise HTTPError(400, "INVALID_ARG_CHANNEL") from None
-        except StorageError:  # logged by the node
-            raise HTTPError(503, "CHANNEL_CREATE_FAILED") from None
+        if creating:
+            await cluster.wait_made(topic.name, channel_name)
+    except NameError_:
+        raise HTTPError(400, "INVALID_ARG_CHANNEL") from None
+    except StorageError as e:  # logged by the node; cluster mode: etcd away, not made
+        log.warning("channel_create_failed", topic=topic.name, channel=channel_name,
+                    error=str(e))
+        raise HTTPError(503, "CHANNEL_CREATE_FAILED") from None
     return None
+
+
+async def do_channel_made(nsqd, request):
+    """Ours (cluster mode): the partitions led here on which the channel is made, its
+    start on the ISR (Cluster.made_here): what the node that creates a channel asks each
+    leader before it answers (Cluster.wait_made)."""
+    params = query(request)
+    topic_name, channel_name = topic_channel_args(params)
+    if nsqd.cluster is not None:
+        return {"partitions": nsqd.cluster.made_here(topic_name, channel_name)}
+    topic = nsqd.topics.get(topic_name)
+    return {"partitions": sorted(n for n, p in (topic.writable.items() if topic else ())
+                                 if channel_name in p.channels)}
 
 
 async def do_topic_reopen(nsqd, request):
@@ -570,6 +600,7 @@ ROUTES = {
     "/topic/unpause": {"POST": do_topic_unpause},
     "/topic/reopen": {"POST": do_topic_reopen},
     "/channel/create": {"POST": do_channel_create},
+    "/channel/made": {"GET": do_channel_made},
     "/channel/delete": {"POST": do_channel_delete},
     "/channel/empty": {"POST": do_channel_empty},
     "/channel/pause": {"POST": do_channel_pause},

@@ -323,8 +323,9 @@ class NSQD:
                           register: bool = True) -> Channel | None:
         """The channel of a partition (None: the topic's first), made when missing. In
         cluster mode a new channel is created in etcd first (`register`; the cluster
-        driver, which makes the channels etcd has, passes False: made here, such a channel
-        starts where `_start_without_state` says)."""
+        driver, which makes the channels etcd has, passes False); made here, it starts
+        where `_start_without_state` says. The caller of a cluster-wide create waits for
+        every partition's leader after (Cluster.wait_made)."""
         while True:
             topic = await self.get_topic(topic_name, create)
             if topic is None:
@@ -349,23 +350,23 @@ class NSQD:
                 channel = p.channels.get(channel_name)
                 if channel is None:
                     start = None
-                    if not register and p.channels:  # see the docstring
+                    local = register and (self.cluster is None or channel_name.endswith(
+                        "#ephemeral"))  # this node's alone: at the end, as classic nsqd
+                    if not local and p.channels:  # see the docstring
                         start = await self._start_without_state(p, topic_name, channel_name)
                     channel = await self._create_channel(topic, p, channel_name, start)
+                    if self.cluster is not None:
+                        self.cluster.channel_made(p, channel)
                 return channel
 
     async def _start_without_state(self, p, topic: str, channel: str) -> tuple[int, int] | None:
-        """Where a channel this partition has no state of starts when it is made from etcd
-        or its partition is taken over (a partition's first channel starts at the floor
-        anyway: Partition.add_channel): at the first message written since etcd's creation
-        time of the channel, as on every partition wherever it was made (a new leader
-        redelivers from there, never skipping); when that is unknown, at the floor of a
-        replicated partition (never skip), else at the end (None)."""
-        created_ms = (self.cluster.channel_created_ms(topic, channel)
-                      if self.cluster is not None else 0)
-        if created_ms:
-            pos = await p.queue.locate("timestamp", created_ms * 1_000_000)
-            return pos.offset, pos.count
+        """Where a channel this partition has no state of starts (a partition's first
+        channel starts at the floor anyway: Partition.add_channel). Cluster mode: where
+        Cluster.start_of says (the committed end when etcd made the channel while this
+        node led the partition, else the floor: never skip); never from a clock. Else at
+        the floor of a replicated partition, or at the end (None)."""
+        if self.cluster is not None:
+            return self.cluster.start_of(topic, p, channel)
         return p.floor if p.queue.options.replicated else None
 
     async def _create_channel(self, topic: Topic, p, name: str,
@@ -475,8 +476,11 @@ class NSQD:
                     p = topic.partitions[n]
                     for channel_name in sorted(names - set(p.channels)):
                         start = await self._start_without_state(p, name, channel_name)
-                        self._store_channel(p.add_channel(channel_name, None, start,
-                                                          **self.channel_settings()))
+                        channel = p.add_channel(channel_name, None, start,
+                                                **self.channel_settings())
+                        self._store_channel(channel)
+                        if self.cluster is not None:
+                            self.cluster.channel_made(p, channel)
             topic.set_assignment(topic.assignment)  # still without `new`: stored first
             self._store_topic_as(topic, assignment)
             try:
@@ -534,7 +538,10 @@ class NSQD:
         partition of the topic this node leads (None). The caller attaches the client
         before its next await: what is returned is current at return. Raises
         TopicNotFound, NameError_, what Topic.check_partition raises, and StorageError
-        (also when no led partition serves but one failed)."""
+        (also when no led partition serves but one failed). In cluster mode a SUB that
+        makes the channel here (or leads nothing of the topic) answers only once every
+        partition's leader made it (Cluster.wait_made; ClusterUnavailable after WAIT_S)."""
+        waited = self.cluster is None or channel_name.endswith("#ephemeral")
         while True:
             topic = await self.get_topic(topic_name)
             if topic is None:
@@ -545,6 +552,9 @@ class NSQD:
                 for n in sorted(topic.assignment.leading):
                     topic.check_partition(n)
             numbers = sorted(topic.writable) if partition is None else [partition]
+            creating = not waited and (not numbers or any(
+                channel_name not in topic.writable[n].channels
+                for n in numbers if n in topic.writable))
             if not numbers and self.cluster is not None:
                 # None led here (yet): the channel is etcd's all the same, so the partitions
                 # this node leads later make it for the client (else they would drop it as
@@ -555,6 +565,10 @@ class NSQD:
                 channel = await self.get_channel(topic_name, channel_name, n)
                 if channel is not None:
                     channels[n] = channel
+            if creating:  # then the channels again: what is returned is current at return
+                await self.cluster.wait_made(topic_name, channel_name)
+                waited = True
+                continue
             if self.topics.get(topic_name) is not topic:
                 continue  # deleted meanwhile
             if partition is not None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import urllib.parse
 
+import aiohttp
 import structlog
 
 from isr import keys
@@ -44,6 +46,7 @@ from .moves import LeaderMover
 log = structlog.get_logger("nsqlookupd.cluster")
 
 SEEN_TIMEOUT = 3.0  # seconds a write waits for the mirror to show it
+MADE_TIMEOUT = 5.0  # seconds a channel create waits for every partition's leader to make it
 RECONNECT_WAIT = 2.0  # seconds a write waits for the etcd watch to be up again
 
 
@@ -260,7 +263,7 @@ class Cluster:
 
     async def create_channel(self, topic: str, channel: str) -> bool:
         await self.master_view()
-        meta = ChannelMeta(created_ms=int(time.time() * 1000))
+        meta = ChannelMeta()
         try:
             created = await self.metadata.create_channel(topic, channel, meta)
         except TopicNotFound:
@@ -270,7 +273,53 @@ class Cluster:
         log.info("channel_created", topic=topic, channel=channel, new=created)
         await self._until_seen(lambda v: topic not in v.topics
                                or channel in v.topics[topic].channels)
+        await self._until_made(topic, channel)
         return created
+
+    async def _until_made(self, topic: str, channel: str) -> None:
+        """Wait until the leader of every partition (as this lookupd's view names it) says
+        it made the channel (nsqd's GET /channel/made: the channel exists there and its
+        start is on the ISR), as nsqd's own creates do (nsqd/cluster.py wait_made): what
+        is published after the answer reaches the channel. 503 CHANNEL_NOT_MADE with the
+        partitions still waited for after MADE_TIMEOUT."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MADE_TIMEOUT
+        made: set[int] = set()
+        query = urllib.parse.urlencode({"topic": topic, "channel": channel})
+        pause = 0.005
+        async with aiohttp.ClientSession() as session:
+
+            async def ask(http: str) -> set[int]:
+                timeout = aiohttp.ClientTimeout(total=max(0.05, min(1.0, deadline - loop.time())))
+                try:
+                    async with session.get(f"http://{http}/channel/made?{query}",
+                                           timeout=timeout) as r:
+                        doc = await r.json(content_type=None) if r.status == 200 else {}
+                    return {int(n) for n in doc.get("partitions", [])}
+                except (aiohttp.ClientError, TimeoutError, ValueError, TypeError,
+                        AttributeError):
+                    return set()
+
+            while True:
+                view = self.directory.view
+                tv = view.topics.get(topic) if view is not None else None
+                if tv is None or channel not in tv.channels:
+                    return  # deleted meanwhile: nothing to wait for
+                asks: dict[str, set[int]] = {}
+                for n, state in tv.partitions.items():
+                    if n not in made:
+                        asks.setdefault(state.leader or "", set()).add(n)
+                nodes = [node for node in asks if node in view.nodes]
+                answers = await asyncio.gather(*(ask(view.nodes[node].http) for node in nodes))
+                for node, got in zip(nodes, answers):
+                    made |= asks[node] & got
+                if len(made) == len(tv.partitions):
+                    return
+                if loop.time() >= deadline:
+                    raise HTTPError(503, "CHANNEL_NOT_MADE",
+                                    partitions=sorted(set(tv.partitions) - made))
+                await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+                pause = min(pause * 2, 0.1)
 
     async def delete_channel(self, topic: str, channel: str) -> bool:
         await self.master_view()

@@ -29,6 +29,7 @@ class DaemonProcess:
         self.http_port = http_port or free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = log_path
+        self.env: dict[str, str] = {}  # added to the environment of each start (faketime)
 
     @property
     def tcp_address(self) -> str:
@@ -48,7 +49,8 @@ class DaemonProcess:
                 [sys.executable, "-m", self.module, *self.arguments(),
                  "--tcp-address", self.tcp_address, "--http-address", self.http_address,
                  "--broadcast-address", "127.0.0.1", *self.extra],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, **self.env} if self.env else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

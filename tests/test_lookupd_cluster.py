@@ -82,6 +82,38 @@ class Node:
             self.proc.wait()
 
 
+class MadeAnswers:
+    """What nsqd's GET /channel/made answers, served for simulated nodes: every partition
+    made (a channel create on the master waits for each leader's answer)."""
+
+    def __init__(self, nodes):
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({"partitions": list(range(1024))}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.servers = []
+        for n in nodes:
+            port = int(n.info.http.rsplit(":", 1)[1])
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers.append(server)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
 def master_of(lookupds):
     """(master, the others), as the lookupds' /info say."""
     for lk in lookupds:
@@ -106,6 +138,7 @@ def cluster(module_dir):
     base = str(module_dir)
     etcd = EtcdProcess(os.path.join(base, "etcd")).start()
     nodes = [Node(etcd, 41000 + 10 * i) for i in range(3)]
+    made = MadeAnswers(nodes)
     lookupds = [start_lookupd(base, etcd) for _ in range(2)]
     try:
         until(lambda: ready(lookupds, 3), 10)
@@ -114,6 +147,7 @@ def cluster(module_dir):
         for p in (*lookupds, *nodes):
             p.kill()
         etcd.kill()
+        made.close()
 
 
 def read_states(etcd: EtcdProcess, topic: str):
