@@ -21,6 +21,12 @@ class NotCommitted(Exception):
     since replicas may hold it and a new leader may still commit it. The text says why."""
 
 
+class CommitTimeout(NotCommitted):
+    """A request not answered within the queue's commit timeout (QueueOptions): one never
+    written is taken out of the queue (nothing of it is stored), one written or being
+    written stays (its outcome is unknown, as NotCommitted says). The text says which."""
+
+
 class _Unrecoverable(Exception):
     """Raised by the worker thread when the queue must fail (see QueueFailedError)."""
 

@@ -14,6 +14,7 @@ import asyncio
 import bisect
 import errno
 import time
+from collections import deque
 from typing import NamedTuple
 
 import structlog
@@ -21,8 +22,8 @@ import structlog
 from commitlog.entry import SYNCED_BEFORE, encode_fields
 from nsqwire.ids import PARTITION_SHIFT
 
-from .errors import (AppendError, DiskFullError, NotCommitted, QueueClosedError, QueueFailedError,
-                     _Unrecoverable)
+from .errors import (AppendError, CommitTimeout, DiskFullError, NotCommitted, QueueClosedError,
+                     QueueFailedError, _Unrecoverable)
 from .record import encode_records
 
 log = structlog.get_logger("diskqueue")
@@ -50,17 +51,21 @@ class Appended(NamedTuple):
 
 
 class _Batch:
-    __slots__ = ("requests", "bytes", "count", "ahead")
+    __slots__ = ("requests", "bytes", "count", "ahead", "deadline")
 
     def __init__(self):
         self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
         self.bytes = 0
         self.count = 0
         self.ahead = False  # handed over while another batch was in flight
+        self.deadline = 0.0  # loop time by which its requests are answered (commit_timeout)
 
 
 def _settle(waiter, result, error) -> None:
-    """Resolve one request's waiter: a future, or a callback(result, error)."""
+    """Resolve one request's waiter: a future, or a callback(result, error); None: the
+    request was answered already (GroupCommit._expire)."""
+    if waiter is None:
+        return
     if isinstance(waiter, asyncio.Future):
         if not waiter.done():
             if error is None:
@@ -195,6 +200,45 @@ class GroupCommit:
             return result
         finally:
             self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
+
+    def _expire(self) -> None:
+        """A commit deadline passed (loop): every request of a batch older than the commit
+        timeout is answered CommitTimeout now. A batch never handed to the write worker
+        leaves the queue (nothing of it is stored); one being written, or written and not
+        committed (parked), stays where it is with its waiters cleared (its outcome is
+        unknown: it may still be committed, and is then answered to no one). Then the
+        timer is set for the next batch's deadline."""
+        self._expiry = None
+        now = self._loop.time()
+        timeout = self.options.commit_timeout
+        unknown = CommitTimeout(f"not committed within {timeout:g}s: it may still be delivered")
+        waiting = [batch for _end, batch, _results in self._parked or ()]
+        waiting += self._flight
+        for batch in waiting:
+            if batch.deadline <= now:
+                self._answer_now(batch, unknown)
+        kept = deque()
+        for batch in self._batches:
+            if batch.deadline > now:
+                kept.append(batch)
+                continue
+            if batch is self._open:
+                self._open = None
+            self._answer_now(batch, CommitTimeout(
+                f"not written within {timeout:g}s: nothing of it is stored"))
+        self._batches = kept
+        upcoming = [b.deadline for b in (*waiting, *kept)
+                    if b.deadline > now and any(r[0] is not None for r in b.requests)]
+        if upcoming:
+            self._expiry = self._loop.call_at(min(upcoming), self._expire)
+
+    @staticmethod
+    def _answer_now(batch: _Batch, error: Exception) -> None:
+        requests = batch.requests
+        for i, request in enumerate(requests):
+            if request[0] is not None:
+                _settle(request[0], None, error)
+                requests[i] = (None, *request[1:])
 
     def _fail_batch(self, batch: _Batch, err: Exception) -> None:
         for waiter, *_ in batch.requests:

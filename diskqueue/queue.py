@@ -46,8 +46,9 @@ from commitlog.entry import Entry
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import make_dirs, read_json, write_json_atomic
-from .errors import (AppendError, DiskFullError, GapError, NotCommitted, OffsetOutOfRange,  # noqa: F401
-                     QueueClosedError, QueueFailedError, _Unrecoverable)
+from .errors import (AppendError, CommitTimeout, DiskFullError, GapError,  # noqa: F401
+                     NotCommitted, OffsetOutOfRange, QueueClosedError, QueueFailedError,
+                     _Unrecoverable)
 
 from .raw import BadBatch, RawBatch  # noqa: F401  (the replication API's types, importable here)
 from .record import FIXED_LENGTH, HEAD_SIZE, MAX_EXT, MAX_RECORD
@@ -88,6 +89,7 @@ class QueueOptions:
     clog_sync_every: int = DEFAULT_SYNC_EVERY  # the most commitlog entries ever unsynced
     auto_commit: bool = True  # commit as soon as written; replication turns this off
     replicated: bool = False  # one replica of a partition: see diskqueue/replicated.py
+    commit_timeout: float = 0.0  # s: every request is answered within it (0: no limit)
 
 
 class DiskQueue(GroupCommit, Replicated):
@@ -119,6 +121,7 @@ class DiskQueue(GroupCommit, Replicated):
         self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot
         self._idle: asyncio.Future | None = None  # close() waits on it for the writer to drain
         self._sync_timer: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.TimerHandle | None = None  # the next commit deadline (_expire)
         self._closing = False
         self._shut = False  # the files are closed and the workers shut down
         self.failed: QueueFailedError | None = None
@@ -203,8 +206,9 @@ class DiskQueue(GroupCommit, Replicated):
             self._kick()
             await self._idle
         self.fail_uncommitted(QueueClosedError(f"{self.path} closed"))
-        if self._sync_timer is not None:
-            self._sync_timer.cancel()
+        for timer in (self._sync_timer, self._expiry):
+            if timer is not None:
+                timer.cancel()
         try:
             await self._exclusive(self._close_sync)
         finally:
@@ -272,6 +276,10 @@ class DiskQueue(GroupCommit, Replicated):
                 or batch.count + len(bodies) > self.options.max_batch_count)):
             batch = self._open = _Batch()
             self._batches.append(batch)
+            if self.options.commit_timeout:
+                batch.deadline = self._loop.time() + self.options.commit_timeout
+                if self._expiry is None:
+                    self._expiry = self._loop.call_at(batch.deadline, self._expire)
         fut = self._loop.create_future() if callback is None else None
         batch.requests.append((fut or callback, bodies, trace_id, ext, attempts))
         batch.bytes += size

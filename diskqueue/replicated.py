@@ -109,7 +109,7 @@ class Replicated:
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
-        self._parked: deque | None = None  # (end offset, requests, results) written, not committed
+        self._parked: deque | None = None  # (end offset, batch, results) written, not committed
         self._commit_limit: tuple[int, int] | None = None  # a truncation's point, while it runs
         self._committed_file: CommittedFile | None = None
         self._linger: tuple[int, asyncio.TimerHandle] | None = None  # (requests awaited, its end)
@@ -167,10 +167,10 @@ class Replicated:
             return
         answered = 0
         while parked and parked[0][0] <= self.committed_end:
-            _end, requests, results = parked.popleft()
-            for (waiter, *_), result in zip(requests, results):
+            _end, batch, results = parked.popleft()
+            for (waiter, *_), result in zip(batch.requests, results):
                 self._settle(waiter, result, None)
-            answered += len(requests)
+            answered += len(batch.requests)
         self._release_held(answered)
 
     def _held(self) -> bool:
@@ -235,19 +235,19 @@ class Replicated:
         if not self._parked:
             return
         parked, self._parked = self._parked, deque()
-        for end, requests, results in parked:
+        for end, batch, results in parked:
             if which(end):
-                for waiter, *_ in requests:
+                for waiter, *_ in batch.requests:
                     self._settle(waiter, None, error)
             else:
-                self._parked.append((end, requests, results))
+                self._parked.append((end, batch, results))
         self._release_held()
 
     def _park(self, batch, results) -> None:
         """A batch was written (loop, from `_written`): keep its waiters until it is
         committed, settle what is committed, start the next batch (unless held), tell
         `on_written`."""
-        self._parked.append((self.written_end, batch.requests, results))
+        self._parked.append((self.written_end, batch, results))
         self.replicated_to(self.committed_end, self.committed_count)
         self._write_next()  # held (see _held) while this batch is not committed
         if self.on_written is not None:  # the ISR may already hold it: commit it now

@@ -5,8 +5,10 @@
 the partitions that do not serve (failed to open, or their log failed while running), a
 full disk under the data path (less than DISK_FULL_BYTES free: publishes fail with
 E_PUB_FAILED until there is space again; classic says NOK after a failed write, we say
-it while the disk is full), and a checkpoint that keeps failing (cursors then lag: more
-duplicates after a crash, nothing lost).
+it while the disk is full), a data path that does not answer (a read of its free space
+still running after DISK_READ_S: a stalled network disk; the event loop never waits for
+it, `DiskWatch`), and a checkpoint that keeps failing (cursors then lag: more duplicates
+after a crash, nothing lost).
 
 `FailureLog` reports a failure that repeats (a checkpoint every second on a full disk, a
 delay store's writes) without flooding the log: the first failure of a run with its
@@ -16,6 +18,7 @@ when it works again.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import sqlite3
@@ -23,6 +26,7 @@ import time
 
 MAX_REASONS = 3  # in the health text; the rest are counted
 DISK_FULL_BYTES = 1 << 20  # less free than this under the data path: the disk is full
+DISK_READ_S = 1.0  # a read of the free space still running after this: the disk hangs
 
 
 def free_bytes(path: str) -> int | None:
@@ -32,6 +36,34 @@ def free_bytes(path: str) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+class DiskWatch:
+    """The free space under the data path, read in a thread (a statvfs on a disk that hangs
+    blocks for as long as it does: never on the event loop). One read at a time: callers
+    that come while one runs share it. `free` is the last value read (None: unknown);
+    `hung_since` the monotonic time a read that outlived DISK_READ_S began (None once one
+    finishes)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.free: int | None = None
+        self.hung_since: float | None = None
+        self._read: asyncio.Future | None = None
+        self._began = 0.0
+
+    async def read(self) -> int | None:
+        """Read it now, waiting DISK_READ_S at most: the value, else the last one."""
+        if self._read is None or self._read.done():
+            self._began = time.monotonic()
+            self._read = asyncio.ensure_future(asyncio.to_thread(free_bytes, self.path))
+        try:
+            self.free = await asyncio.wait_for(asyncio.shield(self._read), DISK_READ_S)
+            self.hung_since = None
+        except TimeoutError:
+            if self.hung_since is None:
+                self.hung_since = self._began
+        return self.free
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -54,9 +86,12 @@ def node_health(nsqd) -> str:
         topic = nsqd.topics[name]
         for number, error in sorted(topic.errors().items()):
             reasons.append(f"topic {name} partition {number}: {error}")
-    free = free_bytes(nsqd.options.data_path)
-    if free is not None and free < DISK_FULL_BYTES:
-        reasons.append(f"disk full: {free} bytes free under {nsqd.options.data_path}")
+    disk = nsqd.disk
+    if disk.hung_since is not None:
+        reasons.append(f"the data path {disk.path} has not answered for "
+                       f"{time.monotonic() - disk.hung_since:.0f}s")
+    elif disk.free is not None and disk.free < DISK_FULL_BYTES:
+        reasons.append(f"disk full: {disk.free} bytes free under {disk.path}")
     if nsqd.checkpoint_failures.error is not None:
         reasons.append(f"checkpoint failing: {nsqd.checkpoint_failures.error}")
     if not reasons:

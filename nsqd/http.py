@@ -246,6 +246,7 @@ async def do_info(nsqd, request):
 
 async def do_stats(nsqd, request):
     params = query(request)
+    await nsqd.disk.read()
     doc = stats.node_stats(
         nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
         include_clients=bool_arg(params, "include_clients", True, True),
@@ -582,6 +583,7 @@ async def do_config(nsqd, request, name: str):
 
 
 async def do_metrics(nsqd, request):
+    await nsqd.disk.read()
     doc = stats.node_stats(nsqd, include_clients=True, include_mem=False)
     return web.Response(text=metrics.render(doc), headers={"Content-Type": metrics.CONTENT_TYPE})
 
@@ -616,6 +618,7 @@ _CONFIG_METHODS = ("GET", "PUT")
 
 async def _ping(nsqd, request) -> web.Response:
     """nsqd's PlainText decorator: `OK`, or 500 with the health text."""
+    await nsqd.disk.read()
     if nsqd.health != "OK":
         return web.Response(status=500, text=nsqd.health)
     return web.Response(text="OK")

@@ -31,7 +31,7 @@ from diskqueue.queue import QueueOptions
 
 from .assignment import Assignment
 from .channel import Channel
-from .health import FailureLog, node_health
+from .health import DiskWatch, FailureLog, node_health
 from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
@@ -92,6 +92,7 @@ class NSQD:
         self.topics: dict[str, Topic] = {}
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
+        self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -122,10 +123,11 @@ class NSQD:
 
     def queue_options(self, sync: tuple[int, int] | None = None) -> QueueOptions:
         """Options of a topic's partitions: the node's sync policy, or the topic's own
-        (`sync`: messages per sync, ms; see Topic.sync)."""
+        (`sync`: messages per sync, ms; see Topic.sync), and its commit timeout."""
         o = self.options
         every, ms = sync or (o.sync_every, o.sync_timeout_ms)
-        return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms))
+        return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms),
+                            commit_timeout=o.commit_timeout_ms / 1000)
 
     def channel_settings(self) -> dict:
         o = self.options

@@ -56,6 +56,7 @@ class Options:
     rpc_address: str = "0.0.0.0:4250"  # replication: registered in etcd, served here
     broadcast_rpc_port: int = 0  # 0: the port of rpc_address
     repl_timeout_ms: int = 1000  # a follower that does not ack a push this long leaves the ISR
+    commit_timeout_ms: int = 10_000  # a publish not acknowledged this long is answered an error
     default_partitions: int = 2  # of a topic auto-created in etcd by a classic PUB or SUB
     default_replicas: int = 1
     # storage
@@ -153,6 +154,7 @@ _DURATIONS = {
     "checkpoint_interval": "checkpoint_interval_ms",
     "etcd_lease_ttl": "etcd_lease_ttl_ms",
     "repl_timeout": "repl_timeout_ms",
+    "commit_timeout": "commit_timeout_ms",
     "trace_retention_max_age": "trace_retention_max_age_ms",
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
@@ -183,6 +185,9 @@ _HELP = {
                           "--rpc-address; a proxy's port, as jepsen's loopback hosts use)",
     "repl_timeout": "a follower that does not acknowledge a push within this long leaves "
                     "the in-sync replica set (duration)",
+    "commit_timeout": "a publish not acknowledged within this long is answered "
+                      "E_FAILED_ON_NOT_WRITABLE (HTTP 503): one not written yet is dropped, one "
+                      "written may still be delivered (duration)",
     "default_partitions": "partitions of a topic auto-created in etcd by a PUB or SUB",
     "default_replicas": "replicas of a topic auto-created in etcd by a PUB or SUB",
     "data_path": "folder for topics, channels and their delay queues",
@@ -425,6 +430,8 @@ def check_cluster_options(options: Options) -> None:
         raise ValueError("--etcd-lease-ttl must be at least 1s")
     if not 10 <= options.repl_timeout_ms <= 60_000:
         raise ValueError("--repl-timeout must be 10ms..60s")
+    if not 100 <= options.commit_timeout_ms <= 3_600_000:
+        raise ValueError("--commit-timeout must be 100ms..1h")
     try:
         host, port = _split(options.rpc_address)
     except ValueError:

@@ -66,7 +66,6 @@ from datetime import datetime, timezone
 
 from diskqueue.queue import BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS
 
-from .health import free_bytes
 
 E2E_NONE = {"count": 0, "percentiles": None}
 # Classic client states (clientV2): init 0, disconnected 1, connected 2, subscribed 3, closing 4.
@@ -95,7 +94,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
         out["memory"] = memory_stats()
     out["producers"] = (producer_stats(conns, topic) if include_clients else [])
     out["client_count"] = len(conns)
-    out["data_free_bytes"] = free_bytes(nsqd.options.data_path)
+    out["data_free_bytes"] = nsqd.disk.free
     out["lookupd"] = nsqd.lookup.state()  # ours: each nsqlookupd peer (lookup.py)
     out["trace"] = nsqd.tracer.state()  # ours: message trace (tracing.py)
     if nsqd.cluster is not None:  # ours: cluster mode (cluster.py)

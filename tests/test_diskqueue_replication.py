@@ -19,6 +19,7 @@ from test_diskqueue import body, read_all, segment_files, small_disk  # noqa: F4
 from commitlog.entry import ENTRY_SIZE, decode, encode
 from diskqueue.queue import (
     AppendError,
+    CommitTimeout,
     DiskFullError,
     DiskQueue,
     GapError,
@@ -247,6 +248,47 @@ async def test_close_fails_what_is_parked(tmp_path):
     await q.close()
     with pytest.raises(NotCommitted, match="closed"):  # written: its outcome is unknown
         await fut
+
+
+async def test_every_request_is_answered_within_the_commit_timeout(tmp_path, queues):
+    """Nothing commits (no replicated_to: a follower failed while etcd is away): within the
+    commit timeout the parked batch is answered "may still be delivered" and the one held
+    behind it "nothing of it is stored" (taken out of the queue); each waiter is answered
+    once, also when the parked batch commits later; the queue goes on. (Before, both
+    waited until a commit that might never come.)"""
+    q = await queues(tmp_path / "q", QueueOptions(replicated=True, commit_timeout=0.3))
+    q.on_batch = lambda *batch: None  # as a leader pushing: a batch is held behind a parked one
+    calls = []
+    t0 = time.monotonic()
+    parked = q.append([b"written"])
+    for _ in range(500):
+        if q.written_count:
+            break
+        await asyncio.sleep(0.01)
+    q.append([b"held"], callback=lambda result, error: calls.append((result, error)))
+    with pytest.raises(CommitTimeout, match="may still be delivered"):
+        await asyncio.wait_for(parked, 5)
+    while not calls:
+        await asyncio.sleep(0.01)
+    elapsed = time.monotonic() - t0
+    assert 0.3 <= elapsed < 2, elapsed
+    [(result, error)] = calls
+    assert result is None and isinstance(error, CommitTimeout)
+    assert "nothing of it is stored" in str(error)
+    written = (q.written_end, q.written_count)
+    assert written[1] == 1  # the held batch was never written
+    q.replicated_to(*written)  # the parked batch commits after all: no second answer
+    assert q.committed_count == 1 and len(calls) == 1
+    later = q.append([b"later"])
+    for _ in range(500):
+        if q.written_count == 2:
+            break
+        await asyncio.sleep(0.01)
+    q.replicated_to(q.written_end, q.written_count)
+    assert (await asyncio.wait_for(later, 5)).first_id == 1  # `held` took no id
+    await asyncio.sleep(0.4)  # its deadline passes after it was answered: nothing happens
+    assert len(calls) == 1
+    assert [r.body for r in await read_all(q)] == [b"written", b"later"]
 
 
 async def test_auto_commit_is_ignored_by_a_replicated_queue(tmp_path, queues):

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import types
 import urllib.error
@@ -222,6 +223,49 @@ async def test_publishing_on_a_full_disk_is_refused_then_works_once_space_is_bac
     got = [m.body for m in await take(c, len(acked))]
     assert got == acked
     assert proc.stop() == 0
+
+
+async def test_a_disk_that_hangs_gets_every_publish_answered_within_the_commit_timeout(
+        tmp_path):
+    """The node's data path is a FUSE file system (tests/powerfs.py) whose process is
+    SIGSTOPped: every write and sync to it hangs, as on a stalled network disk. A PUB is
+    answered E_FAILED_ON_NOT_WRITABLE within the commit timeout (1 s here), /stats still
+    answers and /ping says the data path does not answer, and once the disk answers again
+    publishing goes on with every acknowledged message there. (Before: the PUB waited as
+    long as the disk did, and /stats or /ping froze the whole event loop in a statvfs.)"""
+    from powerfs import PowerFS
+
+    fs = PowerFS(str(tmp_path / "backing"), str(tmp_path / "mnt")).mount()
+    proc = NsqdProcess(str(tmp_path / "mnt" / "data"), "--commit-timeout", "1s")
+    proc.log_path = str(tmp_path / "nsqd.log")  # outside the hanging disk
+    try:
+        proc.start()
+        pub = await connect(proc)
+        await pub.pub("t", b"before")
+        os.kill(fs.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            error = await refused(pub.pub("t", b"during"))
+            waited = asyncio.get_running_loop().time() - t0
+            assert error.startswith("E_FAILED_ON_NOT_WRITABLE") and "1s" in error, error
+            assert 0.9 < waited < 4, waited
+            status, body = await asyncio.to_thread(http, proc, "GET", "/stats?format=json")
+            assert status == 200, body  # the node still answers, and says why it is unwell
+            status, body = await asyncio.to_thread(http, proc, "GET", "/ping")
+            assert status == 500 and b"has not answered for" in body, body
+        finally:
+            os.kill(fs.proc.pid, signal.SIGCONT)
+        await asyncio.wait_for(pub.pub("t", b"after"), 10)
+        assert http(proc, "GET", "/ping") == (200, b"OK")
+        c = await connect(proc)
+        await c.sub("t", "check", rdy=10)
+        got = [m.body for m in await take(c, 2)]
+        # `during` was being written when it was answered: it may still be there, once
+        assert got in ([b"before", b"after"], [b"before", b"during"]), got
+        assert proc.stop() == 0
+    finally:
+        proc.kill()
+        fs.unmount()
 
 
 async def test_sigterm_on_a_full_disk_closes_what_it_can_and_says_so(disk, tmp_path):

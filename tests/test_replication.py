@@ -597,6 +597,61 @@ async def test_a_topics_sync_policy_and_retention_from_etcd_rule_its_replicas(tm
         cl.stop()
 
 
+async def test_a_follower_lost_while_etcd_is_stopped_answers_every_publish_in_time(tmp_path):
+    """Issue 28 item 10's other half: etcd SIGSTOPped under 10 publishers, then a follower
+    killed. The leader cannot write the shrink, so it commits nothing more until etcd is
+    back: every publish is answered, OK or E_FAILED_ON_NOT_WRITABLE, within about the
+    commit timeout (1 s here; the leader also fails what waits at each tick while it is
+    not writable), none waits for etcd. Once etcd is back the shrink is written, the
+    partition takes publishes again, and every acknowledged message is there."""
+    cl = Cluster(str(tmp_path), 3, 1, "--commit-timeout", "1s").start()
+    try:
+        make_topic(cl, "late", 1)
+        s = await cl.until_states("late", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+        leader = s[0].leader
+        assert await pub_when_led(leader, "late", 0, b"before") == b"OK"
+        host, port = leader.rsplit(":", 1)
+        conns = [await Connection(host, int(port)).connect() for _ in range(10)]
+        answers, acked = [], set()
+
+        async def publish(conn, i):
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                body = b"during-%d-%d" % (i, len(answers))
+                t0 = time.monotonic()
+                try:
+                    answer = await asyncio.wait_for(
+                        conn.command(c.cmd_pub("late", body, partition=0)), 15)
+                    acked.add(body)
+                except NSQError as e:
+                    answer = str(e)
+                except TimeoutError:
+                    answer = "no answer"
+                answers.append((answer, time.monotonic() - t0))
+
+        os.kill(cl.etcd.proc.pid, signal.SIGSTOP)
+        try:
+            running = [asyncio.ensure_future(publish(conn, i)) for i, conn in enumerate(conns)]
+            await asyncio.sleep(0.3)
+            next(n for n in cl.nsqds if n.tcp_address != leader).kill()
+            await asyncio.gather(*running)
+        finally:
+            os.kill(cl.etcd.proc.pid, signal.SIGCONT)
+        for conn in conns:
+            await conn.close()
+        late = [(a, round(t, 2)) for a, t in answers if t > 1 + SLACK_S]
+        assert not late, late[:5]
+        refused = [a for a, _ in answers if a != b"OK"]
+        assert refused and all("E_FAILED_ON_NOT_WRITABLE" in a for a in refused), refused[:5]
+        # the shrink is written once etcd answers; publishing goes on
+        await cl.until_states("late", lambda s: len(s[0].isr) == 2, 10 + SLACK_S, "shrunk")
+        assert await pub_when_led(leader, "late", 0, b"after") == b"OK"
+        seen = await consume_all(cl, "late", {b"before", b"after", *acked}, 30)
+        assert {b"before", b"after", *acked} <= seen.keys()
+    finally:
+        cl.stop()
+
+
 async def test_publishing_goes_on_while_etcd_is_stopped(cluster):
     """Issue 28 item 10: etcd SIGSTOPped for three lease TTLs under publishing. No leader can
     be elected meanwhile and the whole ISR acknowledges, so the leader keeps committing
