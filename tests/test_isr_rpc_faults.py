@@ -164,6 +164,52 @@ async def test_gaps_and_bad_batches_are_refused_and_nothing_is_written(tmp_path)
         await stop(hosts)
 
 
+async def test_pushes_before_the_replica_opens_keep_their_order(tmp_path):
+    """Issue 28 item 9: a PUSH arrives while B's FollowerLog is not open yet (a node just
+    started), B opens 5 ms later, and the next batch's PUSH arrives right after on the same
+    connection: both are taken, in arrival order. (Before, the first waited in a task that
+    looked again every 20 ms while the second went straight through: E_GAP, and the leader
+    dropped B from the ISR.)"""
+    from diskqueue.queue import DiskQueue, QueueOptions
+    states, hosts = await cluster(tmp_path)
+    source = await DiskQueue.open(str(tmp_path / "source"), QueueOptions())
+    try:
+        bq = hosts[1].queues[(T, 0)]
+        await source.append([b"one"])
+        await source.append([b"two", b"three"])
+        first = await source.read_raw(0, 1 << 20)
+        first = first._replace(n_entries=1, entries=first.entries[:64],
+                               data=first.data[:(await source.find("count", 0)).size])
+        second = await source.read_raw(len(first.data), 1 << 20)
+        end1 = [len(first.data), 1]
+        end2 = [len(first.data) + len(second.data), 3]
+        peer = Peer(hosts[2], B)
+        assert (await peer.request(Kind.PING, {})).kind is Kind.OK  # connected
+        follower = hosts[1].followers.pop((T, 0))  # not open yet, as after a restart
+        answers: dict[str, object] = {}
+        peer.send_callback(Kind.PUSH, push_header(bq, n=1, data_len=len(first.data),
+                                                  commit=end1),
+                           first.entries + first.data, lambda a: answers.setdefault("1", a))
+        await asyncio.sleep(0.005)
+        hosts[1].followers[(T, 0)] = follower
+        peer.send_callback(Kind.PUSH, {**push_header(bq, n=second.n_entries,
+                                                     data_len=len(second.data), commit=end2),
+                                       "offset": end1[0], "count": end1[1]},
+                           second.entries + second.data, lambda a: answers.setdefault("2", a))
+        for _ in range(300):
+            if len(answers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        got = {k: (a.kind, a.header.get("end") or a.header.get("code")) for k, a in answers.items()}
+        # an ACK says the follower's end when it is sent: both batches may be in by then
+        assert got["2"] == (Kind.ACK, end2) and got["1"][0] is Kind.ACK, got
+        assert [x[2] for x in await records(bq)] == [b"one", b"two", b"three"]
+        await peer.close()
+    finally:
+        await source.close()
+        await stop(hosts)
+
+
 @pytest.fixture
 def disk(tmp_path):
     """A mounted 4 MiB tmpfs (a real ENOSPC), unmounted after the test."""
