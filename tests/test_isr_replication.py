@@ -607,3 +607,44 @@ async def test_a_shrink_while_etcd_does_not_answer_never_wedges_the_partition(tm
         assert lq.committed_end == done.end_offset
     finally:
         await stop(hosts)
+
+
+async def test_a_leader_that_hangs_never_holds_the_replica(tmp_path):
+    """Issue 28 item 7: the partition's state names a leader that hangs (it answers the
+    replication HELLO, then nothing, as a node SIGSTOPped after its peers connected) with
+    C catching up, so C's catch-up request to it waits; then B takes the partition over. C's request ends by its
+    deadline, C catches up from B and joins its ISR, holding what B commits. (Before, C's
+    request had no deadline and its catch-up went on with the old leader: C never rejoined,
+    the test timing out on fc3bfe2.)"""
+    H = "127.0.0.1:4109"
+
+    async def frozen(reader, writer):
+        decoder = wire.Decoder()
+        while chunk := await reader.read(65536):
+            for frame in decoder.feed(chunk):
+                if frame.kind is Kind.HELLO:
+                    writer.write(wire.encode(Kind.OK, frame.rid, {"node": H,
+                                                                  "version": wire.VERSION}))
+
+    hung = await asyncio.start_server(frozen, "127.0.0.1", 0)
+    states, hosts = await cluster(tmp_path, min_isr=1)
+    a, b, c = hosts
+    try:
+        states.addresses[H] = "127.0.0.1:%d" % hung.sockets[0].getsockname()[1]
+        await a.queues[(T, 0)].append([b"m1"])
+        await until(lambda: c.queues[(T, 0)].committed_count == 1)
+        await a.stop()
+        states.put(T, 0, PartitionState(leader=H, isr=(H, B), catchup=(C,), epoch=5))
+        await asyncio.sleep(0.3)  # B and C ask H where epoch 1 ends; H never answers
+        states.put(T, 0, PartitionState(leader=B, isr=(B,), catchup=(C, A), epoch=6))
+        await asyncio.wait_for(b.lead(T, 0), 10)
+        bq = b.queues[(T, 0)]
+        await bq.append([b"n1"])
+        await until(lambda: C in states.states[(T, 0)].isr, 10)
+        await asyncio.wait_for(bq.append([b"n2"]), 5)
+        cq = c.queues[(T, 0)]
+        await until(lambda: cq.committed_end == bq.committed_end, 5)
+        assert [x[2] for x in await records(cq)] == [b"m1", b"n1", b"n2"]
+    finally:
+        hung.close()
+        await asyncio.wait_for(stop([b, c]), 10)
