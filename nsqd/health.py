@@ -58,7 +58,8 @@ class DiskWatch:
             self._began = time.monotonic()
             self._read = asyncio.ensure_future(asyncio.to_thread(free_bytes, self.path))
         try:
-            self.free = await asyncio.wait_for(asyncio.shield(self._read), DISK_READ_S)
+            async with asyncio.timeout(DISK_READ_S):
+                self.free = await asyncio.shield(self._read)
             self.hung_since = None
         except TimeoutError:
             if self.hung_since is None:
