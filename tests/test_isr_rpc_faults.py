@@ -97,6 +97,16 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
         await stop(hosts)
 
 
+async def two_batches(source):
+    """Two raw batches of another queue (`source`), the ones B lacks: [one], [two, three]."""
+    await source.append([b"one"])
+    await source.append([b"two", b"three"])
+    raw = await source.read_raw(0, 1 << 20)
+    raw = raw._replace(n_entries=1, entries=raw.entries[:64],
+                       data=raw.data[:(await source.find("count", 0)).size])
+    return raw, await source.read_raw(len(raw.data), 1 << 20)
+
+
 async def test_gaps_and_bad_batches_are_refused_and_nothing_is_written(tmp_path):
     """PUSHes to follower B of batches made by another queue (so B lacks them): each bad one
     is refused and leaves B's log as it was; the good ones then append as usual."""
@@ -105,12 +115,7 @@ async def test_gaps_and_bad_batches_are_refused_and_nothing_is_written(tmp_path)
     source = await DiskQueue.open(str(tmp_path / "source"), QueueOptions())
     try:
         bq = hosts[1].queues[(T, 0)]
-        await source.append([b"one"])
-        await source.append([b"two", b"three"])
-        raw = await source.read_raw(0, 1 << 20)
-        raw = raw._replace(n_entries=1, entries=raw.entries[:64],
-                           data=raw.data[:(await source.find("count", 0)).size])
-        raw2 = await source.read_raw(len(raw.data), 1 << 20)
+        raw, raw2 = await two_batches(source)
         peer = Peer(hosts[2], B)
 
         async def push(header, payload):
@@ -175,12 +180,7 @@ async def test_pushes_before_the_replica_opens_keep_their_order(tmp_path):
     source = await DiskQueue.open(str(tmp_path / "source"), QueueOptions())
     try:
         bq = hosts[1].queues[(T, 0)]
-        await source.append([b"one"])
-        await source.append([b"two", b"three"])
-        first = await source.read_raw(0, 1 << 20)
-        first = first._replace(n_entries=1, entries=first.entries[:64],
-                               data=first.data[:(await source.find("count", 0)).size])
-        second = await source.read_raw(len(first.data), 1 << 20)
+        first, second = await two_batches(source)
         end1 = [len(first.data), 1]
         end2 = [len(first.data) + len(second.data), 3]
         peer = Peer(hosts[2], B)
