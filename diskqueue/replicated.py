@@ -2,7 +2,7 @@
 holds them, raw appends and reads of whole batches, epochs, and cutting a diverged tail.
 
 `Replicated` is a part of `DiskQueue` (its base class), kept here because it is one concept:
-the queue as one replica of a partition (see ../REPLICATION.md, "diskqueue additions").
+the queue as one replica of a partition (see diskqueue/README.md, "Replication API").
 Positions are (offset, count) pairs, never log ids (they differ between replicas).
 
 Invariants (with `QueueOptions.replicated`):

@@ -1,5 +1,5 @@
 """A node's leader keys: `topics/<t>/p/<n>/leader` = its node id, under its registration's
-lease, for every partition it leads (REPLICATION.md, Failover).
+lease, for every partition it leads (nsqlookupd/README.md, failover).
 
 The keys say "this node is alive and serving this partition as leader": they go with the
 registration's lease (a killed or cut-off node loses them with its node key), and the

@@ -1,6 +1,6 @@
 """Failover: the nsqlookupd master gives a partition whose leader is gone a new leader.
 
-Rules (REPLICATION.md, "Failover"), decided by the pure `decide` on one ClusterView:
+Rules (isr/README.md and nsqlookupd/README.md, failover), decided by the pure `decide` on one ClusterView:
 - a partition whose leader is not a live node (its registration is gone), or that has no
   leader, gets `placement.elect`: the least-loaded live ISR member, epoch + 1. Every ISR
   member holds every committed message, so any of them is safe; nobody outside the ISR is

@@ -70,7 +70,7 @@ class Host:
         self.rpc = RpcServer(self, "127.0.0.1:0")
         states.hosts.append(self)
 
-    # the host interface (REPLICATION.md)
+    # the host interface (isr/README.md)
     def leader_log(self, topic, partition):
         return self.leaders.get((topic, partition))
 

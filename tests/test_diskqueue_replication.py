@@ -1,4 +1,4 @@
-"""The replica side of DiskQueue (REPLICATION.md, "diskqueue additions"): parked batches,
+"""The replica side of DiskQueue (diskqueue/README.md, "Replication API"): parked batches,
 commits, raw appends and reads, epochs, truncation, the persisted committed end; and the
 raw-batch checks of diskqueue/raw.py on their own. Real files in tmp_path; kill -9 of a
 subprocess (tests/repl_writer.py) where a crash matters."""
