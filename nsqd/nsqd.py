@@ -31,14 +31,14 @@ from diskqueue.queue import QueueOptions
 
 from .assignment import Assignment
 from .channel import Channel
+from .errors import NameError_, StorageError, TopicConflict, TopicNotFound
 from .health import DiskWatch, FailureLog, node_health
 from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 from .tracing import Tracer
-from .topic import (TOMBSTONE, StorageError, Topic, bury, buried_path, remove_grave,
-                    sync_policy, topic_folder)
+from .topic import TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy, topic_folder
 
 log = structlog.get_logger("nsqd")
 
@@ -50,18 +50,6 @@ START_GRACE_S = 2.0
 # sqlitedict logs each failed statement itself, as a multi-line traceback, then raises it
 # to us: on a full disk that was ~80 lines a second. Its errors reach us; we log them.
 logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
-
-
-class NameError_(ValueError):
-    """A topic or channel name that NSQ refuses."""
-
-
-class TopicNotFound(LookupError):
-    """A topic this node does not have, with auto-create off (E_TOPIC_NOT_EXIST)."""
-
-
-class TopicConflict(ValueError):
-    """A topic created again with another partition count."""
 
 
 def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | None]]:

@@ -34,10 +34,9 @@ from nsqwire.ids import decode_msg_id, msg_id_partition
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
-from .cluster import ClusterUnavailable
+from .errors import (ClusterUnavailable, PartitionNotFound, PartitionNotLed, StorageError,
+                     TopicNotFound, tcp_error)
 from .identify import IdentifyLimits, initial_settings, negotiate
-from .nsqd import TopicNotFound
-from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -389,12 +388,8 @@ class ClientConnection(asyncio.Protocol):
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
                           trace_ids=trace_ids, exts=exts,
                           callback=functools.partial(self._published, slot))
-        except PartitionNotFound:
-            raise errors.bad_partition(command, str(cmd.partition)) from None
-        except PartitionNotLed:
-            raise errors.not_leader(command) from None
-        except NotWritable:
-            raise errors.not_writable(command) from None
+        except (PartitionNotFound, PartitionNotLed, NotWritable) as e:
+            raise tcp_error(command, e, cmd.partition) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
         self._publishing.append(slot)
@@ -445,9 +440,7 @@ class ClientConnection(asyncio.Protocol):
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
                     oks = 0
                 err = (exc if isinstance(exc, errors.ProtocolError)
-                       else errors.not_writable(command) if isinstance(exc, NotWritable)
-                       else errors.not_writable(command, str(exc))
-                       if isinstance(exc, NotCommitted)
+                       else tcp_error(command, exc) if isinstance(exc, (NotWritable, NotCommitted))
                        else errors.publish_failed(command, str(exc)))
                 self._fail(err)
                 if err.fatal:
@@ -695,12 +688,8 @@ class ClientConnection(asyncio.Protocol):
             channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
             if isinstance(cmd, p.SubAdvanced) and await replay.start_first(self.nsqd, cmd, channels):
                 channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
-        except TopicNotFound:
-            raise errors.topic_not_exist(cmd.topic, "SUB") from None
-        except PartitionNotFound:
-            raise errors.bad_partition("SUB", str(cmd.partition)) from None
-        except PartitionNotLed:
-            raise errors.not_leader("SUB") from None
+        except (TopicNotFound, PartitionNotFound, PartitionNotLed) as e:
+            raise tcp_error("SUB", e, cmd.partition) from None
         except StorageError as e:  # a full disk, or a partition that does not serve
             raise errors.sub_failed(str(e)) from None
         # No await from here on: `channels` is what the node serves now (NSQD.subscription).
