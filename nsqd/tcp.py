@@ -48,7 +48,7 @@ TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
 INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
 
 
-def identify_limits(nsqd) -> IdentifyLimits:
+def identify_limits(nsqd, tls: ssl.SSLContext | None) -> IdentifyLimits:
     o = nsqd.options
     return IdentifyLimits(
         max_rdy_count=o.max_rdy_count, version=nsqd.version,
@@ -57,7 +57,7 @@ def identify_limits(nsqd) -> IdentifyLimits:
         min_output_buffer_timeout_ms=o.min_output_buffer_timeout_ms,
         max_output_buffer_timeout_ms=o.max_output_buffer_timeout_ms,
         msg_timeout_ms=o.msg_timeout_ms, max_msg_timeout_ms=o.max_msg_timeout_ms,
-        max_deflate_level=o.max_deflate_level, tls_available=nsqd.tls_context is not None,
+        max_deflate_level=o.max_deflate_level, tls_available=tls is not None,
         snappy_available=o.snappy and _snappy_installed(), deflate_available=o.deflate,
         auth_required=bool(o.auth_http_address))
 
@@ -77,8 +77,10 @@ class ClientConnection(asyncio.Protocol):
                        **dict.fromkeys(("RDY", "FIN", "REQ", "TOUCH"), (SUBSCRIBED, CLOSING)),
                        "CLS": (SUBSCRIBED,)}
 
-    def __init__(self, nsqd, turn_flush: TurnFlush | None = None):
+    def __init__(self, nsqd, limits: IdentifyLimits, tls: ssl.SSLContext | None = None,
+                 turn_flush: TurnFlush | None = None):
         self.nsqd = nsqd
+        self.tls_context = tls  # IDENTIFY's upgrade (tls_context); None without --tls-cert
         self.turn_flush = turn_flush  # the server's: answers leave once per turn of the loop
         o = nsqd.options
         # DPUB's limit (ours) is --max-req-timeout, checked by the parser.
@@ -93,7 +95,7 @@ class ClientConnection(asyncio.Protocol):
         self.state = self.INIT
         self.transport = None
         self.client: Client | None = None
-        self.limits = nsqd.identify_limits
+        self.limits = limits
         self._decompress = None  # snappy: a stream's decompress(data)
         self._inflater = None  # deflate: a zlib decompressobj, inflated in bounded steps
         self._deflated = b""  # deflate input not inflated yet
@@ -619,7 +621,7 @@ class ClientConnection(asyncio.Protocol):
     async def _upgrade_tls(self) -> None:
         loop = asyncio.get_running_loop()
         self.transport.pause_reading()
-        transport = await loop.start_tls(self.transport, self, self.nsqd.tls_context,
+        transport = await loop.start_tls(self.transport, self, self.tls_context,
                                          server_side=True)
         self.transport = transport
         self.client.attach(transport)
@@ -715,12 +717,16 @@ class ClientConnection(asyncio.Protocol):
                        p.SubOrdered: _sub, p.SubAdvanced: _sub}
 
 
-async def start_tcp(nsqd):
+async def start_tcp(nsqd, tls: ssl.SSLContext | None = None):
+    """Listen on --tcp-address; `tls`: the context a client's IDENTIFY upgrades with
+    (tls_context: main.build makes it before the node opens anything). Returns the server
+    and its port."""
     host, port = nsqd.options.tcp_host_port
     loop = asyncio.get_running_loop()
     turn_flush = TurnFlush()
-    server = await loop.create_server(lambda: ClientConnection(nsqd, turn_flush), host, port,
-                                      reuse_address=True)
+    limits = identify_limits(nsqd, tls)
+    server = await loop.create_server(lambda: ClientConnection(nsqd, limits, tls, turn_flush),
+                                      host, port, reuse_address=True)
     return server, server.sockets[0].getsockname()[1]
 
 
