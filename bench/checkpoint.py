@@ -49,6 +49,7 @@ from nsqd.channel import Channel  # noqa: E402
 from nsqd.cursor import Cursor, Slot  # noqa: E402
 from diskqueue.runtime import tune_gc  # noqa: E402
 from nsqd.metastore import MetaStore, channel_key  # noqa: E402
+from nsqd.main import build  # noqa: E402
 from nsqd.nsqd import NSQD  # noqa: E402
 from nsqd.options import Options  # noqa: E402
 
@@ -135,7 +136,7 @@ async def longest_stall(nsqd: NSQD | None) -> float:
 
 
 async def checkpoints(report: Report, channels: int, data: str) -> None:
-    nsqd = NSQD(Options(data_path=data))
+    nsqd = build(Options(data_path=data))
     db_path = os.path.join(data, "nsqd.meta.sqlite")
     nsqd.meta = MetaStore(db_path)
     all_channels: list[Channel] = []

@@ -46,19 +46,14 @@ from isr.registry import Registration
 from isr.state import BadValue, ChannelMeta, NodeInfo, TopicMeta, default_min_isr
 
 from .assignment import Assignment
+from .errors import ClusterUnavailable, TopicConflict
 from .loadreport import LoadReporter
-from .nsqd import TopicConflict
 from .replication import Replication
-from .topic import StorageError
 
 log = structlog.get_logger("nsqd.cluster")
 
 WAIT_S = 5.0  # longest a request waits for etcd's answer to show in the mirror
 RETRY_S = 1.0  # an apply pass that failed for a topic is tried again after this
-
-
-class ClusterUnavailable(StorageError):
-    """A write to the cluster's metadata that could not be done (etcd away, no placement)."""
 
 
 def _rpc_address(rpc: str, broadcast_host: str, broadcast_port: int = 0) -> str:

@@ -87,6 +87,7 @@ import socket
 import structlog
 from aiohttp import web
 
+from diskqueue.errors import NotCommitted
 from diskqueue.queue import QueueClosedError
 
 from . import metrics, replay, stats
@@ -95,15 +96,13 @@ from .httpargs import (HTTPError, arg, bool_arg, defer_arg, parse_mpub_binary, p
                        topic_channel_args)
 from .httpconn import Server
 from .message import defer_ext
-from .cluster import ClusterUnavailable
 from .assignment import MAX_PARTITIONS
+from .errors import (ClusterUnavailable, NameError_, PartitionNotFound, PartitionNotLed,
+                     StorageError, TopicConflict, http_error)
 from .health import is_disk_full
-from .nsqd import NameError_, TopicConflict
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
-from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire.httpapi import V1_HEADER, go_json, v1_answer
-from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.http")
 
@@ -155,12 +154,8 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
         return
     try:
         await topic.publish(bodies, partition, ext, trace_id=trace_id, source=source)
-    except PartitionNotFound:
-        raise HTTPError(400, "BAD_PARTITION") from None
-    except PartitionNotLed:
-        raise HTTPError(400, "E_FAILED_ON_NOT_LEADER") from None
-    except (NotWritable, NotCommitted):  # NotCommitted: written, outcome unknown
-        raise HTTPError(503, "E_FAILED_ON_NOT_WRITABLE") from None
+    except (PartitionNotFound, PartitionNotLed, NotWritable, NotCommitted) as e:
+        raise HTTPError(*http_error(e)) from None  # NotCommitted: written, outcome unknown
     except QueueClosedError:
         raise HTTPError(503, "EXITING") from None
     except ValueError:
@@ -310,7 +305,7 @@ async def do_topic_create(nsqd, request):
         topic = await nsqd.create_topic(name, partition_num, ordered)
     except TopicConflict as e:
         log.info("topic_create_conflict", topic=name, error=str(e))
-        raise HTTPError(409, "TOPIC_PARTITION_NUM_CONFLICT") from None
+        raise HTTPError(*http_error(e)) from None
     except StorageError:  # logged by the node
         raise HTTPError(503, "TOPIC_CREATE_FAILED") from None
     if sync is not None:
@@ -353,8 +348,8 @@ async def do_topic_delete(nsqd, request):
     if nsqd.cluster is not None:  # cluster-wide: every node deletes it (cluster.py)
         try:
             in_etcd = await nsqd.cluster.delete_topic(name)
-        except ClusterUnavailable:
-            raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+        except ClusterUnavailable as e:
+            raise HTTPError(*http_error(e)) from None
     if not await nsqd.delete_topic(name) and not in_etcd:
         raise HTTPError(404, "TOPIC_NOT_FOUND")
     return None
@@ -376,8 +371,8 @@ async def _topic_pause(nsqd, request, pause: bool):
         try:
             if not await nsqd.cluster.set_switch(name, None, "paused", pause):
                 raise HTTPError(404, "TOPIC_NOT_FOUND")
-        except ClusterUnavailable:
-            raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+        except ClusterUnavailable as e:
+            raise HTTPError(*http_error(e)) from None
         return None
     if pause:
         topic.pause()
@@ -455,8 +450,8 @@ async def do_channel_delete(nsqd, request):
     if nsqd.cluster is not None:  # cluster-wide: every leader deletes it (cluster.py)
         try:
             await nsqd.cluster.delete_channel(topic.name, channel_name)
-        except ClusterUnavailable:
-            raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+        except ClusterUnavailable as e:
+            raise HTTPError(*http_error(e)) from None
     for c in channels:
         await nsqd.delete_channel(topic.name, channel_name, c.partition)
     return None

@@ -1,4 +1,6 @@
-"""The `nsqd` console script: parse flags, run until SIGTERM/SIGINT, then drain and exit.
+"""The `nsqd` console script: parse flags, build the node (`build`: the composition root,
+which hands NSQD its TCP and HTTP servers and its cluster driver), run until
+SIGTERM/SIGINT, then drain and exit.
 
 Exit codes: 0 after a clean stop; 1 when the stop closed what it could but something
 could not be persisted (a full disk: the `stopped_with_errors` line names it; every
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import signal
 import sys
@@ -15,9 +18,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 from diskqueue.runtime import tune_gc
 
+from .cluster import Cluster
+from .http import start_http
 from .logs import configure
 from .nsqd import NSQD, VERSION
-from .options import from_args
+from .options import Options, from_args
+from .tcp import start_tcp, tls_context
 
 _LISTEN_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
 
@@ -36,9 +42,17 @@ def version_line() -> str:
     return f"nsqd v{VERSION} (durable-nsq {ours}, python {python})"
 
 
+def build(options: Options) -> NSQD:
+    """The node wired to its TCP and HTTP servers and its cluster driver: what `nsqd` runs
+    and what tests start in-process (`await build(options).start()`). A TLS certificate
+    that does not load fails here, before the node opens anything."""
+    return NSQD(options, start_tcp=functools.partial(start_tcp, tls=tls_context(options)),
+                start_http=start_http, make_cluster=Cluster)
+
+
 async def serve(options) -> bool:
     """Run a node until SIGTERM/SIGINT; True when it stopped cleanly (NSQD.stop)."""
-    nsqd = NSQD(options)
+    nsqd = build(options)
     try:
         await nsqd.start()
     except OSError as e:

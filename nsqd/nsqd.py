@@ -1,6 +1,6 @@
 """NSQD: the data node. Owns the topics of this node, their metadata, and the
 background loops (timeouts, checkpoints, retention); starts and stops the TCP
-and HTTP servers.
+and HTTP servers and, in cluster mode, the cluster driver: main.build hands it all three.
 
 Lifecycle: `await start()` opens every stored topic and channel and listens; in cluster
 mode publishes wait (`serving`) until the first view of etcd is applied, START_GRACE_S at
@@ -31,14 +31,14 @@ from diskqueue.queue import QueueOptions
 
 from .assignment import Assignment
 from .channel import Channel
+from .errors import NameError_, StorageError, TopicConflict, TopicNotFound
 from .health import DiskWatch, FailureLog, node_health
 from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 from .tracing import Tracer
-from .topic import (TOMBSTONE, StorageError, Topic, bury, buried_path, remove_grave,
-                    sync_policy, topic_folder)
+from .topic import TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy, topic_folder
 
 log = structlog.get_logger("nsqd")
 
@@ -50,18 +50,6 @@ START_GRACE_S = 2.0
 # sqlitedict logs each failed statement itself, as a multi-line traceback, then raises it
 # to us: on a full disk that was ~80 lines a second. Its errors reach us; we log them.
 logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
-
-
-class NameError_(ValueError):
-    """A topic or channel name that NSQ refuses."""
-
-
-class TopicNotFound(LookupError):
-    """A topic this node does not have, with auto-create off (E_TOPIC_NOT_EXIST)."""
-
-
-class TopicConflict(ValueError):
-    """A topic created again with another partition count."""
 
 
 def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | None]]:
@@ -87,8 +75,12 @@ def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | No
 
 
 class NSQD:
-    def __init__(self, options: Options):
+    def __init__(self, options: Options, *, start_tcp, start_http, make_cluster):
+        """`start_tcp`, `start_http`: async (node) -> (server, port), each listener;
+        `make_cluster`: (node) -> the cluster driver, made in cluster mode
+        (--etcd-endpoints). main.build passes tcp.py's, http.py's and cluster.Cluster."""
         self.options = options
+        self._start_tcp, self._start_http, self._make_cluster = start_tcp, start_http, make_cluster
         self.topics: dict[str, Topic] = {}
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
@@ -105,10 +97,6 @@ class NSQD:
         self._stopping = False
         self.version = VERSION
         self.clock = time.time  # wall clock of due times; tests inject their own
-        from .tcp import identify_limits, tls_context
-
-        self.tls_context = tls_context(options)
-        self.identify_limits = identify_limits(self)
         self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
         self.cluster = None  # cluster.Cluster in cluster mode (--etcd-endpoints)
         self.serving = asyncio.Event()  # publishes are taken (cluster mode: see start)
@@ -149,21 +137,16 @@ class NSQD:
         await asyncio.to_thread(self.tracer.start, self.meta)
         for name, state in (await asyncio.to_thread(self.meta.topics)).items():
             self.topics[name] = await self._open_topic(name, state)
-        from .http import start_http
-        from .tcp import start_tcp
-
-        self.tcp_server, self.tcp_port = await start_tcp(self)
+        self.tcp_server, self.tcp_port = await self._start_tcp(self)
         self.tracer.start_writer(self.tcp_port)
-        self.http_runner, self.http_port = await start_http(self)
+        self.http_runner, self.http_port = await self._start_http(self)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._scan_loop()),
                        loop.create_task(self._checkpoint_loop()),
                        loop.create_task(self._retention_loop())]
         self.lookup.set_addresses(self.options.lookupd_tcp_address)
         if self.options.etcd_endpoints:
-            from .cluster import Cluster
-
-            self.cluster = Cluster(self)
+            self.cluster = self._make_cluster(self)
             await self.cluster.start()
             self._tasks.append(loop.create_task(self._serve_when_applied()))
         else:

@@ -34,7 +34,7 @@ from isr.leader import NotWritable
 from nsqwire.errors import ProtocolError
 from nsqwire.protocol import parse_consume_start
 
-from .topic import PartitionNotFound, PartitionNotLed, StorageError
+from .errors import PartitionNotFound, PartitionNotLed, StorageError, http_error
 
 log = structlog.get_logger("nsqd.replay")
 
@@ -67,10 +67,8 @@ def channels_to_move(topic, number: int | None, channel_name: str) -> list:
     else:
         try:
             topic.check_partition(number)
-        except PartitionNotFound:
-            raise ReplayError(400, "BAD_PARTITION") from None
-        except PartitionNotLed:
-            raise ReplayError(400, "E_FAILED_ON_NOT_LEADER") from None
+        except (PartitionNotFound, PartitionNotLed) as e:
+            raise ReplayError(*http_error(e)) from None
         except StorageError:
             raise ReplayError(503, "PARTITION_FAILED") from None
         partitions = [topic.partitions[number]]

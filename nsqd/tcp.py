@@ -34,10 +34,9 @@ from nsqwire.ids import decode_msg_id, msg_id_partition
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
-from .cluster import ClusterUnavailable
+from .errors import (ClusterUnavailable, PartitionNotFound, PartitionNotLed, StorageError,
+                     TopicNotFound, tcp_error)
 from .identify import IdentifyLimits, initial_settings, negotiate
-from .nsqd import TopicNotFound
-from .topic import PartitionNotFound, PartitionNotLed, StorageError
 
 log = structlog.get_logger("nsqd.tcp")
 
@@ -49,7 +48,7 @@ TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
 INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
 
 
-def identify_limits(nsqd) -> IdentifyLimits:
+def identify_limits(nsqd, tls: ssl.SSLContext | None) -> IdentifyLimits:
     o = nsqd.options
     return IdentifyLimits(
         max_rdy_count=o.max_rdy_count, version=nsqd.version,
@@ -58,7 +57,7 @@ def identify_limits(nsqd) -> IdentifyLimits:
         min_output_buffer_timeout_ms=o.min_output_buffer_timeout_ms,
         max_output_buffer_timeout_ms=o.max_output_buffer_timeout_ms,
         msg_timeout_ms=o.msg_timeout_ms, max_msg_timeout_ms=o.max_msg_timeout_ms,
-        max_deflate_level=o.max_deflate_level, tls_available=nsqd.tls_context is not None,
+        max_deflate_level=o.max_deflate_level, tls_available=tls is not None,
         snappy_available=o.snappy and _snappy_installed(), deflate_available=o.deflate,
         auth_required=bool(o.auth_http_address))
 
@@ -78,8 +77,10 @@ class ClientConnection(asyncio.Protocol):
                        **dict.fromkeys(("RDY", "FIN", "REQ", "TOUCH"), (SUBSCRIBED, CLOSING)),
                        "CLS": (SUBSCRIBED,)}
 
-    def __init__(self, nsqd, turn_flush: TurnFlush | None = None):
+    def __init__(self, nsqd, limits: IdentifyLimits, tls: ssl.SSLContext | None = None,
+                 turn_flush: TurnFlush | None = None):
         self.nsqd = nsqd
+        self.tls_context = tls  # IDENTIFY's upgrade (tls_context); None without --tls-cert
         self.turn_flush = turn_flush  # the server's: answers leave once per turn of the loop
         o = nsqd.options
         # DPUB's limit (ours) is --max-req-timeout, checked by the parser.
@@ -94,7 +95,7 @@ class ClientConnection(asyncio.Protocol):
         self.state = self.INIT
         self.transport = None
         self.client: Client | None = None
-        self.limits = nsqd.identify_limits
+        self.limits = limits
         self._decompress = None  # snappy: a stream's decompress(data)
         self._inflater = None  # deflate: a zlib decompressobj, inflated in bounded steps
         self._deflated = b""  # deflate input not inflated yet
@@ -389,12 +390,8 @@ class ClientConnection(asyncio.Protocol):
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
                           trace_ids=trace_ids, exts=exts,
                           callback=functools.partial(self._published, slot))
-        except PartitionNotFound:
-            raise errors.bad_partition(command, str(cmd.partition)) from None
-        except PartitionNotLed:
-            raise errors.not_leader(command) from None
-        except NotWritable:
-            raise errors.not_writable(command) from None
+        except (PartitionNotFound, PartitionNotLed, NotWritable) as e:
+            raise tcp_error(command, e, cmd.partition) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
         self._publishing.append(slot)
@@ -445,9 +442,7 @@ class ClientConnection(asyncio.Protocol):
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
                     oks = 0
                 err = (exc if isinstance(exc, errors.ProtocolError)
-                       else errors.not_writable(command) if isinstance(exc, NotWritable)
-                       else errors.not_writable(command, str(exc))
-                       if isinstance(exc, NotCommitted)
+                       else tcp_error(command, exc) if isinstance(exc, (NotWritable, NotCommitted))
                        else errors.publish_failed(command, str(exc)))
                 self._fail(err)
                 if err.fatal:
@@ -626,7 +621,7 @@ class ClientConnection(asyncio.Protocol):
     async def _upgrade_tls(self) -> None:
         loop = asyncio.get_running_loop()
         self.transport.pause_reading()
-        transport = await loop.start_tls(self.transport, self, self.nsqd.tls_context,
+        transport = await loop.start_tls(self.transport, self, self.tls_context,
                                          server_side=True)
         self.transport = transport
         self.client.attach(transport)
@@ -695,12 +690,8 @@ class ClientConnection(asyncio.Protocol):
             channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
             if isinstance(cmd, p.SubAdvanced) and await replay.start_first(self.nsqd, cmd, channels):
                 channels = await self.nsqd.subscription(cmd.topic, cmd.channel, cmd.partition)
-        except TopicNotFound:
-            raise errors.topic_not_exist(cmd.topic, "SUB") from None
-        except PartitionNotFound:
-            raise errors.bad_partition("SUB", str(cmd.partition)) from None
-        except PartitionNotLed:
-            raise errors.not_leader("SUB") from None
+        except (TopicNotFound, PartitionNotFound, PartitionNotLed) as e:
+            raise tcp_error("SUB", e, cmd.partition) from None
         except StorageError as e:  # a full disk, or a partition that does not serve
             raise errors.sub_failed(str(e)) from None
         # No await from here on: `channels` is what the node serves now (NSQD.subscription).
@@ -726,12 +717,16 @@ class ClientConnection(asyncio.Protocol):
                        p.SubOrdered: _sub, p.SubAdvanced: _sub}
 
 
-async def start_tcp(nsqd):
+async def start_tcp(nsqd, tls: ssl.SSLContext | None = None):
+    """Listen on --tcp-address; `tls`: the context a client's IDENTIFY upgrades with
+    (tls_context: main.build makes it before the node opens anything). Returns the server
+    and its port."""
     host, port = nsqd.options.tcp_host_port
     loop = asyncio.get_running_loop()
     turn_flush = TurnFlush()
-    server = await loop.create_server(lambda: ClientConnection(nsqd, turn_flush), host, port,
-                                      reuse_address=True)
+    limits = identify_limits(nsqd, tls)
+    server = await loop.create_server(lambda: ClientConnection(nsqd, limits, tls, turn_flush),
+                                      host, port, reuse_address=True)
     return server, server.sockets[0].getsockname()[1]
 
 

@@ -35,11 +35,11 @@ import structlog
 
 from diskqueue.atomic import fsync_dir
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
-from isr.leader import NotWritable
 
 from .assignment import Assignment
 from .channel import Channel
 from .cursor import SavedWindow
+from .errors import PartitionNotFound, PartitionNotLed, PartitionNotWritable, StorageError
 from .handover import opening_state
 
 log = structlog.get_logger("nsqd.topic")
@@ -88,28 +88,6 @@ def remove_grave(grave: str) -> None:
     """Remove a tombstone and sync its parent, so it cannot come back. Blocking."""
     shutil.rmtree(grave, ignore_errors=True)
     fsync_dir(os.path.dirname(grave))
-
-
-class PartitionNotFound(LookupError):
-    """A partition number outside the topic's 0..partition_num-1 (E_BAD_PARTITION)."""
-
-
-class PartitionNotLed(LookupError):
-    """A partition of the topic that this node does not lead (E_FAILED_ON_NOT_LEADER);
-    None: a publish without a partition, while this node leads none of the topic's."""
-
-
-class PartitionNotWritable(NotWritable):
-    """A led partition of a replicated topic that takes no publish now: its replication has
-    not started, or its in-sync replica set is below min_isr (E_FAILED_ON_NOT_WRITABLE;
-    HTTP 503). The text says why. Also what a written batch fails with when the ISR fell
-    below min_isr before it committed (its data may still commit: the publisher retries)."""
-
-
-class StorageError(Exception):
-    """The node's storage refused: a partition does not serve (see the module invariants),
-    or a topic or channel could not be made (a full disk). The text says which and why;
-    TCP answers E_PUB_FAILED / E_SUB_FAILED with it, HTTP 503."""
 
 
 class _Starting:

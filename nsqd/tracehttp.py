@@ -30,7 +30,7 @@ from nsqtrace.store import StoreUnavailable
 from nsqwire.httpapi import V1_HEADER, go_json, go_json_lists
 from nsqwire.protocol import valid_channel_name
 
-from .cluster import ClusterUnavailable
+from .errors import ClusterUnavailable, http_error
 from .httpargs import HTTPError, arg, query, topic_arg
 
 async def _switch(nsqd, request, on: bool):
@@ -41,8 +41,8 @@ async def _switch(nsqd, request, on: bool):
         raise HTTPError(400, "INVALID_CHANNEL")
     try:
         found = await nsqd.tracer.switch(topic, channel, on)
-    except ClusterUnavailable:
-        raise HTTPError(503, "CLUSTER_UNAVAILABLE") from None
+    except ClusterUnavailable as e:
+        raise HTTPError(*http_error(e)) from None
     if not found:  # cluster mode: etcd has no such topic or channel
         raise HTTPError(404, "TOPIC_NOT_FOUND" if channel is None else "CHANNEL_NOT_FOUND")
     return "OK"

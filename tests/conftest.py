@@ -44,14 +44,14 @@ def nsqd(tmp_path):
 @pytest.fixture
 async def node(tmp_path):
     """Start in-process nsqd nodes: `await node(clock=None, **options)`; stopped after."""
-    from nsqd.nsqd import NSQD
+    from nsqd.main import build
     from nsqd.options import Options
 
     started = []
 
     async def start(clock=None, **kw):
-        n = NSQD(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                         data_path=str(tmp_path / "data"), log_level="warning", **kw))
+        n = build(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                          data_path=str(tmp_path / "data"), log_level="warning", **kw))
         if clock is not None:
             n.clock = clock
         await n.start()

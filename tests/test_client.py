@@ -176,11 +176,11 @@ async def test_bad_partition_and_missing_topic_are_retried_then_clear(tmp_path):
 
 
 async def start_node(tmp_path, name: str):
-    from nsqd.nsqd import NSQD
+    from nsqd.main import build
     from nsqd.options import Options
 
-    n = NSQD(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                     data_path=str(tmp_path / name), log_level="warning"))
+    n = build(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                      data_path=str(tmp_path / name), log_level="warning"))
     await n.start()
     return n
 
