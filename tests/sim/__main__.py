@@ -9,7 +9,7 @@ from .mutations import COMBINED, MUTATIONS, mutated
 from .world import World
 from .invariants import Violation
 
-STEPS = 400
+STEPS = 3000  # as tests/test_sim.py runs each seed
 
 
 def main(argv=None):
