@@ -2,17 +2,18 @@
 
 Owns: fencing (`epoch`, the highest epoch seen, persisted in the partition folder's
 `fence.json` before anything of that epoch is written), PUSH handling (append the
-leader's batch with `append_raw`, then commit min(the leader's commit, written)), the
+leader's batch with `append_raw_then`, then commit min(the leader's commit, written)), the
 catch-up loop (EPOCH_END and truncate until the log is a prefix of the leader's, FETCH in
 chunks, JOIN when the lag is small), and CHANNELS (handed to `host.channels_received`).
 
 Invariants: nothing of an epoch older than `epoch` is taken; the log is appended only
 while it is checked level with the pushing leader at the push's epoch (`level`: a new
 leader or epoch first runs the EPOCH_END round); appends and truncations run one at a
-time (`_lock`; the hot path, a push needing no fencing or reconcile, goes to the queue
-with `append_raw_then` only while the lock is free, and whoever takes the lock first waits
-for it), pushes in the order they arrived, contiguous pushes in one append (group commit
-on the follower too).
+time (`_lock`: a push group goes to the queue with `append_raw_then` only while the lock is
+free, and whoever takes the lock first waits for it), pushes in the order they arrived, one
+group at a time, contiguous pushes in one append (group commit on the follower too). Every
+push is appended by one path (`_append_next`); one that needs fencing or a reconcile first
+waits for `_prepare` to do that under the lock, then goes the same way.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class FollowerLog:
         self.state = None
         self._lock = asyncio.Lock()
         self._pending: list[tuple[dict, bytes, object]] = []  # (header, payload, answer)
-        self._appender: asyncio.Task | None = None  # appends under the lock (the slow path)
-        self._fast = False  # a group handed to `append_raw_then` (the hot path), not written yet
+        self._preparer: asyncio.Task | None = None  # fences and reconciles for the first push
+        self._writing = False  # a group handed to `append_raw_then`, not written yet
         self._quiet: asyncio.Future | None = None  # a lock holder waiting for it
         self._catch_up: asyncio.Task | None = None
         self._fence_path = os.path.join(q.path, FENCE_FILE)
@@ -128,10 +129,10 @@ class FollowerLog:
         return self
 
     async def close(self) -> None:
-        for task in (self._catch_up, self._appender):
+        for task in (self._catch_up, self._preparer):
             if task is not None:
                 task.cancel()
-        await asyncio.gather(*(t for t in (self._catch_up, self._appender) if t),
+        await asyncio.gather(*(t for t in (self._catch_up, self._preparer) if t),
                              return_exceptions=True)
         pending, self._pending = self._pending, []
         for _, _, answer in pending:
@@ -184,88 +185,79 @@ class FollowerLog:
                          epoch=self.epoch))
             return
         self._pending.append((h, frame.payload, answer))
-        if not self._fast and (self._appender is None or self._appender.done()):
+        if not self._writing and (self._preparer is None or self._preparer.done()):
             self._append_next()
 
     def _append_next(self) -> None:
-        """Append the next group of pushes that wait: straight to the queue with a callback
-        (`append_raw_then`: the hot path) when it needs no fencing, no reconcile and the
-        lock is free; else in the task `_append_pending`, under the lock."""
-        h = self._pending[0][0]
-        verdict = push_verdict(self.epoch, self.level, self.end, h["leader"], h["epoch"],
-                               (h["offset"], h["count"]), h["n"])
-        if self._lock.locked() or verdict in (Verdict.FENCE, Verdict.RECONCILE):
-            self._appender = asyncio.create_task(self._append_pending())
+        """Take the pushes that wait, in arrival order, one group at a time: refuse a stale
+        one; hand the first to `_prepare` when it needs fencing or a reconcile or the lock is
+        held (it comes back here after); else append its group straight to the queue
+        (`append_raw_then`), answered in `_appended`."""
+        while self._pending:
+            h = self._pending[0][0]
+            verdict = push_verdict(self.epoch, self.level, self.end, h["leader"], h["epoch"],
+                                   (h["offset"], h["count"]), h["n"])
+            if verdict == Verdict.STALE:  # the fence rose while it waited
+                _, _, answer = self._pending.pop(0)
+                answer(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
+                             epoch=self.epoch))
+                continue
+            if self._lock.locked() or verdict in (Verdict.FENCE, Verdict.RECONCILE):
+                self._preparer = asyncio.create_task(self._prepare())
+                return
+            group = self._group(self._pending, 0)
+            del self._pending[:len(group)]
+            self.stats["pushes"] += len(group)
+            entries, data = self._joined(group)
+            try:
+                checked = _checksums_match(group)
+            except BadBatch as e:
+                self._settle(group, e)
+                continue
+            self._writing = True
+            self.q.append_raw_then(h["offset"], h["count"], entries, data,
+                                   lambda e: self._appended(group, e), records_checked=checked)
             return
-        group = self._group(self._pending, 0)
-        del self._pending[:len(group)]
-        self.stats["pushes"] += len(group)
-        entries, data = self._joined(group)
-        try:
-            checked = _checksums_match(group)
-        except BadBatch as e:
-            self._settle(group, e)
-            return
-        self._fast = True
-        self.q.append_raw_then(h["offset"], h["count"], entries, data,
-                               lambda e: self._appended(group, e), records_checked=checked)
 
     def _appended(self, group, e: BaseException | None) -> None:
         """A group handed to `append_raw_then` is written (or refused): answer it, let a
         lock holder waiting for it go on, take the next."""
-        self._fast = False
+        self._writing = False
         self._settle(group, e)
         quiet, self._quiet = self._quiet, None
         if quiet is not None and not quiet.done():
             quiet.set_result(None)
-        if self._pending and (self._appender is None or self._appender.done()):
+        if self._preparer is None or self._preparer.done():
             self._append_next()
 
     async def _quiet_appends(self) -> None:
         """(With the lock held) wait for the group handed to `append_raw_then`, if any."""
-        while self._fast:
+        while self._writing:
             if self._quiet is None:
                 self._quiet = asyncio.get_running_loop().create_future()
             await self._quiet
 
-    async def _append_pending(self) -> None:
+    async def _prepare(self) -> None:
+        """Under the lock (once its holder is done): fence and reconcile as the first push
+        that waits needs (a failure refuses that push alone), then append through
+        `_append_next` again. No group is being written meanwhile: `_append_next` hands
+        none out while this runs."""
         async with self._lock:
-            await self._quiet_appends()
-            while self._pending:
-                pending, self._pending = self._pending, []
-                i = 0
-                while i < len(pending):
-                    i += await self._append_group(pending, i)
-
-    async def _append_group(self, pending, i: int) -> int:
-        """Append pending[i] and the contiguous pushes after it of the same leader and
-        epoch in one `append_raw` (after fencing and reconciling as they need); answer each.
-        Returns how many were taken."""
-        h, payload, answer = pending[i]
-        try:
-            if h["epoch"] < self.epoch:
-                answer(error(wire.E_STALE_EPOCH, f"epoch {h['epoch']} < {self.epoch}",
-                             epoch=self.epoch))
-                return 1
-            await self._raise_epoch(h["epoch"])
-            if self.level != (h["leader"], h["epoch"]):
-                await self._reconcile(h["leader"], h["epoch"])
-        except (PeerError, FollowError, OSError, ValueError) as e:
-            log.warning("follower_reconcile_failed", topic=self.topic, partition=self.partition,
-                        error=str(e))
-            answer(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
-            return 1
-        group = self._group(pending, i)
-        entries, data = self._joined(group)
-        self.stats["pushes"] += len(group)
-        try:
-            await self.q.append_raw(h["offset"], h["count"], entries, data,
-                                    records_checked=_checksums_match(group))
-        except (AppendError, GapError, BadBatch, Diverged, ValueError) as e:
-            self._settle(group, e)
-            return len(group)
-        self._settle(group, None)
-        return len(group)
+            if not self._pending:
+                return
+            h, _, answer = self._pending[0]
+            if h["epoch"] >= self.epoch:  # else refused as stale by _append_next
+                try:
+                    await self._raise_epoch(h["epoch"])
+                    if self.level != (h["leader"], h["epoch"]):
+                        await self._reconcile(h["leader"], h["epoch"])
+                except (PeerError, FollowError, OSError, ValueError) as e:
+                    log.warning("follower_reconcile_failed", topic=self.topic,
+                                partition=self.partition, error=str(e))
+                    self._pending.pop(0)
+                    answer(error(wire.E_FAILED, f"reconcile: {e}", end=list(self.end)))
+        self._preparer = None  # done: _append_next may start another
+        self._append_next()
 
     @staticmethod
     def _group(pending, i: int) -> list:
