@@ -421,11 +421,15 @@ class LeaderCore:
 
     # ---- joins ----
 
-    def join_begin(self, node: str) -> bool:
+    def join_begin(self, node: str) -> bool | None:
         """A JOIN from `node`: push to it (the driver holds its pushes until the copy is
-        done). False: it is in the ISR already (answered OK at once)."""
+        done). False: it is in the ISR already (answered OK at once). None: the CAS of its
+        earlier JOIN is in flight (its outcome may be unknown: etcd may list it already), so
+        it keeps counting as it did; this JOIN is refused and the replica asks again."""
         if node in self.state.isr:
             return False
+        if self._join_in_flight(node):
+            return None
         self.joining.add(node)
         self.counted.discard(node)
         self.followers[node] = Follower(node)

@@ -538,7 +538,10 @@ class LeaderLog:
         node = h["node"]
         if node in self._joins:
             return error(wire.E_FAILED, "join: another join of this node is in progress")
-        if not self.core.join_begin(node):
+        begun = self.core.join_begin(node)
+        if begun is None:
+            return error(wire.E_FAILED, "join: the isr change of its last join is not settled")
+        if not begun:
             return Kind.OK, {"epoch": self.core.epoch}, b""
         fut = self._joins[node] = asyncio.get_running_loop().create_future()
         link = self._link(node, held=True)

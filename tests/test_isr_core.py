@@ -142,3 +142,24 @@ def test_nothing_commits_below_min_isr_and_a_newer_epoch_seen_stops_it():
     assert not core.writable and core.written_to((200, 2)) is None
     core.refused(B, core.state.epoch + 5)
     assert core.stopped and "seen epoch" in core.stopped
+
+
+def test_a_join_asked_again_while_its_cas_is_unknown_keeps_the_joiner_counting():
+    """The fault simulator's seed 13254 (min_isr 1): a leader alone in its ISR CASes joiner
+    B in; the reply is lost (etcd applied it) and the read back waits for etcd; B, its own
+    JOIN timed out, asks again. That JOIN is refused and B keeps counting: no commit on
+    write alone (solo), none past B's ACK. (Before, join_begin started B's join afresh:
+    counted no more, solo again, and the leader acknowledged batches B never had while
+    etcd listed B in the ISR.)"""
+    core = take_epoch(leader(isr=(A,), min_isr=1, catchup=(B,)))
+    assert core.join_begin(B)
+    core.join_count(B, (0, 0))
+    assert core.join_level(B) is True
+    core.join_ready(B)
+    core.take()
+    core.cas_unknown()
+    assert core.join_begin(B) is None  # refused: the replica asks again
+    core.take()
+    assert not core.solo
+    assert core.written_to((100, 1)) is None  # waits for B's ACK
+    assert core.acked(B, (100, 1)) == (100, 1)

@@ -7,7 +7,7 @@ put back into the core, must be found by some seed."""
 import pytest
 
 from sim.invariants import Violation
-from sim.mutations import COMBINED, MUTATIONS, mutated
+from sim.mutations import COMBINED, MUTATIONS, REGRESSIONS, mutated
 from sim.world import World
 
 STEPS = 3000
@@ -48,8 +48,8 @@ def test_replays_exactly():
     assert a.log_lines == b.log_lines and a.log_lines
 
 
-@pytest.mark.parametrize("name", sorted(set(MUTATIONS) - {"b-duplicate-by-offset"}) +
-                         sorted(COMBINED))
+@pytest.mark.parametrize("name", sorted(set(MUTATIONS) - {"b-duplicate-by-offset"}
+                                        - set(REGRESSIONS.values())) + sorted(COMBINED))
 def test_mutation_is_found(name):
     with mutated(name):
         for seed in range(MUTATION_SEEDS):
@@ -63,3 +63,10 @@ def test_mutation_b_alone_is_masked_by_new_epochs():
     a follower never sees them, so it is found only together with (a) (test above)."""
     with mutated("b-duplicate-by-offset"):
         assert not run_seeds(0, 100)
+
+
+@pytest.mark.parametrize("seed", sorted(REGRESSIONS))
+def test_a_seed_that_found_a_bug_passes_and_finds_it_put_back(seed):
+    assert run(seed) is None
+    with mutated(REGRESSIONS[seed]):
+        assert run(seed) is not None, f"seed {seed} no longer finds {REGRESSIONS[seed]}"

@@ -323,7 +323,12 @@ class LeaderDriver:
                 self.w.send(self.node.id, src, "JOIN_FAILED", {"leader": self.node.id,
                                                                "inc": self.inc})
                 return
-            if not c.join_begin(src):
+            begun = c.join_begin(src)
+            if begun is None:  # its last JOIN's CAS is in flight: ask again later
+                self.w.send(self.node.id, src, "JOIN_FAILED", {"leader": self.node.id,
+                                                               "inc": self.inc})
+                return
+            if not begun:
                 self.w.send(self.node.id, src, "JOINED", {"leader": self.node.id,
                                                           "inc": self.inc})
                 return
