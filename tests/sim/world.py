@@ -437,6 +437,11 @@ class Node:
                                                   "why": why})
 
     def push(self, msg):
+        r = self.recon
+        if r is not None and r["purpose"] == "catchup" and r["phase"] == "epoch":
+            # isr/follower.py runs a catch-up's EPOCH_END rounds under its lock: pushes wait
+            self.held.append(msg)
+            return
         b = msg.body
         entries = b["entries"]
         while True:
@@ -560,6 +565,9 @@ class Node:
                 r["phase"] = "fetch"
                 r["leader_epoch"] = b["leader_epoch"]
                 self.send_fetch()
+                held, self.held = self.held, []  # the lock let go: the pushes that waited
+                for m in held:
+                    self.push(m)
         elif msg.kind == "DATA":
             if r["phase"] != "fetch":
                 return
