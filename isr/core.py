@@ -423,12 +423,14 @@ class LeaderCore:
 
     def join_begin(self, node: str) -> bool | None:
         """A JOIN from `node`: push to it (the driver holds its pushes until the copy is
-        done). False: it is in the ISR already (answered OK at once). None: the CAS of its
-        earlier JOIN is in flight (its outcome may be unknown: etcd may list it already), so
-        it keeps counting as it did; this JOIN is refused and the replica asks again."""
+        done). False: it is in the ISR already (answered OK at once). None: its earlier
+        JOIN is still going (counted, waiting for its CAS, or that CAS in flight with an
+        outcome etcd may already have applied), so it keeps counting as it did; this JOIN is
+        refused and the replica asks again (the driver abandons the earlier one at its
+        deadline, unless its CAS is in flight)."""
         if node in self.state.isr:
             return False
-        if self._join_in_flight(node):
+        if node in self.joining:
             return None
         self.joining.add(node)
         self.counted.discard(node)

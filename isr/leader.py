@@ -540,7 +540,7 @@ class LeaderLog:
             return error(wire.E_FAILED, "join: another join of this node is in progress")
         begun = self.core.join_begin(node)
         if begun is None:
-            return error(wire.E_FAILED, "join: the isr change of its last join is not settled")
+            return error(wire.E_FAILED, "join: its last join is still going")
         if not begun:
             return Kind.OK, {"epoch": self.core.epoch}, b""
         fut = self._joins[node] = asyncio.get_running_loop().create_future()

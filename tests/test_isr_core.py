@@ -163,3 +163,25 @@ def test_a_join_asked_again_while_its_cas_is_unknown_keeps_the_joiner_counting()
     assert not core.solo
     assert core.written_to((100, 1)) is None  # waits for B's ACK
     assert core.acked(B, (100, 1)) == (100, 1)
+
+
+def test_a_join_asked_again_while_it_waits_behind_a_shrink_keeps_the_joiner_counting():
+    """The fault simulator's seed 4544 (min_isr 1): joiner C is counted and level, its CAS
+    waits behind a shrink whose outcome is unknown; C asks again. That JOIN is refused and
+    C keeps counting, so the join CAS that follows never puts in the ISR a replica the
+    leader committed without. (Before, the second JOIN started C's join over while it
+    stayed queued for the CAS: the leader went solo, then CASed C in.)"""
+    core = take_epoch(leader(isr=(A, B), min_isr=1, catchup=(C,)))
+    assert core.join_begin(C)
+    core.join_count(C, (0, 0))
+    core.failed(B, "no ack")  # the shrink goes first
+    core.join_ready(C)
+    core.take()
+    core.cas_unknown()
+    assert core.join_begin(C) is None
+    core.state_read(core.state.evolve(isr=(A,), catchup=(B, C), epoch=core.state.epoch + 1,
+                                      revision=40))  # the shrink was applied
+    core.take()
+    assert not core.solo and C in core.counted
+    assert core.written_to((100, 1)) is None  # waits for C's ACK
+    assert core.acked(C, (100, 1)) == (100, 1)

@@ -324,7 +324,7 @@ class LeaderDriver:
                                                                "inc": self.inc})
                 return
             begun = c.join_begin(src)
-            if begun is None:  # its last JOIN's CAS is in flight: ask again later
+            if begun is None:  # its last JOIN is still going: ask again later
                 self.w.send(self.node.id, src, "JOIN_FAILED", {"leader": self.node.id,
                                                                "inc": self.inc})
                 return
