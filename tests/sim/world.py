@@ -120,6 +120,10 @@ class LeaderDriver:
         self.w = world
         self.node = node
         self.inc = inc  # this leadership's id (answers to an older one are dropped)
+        # A real replica's write and its sync are one job of its write worker, and its log
+        # ends where that job left it when it starts leading (q.written_end): no written,
+        # unsynced tail that the core would not count but its epochs and pushes would.
+        node.disk.sync()
         log = node.disk.log
         self.pushed_log = list(log)  # written, being written, or pushed
         self.pending = []  # pushed, not yet handed to the disk
