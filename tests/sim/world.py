@@ -399,7 +399,6 @@ class Node:
     # ---- the etcd view ----
 
     def see(self, state):
-        w = self.w
         if self.view is not None and state.revision <= self.view.revision:
             return
         self.view = state
