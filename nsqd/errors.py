@@ -89,9 +89,9 @@ ANSWERS: dict[type[Exception], Answer] = {
     TopicConflict: Answer(tcp=None, http=(409, "TOPIC_PARTITION_NUM_CONFLICT")),
     # TCP: a publish's topic etcd could not make is E_TOPIC_NOT_EXIST, a SUB's E_SUB_FAILED
     ClusterUnavailable: Answer(tcp=None, http=(503, "CLUSTER_UNAVAILABLE")),
-    NameError_: Answer(tcp=None, http=None),  # HTTP 400 INVALID_TOPIC / INVALID_ARG_CHANNEL
-    StorageError: Answer(tcp=None, http=None),  # E_PUB_FAILED / E_SUB_FAILED; 503 <what>_FAILED
 }
+# Not in the table, answered by their call sites: NameError_ (HTTP 400 INVALID_TOPIC or
+# INVALID_ARG_CHANNEL) and StorageError (E_PUB_FAILED / E_SUB_FAILED; 503 <what>_FAILED).
 
 
 def answer(exc: BaseException) -> Answer | None:
