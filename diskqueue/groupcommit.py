@@ -2,9 +2,12 @@
 DiskQueue.__init__). Appends wait in batches; one writer slot (the loop hands it on) takes
 each batch in turn: encoded on the loop, written and synced by the partition's write
 worker, then answered. Exclusive jobs (retain, find, truncate) take the same slot between
-batches. A durable queue that is not replicated hands its next batch over while one is in
-flight (encoded for the place after it), so the worker goes from one sync straight to the
-next write; a batch is written only where it was encoded for, never after a failed sync.
+batches. A durable queue hands its next batch over while one is in flight (encoded for the
+place after it), so the worker goes from one sync straight to the next write; a batch is
+written only where it was encoded for, never after a failed sync. A batch given whole
+(`DiskQueue.write_batch`, a leader's) may be announced when it is encoded, before it is
+written: its place is then never given to another batch (a failed write fails the queue),
+and it is never handed over ahead.
 Invariants and figures: diskqueue/README.md ("Workers", "The commitlog lags the data").
 """
 
@@ -51,17 +54,19 @@ class Appended(NamedTuple):
 
 
 class _Batch:
-    __slots__ = ("requests", "bytes", "count", "ahead", "deadline")
+    __slots__ = ("requests", "bytes", "count", "ahead", "deadline", "announce", "done")
 
-    def __init__(self):
+    def __init__(self, announce=None, done=None):
         self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
         self.bytes = 0
         self.count = 0
         self.ahead = False  # handed over while another batch was in flight
         self.deadline = 0.0  # loop time by which its requests are answered (commit_timeout)
+        self.announce = announce  # fn(offset, count, entries, n_entries, data, epoch), encoded
+        self.done = done  # fn(results, error) once for the whole batch (its requests: no waiter)
 
 
-def _settle(waiter, result, error) -> None:
+def settle(waiter, result, error) -> None:
     """Resolve one request's waiter: a future, or a callback(result, error); None: the
     request was answered already (GroupCommit._expire)."""
     if waiter is None:
@@ -84,10 +89,7 @@ class GroupCommit:
 
     def _kick(self) -> None:
         """Have the writer look at its work on the next turn of the loop (so the appends of
-        this turn join the batch); with one batch in flight, hand the next one over then.
-        A lingering writer (see Replicated._release_held) waits on."""
-        if self._linger is not None and self._lingering():
-            return
+        this turn join the batch); with one batch in flight, hand the next one over then."""
         if not self._busy:
             self._busy = True
             self._loop.call_soon(self._write_next)
@@ -100,7 +102,7 @@ class GroupCommit:
         waiting its turn, the next batch, a sync that is due; or free it. Never raises."""
         if turns_first and self._give_turn():
             return
-        while self._batches and not self._held():
+        while self._batches:
             batch = self._take_batch()
             if self.failed is not None:
                 self._fail_batch(batch, self.failed)
@@ -150,8 +152,11 @@ class GroupCommit:
         batch.ahead = bool(self._flight)
         self._flight.append(batch)
         self._ahead = (end + len(data), seq, log_id + len(results), ts)
-        if self.on_batch is not None:
-            self._announce(data, clog, len(results))
+        if batch.announce is not None:
+            try:
+                batch.announce(end, count, clog, len(results), data, self.epoch)
+            except Exception:  # the announcer's bug must never stop the writer
+                log.exception("announce_failed", path=self.path)
         return True
 
     def _submit_ahead(self) -> None:
@@ -159,13 +164,13 @@ class GroupCommit:
         the moment the one before is synced, with no trip through the loop between them
         (the loop's hand-over waited 150-200 us for a busy loop and a busy CPU). Only for a
         durable queue that is not replicated, with nothing unsynced (so each batch in flight
-        is synced before the next is written, and its first entry is SYNCED_BEFORE), and
-        never while an exclusive job waits for the slot (the pipe drains for it)."""
+        is synced before the next is written, and its first entry is SYNCED_BEFORE); never
+        a batch to be announced (its place must be sure), and never while an exclusive job
+        waits for the slot (the pipe drains for it)."""
         self._ahead_due = False
         if (len(self._flight) == 1 and self._batches and not self._turns
                 and self.failed is None and self.options.sync.durable
-                and not self._unsynced_messages and self._parked is None
-                and self.on_batch is None):
+                and not self._unsynced_messages and self._batches[0].announce is None):
             self._submit(self._take_batch())
 
     def _give_turn(self) -> bool:
@@ -204,16 +209,15 @@ class GroupCommit:
     def _expire(self) -> None:
         """A commit deadline passed (loop): every request of a batch older than the commit
         timeout is answered CommitTimeout now. A batch never handed to the write worker
-        leaves the queue (nothing of it is stored); one being written, or written and not
-        committed (parked), stays where it is with its waiters cleared (its outcome is
-        unknown: it may still be committed, and is then answered to no one). Then the
-        timer is set for the next batch's deadline."""
+        leaves the queue (nothing of it is stored); one being written stays where it is
+        with its waiters cleared (its outcome is unknown: it may still be written, and is
+        then answered to no one). Then the timer is set for the next batch's deadline.
+        A batch given whole (`done`) has no waiters here: its giver keeps its deadlines."""
         self._expiry = None
         now = self._loop.time()
         timeout = self.options.commit_timeout
         unknown = CommitTimeout(f"not committed within {timeout:g}s: it may still be delivered")
-        waiting = [batch for _end, batch, _results in self._parked or ()]
-        waiting += self._flight
+        waiting = list(self._flight)
         for batch in waiting:
             if batch.deadline <= now:
                 self._answer_now(batch, unknown)
@@ -237,12 +241,14 @@ class GroupCommit:
         requests = batch.requests
         for i, request in enumerate(requests):
             if request[0] is not None:
-                _settle(request[0], None, error)
+                settle(request[0], None, error)
                 requests[i] = (None, *request[1:])
 
     def _fail_batch(self, batch: _Batch, err: Exception) -> None:
         for waiter, *_ in batch.requests:
-            _settle(waiter, None, err)
+            settle(waiter, None, err)
+        if batch.done is not None:
+            settle(batch.done, None, err)
 
     def _fail_queue(self, reason: str) -> QueueFailedError:
         if self.failed is None:
@@ -320,9 +326,9 @@ class GroupCommit:
         if error is _STALE:  # the loop's view and the files disagree: never write over them
             error = _Unrecoverable("the log's files are not where the writer expected them")
         if error is not None:
-            pushed = self.on_batch is not None
-            err = self._batch_error(error)
-            if pushed:  # the followers may hold it, and a new leader may commit it
+            announced = batch.announce is not None
+            err = self._batch_error(error, announced)
+            if announced:  # the followers may hold it, and a new leader may commit it
                 err = NotCommitted(f"not written here ({err}): it may still be delivered")
             self._fail_batch(batch, err)
             if not self._flight:  # else the one in flight comes back (stale) first
@@ -345,20 +351,22 @@ class GroupCommit:
             self._unsynced_messages += batch.count
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
-        if self._parked is not None:  # replicated: answered once committed
-            return self._park(batch, results)
         if not self._flight:
             self._write_next()  # the disk works on the next batch while the loop answers this one
         elif self._batches:
             self._kick()  # the next goes ahead of the one in flight, on the next turn
+        if batch.done is not None:
+            settle(batch.done, results, None)
+            return
         for request, result in zip(batch.requests, results):
-            _settle(request[0], result, None)
+            settle(request[0], result, None)
 
-    def _batch_error(self, error: BaseException) -> AppendError:
+    def _batch_error(self, error: BaseException, announced: bool = False) -> AppendError:
         if isinstance(error, _Unrecoverable):
             return self._fail_queue(str(error))
-        if self.on_batch is not None:  # followers may hold it: its place is never reused
-            return self._fail_queue(f"a batch pushed to the followers was not written: {error!r}")
+        if announced:  # others may hold it (a leader pushed it): its place is never reused
+            return self._fail_queue(f"a batch announced before its write (a leader pushed it) "
+                                    f"was not written: {error!r}")
         if isinstance(error, OSError):
             err = self._append_error(error)
             log.error("append_failed", path=self.path, partition=self.partition, error=str(err))

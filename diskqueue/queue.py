@@ -20,7 +20,8 @@ for its readers' read-ahead; a slow disk call of one partition never delays anot
 Invariants:
 - `committed_end <= written_end`; readers never see past `committed_end`;
 - a future resolves only after its data is written, synced when the policy
-  says so, and (with `auto_commit`) committed;
+  says so, and (with `auto_commit`) committed; without it (a replicated queue) the
+  commit moves only by `commit_to`;
 - a failed batch leaves data and commitlog exactly as before it; a failed sync (or
   a failed undo) fails the queue: no append is taken again until it is reopened;
 - at most one piece of work holds the writer slot (`_busy`): a batch, a sync, or an
@@ -56,7 +57,7 @@ from .locate import KINDS, NotABoundary, Position, locate  # noqa: F401  (import
 from .reader import Reader, SharedChunks
 from .recovery import recover
 from .groupcommit import (BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS, Appended,  # noqa: F401
-                          GroupCommit, _Batch, _settle)
+                          GroupCommit, _Batch)
 from .replicated import Replicated
 from .segments import MissingSegmentError, Segments
 from .worker import Worker
@@ -94,8 +95,6 @@ class QueueOptions:
 
 class DiskQueue(GroupCommit, Replicated):
     """The data and commitlog of one partition, in folder `path`."""
-
-    _settle = staticmethod(_settle)
 
     def __init__(self, path: str, options: QueueOptions = QueueOptions()):
         self.path = path
@@ -205,7 +204,6 @@ class DiskQueue(GroupCommit, Replicated):
             self._idle = self._loop.create_future()
             self._kick()
             await self._idle
-        self.fail_uncommitted(QueueClosedError(f"{self.path} closed"))
         for timer in (self._sync_timer, self._expiry):
             if timer is not None:
                 timer.cancel()
@@ -245,6 +243,31 @@ class DiskQueue(GroupCommit, Replicated):
         With `callback`, no future is made: the writer calls `callback(appended, error)`
         (one of the two is None) and `append` returns None; the hot path of TCP publishing.
         """
+        bodies, trace_id, ext, attempts, size = self.request(bodies, trace_id, ext, attempts,
+                                                             trace_ids=trace_ids, exts=exts)
+        batch = self._open
+        if batch is None or (batch.count and (
+                batch.bytes + size > self.options.max_batch_bytes
+                or batch.count + len(bodies) > self.options.max_batch_count)):
+            batch = self._open = _Batch()
+            self._batches.append(batch)
+            if self.options.commit_timeout:
+                batch.deadline = self._loop.time() + self.options.commit_timeout
+                if self._expiry is None:
+                    self._expiry = self._loop.call_at(batch.deadline, self._expire)
+        fut = self._loop.create_future() if callback is None else None
+        batch.requests.append((fut or callback, bodies, trace_id, ext, attempts))
+        batch.bytes += size
+        batch.count += len(bodies)
+        self._kick()
+        return fut
+
+    def request(self, bodies: Sequence[bytes], trace_id: int = 0, ext: bytes = b"",
+                attempts: int = 0, *, trace_ids: Sequence[int] | None = None,
+                exts: Sequence[bytes] | None = None) -> tuple:
+        """One write request as `append` and `write_batch` take it: (bodies, trace_id, ext,
+        attempts, size in bytes), checked. Raises QueueClosedError, the queue's failure, or
+        ValueError (see `append`)."""
         if self._closing:
             raise QueueClosedError(self.path)
         if self.failed is not None:
@@ -270,22 +293,28 @@ class DiskQueue(GroupCommit, Replicated):
                 and FIXED_LENGTH + ext_len + max(map(len, bodies)) > MAX_RECORD):
             raise ValueError(f"a body may hold at most {MAX_RECORD - FIXED_LENGTH - ext_len} bytes")
         size = HEAD_SIZE * len(bodies) + ext_bytes + body_bytes
-        batch = self._open
-        if batch is None or (batch.count and (
-                batch.bytes + size > self.options.max_batch_bytes
-                or batch.count + len(bodies) > self.options.max_batch_count)):
-            batch = self._open = _Batch()
-            self._batches.append(batch)
-            if self.options.commit_timeout:
-                batch.deadline = self._loop.time() + self.options.commit_timeout
-                if self._expiry is None:
-                    self._expiry = self._loop.call_at(batch.deadline, self._expire)
-        fut = self._loop.create_future() if callback is None else None
-        batch.requests.append((fut or callback, bodies, trace_id, ext, attempts))
-        batch.bytes += size
-        batch.count += len(bodies)
+        return bodies, trace_id, ext, attempts, size
+
+    def write_batch(self, requests: Sequence[tuple], announce=None, done=None) -> None:
+        """Write `requests` (each from `request`) as one batch of their own, in the order
+        given, after what is queued before it: `announce(offset, count, entries, n_entries,
+        data, epoch)` is called when it is encoded, before it is written (a leader pushes
+        it); `done(results, error)` once it is written (one Appended per request) or failed
+        (an announced batch that failed to write fails the queue: its place is never
+        reused). Raises QueueClosedError or the queue's failure at once."""
+        if self._closing:
+            raise QueueClosedError(self.path)
+        if self.failed is not None:
+            raise self.failed
+        batch = _Batch(announce, done)
+        batch.deadline = float("inf")  # its giver answers its requests (see _expire)
+        for bodies, trace_id, ext, attempts, size in requests:
+            batch.requests.append((None, bodies, trace_id, ext, attempts))
+            batch.bytes += size
+            batch.count += len(bodies)
+        self._open = None  # later appends never join it
+        self._batches.append(batch)
         self._kick()
-        return fut
 
     @property
     def pending_bytes(self) -> int:
@@ -302,10 +331,13 @@ class DiskQueue(GroupCommit, Replicated):
         if not self._closing:
             self._kick()
 
-    def commit(self, end_offset: int, count: int) -> None:
-        """Make data up to `end_offset` visible to readers (the replication layer calls this)."""
-        if end_offset > self.written_end:
-            raise ValueError(f"cannot commit {end_offset}: written only to {self.written_end}")
+    def commit_to(self, end_offset: int, count: int) -> None:
+        """Make data up to (end_offset, count) visible to readers (a replicated partition
+        says when its ISR holds it): at most what is written, and never past the point of a
+        truncation that waits for the writer; the commit never moves back."""
+        limit = self._commit_limit or (self.written_end, self.written_count)
+        if end_offset >= limit[0]:
+            end_offset, count = limit
         self._commit(end_offset, count)
 
     def _commit(self, end_offset: int, count: int) -> None:

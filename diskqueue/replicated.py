@@ -1,15 +1,14 @@
-"""What a replicated partition needs of its DiskQueue: parking written batches until the ISR
-holds them, raw appends and reads of whole batches, epochs, and cutting a diverged tail.
+"""What a replica of a partition needs of its DiskQueue beyond appending: raw appends and
+reads of whole batches, epochs, cutting a diverged tail, and the persisted committed end.
+It knows nothing of leaders or followers (isr/ drives it).
 
 `Replicated` is a part of `DiskQueue` (its base class), kept here because it is one concept:
 the queue as one replica of a partition (see diskqueue/README.md, "Replication API").
 Positions are (offset, count) pairs, never log ids (they differ between replicas).
 
 Invariants (with `QueueOptions.replicated`):
-- a written batch's waiters are settled only once it is committed (`replicated_to`, or solo),
-  in order, or failed (`fail_uncommitted`, a truncation, close); its data stays in the log;
-- `committed_end` never passes what some caller said the ISR holds (or, solo, the written
-  end); the persisted committed end (file `committed`) is written lazily by the write worker
+- `committed_end` moves only by `commit_to`, never past the written end; the persisted
+  committed end (file `committed`) is written lazily by the write worker
   and is never ahead of `committed_end`; a queue opens with committed = min(persisted, written);
 - raw appends go through the writer slot like batches (one writer per file), are checked
   whole before a byte is written, and keep the leader's fields but the log ids and flags;
@@ -25,7 +24,6 @@ import os
 import struct
 import time
 import zlib
-from collections import deque
 
 import structlog
 
@@ -34,10 +32,8 @@ from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, same_entries
 
 from .atomic import fsync_dir
 from .errors import (
-    AppendError,
     Diverged,
     GapError,
-    NotCommitted,
     OffsetOutOfRange,
     QueueClosedError,
     _Unrecoverable,
@@ -104,17 +100,12 @@ class Replicated:
     """The replica side of a DiskQueue (a mixin: every attribute lives on the queue)."""
 
     def _init_replication(self) -> None:
-        self.on_batch = None  # fn(offset, count, entries, n_entries, data, epoch), on the loop
-        self.on_written = None  # fn(), on the loop, after each batch is written and parked
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
         self._tail_end = 0  # entries written past it carry `self.epoch`
-        self._parked: deque | None = None  # (end offset, batch, results) written, not committed
         self._commit_limit: tuple[int, int] | None = None  # a truncation's point, while it runs
         self._committed_file: CommittedFile | None = None
-        self._linger: tuple[int, asyncio.TimerHandle] | None = None  # (requests awaited, its end)
         if self.options.replicated:
-            self._parked = deque()
             self._committed_file = CommittedFile(os.path.join(self.path, COMMITTED_FILE))
             # The queue commits on write only when solo: `auto_commit` says whether it does.
             self.options = dataclasses.replace(self.options, auto_commit=False)
@@ -143,134 +134,12 @@ class Replicated:
         """The epoch of the last entry written, 0 if none."""
         return self.epoch if self.written_end > self._tail_end else self._tail_epoch
 
-    # ---- committing -------------------------------------------------------
-
-    def set_solo(self, solo: bool) -> None:
-        """Solo: the ISR is this node alone, so the queue commits on write (and commits
-        everything written now, and ends a linger). Only for a replicated queue."""
-        if self._parked is None:
-            raise ValueError("set_solo is for a replicated queue (QueueOptions.replicated)")
-        self.options = dataclasses.replace(self.options, auto_commit=solo)
-        if solo:
-            self.replicated_to(self.written_end, self.written_count)
-            self._release_held()
-
-    def replicated_to(self, end_offset: int, count: int) -> None:
-        """The ISR holds everything up to (end_offset, count): commit min(it, written), and
-        settle the batches now wholly committed."""
-        limit = self._commit_limit or (self.written_end, self.written_count)
-        if end_offset >= limit[0]:
-            end_offset, count = limit
-        self._commit(end_offset, count)
-        parked = self._parked
-        if not parked or parked[0][0] > self.committed_end:
-            return
-        answered = 0
-        while parked and parked[0][0] <= self.committed_end:
-            _end, batch, results = parked.popleft()
-            for (waiter, *_), result in zip(batch.requests, results):
-                self._settle(waiter, result, None)
-            answered += len(batch.requests)
-        self._release_held(answered)
-
-    def _held(self) -> bool:
-        """Whether the writer holds the next batch back (loop): a leader pushing to followers
-        (`on_batch`) has one batch in replication at a time, so what arrives meanwhile joins
-        the next batch: one push, one follower write and sync for all of it, instead of one
-        per batch the local disk could take (CPU: every push costs each follower about as
-        much as the leader's whole batch). Never while closing (close writes what is pending)
-        or failed (the held batches then fail at once)."""
-        return (bool(self._parked) and self.on_batch is not None and not self._closing
-                and self.failed is None)
-
-    def _release_held(self, answered: int = 0) -> None:
-        """Nothing is parked any more: the writer takes the batches it held (next loop turn).
-        After a commit that answered `answered` requests, a leader pushing to followers first
-        lingers: it waits, at most LINGER, until the requests held reach as many again as the
-        ones it answered. The clients just answered are the other half of the publishers (the
-        held requests came while theirs were in replication) and send again within a round
-        trip, so one push carries both halves instead of each taking turns (single PUBs from
-        100 connections, R=3: about 1.5 times the messages a push). Never while busy, solo,
-        closing or failed."""
-        if not self._batches or self._parked:
-            return
-        if answered and self.on_batch is not None and not self._busy and not self._stop_linger():
-            self._busy = True  # the writer slot is the linger's until it ends
-            self._linger = (self._held_requests() + answered,
-                            self._loop.call_later(LINGER, self._end_linger))
-        else:
-            self._kick()
-
-    def _held_requests(self) -> int:
-        return sum(len(b.requests) for b in self._batches)
-
-    def _stop_linger(self) -> bool:
-        """Whether a linger must not start, or must end now: solo, closing or failed."""
-        return self.options.auto_commit or self._closing or self.failed is not None
-
-    def _lingering(self) -> bool:
-        """(`_kick`: a request came, or the writer is wanted) Whether the writer lingers; the
-        linger ends (the held batches go on the next loop turn) once the requests it waits
-        for came, or at once when solo, closing or failed."""
-        if self._linger is None:
-            return False
-        if self._stop_linger() or self._held_requests() >= self._linger[0]:
-            self._linger[1].cancel()
-            self._linger = None
-            self._loop.call_soon(self._write_next)
-        return True
-
-    def _end_linger(self) -> None:
-        """LINGER passed: the held batches go now."""
-        self._linger = None
-        self._write_next()
-
-    def fail_uncommitted(self, error: Exception) -> None:
-        """Fail every written, uncommitted batch with NotCommitted (saying `error`); their data
-        stays in the log, and may still be committed by whoever leads next."""
-        self._fail_parked(NotCommitted(f"written, not committed ({error}): it may still be "
-                                       "delivered"), lambda end: True)
-
-    def _fail_parked(self, error: Exception, which) -> None:
-        if not self._parked:
-            return
-        parked, self._parked = self._parked, deque()
-        for end, batch, results in parked:
-            if which(end):
-                for waiter, *_ in batch.requests:
-                    self._settle(waiter, None, error)
-            else:
-                self._parked.append((end, batch, results))
-        self._release_held()
-
-    def _park(self, batch, results) -> None:
-        """A batch was written (loop, from `_written`): keep its waiters until it is
-        committed, settle what is committed, start the next batch (unless held), tell
-        `on_written`."""
-        self._parked.append((self.written_end, batch, results))
-        self.replicated_to(self.committed_end, self.committed_count)
-        self._write_next()  # held (see _held) while this batch is not committed
-        if self.on_written is not None:  # the ISR may already hold it: commit it now
-            try:
-                self.on_written()
-            except Exception:  # the leader's bug must never stop the writer
-                log.exception("on_written_failed", path=self.path)
-
-    def _announce(self, data: bytes, clog: bytes, n_entries: int) -> None:
-        """A batch was handed to the write worker: tell `on_batch` (the leader pushes it).
-        Should its write fail, the queue fails (see `_batch_error`): followers may hold it,
-        so this queue never writes another batch at its place."""
-        try:
-            self.on_batch(self.written_end, self.written_count, clog, n_entries, data, self.epoch)
-        except Exception:  # the pusher's bug must never stop the writer
-            log.exception("on_batch_failed", path=self.path)
+    # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
 
     def _store_committed(self) -> None:
         """Write worker, with each batch: the committed end as the loop last set it."""
         if self._committed_file is not None:
             self._committed_file.store(self._committed_at)
-
-    # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
 
     async def append_raw(self, offset: int, count: int, entries: bytes, data: bytes,
                          records_checked: bool = False) -> tuple[int, int]:
@@ -523,5 +392,4 @@ class Replicated:
         self._tail_end = offset
         if last is not None:
             self._last_ts = last.timestamp
-        self._fail_parked(AppendError(f"{self.path}: truncated to offset {offset}"),
-                          lambda end: end > offset)
+

@@ -293,7 +293,7 @@ class FollowerLog:
         if e is None:
             if group[0][0]["n"]:
                 self.stats["appends"] += 1
-            self.q.replicated_to(*group[-1][0]["commit"])
+            self.q.commit_to(*group[-1][0]["commit"])
             answer = (Kind.ACK, {"end": list(self.end)}, b"")
         else:
             if isinstance(e, Diverged):  # reconciled before anything more is taken
@@ -391,7 +391,7 @@ class FollowerLog:
                         continue  # a push or a reconcile came between: fetch again
                     n = h["n"] * wire.ENTRY_SIZE
                     await self.q.append_raw(offset, count, r.payload[:n], r.payload[n:])
-                self.q.replicated_to(*h["commit"])
+                self.q.commit_to(*h["commit"])
             if h["end"][0] - self.q.written_end <= self.join_lag:
                 offset, count = self.end
                 started = time.monotonic()

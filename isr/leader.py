@@ -1,8 +1,9 @@
 """`LeaderLog`: the leader side of one partition: the driver of `core.LeaderCore`.
 
 The core decides (commit, ISR changes, writable, solo, stepping down, EPOCH_END answers);
-this driver does the I/O it asks for: pushing every batch (`q.on_batch`) to the followers
-over the node's shared, pipelined `Peer`, handing ACKs and failures to the core, the CAS
+this driver does the I/O it asks for: taking publishes (its `LeaderWriter`, isr/writer.py),
+pushing every batch to the followers as the log encodes it, over the node's shared,
+pipelined `Peer`, handing ACKs and failures to the core, the CAS
 of the partition state (with a deadline; an unknown outcome read back before anything is
 decided on it), `set_epoch` before the pushes of a new epoch, serving FETCH, EPOCH_END
 and JOIN to catching-up replicas, and sending channel states (latest wins, every 200 ms).
@@ -33,6 +34,7 @@ from .metadata import Conflict
 from .peer import Peer, PeerError, Peers
 from .rpc import Answer, error
 from .wire import Frame, Kind
+from .writer import LeaderWriter
 
 log = structlog.get_logger("isr.leader")
 
@@ -77,6 +79,7 @@ class LeaderLog:
                                written=(q.written_end, q.written_count), epochs=EpochCache(),
                                repl_timeout=repl_timeout)
         self.core.committed = (q.committed_end, q.committed_count)
+        self.writer = LeaderWriter(q, self._on_batch, self._on_written)
         self.links: dict[str, _Link] = {}
         self._backlog: collections.deque = collections.deque()  # actions waiting their turn
         self._runner: asyncio.Task | None = None
@@ -132,8 +135,6 @@ class LeaderLog:
         until it is written and the log's new entries carry it)."""
         self.core.epochs = EpochCache(await self.q.epoch_starts())
         self.core.written = self.core.pushed = (self.q.written_end, self.q.written_count)
-        self.q.on_batch = self._on_batch
-        self.q.on_written = self._on_written
         self.core.begin()
         self._do()
         self._ticker = asyncio.create_task(self._tick())
@@ -147,21 +148,15 @@ class LeaderLog:
         return not self.closed
 
     async def close(self, reason: str = "leader closed") -> None:
-        """Stop leading: no more pushes; parked batches fail with NotWritable."""
+        """Stop leading: no more pushes; what waits fails (LeaderWriter.close)."""
         self.core.stop(reason)
         self._do()
         self._closed = True
-        self._unhook()
+        self.writer.close(NotWritable(reason))
         tasks = [t for t in [self._ticker, self._runner, *self._tasks] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _unhook(self) -> None:
-        if self.q.on_batch == self._on_batch:
-            self.q.on_batch = None
-        if self.q.on_written == self._on_written:
-            self.q.on_written = None
 
     def update_state(self, state) -> None:
         """The host saw a newer partition state (etcd's, through its mirror)."""
@@ -203,7 +198,7 @@ class LeaderLog:
     def _act(self, action) -> None:
         kind, args = action
         if kind == "commit":
-            self.q.replicated_to(*args[0])
+            self.writer.commit_to(args[0])
         elif kind == "cas":
             self._spawn(self._cas(*args))
         elif kind == "read":
@@ -214,16 +209,15 @@ class LeaderLog:
                      writable=writable, reason=reason, isr=list(self.core.state.isr),
                      epoch=self.core.epoch)
             if not writable:
-                self.q.fail_uncommitted(NotWritable(reason))
+                self.writer.fail_uncommitted(NotWritable(reason))
         elif kind == "solo":
-            self.q.set_solo(args[0])
+            self.writer.set_solo(args[0])
         elif kind in ("joined", "join_failed"):
             fut = self._joins.pop(args[0], None)
             if fut is not None and not fut.done():
                 fut.set_result(action)
         elif kind == "stop":
-            self._unhook()
-            self.q.fail_uncommitted(NotWritable(args[0]))
+            self.writer.close(NotWritable(args[0]))
             log.warning("leader_stepping_down", topic=self.topic, partition=self.partition,
                         reason=args[0])
 
@@ -324,10 +318,10 @@ class LeaderLog:
         for node in nodes:
             self._push(self._link(node), header, payload, head)
 
-    def _on_written(self) -> None:
-        low = self.core.written_to((self.q.written_end, self.q.written_count))
+    def _on_written(self, end: tuple[int, int]) -> None:
+        low = self.core.written_to(end)
         if low is not None:
-            self.q.replicated_to(*low)
+            self.writer.commit_to(low)
 
     def _push(self, link: _Link, header: dict, payload, head: bytes | None = None) -> None:
         if link.held is not None:
@@ -359,7 +353,7 @@ class LeaderLog:
             self.stats["acks"] += 1
             low = self.core.acked(node, tuple(frame.header.get("end", (0, 0))))
             if low is not None:
-                self.q.replicated_to(*low)
+                self.writer.commit_to(low)
             return
         code = frame.header.get("code")
         seen = frame.header.get("epoch")
@@ -376,7 +370,7 @@ class LeaderLog:
             self.core.tick(now)
             self._do()
             if not self.writable:  # batches that were in flight when it stopped
-                self.q.fail_uncommitted(NotWritable(self.reason))
+                self.writer.fail_uncommitted(NotWritable(self.reason))
             if now - self._commit_sent >= COMMIT_EVERY:
                 self._commit_sent = now
                 self._send_commit()

@@ -3,9 +3,9 @@
 For every partition of a replicated topic (TopicMeta.replicas > 1) that the cluster's view
 gives this node, one of:
 - led here (the state names this node leader and it holds the partition's leader key):
-  the open Partition's log gets a `LeaderLog`, which pushes every batch to the in-sync
-  followers and is the partition's `gate` (a publish is taken only while it says
-  `writable`);
+  the open Partition's log gets a `LeaderLog`, whose writer takes the partition's
+  publishes (the Partition's `writer`, while it says `writable`) and pushes every batch
+  to the in-sync followers;
 - followed here (this node is in the ISR or the catch-up list, not leader): a
   `FollowerLog` over a DiskQueue of its own in the partition's folder; no client sees it.
 The RPC server (`--rpc-address`) answers the other nodes' pushes, fetches and joins.
@@ -259,7 +259,7 @@ class Replication:
                                repl_timeout=self.nsqd.options.repl_timeout_ms / 1000)
             self.leaders[(name, n)] = leader
             await leader.start()
-            p.gate = _Gate(leader, self.cluster)
+            p.writer = _Led(leader)
             log.info("leading", topic=name, partition=n, epoch=state.epoch,
                      isr=list(state.isr), catchup=list(state.catchup))
         for n, state in follow.items():
@@ -316,8 +316,8 @@ class Replication:
         await leader.close("no longer led here")
         topic = self.nsqd.topics.get(key[0])
         p = topic.partitions.get(key[1]) if topic is not None else None
-        if p is not None and getattr(p.gate, "leader", None) is leader:
-            p.gate = _Stopped()
+        if p is not None and getattr(p.writer, "leader", None) is leader:
+            p.writer = _Stopped()
 
     async def _stop_follower(self, key) -> None:
         follower = self.followers.pop(key)
@@ -341,7 +341,8 @@ class Replication:
 
 
 class _Stopped:
-    """The gate of a led partition whose replication stopped (it is being released)."""
+    """The writer of a led partition whose replication stopped (it is being released):
+    takes nothing."""
 
     writable = False
     reason = "it is changing leader"
@@ -353,17 +354,17 @@ def _given_up(leader: LeaderLog, me: str) -> bool:
     return (leader.closed or leader.q.failed is not None) and leader.state.leader == me
 
 
-class _Gate:
-    """The gate of a partition led here: writable while the LeaderLog says so. The node's
-    etcd lease is not asked: while etcd is away a leader whose whole ISR acknowledges goes
-    on committing (no leader can be elected meanwhile, and one elected from its ISR after
-    fences it: issue 28 item 10)."""
+class _Led:
+    """The writer of a partition led here: the LeaderLog's, writable while the LeaderLog
+    says so. The node's etcd lease is not asked: while etcd is away a leader whose whole
+    ISR acknowledges goes on committing (no leader can be elected meanwhile, and one
+    elected from its ISR after fences it: issue 28 item 10)."""
 
-    __slots__ = ("leader", "cluster")
+    __slots__ = ("leader", "append")
 
-    def __init__(self, leader: LeaderLog, cluster):
+    def __init__(self, leader: LeaderLog):
         self.leader = leader
-        self.cluster = cluster
+        self.append = leader.writer.append
 
     @property
     def writable(self) -> bool:

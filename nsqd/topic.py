@@ -91,7 +91,7 @@ def remove_grave(grave: str) -> None:
 
 
 class _Starting:
-    """The gate of a replicated partition until its replication runs."""
+    """The writer of a replicated partition until its replication runs: takes nothing."""
 
     writable = False
     reason = "its replication is starting"
@@ -107,9 +107,16 @@ class Partition:
         self.queue = queue
         self._floor = floor  # (offset, count) where a first channel would start
         self.channels: dict[str, Channel] = {}
-        # Replicated topics: what says whether a publish may be taken (the partition's
-        # LeaderLog, set by nsqd/replication.py once it leads); None: not replicated.
-        self.gate = STARTING if queue.options.replicated else None
+        # What takes the partition's publishes (`append`, `writable`, `reason`): its log,
+        # when not replicated; else its replication's writer while it leads here (set by
+        # nsqd/replication.py), STARTING until then.
+        self.writer = STARTING if queue.options.replicated else queue
+
+    @property
+    def writable(self) -> bool:
+        """Whether a publish is taken now (a log of its own takes it while open: a failed
+        log's append says why not)."""
+        return self.writer is self.queue or self.writer.writable
 
     @property
     def floor(self) -> tuple[int, int]:
@@ -371,18 +378,17 @@ class Topic:
                 self._refuse_any()
             part = spread[self._next % len(spread)]
             self._next += 1
-            if part.gate is not None and not part.gate.writable:
+            if not part.writable:
                 part = self._writable_after(part)
         else:
             part = self.writable.get(partition)
             if part is None:
                 self.check_partition(partition)
-            gate = part.gate
-            if gate is not None and not gate.writable:
+            if not part.writable:
                 raise PartitionNotWritable(f"topic {self.name} partition {partition} is not "
-                                           f"writable: {gate.reason}")
-        appended = part.queue.append(bodies, trace_id, ext, callback=callback,
-                                     trace_ids=trace_ids, exts=exts)
+                                           f"writable: {part.writer.reason}")
+        appended = part.writer.append(bodies, trace_id, ext, callback=callback,
+                                      trace_ids=trace_ids, exts=exts)
         if callback is None:
             return self._counted(appended, bodies, trace_id, trace_ids, source)
 
@@ -390,10 +396,10 @@ class Topic:
         """A publish without a partition whose round-robin pick is not writable: the next
         writable one, or PartitionNotWritable naming the first pick's reason."""
         for part in self._spread:
-            if part.gate is None or part.gate.writable:
+            if part.writable:
                 return part
         raise PartitionNotWritable(f"topic {self.name}: no partition led here is writable "
-                                   f"(partition {refused.number}: {refused.gate.reason})")
+                                   f"(partition {refused.number}: {refused.writer.reason})")
 
     def _refuse_any(self) -> None:
         """Why a publish without a partition finds no writable partition."""

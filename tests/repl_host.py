@@ -130,6 +130,11 @@ class Host:
         await leader.taken()
         return leader
 
+    def publish(self, bodies, topic: str = "t", partition: int = 0):
+        """A publish to a partition led here, through its LeaderLog's writer: a future of
+        its Appended, answered once committed."""
+        return self.leaders[(topic, partition)].writer.append(bodies)
+
     def on_state(self, topic, partition, state) -> None:
         leader = self.leaders.get((topic, partition))
         if leader is not None:

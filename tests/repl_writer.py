@@ -2,7 +2,7 @@
 
     python repl_writer.py commit FOLDER SEGMENT_BYTES
         Opens a replicated queue and appends from 50 coroutines without pause, while a
-        committer calls `replicated_to` every millisecond with the written end it saw LAG
+        committer calls `commit_to` every millisecond with the written end it saw LAG
         turns before (so the commit lags the writes). It prints "commit OFFSET COUNT"
         BEFORE each call, so every committed end is at most the last line printed.
 
@@ -44,7 +44,7 @@ async def commit(path: str, segment_bytes: int) -> None:
             await asyncio.sleep(0.001)
             end = seen.popleft()
             os.write(1, f"commit {end[0]} {end[1]}\n".encode())
-            q.replicated_to(*end)
+            q.commit_to(*end)
             seen.append((q.written_end, q.written_count))
 
     await asyncio.gather(committer(), *(writer(i) for i in range(50)))

@@ -244,13 +244,18 @@ async def test_reader_sees_only_committed(tmp_path, queues):
     r = q.reader()
     assert await r.read() == []
     assert await r.read_wait(timeout=0.05) == []
-    with pytest.raises(ValueError):
-        q.commit(b.end_offset + 1, 4)
-    q.commit(a.end_offset, 2)
+    q.commit_to(b.end_offset + 100, 9)  # past the written end: the written end
+    assert (q.committed_end, q.committed_count) == (b.end_offset, 3)
+    await q.close()
+    q = await queues(tmp_path / "again", QueueOptions(auto_commit=False))
+    a = await q.append([b"a1", b"a2"])
+    b = await q.append([b"b1"])
+    r = q.reader()
+    q.commit_to(a.end_offset, 2)
     assert [x.body for x in await r.read()] == [b"a1", b"a2"]
     assert await r.read() == []
-    q.commit(a.end_offset, 2)  # idempotent
-    q.commit(b.end_offset, 3)
+    q.commit_to(a.end_offset, 2)  # idempotent
+    q.commit_to(b.end_offset, 3)
     assert [x.body for x in await r.read()] == [b"b1"]
     assert q.committed_count == 3
     r.close()

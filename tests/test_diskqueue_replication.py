@@ -18,18 +18,13 @@ from test_diskqueue import body, read_all, segment_files, small_disk  # noqa: F4
 
 from commitlog.entry import ENTRY_SIZE, decode, encode
 from diskqueue.queue import (
-    AppendError,
-    CommitTimeout,
     DiskFullError,
     DiskQueue,
     GapError,
-    NotCommitted,
     OffsetOutOfRange,
-    QueueFailedError,
     QueueOptions,
 )
 from diskqueue.raw import BadBatch, check_batch, renumber
-from diskqueue import replicated
 from diskqueue.replicated import COMMITTED_FILE, decode_position, encode_position
 from nsqwire.ids import PARTITION_SHIFT
 
@@ -64,244 +59,27 @@ async def fill(q, batches, first=0, per=3):
 
 
 async def write_uncommitted(q, batches, first=0, per=3):
-    """Append `batches` requests one batch each, without a commit; return their entries and
-    their futures (settled once committed)."""
-    futs = []
-    for i in range(batches):
-        want = q.written_count + 1 + i % per
-        futs.append(q.append([body(first + i * per + k) for k in range(1 + i % per)]))
-        while q.written_count < want:
-            await asyncio.sleep(0.001)
-    entries = list(q.commitlog.entries())[-batches:]
-    return entries, futs
+    """Append `batches` requests one batch each, without a commit; return their entries."""
+    await fill(q, batches, first, per)
+    return list(q.commitlog.entries())[-batches:]
 
 
-# ---- parking and committing --------------------------------------------------
+# ---- committing ------------------------------------------------------------------
 
-async def test_a_replicated_batch_is_answered_only_once_committed(tmp_path, queues):
-    q = await queues(tmp_path / "q")
-    first = q.append([b"a", b"b"])
-    second = q.append([b"c"])
-    while q.written_count < 3:
-        await asyncio.sleep(0.001)
-    await asyncio.sleep(0.01)
-    assert not first.done() and not second.done()
-    assert q.committed_end == 0 and await read_all(q) == []
-    a = None
-    # the first request's end commits it alone (both were one batch: so the batch waits)
-    q.replicated_to(q.written_end - 1 - 36, 2)
-    await asyncio.sleep(0.01)
-    assert q.committed_count == 2 and not second.done()
-    q.replicated_to(10**9, 10**6)  # more than written: commits the written end
-    a, c = await first, await second
-    assert (a.first_id, c.first_id) == (0, 2)
-    assert (q.committed_end, q.committed_count) == (q.written_end, 3)
-    assert [r.body for r in await read_all(q)] == [b"a", b"b", b"c"]
-
-
-async def test_batches_are_settled_in_order_as_the_commit_moves(tmp_path, queues):
-    q = await queues(tmp_path / "q")
-    futs = []
-    for i in range(5):
-        futs.append(q.append([body(i)]))
-        await asyncio.sleep(0.005)  # one batch each
-    while q.written_count < 5:
-        await asyncio.sleep(0.001)
-    ends = [e.end_offset for e in q.commitlog.entries()]
-    assert len(ends) == 5
-    q.replicated_to(ends[2], 3)
-    await asyncio.sleep(0)
-    assert [f.done() for f in futs] == [True, True, True, False, False]
-    q.replicated_to(ends[4], 5)
-    await asyncio.sleep(0)
-    assert all(f.done() for f in futs)
-
-
-async def _pushing_with_one_held(q, pushed):
-    """A leader's queue (`on_batch` set) with a batch of two requests written and parked, and
-    one request held behind it. Returns the three futures."""
-    q.on_batch = lambda *batch: pushed.append(batch)
-    first = [q.append([body(0)]), q.append([body(1)])]  # one batch
-    while q.written_count < 2:
-        await asyncio.sleep(0.001)
-    held = q.append([body(2)])
-    await asyncio.sleep(0.01)
-    assert len(pushed) == 1 and pushed[0][3] == 2 and q.written_count == 2  # held
-    return first, held
-
-
-async def test_a_commit_lets_the_writer_linger_for_the_clients_it_answered(
-        tmp_path, queues, monkeypatch):
-    """After a commit releases held requests, the writer waits for as many new requests as
-    it answered (they come from the clients it just answered), and pushes them all as one."""
-    monkeypatch.setattr(replicated, "LINGER", 10.0)
-    q = await queues(tmp_path / "q")
-    pushed = []
-    first, held = await _pushing_with_one_held(q, pushed)
-    q.replicated_to(q.written_end, q.written_count)
-    assert all(f.done() for f in first)
-    await asyncio.sleep(0.02)
-    assert len(pushed) == 1 and q.written_count == 2  # lingering: 1 of the 3 requests came
-    again = [q.append([body(3)])]
-    await asyncio.sleep(0.02)
-    assert len(pushed) == 1  # 2 of 3
-    again.append(q.append([body(4)]))  # the last: the linger ends, one batch of all three
-    while q.written_count < 5:
-        await asyncio.sleep(0.001)
-    assert len(pushed) == 2 and pushed[1][3] == 3
-    q.replicated_to(q.written_end, q.written_count)
-    assert [(await f).first_id for f in (held, *again)] == [2, 3, 4]
-
-
-async def test_a_linger_ends_after_linger_seconds_or_at_close(tmp_path, queues, monkeypatch):
-    monkeypatch.setattr(replicated, "LINGER", 0.05)
-    q = await queues(tmp_path / "q")
-    pushed = []
-    _, held = await _pushing_with_one_held(q, pushed)
-    started = time.monotonic()
-    q.replicated_to(q.written_end, q.written_count)
-    while q.written_count < 3:  # nobody came back: the held request goes after LINGER
-        await asyncio.sleep(0.001)
-    assert time.monotonic() - started >= 0.05 and len(pushed) == 2
-    monkeypatch.setattr(replicated, "LINGER", 10.0)
-    q.replicated_to(q.written_end, q.written_count)
-    assert (await held).first_id == 2
-    late = q.append([body(3)])
-    while q.written_count < 4:
-        await asyncio.sleep(0.001)
-    later = q.append([body(4)])  # held behind `late`
-    await asyncio.sleep(0.01)
-    q.replicated_to(q.written_end, q.written_count)  # lingers (10 s) for one more request
-    await asyncio.sleep(0.02)
-    assert (await late).first_id == 3 and q.written_count == 4
-    started = time.monotonic()
-    await q.close()  # ends the linger: writes the held request (its outcome unknown)
-    assert time.monotonic() - started < 5 and q.written_count == 5
-    with pytest.raises(NotCommitted):
-        await later
-
-
-async def test_no_linger_when_solo_or_when_nothing_was_answered(tmp_path, queues, monkeypatch):
-    monkeypatch.setattr(replicated, "LINGER", 10.0)
-    q = await queues(tmp_path / "q")
-    pushed = []
-    _, held = await _pushing_with_one_held(q, pushed)
-    q.set_solo(True)  # commits what is parked, and the held request goes at once
-    assert (await asyncio.wait_for(held, 5)).first_id == 2
-    q.set_solo(False)
-    parked = q.append([body(3)])
-    while q.written_count < 4:
-        await asyncio.sleep(0.001)
-    after = q.append([body(4)])
-    q.fail_uncommitted(AppendError("below min_isr"))  # answers nothing: no linger
-    with pytest.raises(NotCommitted):
-        await parked
-    while q.written_count < 5:
-        await asyncio.sleep(0.001)
-    q.replicated_to(q.written_end, q.written_count)
-    assert (await after).first_id == 4
-    last = q.append([body(5)])
-    while q.written_count < 6:
-        await asyncio.sleep(0.001)
-    held = q.append([body(6)])
-    await asyncio.sleep(0.01)
-    q.replicated_to(q.written_end, q.written_count)  # lingers (10 s) for one more request
-    await asyncio.sleep(0.02)
-    assert (await last).first_id == 5 and q.written_count == 6
-    q.set_solo(True)  # ends the linger
-    assert (await asyncio.wait_for(held, 5)).first_id == 6
-
-
-async def test_fail_uncommitted_fails_the_waiters_and_keeps_the_data(tmp_path, queues):
-    q = await queues(tmp_path / "q")
-    fut = q.append([b"x", b"y"])
-    while q.written_count < 2:
-        await asyncio.sleep(0.001)
-    q.fail_uncommitted(AppendError("below min_isr"))
-    with pytest.raises(NotCommitted, match="below min_isr.*may still be delivered"):
-        await fut
-    assert q.written_count == 2 and q.committed_count == 0
-    q.replicated_to(q.written_end, 2)  # it may still commit later: at-least-once
-    assert [r.body for r in await read_all(q)] == [b"x", b"y"]
-
-
-async def test_solo_commits_on_write_and_commits_what_was_parked(tmp_path, queues):
-    q = await queues(tmp_path / "q")
-    parked = q.append([b"p"])
-    while q.written_count < 1:
-        await asyncio.sleep(0.001)
-    q.set_solo(True)
-    assert (await parked).first_id == 0 and q.committed_count == 1
-    a = await q.append([b"s"])  # solo: answered on write
-    assert a.first_id == 1 and q.committed_count == 2
-    q.set_solo(False)
-    late = q.append([b"t"])
-    await asyncio.sleep(0.02)
-    assert not late.done() and q.committed_count == 2
-    q.replicated_to(q.written_end, q.written_count)
-    assert (await late).first_id == 2
-
-
-async def test_close_fails_what_is_parked(tmp_path):
-    q = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(replicated=True))
-    fut = q.append([b"never committed"])
-    await q.close()
-    with pytest.raises(NotCommitted, match="closed"):  # written: its outcome is unknown
-        await fut
-
-
-async def test_every_request_is_answered_within_the_commit_timeout(tmp_path, queues):
-    """Nothing commits (no replicated_to: a follower failed while etcd is away): within the
-    commit timeout the parked batch is answered "may still be delivered" and the one held
-    behind it "nothing of it is stored" (taken out of the queue); each waiter is answered
-    once, also when the parked batch commits later; the queue goes on. (Before, both
-    waited until a commit that might never come.)"""
-    q = await queues(tmp_path / "q", QueueOptions(replicated=True, commit_timeout=0.3))
-    q.on_batch = lambda *batch: None  # as a leader pushing: a batch is held behind a parked one
-    calls = []
-    t0 = time.monotonic()
-    parked = q.append([b"written"])
-    for _ in range(500):
-        if q.written_count:
-            break
-        await asyncio.sleep(0.01)
-    q.append([b"held"], callback=lambda result, error: calls.append((result, error)))
-    with pytest.raises(CommitTimeout, match="may still be delivered"):
-        await asyncio.wait_for(parked, 5)
-    while not calls:
-        await asyncio.sleep(0.01)
-    elapsed = time.monotonic() - t0
-    assert 0.3 <= elapsed < 2, elapsed
-    [(result, error)] = calls
-    assert result is None and isinstance(error, CommitTimeout)
-    assert "nothing of it is stored" in str(error)
-    written = (q.written_end, q.written_count)
-    assert written[1] == 1  # the held batch was never written
-    q.replicated_to(*written)  # the parked batch commits after all: no second answer
-    assert q.committed_count == 1 and len(calls) == 1
-    later = q.append([b"later"])
-    for _ in range(500):
-        if q.written_count == 2:
-            break
-        await asyncio.sleep(0.01)
-    q.replicated_to(q.written_end, q.written_count)
-    assert (await asyncio.wait_for(later, 5)).first_id == 1  # `held` took no id
-    await asyncio.sleep(0.4)  # its deadline passes after it was answered: nothing happens
-    assert len(calls) == 1
-    assert [r.body for r in await read_all(q)] == [b"written", b"later"]
-
-
-async def test_auto_commit_is_ignored_by_a_replicated_queue(tmp_path, queues):
+async def test_a_replicated_queue_commits_only_when_told(tmp_path, queues):
+    """An append is answered once written; readers see it once `commit_to` says the ISR holds
+    it (`auto_commit` is ignored), never past the written end."""
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, auto_commit=True))
-    fut = q.append([b"a"])
-    for _ in range(500):  # until written (a loaded machine may take a while)
-        if q.written_count:
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.02)  # and a little more: auto-commit would have committed by now
-    assert q.written_count == 1 and q.committed_count == 0 and not fut.done()
-    q.replicated_to(q.written_end, 1)
-    await fut
+    a = await q.append([b"a", b"b"])
+    await q.append([b"c"])
+    await asyncio.sleep(0.02)  # auto-commit would have committed by now
+    assert q.written_count == 3 and q.committed_count == 0 and await read_all(q) == []
+    q.commit_to(a.end_offset, 2)
+    assert [r.body for r in await read_all(q)] == [b"a", b"b"]
+    q.commit_to(10**9, 10**6)  # more than written: the written end
+    assert (q.committed_end, q.committed_count) == (q.written_end, 3)
+    q.commit_to(a.end_offset, 2)  # never back
+    assert q.committed_count == 3
 
 
 # ---- the persisted committed end ----------------------------------------------
@@ -309,9 +87,8 @@ async def test_auto_commit_is_ignored_by_a_replicated_queue(tmp_path, queues):
 async def test_a_replicated_queue_reopens_at_its_persisted_committed_end(tmp_path, queues):
     path = tmp_path / "q"
     q = await queues(path)
-    q.set_solo(True)
     await fill(q, 4)
-    q.set_solo(False)
+    q.commit_to(q.written_end, q.written_count)
     committed = (q.written_end, q.written_count)
     for i in range(3):
         q.append([body(100 + i)])
@@ -339,7 +116,7 @@ async def test_a_replicated_queue_reopens_at_its_persisted_committed_end(tmp_pat
     stored.unlink()
     q = await queues(path)
     assert (q.committed_end, q.committed_count) == (0, 0)
-    q.replicated_to(*committed)
+    q.commit_to(*committed)
     await q.close()
     assert decode_position(stored.read_bytes()) == committed  # stored at close
 
@@ -351,7 +128,7 @@ async def test_the_committed_end_is_stored_with_each_batch(tmp_path, queues):
         q.append([body(i)])
     while q.written_count < 3:
         await asyncio.sleep(0.001)
-    q.replicated_to(q.written_end, q.written_count)
+    q.commit_to(q.written_end, q.written_count)
     mark = (q.committed_end, q.committed_count)
     q.append([b"next batch"])
     while q.written_count < mark[1] + 1:
@@ -409,26 +186,28 @@ async def test_the_persisted_committed_end_is_never_ahead_after_a_kill(tmp_path)
 
 # ---- raw batches: leader to follower -----------------------------------------
 
-async def test_on_batch_and_append_raw_copy_a_leader_to_a_follower(tmp_path, queues):
+async def test_an_announced_batch_and_append_raw_copy_a_leader_to_a_follower(tmp_path, queues):
     leader = await queues(tmp_path / "leader")
     follower = await queues(tmp_path / "follower", QueueOptions(replicated=True,
                                                                segment_bytes=4096))
     await leader.set_epoch(3)
     pushed = []
-    leader.on_batch = lambda *batch: pushed.append(batch)
-    futs = [leader.append([body(i) for i in range(k)], trace_id=k, ext=b"e" * k)
-            for k in (1, 2, 3)]
-    while leader.written_count < 6:
-        await asyncio.sleep(0.001)
+    written = asyncio.get_running_loop().create_future()
+    requests = [leader.request([body(i) for i in range(k)], trace_id=k, ext=b"e" * k)
+                for k in (1, 2, 3)]
+    leader.write_batch(requests, announce=lambda *batch: pushed.append(batch),
+                       done=lambda results, error: written.set_result((results, error)))
+    assert len(pushed) == 0  # announced as it is encoded, on a later turn of the loop
+    results, error = await written
+    assert error is None and [r.count for r in results] == [1, 2, 3] and len(pushed) == 1
     for offset, count, entries, n, data, epoch in pushed:
         assert epoch == 3 and n == len(entries) // ENTRY_SIZE
         assert await follower.append_raw(offset, count, entries, data) == (
             offset + len(data), entries_of(entries)[-1].count_after)
-    leader.replicated_to(*(follower.written_end, follower.written_count))
-    await asyncio.gather(*futs)
+    leader.commit_to(follower.written_end, follower.written_count)
     assert (follower.written_end, follower.written_count) == (leader.written_end, 6)
     assert follower.last_epoch == 3 and follower.committed_count == 0  # committed by the leader
-    follower.replicated_to(leader.committed_end, leader.committed_count)
+    follower.commit_to(leader.committed_end, leader.committed_count)
     assert await read_all(follower) == await read_all(leader)
     mine, theirs = list(follower.commitlog.entries()), list(leader.commitlog.entries())
     assert [e._replace(log_id=0, flags=0) for e in mine] == [
@@ -582,49 +361,25 @@ async def test_append_raw_on_a_full_disk_raises_disk_full(small_disk, queues):  
     await follower.append_raw(raw.offset, raw.count, raw.entries, raw.data)
 
 
-async def test_a_leader_whose_pushed_batch_failed_here_fails(small_disk, queues):  # noqa: F811
-    """Its followers may hold the batch: no other batch may take its place, so the queue
-    takes nothing more until it is reopened (and the followers truncate by epoch)."""
-    q = await queues(small_disk / "leader")
-    q.set_solo(True)
-    pushed = []
-    q.on_batch = lambda *batch: pushed.append(batch)
-    (small_disk / "ballast").write_bytes(os.urandom(1024 * 1024))
-    with pytest.raises(NotCommitted, match="pushed to the followers"):  # they may hold it
-        for i in range(20):
-            await q.append([os.urandom(100_000)])
-    assert len(pushed) == i + 1 and q.written_count == i
-    with pytest.raises(QueueFailedError):
-        q.append([b"x"])
-
-
-async def test_set_solo_is_for_a_replicated_queue(tmp_path, queues):
-    q = await queues(tmp_path / "q", QueueOptions())
-    with pytest.raises(ValueError):
-        q.set_solo(False)
-
-
 async def test_retention_never_drops_uncommitted_records(tmp_path, queues):
     """A leader's segments its ISR may lack stay, whatever the age and size bounds say."""
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048))
-    q.set_solo(True)
     await fill(q, 12)
-    q.set_solo(False)
+    q.commit_to(q.written_end, q.written_count)
     await write_uncommitted(q, 30, first=100)
     committed = q.committed_end
     assert len(segment_files(q)) > 3 and committed < q.written_end
     start = await q.retain(before_offset=10**9, max_age_s=0, max_bytes=0)
     assert 0 < start <= committed
-    q.replicated_to(q.written_end, q.written_count)
+    q.commit_to(q.written_end, q.written_count)
     assert await q.retain(before_offset=10**9) > committed
 
 
 async def test_read_raw(tmp_path, queues):
     q = await queues(tmp_path / "q", QueueOptions(replicated=True, segment_bytes=2048,
                                                   clog_entries_per_segment=4))
-    q.set_solo(True)
     done = await fill(q, 12)
-    q.set_solo(False)
+    q.commit_to(q.written_end, q.written_count)
     q.append([b"written, not committed"])
     while q.written_count < done[-1].first_id + done[-1].count + 1:
         await asyncio.sleep(0.001)
@@ -644,7 +399,7 @@ async def test_read_raw(tmp_path, queues):
         await q.read_raw(mid.offset + 1, 100)
     with pytest.raises(ValueError):
         await q.read_raw(end[0] + 1, 100)
-    q.replicated_to(*end)
+    q.commit_to(*end)
     start = await q.retain(before_offset=done[8].offset)
     assert start > 0
     with pytest.raises(OffsetOutOfRange) as out:
@@ -657,7 +412,6 @@ async def test_read_raw(tmp_path, queues):
 async def test_epochs_and_epoch_end(tmp_path, queues):
     path = tmp_path / "q"
     q = await queues(path)
-    q.set_solo(True)
     assert q.last_epoch == 0 and await q.epoch_end(0) == (0, 0)
     await q.set_epoch(1)
     assert q.last_epoch == 0  # nothing written at epoch 1 yet
@@ -686,13 +440,12 @@ async def test_truncate_to_across_segments(tmp_path, queues):
     opts = QueueOptions(replicated=True, segment_bytes=2048, clog_entries_per_segment=8)
     q = await queues(path, opts)
     await q.set_epoch(2)
-    done, futs = await write_uncommitted(q, 10)
+    done = await write_uncommitted(q, 10)
     await q.set_epoch(5)
-    more, futs2 = await write_uncommitted(q, 30, first=100)
+    more = await write_uncommitted(q, 30, first=100)
     done += more
     cut = done[8]
-    q.replicated_to(cut.offset, cut.count_before)
-    await asyncio.gather(*futs[:8])
+    q.commit_to(cut.offset, cut.count_before)
     committed = await read_all(q)
     files = segment_files(path)
     with pytest.raises(ValueError):  # below committed
@@ -702,9 +455,6 @@ async def test_truncate_to_across_segments(tmp_path, queues):
     with pytest.raises(ValueError):  # the count does not match
         await q.truncate_to(cut.offset, cut.count_before + 1)
     await q.truncate_to(cut.offset, cut.count_before)
-    for fut in futs[8:] + futs2:
-        with pytest.raises(AppendError, match="truncated"):
-            await fut
     assert (q.written_end, q.written_count) == (cut.offset, cut.count_before)
     assert q.last_epoch == 2 and q.epoch == 5
     left = segment_files(path)
@@ -714,8 +464,8 @@ async def test_truncate_to_across_segments(tmp_path, queues):
     assert sum(os.path.getsize(f) for f in left) == cut.offset
     assert list(q.commitlog.entries()) == done[:8]
     # it goes on from there
-    q.set_solo(True)
     a = await q.append([b"after"])
+    q.commit_to(a.end_offset, a.first_id + 1)
     assert (a.first_id, a.offset, a.log_id) == (cut.count_before, cut.offset, 8)
     assert await q.epoch_end(2) == (a.offset, a.first_id)
     await q.close()
@@ -730,7 +480,7 @@ async def test_truncate_to_a_segment_base_and_to_the_end(tmp_path, queues):
     path = tmp_path / "q"
     opts = QueueOptions(replicated=True, segment_bytes=2048)
     q = await queues(path, opts)
-    done, futs = await write_uncommitted(q, 20)
+    done = await write_uncommitted(q, 20)
     bases = [int(os.path.basename(f)[:-4]) for f in segment_files(path)]
     at = next(e for e in done if e.offset == bases[2])
     await q.truncate_to(q.written_end, q.written_count)  # nothing to cut
@@ -739,23 +489,21 @@ async def test_truncate_to_a_segment_base_and_to_the_end(tmp_path, queues):
     assert [int(os.path.basename(f)[:-4]) for f in segment_files(path)] == bases[:3]
     assert os.path.getsize(segment_files(path)[-1]) == 0
     await q.close()
-    await asyncio.gather(*futs, return_exceptions=True)
     q = await queues(path, opts)
     assert (q.written_end, q.written_count) == (at.offset, at.count_before)
 
 
 async def test_nothing_commits_past_a_truncation_under_way(tmp_path, queues):
     q = await queues(tmp_path / "q")
-    done, futs = await write_uncommitted(q, 6)
+    done = await write_uncommitted(q, 6)
     cut = done[3]
     truncating = asyncio.ensure_future(q.truncate_to(cut.offset, cut.count_before))
     await asyncio.sleep(0)  # it holds the writer now
-    q.replicated_to(q.written_end, q.written_count)  # a leader's commit arrives meanwhile
+    q.commit_to(q.written_end, q.written_count)  # a leader's commit arrives meanwhile
     await truncating
     assert (q.committed_end, q.committed_count) == (cut.offset, cut.count_before)
     assert (q.written_end, q.written_count) == (cut.offset, cut.count_before)
-    await asyncio.gather(*futs[:3])
-    q.replicated_to(10**9, 10**9)
+    q.commit_to(10**9, 10**9)
     assert q.committed_end == q.written_end == cut.offset
 
 
@@ -902,14 +650,13 @@ async def test_restart_at_drops_the_log_and_goes_on_ahead(tmp_path, queues):
     (a kill after it returned) finds the same; a position not ahead is refused."""
     path = tmp_path / "q"
     q = await queues(path, QueueOptions(replicated=True, segment_bytes=2048))
-    q.set_solo(True)
     await fill(q, 12)
-    q.set_solo(False)
+    q.commit_to(q.written_end, q.written_count)
     with pytest.raises(ValueError):
         await q.restart_at(q.written_end, q.written_count)
     leader = await queues(tmp_path / "leader", QueueOptions(replicated=True, segment_bytes=2048))
-    leader.set_solo(True)
     await fill(leader, 40)
+    leader.commit_to(leader.written_end, leader.written_count)
     await leader.retain(before_offset=leader.committed_end)
     assert leader.start_offset > q.written_end
     await q.restart_at(leader.start_offset, leader.start_count)
@@ -918,7 +665,7 @@ async def test_restart_at_drops_the_log_and_goes_on_ahead(tmp_path, queues):
     assert await read_all(q) == []
     raw = await leader.read_raw(leader.start_offset, 1 << 20)
     await q.append_raw(raw.offset, raw.count, raw.entries, raw.data)
-    q.replicated_to(q.written_end, q.written_count)
+    q.commit_to(q.written_end, q.written_count)
     want = [(r.offset, r.msg_id, r.body) for r in await read_all(leader)]
     assert [(r.offset, r.msg_id, r.body) for r in await read_all(q)] == want
     await q.close()

@@ -52,7 +52,7 @@ async def test_publish_acknowledged_only_after_both_followers_synced(tmp_path):
 
         futs = []
         for i in range(200):
-            fut = lq.append([b"m%d" % i] * (1 + i % 5))
+            fut = hosts[0].publish([b"m%d" % i] * (1 + i % 5))
             fut.add_done_callback(check)
             futs.append(fut)
             if i % 20 == 0:
@@ -81,7 +81,7 @@ async def test_what_arrives_while_a_batch_replicates_joins_one_next_batch(tmp_pa
     _, hosts = await cluster(tmp_path)
     try:
         lq = hosts[0].queues[(T, 0)]
-        await lq.append([b"first"])
+        await hosts[0].publish([b"first"])
         slow = []
         for h in hosts[1:]:
             follower = h.followers[(T, 0)]
@@ -93,10 +93,10 @@ async def test_what_arrives_while_a_batch_replicates_joins_one_next_batch(tmp_pa
 
             follower.push = delayed
         batches = lq.stats["batches"]
-        futs = [lq.append([b"slow"])]
+        futs = [hosts[0].publish([b"slow"])]
         for i in range(20):  # each alone would be a batch: the local disk is free again
             await asyncio.sleep(0.005)
-            futs.append(lq.append([b"m%d" % i]))
+            futs.append(hosts[0].publish([b"m%d" % i]))
         done = await asyncio.wait_for(asyncio.gather(*futs), 5)
         assert lq.stats["batches"] - batches == 2, lq.stats["batches"] - batches
         assert [a.first_id for a in done] == sorted(a.first_id for a in done)
@@ -109,7 +109,7 @@ async def test_a_push_of_an_older_epoch_is_fenced(tmp_path):
     _, hosts = await cluster(tmp_path, epoch=5)
     try:
         lq = hosts[0].queues[(T, 0)]
-        await lq.append([b"x"])
+        await hosts[0].publish([b"x"])
         fq = hosts[1].queues[(T, 0)]
         before = (fq.written_end, fq.written_count)
         peer = Peer(hosts[2], B)
@@ -134,9 +134,9 @@ async def test_a_stopped_follower_is_dropped_and_the_write_completes(tmp_path):
     states, hosts = await cluster(tmp_path, repl_timeout=0.5)
     try:
         lq = hosts[0].queues[(T, 0)]
-        await lq.append([b"before"])
+        await hosts[0].publish([b"before"])
         await hosts[2].rpc.stop()
-        a = await asyncio.wait_for(lq.append([b"after"]), 3)
+        a = await asyncio.wait_for(hosts[0].publish([b"after"]), 3)
         s = states.states[(T, 0)]
         assert s.isr == (A, B) and s.catchup == (C,) and s.epoch == 3  # 2: the leadership's
         assert lq.committed_end == a.end_offset == hosts[1].queues[(T, 0)].written_end
@@ -171,17 +171,16 @@ async def test_a_sigstopped_follower_times_out_and_is_dropped(tmp_path):
         states.addresses[C] = f"127.0.0.1:{int(line.split()[1])}"
         await hosts[1].open(T, 0)
         await hosts[0].open(T, 0)
-        lq = hosts[0].queues[(T, 0)]
-        await asyncio.wait_for(lq.append([b"all three"]), 3)
+        await asyncio.wait_for(hosts[0].publish([b"all three"]), 3)
         assert states.states[(T, 0)].isr == (A, B, C)
         os.kill(child.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        await asyncio.wait_for(lq.append([b"two"]), 5)
+        await asyncio.wait_for(hosts[0].publish([b"two"]), 5)
         took = time.monotonic() - t0
         assert 0.45 <= took < 2.0, took
         assert states.states[(T, 0)].isr == (A, B)
         os.kill(child.pid, signal.SIGCONT)
-        await asyncio.wait_for(lq.append([b"still two"]), 3)
+        await asyncio.wait_for(hosts[0].publish([b"still two"]), 3)
         assert json.dumps(list(states.states[(T, 0)].catchup)) == json.dumps([C])
     finally:
         os.kill(child.pid, signal.SIGCONT)
@@ -196,11 +195,11 @@ async def test_below_min_isr_parked_batches_fail_and_appends_are_refused(tmp_pat
     try:
         lq = hosts[0].queues[(T, 0)]
         leader = hosts[0].leaders[(T, 0)]
-        await lq.append([b"ok"])
+        await hosts[0].publish([b"ok"])
         # stall both followers: their pushes are never acked (a server that reads, never answers)
         for h in hosts[1:]:
             h.followers[(T, 0)].push = _never
-        fut = lq.append([b"parked"])
+        fut = hosts[0].publish([b"parked"])
         with pytest.raises(NotCommitted):
             await asyncio.wait_for(fut, 5)
         s = states.states[(T, 0)]
@@ -230,28 +229,32 @@ async def test_a_diverged_replica_truncates_to_the_new_leader_and_joins(tmp_path
     a, b, _ = hosts
     try:
         aq = a.queues[(T, 0)]
-        await aq.append([b"m1", b"m2"])
-        await aq.append([b"m3"])
+        await a.publish([b"m1", b"m2"])
+        await a.publish([b"m3"])
         # A writes a tail its followers never get (a push lost as A is cut off), then dies
-        aq.on_batch = None
-        tail = aq.append([b"lost1", b"lost2"])
+        followers = [h.followers[(T, 0)] for h in hosts[1:]]
+        for f in followers:
+            f.push = lambda frame, answer: None  # the push never arrives
+        tail = a.publish([b"lost1", b"lost2"])
         await until(lambda: aq.written_end > hosts[1].queues[(T, 0)].written_end)
         await a.stop()
+        for f in followers:
+            del f.push
         with pytest.raises(Exception, match="closed|closing|failed"):
             await tail
         # failover: B leads at epoch 2 with C; A is outside the ISR
         states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
         await b.lead(T, 0)
         bq = b.queues[(T, 0)]
-        await bq.append([b"n1"])
-        await bq.append([b"n2", b"n3"])
+        await b.publish([b"n1"])
+        await b.publish([b"n2", b"n3"])
         # A comes back and follows B: its epoch-1 tail is cut, B's epoch-2 records fetched
         a2 = await Host(states, A, a.path, min_isr=1).start()
         hosts[0] = a2
         a2q = await a2.open(T, 0)
         await until(lambda: A in states.states[(T, 0)].isr)
         assert a2.followers[(T, 0)].stats["truncations"] == 1
-        await bq.append([b"n4"])
+        await b.publish([b"n4"])
         await until(lambda: a2q.committed_end == bq.committed_end, 2)
         assert await records(a2q) == await records(bq)
         bodies = [x[2] for x in await records(a2q)]
@@ -274,13 +277,13 @@ async def test_a_replica_far_behind_catches_up_in_chunks_while_publishes_go_on(t
         aq = await hosts[0].open(T, 0)
         body = b"x" * 100_000
         for _ in range(megabytes):
-            await aq.append([body] * 10)
+            await hosts[0].publish([body] * 10)
         published = 0
 
         async def publish():
             nonlocal published
             while True:
-                await aq.append([b"during"])
+                await hosts[0].publish([b"during"])
                 published += 1
                 await asyncio.sleep(0.005)
 
@@ -292,7 +295,7 @@ async def test_a_replica_far_behind_catches_up_in_chunks_while_publishes_go_on(t
         assert published > 0
         fetches = hosts[2].followers[(T, 0)].stats["fetches"]
         assert fetches >= megabytes  # 1 MiB chunks
-        await aq.append([b"after"])
+        await hosts[0].publish([b"after"])
         await until(lambda: cq.committed_end == aq.committed_end, 2)
         assert await records(cq) == await records(aq)
     finally:
@@ -393,13 +396,12 @@ async def test_a_stalled_partition_never_holds_back_another_on_the_same_connecti
         for p in (0, 1):
             await hosts[1].open(T, p)
             await hosts[0].open(T, p)
-        q0, q1 = hosts[0].queues[(T, 0)], hosts[0].queues[(T, 1)]
-        await q0.append([b"x"])
-        await q1.append([b"x"])
+        await hosts[0].publish([b"x"])
+        await hosts[0].publish([b"x"], partition=1)
         hosts[1].followers[(T, 0)].push = _never
-        stalled = q0.append([b"stalled"])
+        stalled = hosts[0].publish([b"stalled"])
         for i in range(30):  # partition 1 goes on (each ACK within repl_timeout, see below)
-            await asyncio.wait_for(q1.append([b"p1 %d" % i]), 3)
+            await asyncio.wait_for(hosts[0].publish([b"p1 %d" % i], partition=1), 3)
             await asyncio.sleep(0.02)
         await asyncio.wait_for(stalled, 3)
         assert hosts[0].leaders[(T, 0)].stats["isr_shrinks"] == 1  # (B may rejoin since)
@@ -414,7 +416,7 @@ async def test_a_new_leader_commits_what_the_isr_holds_without_waiting_for_a_pub
     a, b, c = hosts
     try:
         aq, bq = a.queues[(T, 0)], b.queues[(T, 0)]
-        await aq.append([b"m"])
+        await a.publish([b"m"])
         await a.stop()  # before a commit update told B of the commit
         assert bq.committed_end == 0 < bq.written_end == aq.written_end
         states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
@@ -434,14 +436,14 @@ async def test_a_stale_leader_commits_nothing_and_steps_down(tmp_path):
     a, b, _ = hosts
     try:
         aq, bq, cq = (h.queues[(T, 0)] for h in hosts)
-        await aq.append([b"before"])
+        await hosts[0].publish([b"before"])
         states.hosts.remove(a)  # A is cut off from the state
         states.put(T, 0, PartitionState(leader=B, isr=(B, C), catchup=(A,), epoch=2))
         await b.lead(T, 0)
-        await bq.append([b"new leader"])
+        await hosts[1].publish([b"new leader"])
         committed = aq.committed_end
         with pytest.raises(NotCommitted):
-            await asyncio.wait_for(aq.append([b"stale"]), 5)
+            await asyncio.wait_for(hosts[0].publish([b"stale"]), 5)
         assert aq.committed_end == committed
         leader = a.leaders[(T, 0)]
         assert not leader.writable and "has seen epoch" in leader.reason
@@ -490,20 +492,20 @@ async def test_a_replica_behind_the_leaders_retained_start_restarts_there_and_jo
         opts = QueueOptions(partition=0, replicated=True, segment_bytes=4096)
         aq = await hosts[0].open(T, 0, await DiskQueue.open(str(tmp_path / "a" / "0"), opts))
         for i in range(5):
-            await aq.append([b"early %d" % i])
+            await hosts[0].publish([b"early %d" % i])
         old = await DiskQueue.open(str(tmp_path / "c" / "0"), opts)
         prefix = await aq.read_raw(0, 1 << 20)  # C held the leader's first records, then left
         await old.append_raw(prefix.offset, prefix.count, prefix.entries, prefix.data)
-        old.replicated_to(old.written_end, old.written_count)
+        old.commit_to(old.written_end, old.written_count)
         for i in range(40):
-            await aq.append([b"m%03d" % i + b"x" * 300] * 3)
+            await hosts[0].publish([b"m%03d" % i + b"x" * 300] * 3)
         start = await aq.retain(before_offset=aq.committed_end)
         assert start > old.written_end
         cq = await hosts[2].open(T, 0, old)
         await until(lambda: C in states.states[(T, 0)].isr, 10)
         assert hosts[2].followers[(T, 0)].stats["restarts"] == 1
         assert (cq.start_offset, cq.start_count) == (aq.start_offset, aq.start_count)
-        await aq.append([b"after"])
+        await hosts[0].publish([b"after"])
         await until(lambda: cq.committed_end == aq.committed_end, 2)
         assert await records(cq) == await records(aq)
     finally:
@@ -560,7 +562,7 @@ async def test_a_leader_started_again_within_its_lease_leads_in_a_new_epoch(tmp_
         again = await a.open(T, 0, lq)  # noqa: F841  (leads again on the same queue)
         leader = a.leaders[(T, 0)]
         assert leader.state.epoch > first.state.epoch == states.states[(T, 0)].epoch - 1
-        y = await asyncio.wait_for(lq.append([b"Y" * 16]), 5)
+        y = await asyncio.wait_for(a.publish([b"Y" * 16]), 5)
         assert y.end_offset == x.end[0]
         for h in hosts[1:]:
             q = h.queues[(T, 0)]
@@ -593,17 +595,17 @@ async def test_a_shrink_while_etcd_does_not_answer_never_wedges_the_partition(tm
 
     try:
         lq = a.queues[(T, 0)]
-        await lq.append([b"before"])
+        await a.publish([b"before"])
         states.cas, a.read_state = cas_away, read_away
         await hosts[2].rpc.stop()
         with pytest.raises(NotCommitted):
-            await asyncio.wait_for(lq.append([b"waits"]), 5)
+            await asyncio.wait_for(a.publish([b"waits"]), 5)
         leader = a.leaders[(T, 0)]
         assert not leader.writable and "etcd" in leader.reason
         away = False
         await until(lambda: states.states[(T, 0)].isr == (A, B), 5)
         await until(lambda: leader.writable, 2)
-        done = await asyncio.wait_for(lq.append([b"after"]), 5)
+        done = await asyncio.wait_for(a.publish([b"after"]), 5)
         assert lq.committed_end == done.end_offset
     finally:
         await stop(hosts)
@@ -631,7 +633,7 @@ async def test_a_leader_that_hangs_never_holds_the_replica(tmp_path):
     a, b, c = hosts
     try:
         states.addresses[H] = "127.0.0.1:%d" % hung.sockets[0].getsockname()[1]
-        await a.queues[(T, 0)].append([b"m1"])
+        await a.publish([b"m1"])
         await until(lambda: c.queues[(T, 0)].committed_count == 1)
         await a.stop()
         states.put(T, 0, PartitionState(leader=H, isr=(H, B), catchup=(C,), epoch=5))
@@ -639,9 +641,9 @@ async def test_a_leader_that_hangs_never_holds_the_replica(tmp_path):
         states.put(T, 0, PartitionState(leader=B, isr=(B,), catchup=(C, A), epoch=6))
         await asyncio.wait_for(b.lead(T, 0), 10)
         bq = b.queues[(T, 0)]
-        await bq.append([b"n1"])
+        await b.publish([b"n1"])
         await until(lambda: C in states.states[(T, 0)].isr, 10)
-        await asyncio.wait_for(bq.append([b"n2"]), 5)
+        await asyncio.wait_for(b.publish([b"n2"]), 5)
         cq = c.queues[(T, 0)]
         await until(lambda: cq.committed_end == bq.committed_end, 5)
         assert [x[2] for x in await records(cq)] == [b"m1", b"n1", b"n2"]

@@ -81,7 +81,7 @@ async def test_bad_frames_are_refused_and_the_server_goes_on(tmp_path, monkeypat
                             "count": 0, "max_bytes": 100}))
         assert sorted((f.rid, f.header["code"]) for f in frames) == [(8, wire.E_NOT_REPLICA),
                                                                (9, wire.E_NOT_LEADER)]
-        await asyncio.wait_for(hosts[0].queues[(T, 0)].append([b"still works"]), 3)
+        await asyncio.wait_for(hosts[0].publish([b"still works"]), 3)
         assert states.states[(T, 0)].isr == (A, B, C)
         # a PUSH whose partition side raises (a bug) is answered E_FAILED; the connection goes on
 
@@ -281,7 +281,7 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
         for h in (hosts[1], hosts[2], hosts[0]):
             await h.open(T, 0)
         aq, bq = hosts[0].queues[(T, 0)], hosts[1].queues[(T, 0)]
-        await aq.append([b"small"])
+        await hosts[0].publish([b"small"])
         refused = []
         real = hosts[1].followers[(T, 0)].push
 
@@ -295,7 +295,7 @@ async def test_a_follower_whose_disk_is_full_answers_e_disk_full_and_is_dropped(
         hosts[1].followers[(T, 0)].push = spy
         big = b"x" * 300_000
         for i in range(40):  # 4 MiB fills within ~14 of these
-            await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
+            await asyncio.wait_for(hosts[0].publish([b"%d" % i + big]), 5)
             if states.states[(T, 0)].isr != (A, B, C):
                 break
         assert refused == [wire.E_DISK_FULL]
@@ -328,7 +328,7 @@ async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path, disk)
         failed = None
         for i in range(40):
             try:
-                await asyncio.wait_for(aq.append([b"%d" % i + big]), 5)
+                await asyncio.wait_for(hosts[0].publish([b"%d" % i + big]), 5)
             except Exception as e:  # noqa: BLE001
                 failed = e
                 break
@@ -336,8 +336,8 @@ async def test_a_leader_whose_disk_fills_after_a_push_steps_down(tmp_path, disk)
         assert isinstance(failed, NotCommitted) and "No space left" in str(failed), failed
         # its place must never take another batch: the log takes nothing until reopened
         # (nsqd then gives the leadership up: see nsqd/replication.py gave_up)
-        with pytest.raises(QueueFailedError, match="pushed to the followers"):
-            aq.append([b"small"])
+        with pytest.raises(QueueFailedError, match="announced before its write"):
+            hosts[0].publish([b"small"])
         assert leader.q.failed is not None
         # nothing that the leader lacks was committed anywhere
         for h in hosts[1:]:
@@ -373,8 +373,8 @@ async def test_a_node_of_the_old_wire_format_is_refused_at_hello(tmp_path):
             Kind.HELLO, 0, {"cluster": CLUSTER, "node": B}), hello=False)
         assert [f.header["code"] for f in frames] == [wire.E_BAD_VERSION] and closed
         await hosts[1].open(T, 0)
-        lq = await hosts[0].open(T, 0)
-        await asyncio.wait_for(lq.append([b"without the old node"]), 5)
+        await hosts[0].open(T, 0)
+        await asyncio.wait_for(hosts[0].publish([b"without the old node"]), 5)
         s = states.states[(T, 0)]
         assert s.isr == (A, C) and s.catchup == (B,)
         assert [f.kind for f in heard] == [Kind.HELLO] and heard[0].header["version"] == 2
