@@ -31,7 +31,7 @@ from diskqueue.queue import QueueOptions
 
 from .assignment import Assignment
 from .channel import Channel
-from .errors import NameError_, StorageError, TopicConflict, TopicNotFound
+from .errors import NameError_, PartitionNotWritable, StorageError, TopicConflict, TopicNotFound
 from .health import DiskWatch, FailureLog, node_health
 from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
@@ -127,8 +127,10 @@ class NSQD:
         """The channel's state to every ISR follower of its replicated partition now;
         returns once they all stored it. For an ordered channel's FIN (nsqd/ordered.py) and
         an admin change (replay, pause, empty, setorder). NotWritable: not led here."""
-        if self.cluster is not None and channel.queue.options.replicated:
-            await self.cluster.replication.push_channel(channel)
+        part = channel.topic.partitions.get(channel.partition)
+        if part is None:
+            raise PartitionNotWritable(f"partition {channel.partition} is not open here")
+        await part.writer.push_channel(channel)
 
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)
@@ -675,8 +677,9 @@ class NSQD:
             state = channel.checkpoint()
             self.meta.put(channel_key(channel.topic_name, channel.partition, channel.name),
                           state)
-            if self.cluster is not None:  # a replicated partition's followers get it too
-                self.cluster.replication.channel_stored(channel, state)
+            part = channel.topic.partitions.get(channel.partition)
+            if part is not None:  # a replicated partition's followers get it too
+                part.writer.save_channel(channel, state)
 
     async def checkpoint(self) -> None:
         """Persist every changed cursor and topic state in one transaction."""

@@ -42,6 +42,7 @@ from isr.state import PartitionState
 from .handover import replica_of
 from .metastore import channel_key
 from .replica import checkpoint_of
+from .topic import NotLed
 
 log = structlog.get_logger("nsqd.replication")
 
@@ -259,7 +260,7 @@ class Replication:
                                repl_timeout=self.nsqd.options.repl_timeout_ms / 1000)
             self.leaders[(name, n)] = leader
             await leader.start()
-            p.writer = _Led(leader)
+            p.writer = _Led(leader, self)
             log.info("leading", topic=name, partition=n, epoch=state.epoch,
                      isr=list(state.isr), catchup=list(state.catchup))
         for n, state in follow.items():
@@ -317,7 +318,7 @@ class Replication:
         topic = self.nsqd.topics.get(key[0])
         p = topic.partitions.get(key[1]) if topic is not None else None
         if p is not None and getattr(p.writer, "leader", None) is leader:
-            p.writer = _Stopped()
+            p.writer = NotLed("it is changing leader")
 
     async def _stop_follower(self, key) -> None:
         follower = self.followers.pop(key)
@@ -340,14 +341,6 @@ class Replication:
                               for (t, n), f in sorted(self.followers.items())}}
 
 
-class _Stopped:
-    """The writer of a led partition whose replication stopped (it is being released):
-    takes nothing."""
-
-    writable = False
-    reason = "it is changing leader"
-
-
 def _given_up(leader: LeaderLog, me: str) -> bool:
     """Closed for good, or its log failed (a write or sync that failed after the batch was
     pushed: that place must never take another batch), while etcd still names this node."""
@@ -355,16 +348,19 @@ def _given_up(leader: LeaderLog, me: str) -> bool:
 
 
 class _Led:
-    """The writer of a partition led here: the LeaderLog's, writable while the LeaderLog
-    says so. The node's etcd lease is not asked: while etcd is away a leader whose whole
-    ISR acknowledges goes on committing (no leader can be elected meanwhile, and one
-    elected from its ISR after fences it: issue 28 item 10)."""
+    """The writer of a partition led here (nsqd/topic.py Partition.writer): publishes go to
+    the LeaderLog's writer, writable while the LeaderLog says so; channel states go to the
+    ISR. The node's etcd lease is not asked: while etcd is away a leader whose whole ISR
+    acknowledges goes on committing (no leader can be elected meanwhile, and one elected
+    from its ISR after fences it: issue 28 item 10)."""
 
-    __slots__ = ("leader", "append")
+    __slots__ = ("leader", "append", "save_channel", "push_channel")
 
-    def __init__(self, leader: LeaderLog):
+    def __init__(self, leader: LeaderLog, replication: Replication):
         self.leader = leader
         self.append = leader.writer.append
+        self.save_channel = replication.channel_stored
+        self.push_channel = replication.push_channel
 
     @property
     def writable(self) -> bool:

@@ -90,14 +90,44 @@ def remove_grave(grave: str) -> None:
     fsync_dir(os.path.dirname(grave))
 
 
-class _Starting:
-    """The writer of a replicated partition until its replication runs: takes nothing."""
+class Solo:
+    """The writer of a partition that is not replicated: its own log. A publish is answered
+    once written (and synced as the sync policy says); a channel's state stays on this node
+    (the node's checkpoint stores it)."""
 
+    __slots__ = ("append",)
+    writable = True  # while open: a failed log's append raises why (answered as StorageError)
+    reason = ""
+
+    def __init__(self, queue: DiskQueue):
+        self.append = queue.append
+
+    def save_channel(self, channel: Channel, state: dict) -> None:
+        """A checkpoint of the channel was stored here: nothing more to do."""
+
+    async def push_channel(self, channel: Channel) -> None:
+        """Nothing to wait for: no other node holds the partition."""
+
+
+class NotLed:
+    """The writer of a replicated partition while this node does not lead it (its
+    replication is starting, or stopping): takes no publish and no channel state."""
+
+    __slots__ = ("reason",)
     writable = False
-    reason = "its replication is starting"
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def save_channel(self, channel: Channel, state: dict) -> None:
+        """Kept on this node only: the partition's leader sends its own."""
+
+    async def push_channel(self, channel: Channel) -> None:
+        raise PartitionNotWritable(f"partition {channel.partition} is not led here: "
+                                   f"{self.reason}")
 
 
-STARTING = _Starting()
+STARTING = NotLed("its replication is starting")
 
 
 class Partition:
@@ -107,16 +137,17 @@ class Partition:
         self.queue = queue
         self._floor = floor  # (offset, count) where a first channel would start
         self.channels: dict[str, Channel] = {}
-        # What takes the partition's publishes (`append`, `writable`, `reason`): its log,
-        # when not replicated; else its replication's writer while it leads here (set by
+        # What takes the partition's publishes and channel states, as its mode says:
+        # `append` (DiskQueue.append's arguments and answers), `writable` and `reason`,
+        # `save_channel(channel, state)` (a checkpoint stored here: replicas get it soon),
+        # `await push_channel(channel)` (replicas hold the channel's state now). Solo when
+        # not replicated; else the writer of its replication while it leads here (set by
         # nsqd/replication.py), STARTING until then.
-        self.writer = STARTING if queue.options.replicated else queue
+        self.writer = STARTING if queue.options.replicated else Solo(queue)
 
     @property
     def writable(self) -> bool:
-        """Whether a publish is taken now (a log of its own takes it while open: a failed
-        log's append says why not)."""
-        return self.writer is self.queue or self.writer.writable
+        return self.writer.writable
 
     @property
     def floor(self) -> tuple[int, int]:
