@@ -13,10 +13,16 @@ partitions the busiest moves first (what evens the load factors most).
 A partition is moved by the balancer only when its topic has 2+ replicas, its leader is
 live and holds its key, nothing is catching up, and its ISR is at least its replica count.
 
+Leaders are balanced at any time (`--leader-balance on`, the default, as Kafka's
+auto.leader.rebalance): moving a leader inside its ISR copies no data. Its hysteresis: a
+node takes leaders only once it has been live `--leader-balance-settle` (10 s; a node
+that restarts in a loop is never given leaders to lose again), a move goes only between
+nodes whose counts differ by 2 or more (so none is ever undone while the nodes stay), and
+at most one leader move a second. Replicas (data moves) are evened only inside
 `--balance-window HH:MM-HH:MM` (local time of the lookupd; `00:00-24:00` always; a window
-may wrap past midnight, `22:00-02:00`; empty, the default: the balancer is off) bounds
-when the balancer moves; `--balance-interval` is the least time between two of its moves.
-Drains (`POST /node/drain`) and manual moves are not bound by the window.
+may wrap past midnight, `22:00-02:00`; empty, the default: never), at most one every
+`--balance-interval`. Drains (`POST /node/drain`) and manual moves are not bound by the
+window.
 
 Drain of a node (live, or dead and still named in partition states): every partition it
 holds gets its replica moved to the live, non-draining node holding the fewest
@@ -47,6 +53,7 @@ from .http import HTTPError
 log = structlog.get_logger("nsqlookupd.balancer")
 
 DRAIN_RETRY_S = 1.0
+LEADER_TICK_S = 1.0  # the most often the balancer looks, and moves a leader
 Window = tuple[int, int]  # minutes from midnight: [start, end)
 
 
@@ -112,8 +119,11 @@ def spread(c: Mapping[str, int]) -> int:
 
 def next_move(view: ClusterView, draining: set[str], tolerance: int,
               part_load: Mapping[tuple[str, int], float] | None = None,
-              node_load: Mapping[str, float] | None = None) -> Plan | None:
-    """Pure: the balancer's next move, or None when balanced (or nothing can move)."""
+              node_load: Mapping[str, float] | None = None, *, replicas: bool = True,
+              settled: set[str] | None = None) -> Plan | None:
+    """Pure: the balancer's next move, or None when balanced (or nothing can move).
+    `replicas` False: leader moves only (outside the window). `settled`: the nodes that
+    may take a leader (None: every node)."""
     nodes = sorted(set(view.nodes) - draining)
     if len(nodes) < 2:
         return None
@@ -133,7 +143,7 @@ def next_move(view: ClusterView, draining: set[str], tolerance: int,
     def takers(c):
         return sorted(nodes, key=lambda v: (c[v], node_load.get(v, 0.0), v))
 
-    if spread(held) > tolerance:
+    if replicas and spread(held) > tolerance:
         for u in givers(held):
             for v in takers(held):
                 if held[u] - held[v] < 2:
@@ -150,6 +160,8 @@ def next_move(view: ClusterView, draining: set[str], tolerance: int,
             for v in takers(led):
                 if led[u] - led[v] < 2:
                     break
+                if settled is not None and v not in settled:
+                    continue
                 cands = [(tv, n) for tv, n in parts if tv.partitions[n].leader == u
                          and v in tv.partitions[n].isr]
                 if cands:
@@ -192,11 +204,16 @@ class Balancer:
     """The balancing and draining loops of the master (module docstring). `cluster` is
     nsqlookupd.cluster.Cluster: `is_master`, `directory.view`, `mover`, `loads`."""
 
-    def __init__(self, cluster, window: Window | None, tolerance: int, interval: float):
+    def __init__(self, cluster, window: Window | None, tolerance: int, interval: float,
+                 leaders: bool = True, settle: float = 10.0):
         self.cluster = cluster
         self.window = window
         self.tolerance = tolerance
         self.interval = interval
+        self.leaders = leaders  # leader moves outside the window
+        self.settle = settle
+        self._live_since: dict[str, float] = {}  # node -> when this lookupd first saw it live
+        self._replica_moved = 0.0  # monotonic time of the last replica move
         self.drains: dict[str, dict] = {}  # node -> {state, moved, stuck, error}
         self.moves = 0
         self.last_error: str | None = None
@@ -208,7 +225,7 @@ class Balancer:
         return {n for n, d in self.drains.items() if d["state"] != "cancelled"}
 
     def start(self) -> "Balancer":
-        if self.window is not None:
+        if self.window is not None or self.leaders:
             self._task = asyncio.create_task(self._run(), name="balancer")
         return self
 
@@ -221,27 +238,43 @@ class Balancer:
         t = time.localtime()
         return in_window(self.window, t.tm_hour * 60 + t.tm_min)
 
-    def plan(self, view: ClusterView) -> Plan | None:
+    def settled(self, view: ClusterView) -> set[str]:
+        """The live nodes seen live for `settle` seconds or more (leader takers)."""
+        now = time.monotonic()
+        self._live_since = {n: self._live_since.get(n, now) for n in view.nodes}
+        return {n for n, since in self._live_since.items() if now - since >= self.settle}
+
+    def plan(self, view: ClusterView, replicas: bool, settle: bool = True) -> Plan | None:
+        """The next move; `settle` False: as if every node were settled (whether the
+        cluster is balanced, for /cluster/stats)."""
         loads = self.cluster.loads.reports
         part = partition_loads(view, loads)
         node = {n: f["node_load_factor"] for n, f in node_factors(view, loads, part).items()}
-        return next_move(view, self.draining, self.tolerance, part, node)
+        return next_move(view, self.draining, self.tolerance, part, node, replicas=replicas,
+                         settled=self.settled(view) if settle else None)
 
     async def step(self) -> dict | None:
-        """One balancer move now (HTTPError when it may not move): its outcome, or None
-        when there is nothing to move."""
-        if self.window is None:
-            raise HTTPError(409, "BALANCER_OFF", detail="nsqlookupd runs without "
-                                                        "--balance-window")
-        if not self.open_now():
+        """One balancer move now (HTTPError when it may not move): inside the window a
+        replica or a leader move, outside it a leader move (with `leaders`); its outcome,
+        or None when there is nothing to move."""
+        replicas = self.open_now()
+        if not replicas and not self.leaders:
+            if self.window is None:
+                raise HTTPError(409, "BALANCER_OFF", detail="nsqlookupd runs with "
+                                "--leader-balance off and without --balance-window")
             raise HTTPError(409, "OUTSIDE_BALANCE_WINDOW",
                             detail=f"moves only within {format_window(self.window)}")
+        return await self._move(replicas)
+
+    async def _move(self, replicas: bool) -> dict | None:
         view = await self.cluster.master_view()
-        plan = self.plan(view)
+        plan = self.plan(view, replicas)
         if plan is None:
             return None
         result = await self._make(plan, "balance")
         self.moves += 1
+        if plan.kind == "replica":
+            self._replica_moved = time.monotonic()
         return result
 
     async def _make(self, plan: Plan, reason: str) -> dict:
@@ -252,13 +285,22 @@ class Balancer:
                                         reason=reason)
 
     async def _run(self) -> None:
+        """Look every LEADER_TICK_S (or `interval`, when shorter): a leader move each time
+        (with `leaders`), a replica move when the window is open and `interval` passed since
+        the last one."""
         while True:
-            await asyncio.sleep(self.interval)
-            if not self.cluster.is_master or self.cluster.mover.busy or not self.open_now():
+            await asyncio.sleep(min(LEADER_TICK_S, self.interval))
+            view = self.cluster.directory.view
+            if view is not None:
+                self.settled(view)  # every lookupd keeps count, so a new master knows
+            if not self.cluster.is_master or self.cluster.mover.busy:
+                continue
+            replicas = (self.open_now()
+                        and time.monotonic() - self._replica_moved >= self.interval)
+            if not replicas and not self.leaders:
                 continue
             try:
-                if await self.step() is None:
-                    await asyncio.sleep(max(0.0, 1.0 - self.interval))
+                await self._move(replicas)
             except HTTPError as e:
                 self.last_error = f"{e.code}: {e.extra.get('detail', '')}"
                 log.info("balance_move_refused", error=self.last_error)

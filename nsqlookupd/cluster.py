@@ -73,7 +73,9 @@ class Cluster:
         self.viewed = asyncio.Event()  # pulsed on every new view
         self.mover = LeaderMover(self.metadata, self.master_view_now, lambda: self.viewed)
         self.balancer = Balancer(self, parse_window(options.balance_window),
-                                 options.balance_tolerance, options.balance_interval)
+                                 options.balance_tolerance, options.balance_interval,
+                                 leaders=options.leader_balance == "on",
+                                 settle=options.leader_balance_settle)
 
     async def start(self, broadcast_address: str, tcp_port: int, http_port: int) -> None:
         lookupd_id = keys.check_node_id(f"{broadcast_address}:{tcp_port}")
@@ -168,7 +170,8 @@ class Cluster:
         if view is None:
             raise HTTPError(503, "CLUSTER_VIEW_NOT_READY", error="etcd not read yet")
         b = self.balancer
-        stable = (not self.mover.busy and not view.leaderless() and b.plan(view) is None
+        stable = (not self.mover.busy and not view.leaderless()
+                  and b.plan(view, True, settle=False) is None
                   and all(len(s.isr) >= t.meta.replicas and not s.catchup
                           for t in view.topics.values() for s in t.partitions.values()))
         out = cluster_stats(view, self.loads.reports, topn, stable, int(time.time() * 1000))
@@ -177,6 +180,7 @@ class Cluster:
             node["draining"] = drain.get("state") == "draining"
             node["removable"] = drain.get("state") == "removable"
         out["balance"] = {"window": format_window(b.window), "open": b.open_now(),
+                          "leaders": b.leaders, "leader_settle_s": b.settle,
                           "tolerance": b.tolerance, "moves": b.moves,
                           "last_error": b.last_error, "moving": self.mover.busy,
                           "last_move": self.mover.last,

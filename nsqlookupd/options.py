@@ -56,10 +56,13 @@ class Options:
     etcd_lease_ttl: float = 5.0  # seconds, whole
     default_partitions: int = 2
     default_replicas: int = 1
-    # the master's balancer (nsqlookupd/balancer.py): off without a window
+    # the master's balancer (nsqlookupd/balancer.py): leaders at any time, replicas only
+    # inside the window (none without one)
     balance_window: str = ""
     balance_tolerance: int = 1
-    balance_interval: float = 10.0  # seconds between two balancer moves
+    balance_interval: float = 10.0  # seconds between two replica moves
+    leader_balance: str = "on"
+    leader_balance_settle: float = 10.0  # seconds a node is live before it takes leaders
 
     @property
     def cluster_mode(self) -> bool:
@@ -107,10 +110,14 @@ _HELP = {
     "etcd_lease_ttl": "lease of this lookupd's registration and master key (whole seconds)",
     "default_partitions": "partitions of a /topic/create without partition_num (cluster mode)",
     "default_replicas": "replicas of a /topic/create without replicator (cluster mode)",
-    "balance_window": "HH:MM-HH:MM (local time) when the master may move partitions to "
-                      "balance nodes; 00:00-24:00 always; empty: no balancing",
+    "balance_window": "HH:MM-HH:MM (local time) when the master may move replicas (copy "
+                      "data) to balance nodes; 00:00-24:00 always; empty: never",
     "balance_tolerance": "balanced when partitions held and led per node differ by at most this",
-    "balance_interval": "least time between two balancer moves",
+    "balance_interval": "least time between two replica moves of the balancer",
+    "leader_balance": "on: the master evens the partitions each node leads at any time "
+                      "(moving a leader inside its ISR copies no data); off: only inside "
+                      "--balance-window",
+    "leader_balance_settle": "a node takes leaders from the balancer only once live this long",
 }
 
 
@@ -142,9 +149,10 @@ _TYPES = {"tcp_address": _address, "http_address": _address,
           "etcd_lease_ttl": _lease_ttl, "default_partitions": _count(1, 1024),
           "default_replicas": _count(1, 5), "balance_window": _window,
           "balance_tolerance": _count(1, 1024), "balance_interval": parse_duration_s,
+          "leader_balance_settle": parse_duration_s,
           "broadcast_tcp_port": _count(0, 65535), "broadcast_http_port": _count(0, 65535)}
 _CHOICES = {"log_level": ("debug", "info", "warning", "error"),
-            "log_format": ("console", "json")}
+            "log_format": ("console", "json"), "leader_balance": ("on", "off")}
 
 
 def parser(version: str) -> argparse.ArgumentParser:

@@ -59,14 +59,18 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
 
 
 class Cluster:
-    """etcd + `lookupds` nsqlookupds + `nsqds` nsqds, cluster id `test`, lease TTL 2 s."""
+    """etcd + `lookupds` nsqlookupds + `nsqds` nsqds, cluster id `test`, lease TTL 2 s.
+    The lookupds run with `--leader-balance off` unless `leader_balance`: a test that
+    places leaders itself (a move, a failover) finds them where it put them."""
 
-    def __init__(self, root: str, nsqds: int = 3, lookupds: int = 2, *nsqd_flags: str):
+    def __init__(self, root: str, nsqds: int = 3, lookupds: int = 2, *nsqd_flags: str,
+                 leader_balance: bool = False):
         self.root = root
         self.etcd = EtcdProcess(os.path.join(root, "etcd"))
         common = ("--etcd-endpoints", self.etcd.endpoint, "--cluster-id", "test",
                   "--etcd-lease-ttl", f"{LEASE_TTL_S}s")
-        self.lookupds = [NsqlookupdProcess(os.path.join(root, "logs"), *common)
+        balance = () if leader_balance else ("--leader-balance", "off")
+        self.lookupds = [NsqlookupdProcess(os.path.join(root, "logs"), *common, *balance)
                          for _ in range(lookupds)]
         self.nsqds = []
         for i in range(nsqds):

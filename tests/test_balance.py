@@ -11,7 +11,12 @@ TTL 2 s), one cluster for the module:
 - a node drained under traffic (publishing and consuming) holds nothing afterwards
   (removable), a fourth node added taking its share; a node killed, then drained, too;
 - with the window open (the lookupd restarted), the balancer evens a fully skewed topic
-  and refills the drained node, under publishing and consuming, nothing acknowledged lost.
+  and refills the drained node, under publishing and consuming, nothing acknowledged lost;
+- (a cluster of its own, nsqlookupd's defaults) leaders piled on the first node up after a
+  full restart are even again within 60 s, under publishing, nothing lost.
+
+The module's cluster runs with `--leader-balance off` (tests/cluster.py), so the leaders
+its tests move stay where they put them.
 """
 
 from __future__ import annotations
@@ -475,3 +480,50 @@ async def test_the_balancer_evens_a_skewed_cluster_under_traffic(cl):
     assert body["balance"]["moves"] <= 60
     load.check_success()
     await check_nothing_lost(cl, load)
+
+
+async def test_leaders_piled_on_the_first_node_up_spread_by_default(tmp_path):
+    """Issue 29 item 1 as a user met it: every nsqd stopped and started again, the first
+    one up leads every partition; with nsqlookupd's defaults (no --balance-window) the
+    leaders are even again within 60 s of the last node's return, under keyed publishing
+    (>= 99% acknowledged, every acknowledged message consumed)."""
+    cl = Cluster(str(tmp_path), 3, 1, leader_balance=True).start()
+    try:
+        make_topic(cl, "spread", 8, 3)
+        await settled(cl, "spread")
+        first = cl.nsqds[0]
+
+        def first_leads_all():
+            leaders = cl.leaders("spread")
+            return len(leaders) == 8 and set(leaders.values()) == {first.tcp_address}
+        for node in cl.nsqds[1:]:  # the others first: the last one stopped is in every ISR
+            node.stop()
+        await until(first_leads_all, 30, "the node left leads all 8")
+        first.stop()
+        first.start()
+        await until(first_leads_all, 30, "the first node up leads all 8")
+        for node in cl.nsqds[1:]:
+            node.start()
+        await until(lambda: len(cl.live_nodes()) == 3, 10, "every node registered again")
+        back = time.monotonic()
+        load = await Load(cl, "spread", 8).read(cl)
+
+        def even():
+            led = {n.tcp_address: 0 for n in cl.nsqds}
+            for leader in cl.leaders("spread").values():
+                led[leader] = led.get(leader, 0) + 1
+            return (len(cl.leaders("spread")) == 8 and max(led.values()) - min(led.values()) <= 1
+                    and led)
+        led = await until(even, 60, "leaders even")
+        took = time.monotonic() - back
+        await asyncio.sleep(3)  # publishing goes on after the last move
+        await load.stop()
+        balance = stats(cl)["balance"]
+        print(f"leaders even {took:.1f} s after the last node was back: {led}, "
+              f"{balance['moves']} moves; {len(load.acked)} acked, {load.failed} failed")
+        assert balance["leaders"] is True and balance["window"] == ""
+        assert balance["moves"] <= 6  # 8, 0, 0 -> 3, 3, 2: five moves
+        load.check_success()
+        await check_nothing_lost(cl, load)
+    finally:
+        cl.stop()

@@ -336,3 +336,42 @@ def test_a_dead_node_is_drained_once_its_partitions_have_live_leaders():
     assert plan == Plan("replica", "t", 1, A, D)
     check_replica_move(v, "t", 1, A, D)
     check_replica_move(v, "t", 2, A, D)  # idle: the leader never dropped it
+
+
+def test_outside_the_window_only_leaders_move_and_they_end_even():
+    """replicas=False (the window closed): no data move, however skewed the replicas; the
+    leaders of a restart's pile-up (every partition led by the first node up) even out,
+    and nothing is moved back once even."""
+    nodes = [A, B, C]
+    v = view(set(nodes), {"t": (3, skewed(nodes, 8, 3, A))})
+    moves = []
+    while (plan := next_move(v, set(), 1, replicas=False)) is not None:
+        assert plan.kind == "leader" and plan.frm == A
+        moves.append(plan)
+        v = apply(v, plan)
+        assert len(moves) < 20
+    _, led = counts(v, nodes)
+    assert sorted(led.values()) == [2, 3, 3] and len(moves) == 5
+    lopsided = view({A, B, C, D}, {"t": (2, [
+        PartitionState(leader=n, isr=(n, m), epoch=1) for n, m in ((A, D), (B, D), (C, D),
+                                                                   (D, A))])})
+    held, led = counts(lopsided, [A, B, C, D])
+    assert held == {A: 2, B: 1, C: 1, D: 4} and set(led.values()) == {1}
+    assert next_move(lopsided, set(), 1, replicas=False) is None
+    assert next_move(lopsided, set(), 1).kind == "replica"  # inside the window it moves
+
+
+def test_a_node_not_settled_takes_no_leader():
+    """`settled`: only nodes live long enough take leaders (a node restarting in a loop is
+    not handed leaders it will lose again); the others wait their turn."""
+    nodes = [A, B, C]
+    v = view(set(nodes), {"t": (3, skewed(nodes, 6, 3, A))})
+    assert next_move(v, set(), 1, replicas=False, settled={A}) is None
+    plan = next_move(v, set(), 1, replicas=False, settled={A, C})
+    assert plan.kind == "leader" and plan.to == C
+    while plan is not None:
+        assert plan.to == C
+        v = apply(v, plan)
+        plan = next_move(v, set(), 1, replicas=False, settled={A, C})
+    _, led = counts(v, nodes)
+    assert led == {A: 3, B: 0, C: 3}
