@@ -485,7 +485,8 @@ class Cluster:
     async def topic(self, name: str, create: bool):
         """A topic this node does not have yet (NSQD.get_topic): the one etcd has, or,
         with `create`, a new one made in etcd with the defaults; None when etcd has none
-        and `create` is False. Raises ClusterUnavailable."""
+        and `create` is False. Returned once applied here, its partitions led here with
+        their epochs taken (a publish right after is taken). Raises ClusterUnavailable."""
         if not self._knows(name) and self.mirror.connected:
             # just started: this node's view may lag etcd (a topic a lookupd already
             # serves is not in it yet); it has caught up once it shows our registration
@@ -499,6 +500,7 @@ class Cluster:
         await self._until(lambda: self._passed,
                           lambda: name in self.applied and name in self.nsqd.topics,
                           f"topic {name}")
+        await self.replication.taken(name)
         return self.nsqd.topics[name]
 
     def _knows(self, name: str) -> bool:

@@ -230,6 +230,17 @@ class Replication:
         leader = self.leaders.get((topic, n))
         return leader is not None and not leader.closed and leader.epoch > 0
 
+    async def taken(self, name: str) -> None:
+        """Wait until each partition of `name` led here has its epoch (LeaderLog.taken,
+        bounded): a publish that made the topic here finds it writable. One that stopped
+        or took too long is left to say why when published to."""
+        for key, leader in list(self.leaders.items()):
+            if key[0] == name:
+                try:
+                    await leader.taken()
+                except TimeoutError:
+                    pass
+
     def any_given_up(self) -> bool:
         """A LeaderLog closed for good while etcd still names this node (see gave_up)."""
         return any(_given_up(lg, self.node_id) for lg in self.leaders.values())

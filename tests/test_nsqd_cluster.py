@@ -219,6 +219,27 @@ async def test_auto_create_and_cluster_wide_channels(tmp_path, etcd_server, meta
             node.kill()
 
 
+async def test_a_replicated_topic_made_by_a_publish_takes_that_publish(tmp_path, etcd_server,
+                                                                      meta):
+    """A classic PUB (TCP) or /pub of an unknown topic, R=3: made in etcd, then answered OK at
+    once: the node waits for its led partitions' epochs before it publishes (it answered
+    E_FAILED_ON_NOT_WRITABLE, HTTP 503, when the publish came before the epoch's CAS)."""
+    nodes = start_nodes(tmp_path, etcd_server, 3, "--default-replicas", "3",
+                        "--default-partitions", "2")
+    try:
+        await live_nodes(meta, 3)
+        for i in range(6):
+            assert await pub(nodes[i % 3], f"made{i}", b"hello") == b"OK"
+            req = urllib.request.Request(
+                f"http://{nodes[(i + 1) % 3].http_address}/pub?topic=web{i}", data=b"hello")
+            with urllib.request.urlopen(req, timeout=10) as r:  # a 503 raises HTTPError
+                assert (r.status, r.read()) == (200, b"OK")
+        assert (await meta.read()).topics["made0"].meta.replicas == 3
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 async def test_etcd_away_while_running(tmp_path, etcd_server, meta):
     (node,) = start_nodes(tmp_path, etcd_server, 1)
     try:
