@@ -5,5 +5,5 @@
 # Ctrl-C stops everything. Extra arguments go to scripts/localcluster.py (--help).
 set -euo pipefail
 cd "$(dirname "$0")"
-scripts/setup.sh
+scripts/setup.sh --run
 exec .venv/bin/python scripts/localcluster.py --data ./data "$@"
