@@ -15,6 +15,10 @@ kept in `<data>/cluster.json` and taken again on the next start when free, becau
 node's id is its address: a restart keeps the cluster. `--free-ports` takes any free
 ports instead of the classic ones (tests); the ports of the last run still come first.
 `cluster.json` also lists each process's pid, for tools and tests.
+
+A process that exits (a node killed to watch a failover) is reported with the command
+that brings it back: `kill -HUP <launcher pid>` starts every exited process again, with
+its data and ports.
 """
 
 from __future__ import annotations
@@ -279,6 +283,23 @@ def banner(args, children: list[Child]) -> str:
     return "\n".join(lines)
 
 
+def restart_exited(started: list[Child], reported: set[str], data: str) -> None:
+    """(SIGHUP) Start every process that exited again, with its data and ports: a node
+    killed to watch a failover comes back and rejoins."""
+    for child in started:
+        if child.proc.poll() is None:
+            continue
+        child.start()
+        write_state(data, started)
+        try:
+            child.wait_serving()
+        except RuntimeError as e:
+            print(f"{child.name} did not start again: {e}", flush=True)
+            continue
+        reported.discard(child.name)
+        print(f"{child.name} started again", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,13 +318,19 @@ def main() -> int:
         ap.error("at least one nsqd and one nsqlookupd")
 
     stopping = False
+    restart = False
 
     def on_signal(signum, frame):
         nonlocal stopping
         stopping = True
 
+    def on_restart(signum, frame):
+        nonlocal restart
+        restart = True
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_restart)
     try:
         children = plan(args)
     except RuntimeError as e:
@@ -324,11 +351,15 @@ def main() -> int:
             print(banner(args, children), flush=True)
         reported: set[str] = set()
         while not stopping:
+            if restart:
+                restart = False
+                restart_exited(started, reported, args.data)
             for child in started:
                 if child.proc.poll() is not None and child.name not in reported:
                     reported.add(child.name)
                     print(f"{child.name} exited with {child.proc.returncode} (log: "
-                          f"{child.log_path}); the others keep running", flush=True)
+                          f"{child.log_path}); the others keep running; start it again "
+                          f"with: kill -HUP {os.getpid()}", flush=True)
             time.sleep(0.2)
     except RuntimeError as e:
         print(e, file=sys.stderr, flush=True)

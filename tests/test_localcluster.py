@@ -95,10 +95,25 @@ def test_the_run_command_serves_stops_cleanly_and_keeps_the_cluster(tmp_path):
     proc, lines = start(data)  # the same data and ports: the same cluster
     try:
         lookup = re.search(r"curl '(http://[^']+/lookup)\?", "".join(lines)).group(1)
-        for topic, n in (("orders", 6), ("events", 2)):
-            # every partition led again once all three nodes have registered again
-            wait_until(lambda: len(http_json("GET", f"{lookup}?topic={topic}")[1]
-                                   .get("partitions", {})) == n, 15, f"{topic} served again")
+
+        def served_again():
+            for topic, n in (("orders", 6), ("events", 2)):
+                # every partition led again once all three nodes have registered again
+                wait_until(lambda: len(http_json("GET", f"{lookup}?topic={topic}")[1]
+                                       .get("partitions", {})) == n, 15, f"{topic} served")
+        served_again()
+        # a node killed -9 is reported with the command that brings it back, which does
+        with open(os.path.join(data, "cluster.json")) as f:
+            victim = [p for p in json.load(f)["processes"] if p["name"] == "nsqd2"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        line = proc.stdout.readline()
+        assert line.startswith("nsqd2 exited with -9") and "kill -HUP" in line, line
+        command = re.search(r"kill -HUP (\d+)", line)
+        assert int(command.group(1)) == proc.pid
+        os.kill(proc.pid, signal.SIGHUP)
+        assert proc.stdout.readline() == "nsqd2 started again\n"
+        assert victim["pid"] not in pids(data) and all(alive(p) for p in pids(data))
+        served_again()
     finally:
         stop(proc)
     assert not [p for p in pids(data) if alive(p)]
