@@ -485,7 +485,8 @@ class Cluster:
     async def topic(self, name: str, create: bool):
         """A topic this node does not have yet (NSQD.get_topic): the one etcd has, or,
         with `create`, a new one made in etcd with the defaults; None when etcd has none
-        and `create` is False. Returned once applied here, its partitions led here with
+        and `create` is False (etcd read when this node's view lacks it). Returned once
+        applied here, its partitions led here with
         their epochs taken (a publish right after is taken). Raises ClusterUnavailable."""
         if not self._knows(name) and self.mirror.connected:
             # just started: this node's view may lag etcd (a topic a lookupd already
@@ -494,14 +495,24 @@ class Cluster:
                               "this node's own registration")
         view = self.mirror.view
         if view is None or name not in view.topics:
-            if not create:
+            if create:
+                await self._create(name, self.nsqd.options.default_partitions)
+            elif not await self._in_etcd(name):
                 return None
-            await self._create(name, self.nsqd.options.default_partitions)
         await self._until(lambda: self._passed,
                           lambda: name in self.applied and name in self.nsqd.topics,
                           f"topic {name}")
         await self.replication.taken(name)
         return self.nsqd.topics[name]
+
+    async def _in_etcd(self, name: str) -> bool:
+        """Whether etcd has the topic now (one read): a topic made a moment ago elsewhere
+        (the master nsqlookupd names this node its leader) that this node's view does not
+        show yet. Raises ClusterUnavailable."""
+        try:
+            return await self.metadata.read_partition(name, 0) is not None
+        except (EtcdError, BadValue) as e:
+            raise ClusterUnavailable(f"cluster metadata unavailable: {e}") from None
 
     def _knows(self, name: str) -> bool:
         """The view has the topic, or is at least as new as this node's registration."""

@@ -103,6 +103,7 @@ from .health import is_disk_full
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from isr.leader import NotWritable
 from nsqwire.httpapi import V1_HEADER, go_json, v1_answer
+from nsqwire.protocol import valid_topic_name
 
 log = structlog.get_logger("nsqd.http")
 
@@ -165,8 +166,15 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
         raise HTTPError(503, f"{command}_FAILED") from None
 
 
-def _existing_topic(nsqd, name: str):
+async def _existing_topic(nsqd, name: str):
+    """The topic, or 404. In cluster mode one this node does not have yet is the one etcd
+    has (a topic just made elsewhere that names this node a leader: served at once)."""
     topic = nsqd.topics.get(name)
+    if topic is None and nsqd.cluster is not None and valid_topic_name(name):
+        try:
+            topic = await nsqd.cluster.topic(name, create=False)
+        except ClusterUnavailable as e:
+            raise HTTPError(*http_error(e)) from None
     if topic is None:
         raise HTTPError(404, "TOPIC_NOT_FOUND")
     return topic
@@ -356,7 +364,7 @@ async def do_topic_delete(nsqd, request):
 
 
 async def do_topic_empty(nsqd, request):
-    topic = _existing_topic(nsqd, topic_arg(query(request)))
+    topic = await _existing_topic(nsqd, topic_arg(query(request)))
     await topic.empty()
     await _persist_topic(nsqd, topic)
     return None
@@ -366,7 +374,7 @@ async def _topic_pause(nsqd, request, pause: bool):
     name = arg(query(request), "topic")
     if name is None:
         raise HTTPError(400, "MISSING_ARG_TOPIC")
-    topic = _existing_topic(nsqd, name)
+    topic = await _existing_topic(nsqd, name)
     if nsqd.cluster is not None:  # etcd's switch, which whichever node leads follows
         try:
             if not await nsqd.cluster.set_switch(name, None, "paused", pause):
@@ -390,14 +398,14 @@ async def do_topic_unpause(nsqd, request):
     return await _topic_pause(nsqd, request, False)
 
 
-def _topic_channel(nsqd, request):
+async def _topic_channel(nsqd, request):
     params = query(request)
     topic_name, channel_name = topic_channel_args(params)
-    return params, _existing_topic(nsqd, topic_name), channel_name
+    return params, await _existing_topic(nsqd, topic_name), channel_name
 
 
 async def do_channel_create(nsqd, request):
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     numbers = _held_partitions(topic, params, sorted({*topic.partitions, *topic.failed}))
     cluster = nsqd.cluster if not channel_name.endswith("#ephemeral") else None
     # cluster mode: a create answers once every partition's leader made the channel
@@ -436,7 +444,7 @@ async def do_channel_made(nsqd, request):
 async def do_topic_reopen(nsqd, request):
     """Ours: open a topic's partition again without a restart (see the module docstring)."""
     params = query(request)
-    topic = _existing_topic(nsqd, topic_arg(params))
+    topic = await _existing_topic(nsqd, topic_arg(params))
     numbers = _held_partitions(topic, params, sorted(topic.errors()))
     failed = [n for n in numbers if await nsqd.reopen(topic, n) is not None]
     if failed:
@@ -445,7 +453,7 @@ async def do_topic_reopen(nsqd, request):
 
 
 async def do_channel_delete(nsqd, request):
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     channels = _existing_channels(topic, params, channel_name)
     if nsqd.cluster is not None:  # cluster-wide: every leader deletes it (cluster.py)
         try:
@@ -458,7 +466,7 @@ async def do_channel_delete(nsqd, request):
 
 
 async def do_channel_empty(nsqd, request):
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     channels = _existing_channels(topic, params, channel_name)
     for c in channels:
         c.empty()
@@ -469,7 +477,7 @@ async def do_channel_empty(nsqd, request):
 
 async def do_channel_setoffset(nsqd, request):
     """Ours: move the channel's cursor; body `timestamp:<s>|offset:<n>|count:<n>|end` (replay.py)."""
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     try:
         channels = replay.channels_to_move(topic, partition_arg(params), channel_name)
         kind, value = replay.parse_target((await read_body(request, replay.MAX_TARGET_BYTES)
@@ -483,7 +491,7 @@ async def do_channel_setoffset(nsqd, request):
 
 async def do_channel_delay_empty(nsqd, request):
     """Ours: drop every message in the channel's disk delay queue -> {"count": dropped}."""
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     count = 0
     for c in _existing_channels(topic, params, channel_name):
         count += await c.empty_delayed()
@@ -492,7 +500,7 @@ async def do_channel_delay_empty(nsqd, request):
 
 async def do_channel_delay_requeue(nsqd, request):
     """Ours: make every delayed message of the channel due now -> {"count": requeued}."""
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     count = 0
     for c in _existing_channels(topic, params, channel_name):
         count += await c.requeue_delayed_now()
@@ -500,7 +508,7 @@ async def do_channel_delay_requeue(nsqd, request):
 
 
 async def _channel_pause(nsqd, request, pause: bool):
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     channels = _existing_channels(topic, params, channel_name)
     for c in channels:
         if pause:
@@ -514,7 +522,7 @@ async def _channel_pause(nsqd, request, pause: bool):
 async def do_channel_setorder(nsqd, request):
     """Ours: `order=true|false` turns a channel's ordered rule (nsqd/ordered.py) on or off;
     an ordered topic's channels stay ordered (400 `ORDERED_TOPIC`)."""
-    params, topic, channel_name = _topic_channel(nsqd, request)
+    params, topic, channel_name = await _topic_channel(nsqd, request)
     order = strict_bool_arg(params, "order", "INVALID_ARG_ORDER")
     if not order and topic.assignment.ordered:
         raise HTTPError(400, "ORDERED_TOPIC")

@@ -240,6 +240,26 @@ async def test_a_replicated_topic_made_by_a_publish_takes_that_publish(tmp_path,
             node.stop()
 
 
+async def test_a_node_named_leader_takes_the_topics_operations_at_once(tmp_path, etcd_server,
+                                                                       meta):
+    """Right after a topic is made in etcd (as the master nsqlookupd makes it), its leader
+    takes /channel/create and a SUB at once, though its view of etcd may not show the topic
+    yet: it reads etcd and waits for its view (it answered 404 TOPIC_NOT_FOUND for up to a
+    second)."""
+    nodes = start_nodes(tmp_path, etcd_server, 1)
+    try:
+        [node] = await live_nodes(meta, 1)
+        for i in range(8):
+            await create(meta, f"fresh{i}", [node], 1)
+            status, body = http(nodes[0].http_address, "POST",
+                                f"/channel/create?topic=fresh{i}&channel=c")
+            assert status == 200, (status, body)
+        status, _ = http(nodes[0].http_address, "POST", "/channel/create?topic=never&channel=c")
+        assert status == 404  # one etcd has not: still not found
+    finally:
+        nodes[0].stop()
+
+
 async def test_etcd_away_while_running(tmp_path, etcd_server, meta):
     (node,) = start_nodes(tmp_path, etcd_server, 1)
     try:
