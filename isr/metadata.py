@@ -61,6 +61,11 @@ class ClusterView:
     topics: dict[str, TopicView] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def racks(self) -> dict[str, str]:
+        """Each live node's rack (the failure domain placement keeps replicas apart in)."""
+        return {n: info.rack for n, info in self.nodes.items()}
+
     def leaderless(self) -> list[tuple[str, int]]:
         """(topic, partition) whose leader is none or not a registered node."""
         return [(t.name, n) for t in self.topics.values()

@@ -6,6 +6,9 @@ order of the node ids given.
 `place` spreads a new topic over the live nodes: each partition gets `replicas` distinct
 nodes, leader first. Replicas go to the nodes holding the fewest partitions (existing
 load counted), so the new replicas per node differ by at most 1 when there is no load.
+Given the nodes' racks (failure domains: hosts, by default), a partition's replicas are
+on as many racks as there are: never two on one rack while another rack has none of
+them (Kafka's rack-aware assignment); with fewer racks than replicas, as even as can be.
 Leaders are then chosen inside each partition's replicas, and balanced by moving
 leaderships along alternating paths (partition led by u -> another replica v of it)
 until no path joins a node u to a node v leading 2 or more fewer: that is the
@@ -43,8 +46,10 @@ def load_of(states: Iterable[PartitionState]) -> dict[str, Load]:
 
 
 def place(nodes: Sequence[str], partition_num: int, replicas: int,
-          load: Mapping[str, Load] | None = None) -> list[list[str]]:
-    """Each partition's replicas, leader first. Raises ValueError for impossible requests."""
+          load: Mapping[str, Load] | None = None,
+          racks: Mapping[str, str] | None = None) -> list[list[str]]:
+    """Each partition's replicas, leader first. `racks`: node -> rack (a node without one
+    is a rack of its own). Raises ValueError for impossible requests."""
     order = sorted(set(nodes))
     if len(order) != len(nodes):
         raise ValueError("a node id is given twice")
@@ -59,11 +64,25 @@ def place(nodes: Sequence[str], partition_num: int, replicas: int,
     led = {n: load.get(n, Load()).led for n in order}
     held = {n: load.get(n, Load()).held for n in order}
 
+    rack = {n: (racks or {}).get(n) or n for n in order}
+    rack_held: dict[str, int] = {}
+    for n in order:
+        rack_held[rack[n]] = rack_held.get(rack[n], 0) + held[n]
     sets: list[list[str]] = []
     for _ in range(partition_num):
-        chosen = sorted(order, key=lambda n: (held[n], led[n], index[n]))[:replicas]
+        chosen: list[str] = []
+        on_rack: dict[str, int] = {}
+        for _ in range(replicas):
+            # a rack this partition uses least, then the least held node, on the least
+            # held rack (so the racks fill evenly and none is left for the last replicas)
+            n = min((n for n in order if n not in chosen),
+                    key=lambda n: (on_rack.get(rack[n], 0), held[n], rack_held[rack[n]],
+                                   led[n], index[n]))
+            chosen.append(n)
+            on_rack[rack[n]] = on_rack.get(rack[n], 0) + 1
         for n in chosen:
             held[n] += 1
+            rack_held[rack[n]] += 1
         sets.append(chosen)
 
     leaders: list[str] = []
@@ -116,6 +135,16 @@ def _path_to_lighter(start: str, sets, led_by, led, index) -> list[tuple[int, st
                     return path[::-1]
                 queue.append(v)
     return None
+
+
+def spread_over_racks(members: Sequence[str], racks: Mapping[str, str]) -> tuple[int, ...]:
+    """Replicas per rack of one partition, most first: a move must never make it worse
+    (compare with `<`: fewer on the fullest rack is better)."""
+    count: dict[str, int] = {}
+    for n in members:
+        r = racks.get(n) or n
+        count[r] = count.get(r, 0) + 1
+    return tuple(sorted(count.values(), reverse=True))
 
 
 def choose_leader(isr: Sequence[str], live: Iterable[str],

@@ -66,13 +66,18 @@ def _optional_node_id(v: Any) -> bool:
     return v is None or _node_id(v)
 
 
-def _decode(key: str, raw: bytes, checks: dict[str, Callable[[Any], bool]]) -> dict:
+def _decode(key: str, raw: bytes, checks: dict[str, Callable[[Any], bool]],
+            defaults: Callable[[dict], dict] | None = None) -> dict:
+    """The checked fields of a value; `defaults(obj)` gives the fields an older writer
+    left out (and only those)."""
     try:
         obj = decode_json(raw)
     except ValueError as e:
         raise BadValue(key, f"not JSON ({e})") from None
     if not isinstance(obj, dict):
         raise BadValue(key, f"not a JSON object: {raw[:80]!r}")
+    if defaults is not None:
+        obj = {**defaults(obj), **obj}
     missing = sorted(checks.keys() - obj.keys())
     if missing:
         raise BadValue(key, f"missing {', '.join(missing)}")
@@ -90,9 +95,17 @@ def _encode(value) -> bytes:
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _default_rack(obj: dict) -> dict:
+    """A node's rack when none is given: the host part of its TCP address."""
+    tcp = obj.get("tcp")
+    return {"rack": tcp.rpartition(":")[0]} if isinstance(tcp, str) else {}
+
+
 @dataclass(frozen=True)
 class NodeInfo:
-    """An nsqd node, at nodes/<id> under its lease. `id` is its `tcp` address."""
+    """An nsqd node, at nodes/<id> under its lease. `id` is its `tcp` address. `rack`: the
+    failure domain placement keeps a partition's replicas apart in (nsqd --rack; the host
+    part of its address by default, and for a node registered before racks existed)."""
 
     id: str
     tcp: str
@@ -100,11 +113,14 @@ class NodeInfo:
     rpc: str
     hostname: str
     version: str
+    rack: str = ""
 
     CHECKS = {"id": _node_id, "tcp": _address, "http": _address, "rpc": _address,
-              "hostname": _text, "version": _text}
+              "hostname": _text, "version": _text, "rack": _text}
 
     def __post_init__(self):
+        if not self.rack:
+            object.__setattr__(self, "rack", _default_rack({"tcp": self.tcp})["rack"])
         _validate(self, "NodeInfo")
         if self.id != self.tcp:
             raise BadValue("NodeInfo", f"id {self.id!r} is not the tcp address {self.tcp!r}")
@@ -115,7 +131,7 @@ class NodeInfo:
     @classmethod
     def decode(cls, raw: bytes, key: str = "node", node_id: str | None = None) -> "NodeInfo":
         """node_id: the id in the key, which the value must repeat."""
-        obj = _decode(key, raw, cls.CHECKS)
+        obj = _decode(key, raw, cls.CHECKS, _default_rack)
         if node_id is not None and obj["id"] != node_id:
             raise BadValue(key, f"id {obj['id']!r} does not match its key")
         return _build(cls, key, obj)

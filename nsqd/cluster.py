@@ -115,7 +115,8 @@ class Cluster:
         self.node = NodeInfo(id=keys.check_node_id(tcp), tcp=tcp,
                              http=f"{host}:{o.broadcast_http_port or self.nsqd.http_port}",
                              rpc=_rpc_address(o.rpc_address, host, o.broadcast_rpc_port),
-                             hostname=socket.gethostname()[:255], version=self.nsqd.version)
+                             hostname=socket.gethostname()[:255], version=self.nsqd.version,
+                             rack=o.rack)
         await self.replication.start()
         self.registration = Registration(self.etcd, keys.node(self.cluster_id, self.node.id),
                                          self.node.encode(), self.ttl).start()
@@ -542,7 +543,7 @@ class Cluster:
         replicas = self.nsqd.options.default_replicas
         states = [s for t in view.topics.values() for s in t.partitions.values()]
         try:
-            placement = place(live, partition_num, replicas, load_of(states))
+            placement = place(live, partition_num, replicas, load_of(states), view.racks)
         except ValueError as e:
             raise ClusterUnavailable(f"topic {name} cannot be placed: {e}") from None
         if not any(r[0] == self.node_id for r in placement):

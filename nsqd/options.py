@@ -55,6 +55,7 @@ class Options:
     etcd_lease_ttl_ms: int = 5000
     rpc_address: str = "0.0.0.0:4250"  # replication: registered in etcd, served here
     broadcast_rpc_port: int = 0  # 0: the port of rpc_address
+    rack: str = ""  # placement's failure domain; "": the host of broadcast_address
     repl_timeout_ms: int = 1000  # a follower that does not ack a push this long leaves the ISR
     commit_timeout_ms: int = 10_000  # a publish not acknowledged this long is answered an error
     default_partitions: int = 2  # of a topic auto-created in etcd by a classic PUB or SUB
@@ -188,6 +189,9 @@ _HELP = {
     "commit_timeout": "a publish not acknowledged within this long is answered "
                       "E_FAILED_ON_NOT_WRITABLE (HTTP 503): one not written yet is dropped, one "
                       "written may still be delivered (duration)",
+    "rack": "failure domain of this node (cluster mode): a partition's replicas go to "
+            "distinct racks while there are racks; empty: the host of --broadcast-address "
+            "(several nsqd on one host share it)",
     "default_partitions": "partitions of a topic auto-created in etcd by a PUB or SUB",
     "default_replicas": "replicas of a topic auto-created in etcd by a PUB or SUB",
     "data_path": "folder for topics, channels and their delay queues",
@@ -432,6 +436,8 @@ def check_cluster_options(options: Options) -> None:
         raise ValueError("--repl-timeout must be 10ms..60s")
     if not 100 <= options.commit_timeout_ms <= 3_600_000:
         raise ValueError("--commit-timeout must be 100ms..1h")
+    if len(options.rack) > 255:
+        raise ValueError("--rack: at most 255 characters")
     try:
         host, port = _split(options.rpc_address)
     except ValueError:

@@ -8,7 +8,9 @@ that are not draining. The cluster is balanced when max - min of both is at most
 replica is), then leaders. A move is planned only between a node and one with at least
 2 fewer, so every move lowers the sum of squares: a bounded number of moves. Among equal
 counts the node with the higher load factor (isr/load.py) gives; among a node's
-partitions the busiest moves first (what evens the load factors most).
+partitions the busiest moves first (what evens the load factors most). A replica move
+(balancer or drain) never leaves a partition's replicas less spread over racks (nsqd
+--rack: hosts by default) than it found them; a manual move is the operator's call.
 
 A partition is moved by the balancer only when its topic has 2+ replicas, its leader is
 live and holds its key, nothing is catching up, and its ISR is at least its replica count.
@@ -47,6 +49,7 @@ import structlog
 from isr.background import stop_task
 from isr.load import node_factors, partition_loads
 from isr.metadata import ClusterView, TopicView
+from isr.placement import spread_over_racks
 
 from .http import HTTPError
 
@@ -99,6 +102,14 @@ def movable(view: ClusterView, tv: TopicView, n: int) -> bool:
             and len(s.isr) >= tv.meta.replicas)
 
 
+def keeps_racks(view: ClusterView, members, frm: str, to: str) -> bool:
+    """Whether moving the replica on `frm` to `to` leaves the partition's replicas at least
+    as spread over racks as they are (isr/placement.py: distinct racks while there are)."""
+    racks = view.racks
+    after = [to if n == frm else n for n in members]
+    return spread_over_racks(after, racks) <= spread_over_racks(members, racks)
+
+
 def counts(view: ClusterView, nodes) -> tuple[dict[str, int], dict[str, int]]:
     """(held, led) per node of `nodes`."""
     held = {n: 0 for n in nodes}
@@ -149,7 +160,8 @@ def next_move(view: ClusterView, draining: set[str], tolerance: int,
                 if held[u] - held[v] < 2:
                     break
                 cands = [(tv, n) for tv, n in parts if u in tv.partitions[n].isr
-                         and v not in tv.partitions[n].isr]
+                         and v not in tv.partitions[n].isr
+                         and keeps_racks(view, tv.partitions[n].isr, u, v)]
                 # a follower's replica first: no leader move needed
                 followed = [c for c in cands if c[0].partitions[c[1]].leader != u]
                 if followed or cands:
@@ -188,7 +200,8 @@ def drain_move(view: ClusterView, node: str, draining: set[str]) -> tuple[Plan |
                     or len(others) < tv.meta.replicas - 1 or set(s.catchup) - {node}):
                 stuck.append(f"{name}:{n}: ISR incomplete or leader not settled")
                 continue
-            spare = [v for v in nodes if v not in s.isr and v not in s.catchup]
+            others_free = [v for v in nodes if v not in s.isr and v not in s.catchup]
+            spare = [v for v in others_free if keeps_racks(view, s.isr, node, v)]
             if spare:
                 to = min(spare, key=lambda v: (held[v], v))
                 return Plan("replica", name, n, node, to), stuck
@@ -196,7 +209,9 @@ def drain_move(view: ClusterView, node: str, draining: set[str]) -> tuple[Plan |
                 takers = [v for v in others if v in nodes]
                 if takers:
                     return Plan("leader", name, n, node, takers[0]), stuck
-            stuck.append(f"{name}:{n}: no other live node to take its replica")
+            stuck.append(f"{name}:{n}: " + ("no live node on a rack it keeps apart to take "
+                                             "its replica" if others_free else
+                                             "no other live node to take its replica"))
     return None, stuck
 
 

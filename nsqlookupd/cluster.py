@@ -234,7 +234,7 @@ class Cluster:
                 raise HTTPError(400, "INVALID_ARG_REPLICATOR",
                                 detail=f"replicas {meta.replicas} > live nodes {len(live)}")
         load = load_of(s for t in view.topics.values() for s in t.partitions.values())
-        placement = place(live, meta.partitions, meta.replicas, load)
+        placement = place(live, meta.partitions, meta.replicas, load, view.racks)
         try:
             await self.metadata.create_topic(topic, meta, placement)
         except TopicExists:

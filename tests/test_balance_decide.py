@@ -375,3 +375,37 @@ def test_a_node_not_settled_takes_no_leader():
         plan = next_move(v, set(), 1, replicas=False, settled={A, C})
     _, led = counts(v, nodes)
     assert led == {A: 3, B: 0, C: 3}
+
+
+def racked(nodes_racks: dict[str, str]):
+    """A view's nodes with racks: `info` with the rack given."""
+    def with_rack(v: ClusterView) -> ClusterView:
+        nodes = {n: NodeInfo(id=n, tcp=n, http=i.http, rpc=i.rpc, hostname=i.hostname,
+                             version=i.version, rack=nodes_racks[n]) for n, i in v.nodes.items()}
+        return ClusterView(v.revision, nodes, v.lookupds, v.master, v.topics, v.problems)
+    return with_rack
+
+
+def test_replica_moves_keep_a_partitions_replicas_on_distinct_racks():
+    """Two nodes on one host (rack "h1": A and D): the balancer evens the replicas without
+    ever putting two of a partition on h1; a drain of B takes no replica to a node of a
+    rack the partition holds already, and says why it is stuck."""
+    rack = racked({A: "h1", D: "h1", B: "h2", C: "h3"})
+    states = [PartitionState(leader=B, isr=(B, C), epoch=1)] * 3 + \
+        [PartitionState(leader=A, isr=(A, B), epoch=1)] * 3
+    v = rack(view({A, B, C, D}, {"t": (2, states)}))
+    moves = 0
+    while (plan := next_move(v, set(), 1)) is not None and moves < 40:
+        v = rack(apply(v, plan))
+        moves += 1
+        for s in v.topics["t"].partitions.values():
+            assert len({v.racks[n] for n in s.isr}) == len(s.isr), (plan, s)
+    held, _ = counts(v, [A, B, C, D])
+    assert max(held.values()) - min(held.values()) <= 1, held
+    both = rack(view({A, B, C, D}, {"t": (2, [PartitionState(leader=A, isr=(A, B),
+                                                             epoch=1)])}))
+    plan, stuck = drain_move(both, B, set())
+    assert plan == Plan("replica", "t", 0, B, C)  # D shares h1 with A
+    lone = rack(view({A, B, D}, {"t": (2, [PartitionState(leader=A, isr=(A, B), epoch=1)])}))
+    plan, stuck = drain_move(lone, B, set())
+    assert plan is None and "rack" in stuck[0], stuck

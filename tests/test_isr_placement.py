@@ -128,3 +128,40 @@ def test_random_big_inputs_stay_balanced():
         result = place(nodes, rnd.randint(1, 1024), replicas)
         assert spread(Counter(m[0] for m in result), nodes) <= 1
         assert spread(Counter(n for m in result for n in m), nodes) <= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 60), st.integers(1, 5))
+def test_replicas_go_to_distinct_racks_while_there_are_racks(hosts, per_host, partition_num,
+                                                             replicas):
+    """Several nodes a host (one nsqd per core), the host their rack: a partition's replicas
+    are on min(replicas, hosts) hosts, as even as can be over them; leaders per node and
+    replicas per node keep the spread they have without racks when every host has as
+    many nodes."""
+    nodes = [f"10.0.0.{h}:{4150 + 2 * k}" for h in range(hosts) for k in range(per_host)]
+    replicas = min(replicas, len(nodes))
+    racks = {n: n.rpartition(":")[0] for n in nodes}
+    result = place(nodes, partition_num, replicas, racks=racks)
+    check_shape(result, nodes, partition_num, replicas)
+    for members in result:
+        on_rack = Counter(racks[n] for n in members)
+        assert len(on_rack) == min(replicas, hosts), members
+        assert max(on_rack.values()) - min(on_rack.values()) <= 1, members
+    held = Counter(n for m in result for n in m)
+    assert spread(held, nodes) <= 1
+    assert spread(Counter(m[0] for m in result), nodes) <= 1
+
+
+def test_racks_change_nothing_when_each_node_is_its_own():
+    nodes = ids(5)
+    assert place(nodes, 40, 3, racks={n: n for n in nodes}) == place(nodes, 40, 3)
+    assert place(nodes, 40, 3, racks={}) == place(nodes, 40, 3)
+
+
+def test_two_nodes_on_one_host_never_hold_one_partition_twice():
+    a1, a2, b1, c1 = "10.0.0.1:4150", "10.0.0.1:4152", "10.0.0.2:4150", "10.0.0.3:4150"
+    racks = {a1: "a", a2: "a", b1: "b", c1: "c"}
+    for members in place([a1, a2, b1, c1], 12, 3, racks=racks):
+        assert {racks[n] for n in members} == {"a", "b", "c"}, members
+    for members in place([a1, a2, b1], 12, 2, racks=racks):
+        assert {racks[n] for n in members} == {"a", "b"}, members

@@ -86,6 +86,19 @@ def test_node_info():
     assert LookupdInfo.decode(lk.encode()) == lk
 
 
+def test_a_node_info_rack_defaults_to_its_host_also_for_an_older_writer():
+    n = NodeInfo("10.0.0.1:4150", "10.0.0.1:4150", "10.0.0.1:4151", "10.0.0.1:4250", "h", "v")
+    assert n.rack == "10.0.0.1" and b'"rack":"10.0.0.1"' in n.encode()
+    older = json.loads(n.encode())
+    del older["rack"]  # registered by an nsqd from before racks
+    assert NodeInfo.decode(json.dumps(older).encode(), "k") == n
+    racked = NodeInfo("10.0.0.1:4152", "10.0.0.1:4152", "10.0.0.1:4153", "10.0.0.1:4252", "h",
+                      "v", rack="row-7")
+    assert NodeInfo.decode(racked.encode()).rack == "row-7"
+    with pytest.raises(BadValue, match="bad rack"):
+        NodeInfo.decode(json.dumps({**older, "rack": 7}).encode(), "k")
+
+
 GOOD_STATE = {"leader": "a:1", "isr": ["a:1", "b:1"], "catchup": [], "epoch": 3}
 
 

@@ -361,3 +361,7 @@ def test_flags_refused(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "cannot be used together" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "nsqd.main", "--etcd-endpoints",
+                          "http://127.0.0.1:1", "--rack", "r" * 256],
+                         capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert out.returncode == 2 and "--rack: at most 255" in out.stderr
