@@ -48,8 +48,8 @@ def load_of(states: Iterable[PartitionState]) -> dict[str, Load]:
 def place(nodes: Sequence[str], partition_num: int, replicas: int,
           load: Mapping[str, Load] | None = None,
           racks: Mapping[str, str] | None = None) -> list[list[str]]:
-    """Each partition's replicas, leader first. `racks`: node -> rack (a node without one
-    is a rack of its own). Raises ValueError for impossible requests."""
+    """Each partition's replicas, leader first. `racks`: node -> rack (`rack_of`). Raises
+    ValueError for impossible requests."""
     order = sorted(set(nodes))
     if len(order) != len(nodes):
         raise ValueError("a node id is given twice")
@@ -64,7 +64,7 @@ def place(nodes: Sequence[str], partition_num: int, replicas: int,
     led = {n: load.get(n, Load()).led for n in order}
     held = {n: load.get(n, Load()).held for n in order}
 
-    rack = {n: (racks or {}).get(n) or n for n in order}
+    rack = {n: rack_of(n, racks or {}) for n in order}
     rack_held: dict[str, int] = {}
     for n in order:
         rack_held[rack[n]] = rack_held.get(rack[n], 0) + held[n]
@@ -137,12 +137,18 @@ def _path_to_lighter(start: str, sets, led_by, led, index) -> list[tuple[int, st
     return None
 
 
+def rack_of(node: str, racks: Mapping[str, str]) -> str:
+    """A node's rack: as `racks` says, else the host part of its id (nsqd's default: a
+    node that is not live now, or registered before racks, is taken to be there)."""
+    return racks.get(node) or node.rpartition(":")[0] or node
+
+
 def spread_over_racks(members: Sequence[str], racks: Mapping[str, str]) -> tuple[int, ...]:
     """Replicas per rack of one partition, most first: a move must never make it worse
     (compare with `<`: fewer on the fullest rack is better)."""
     count: dict[str, int] = {}
     for n in members:
-        r = racks.get(n) or n
+        r = rack_of(n, racks)
         count[r] = count.get(r, 0) + 1
     return tuple(sorted(count.values(), reverse=True))
 

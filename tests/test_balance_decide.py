@@ -409,3 +409,15 @@ def test_replica_moves_keep_a_partitions_replicas_on_distinct_racks():
     lone = rack(view({A, B, D}, {"t": (2, [PartitionState(leader=A, isr=(A, B), epoch=1)])}))
     plan, stuck = drain_move(lone, B, set())
     assert plan is None and "rack" in stuck[0], stuck
+
+
+def test_a_dead_node_on_the_same_host_drains_to_a_live_one():
+    """A dead node is not in the view, so its rack is unknown: it is taken to be its host's
+    (nsqd's default). Nodes of one host (./run.sh, the tests) drain and balance as before
+    racks existed (a dead node's id taken as a rack of its own refused every move)."""
+    live = ["127.0.0.1:4150", "127.0.0.1:4152", "127.0.0.1:4154"]
+    dead = "127.0.0.1:4156"
+    v = view(set(live), {"t": (2, [PartitionState(leader=live[0], isr=(live[0], dead),
+                                                  epoch=3)])})
+    plan, stuck = drain_move(v, dead, set())
+    assert plan is not None and plan.kind == "replica" and plan.frm == dead, stuck
