@@ -304,7 +304,7 @@ class GroupCommit:
             error = _STALE
         else:
             try:
-                self._write_sync(data, clog, len(results), sync)
+                self._write_sync(data, clog, len(results), sync, self.epoch)
             except BaseException as e:
                 error = e
                 self._write_broken = isinstance(e, _Unrecoverable)
@@ -415,14 +415,18 @@ class GroupCommit:
         return bool(policy.every_ms and self._unsynced_messages
                     and time.monotonic() - self._unsynced_since >= policy.every_ms / 1000)
 
-    def _write_sync(self, data, clog, entries: int, sync: bool) -> None:
-        """Write one batch (write worker), and sync its data if `sync` (in the same system
-        call as its write when it can: Segments.write). A failed write is undone (both files
-        cut back) and re-raised; a failed undo or a failed sync raises _Unrecoverable.
+    def _write_sync(self, data, clog, entries: int, sync: bool, epoch: int) -> None:
+        """Write one batch of `epoch` (write worker), and sync its data if `sync` (in the
+        same system call as its write when it can: Segments.write). A failed write is undone
+        (both files cut back) and re-raised; a failed undo or a failed sync raises
+        _Unrecoverable.
 
-        The commitlog is synced only when `clog_sync_every` entries are unsynced or the data
-        moved to a new segment (so its lag never spans a data segment); recovery rebuilds
-        what a power loss took of it from the data."""
+        The commitlog is synced only when `clog_sync_every` entries are unsynced, the data
+        moved to a new segment (so its lag never spans a data segment), or the batch is the
+        first of an epoch above the last synced entry's: recovery rebuilds what a power loss
+        took of the commitlog from the data, giving the rebuilt entries the last surviving
+        entry's epoch, so that one must be the epoch they were written in (an older one
+        made a restarted replica cut committed records as if they were another leader's)."""
         data_before = self._segments.end
         base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id
@@ -441,8 +445,10 @@ class GroupCommit:
         try:
             if sync and not synced:
                 self._segments.sync()
-            if self.commitlog.sync_due or self._segments.active_base != base_before:
+            if (self.commitlog.sync_due or self._segments.active_base != base_before
+                    or epoch > self._clog_epoch):
                 self.commitlog.sync()
+                self._clog_epoch = max(self._clog_epoch, epoch)
         except OSError as e:
             raise _Unrecoverable(f"sync failed: {e}") from e
 

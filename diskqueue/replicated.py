@@ -114,6 +114,9 @@ class Replicated:
         """At open (write worker), after recovery: the last epoch, and the committed end."""
         last = self.commitlog.last()
         self._tail_epoch = last.epoch if last is not None else 0
+        # write worker: the highest epoch whose entries the commitlog has synced since open
+        # (a truncation or a restart sets it back): the next batch above it syncs it
+        self._clog_epoch = 0
         self._tail_end = self.written_end
         self.epoch = max(self.epoch, self._tail_epoch)
         if self._committed_file is not None:
@@ -212,14 +215,12 @@ class Replicated:
             raise GapError(self.written_end, self.written_count)
         checked = check_batch(offset, count, entries, data, self.partition, self.last_epoch,
                               records=not records_checked)
-        if checked[0].epoch > self.last_epoch:
-            self.commitlog.sync()  # a power loss never regenerates them with an older epoch
         flags = SYNCED_BEFORE if not self._unsynced_messages else 0
         clog = renumber(checked, self.commitlog.next_log_id, flags)
         messages = checked[-1].count_after - count
         sync = self._should_sync(messages)
         t0 = time.perf_counter()
-        self._write_sync(data, clog, len(checked), sync)
+        self._write_sync(data, clog, len(checked), sync, checked[-1].epoch)
         self._store_committed()
         return checked[-1], messages, sync, time.perf_counter() - t0
 
@@ -270,6 +271,7 @@ class Replicated:
         self._write_meta(offset, count, next_log_id)
         self._segments.reset(offset)
         self.commitlog.reset(next_log_id)
+        self._clog_epoch = 0
         log.warning("restarted_at", path=self.path, partition=self.partition, offset=offset,
                     count=count, dropped_bytes=dropped)
         return offset, count
@@ -378,9 +380,11 @@ class Replicated:
         self.commitlog.truncate_after(entry.log_id - 1)
         fsync_dir(self.commitlog.path)
         self._segments.cut_to(offset)
+        last = self.commitlog.last()
+        self._clog_epoch = 0  # the next batch syncs the commitlog (see _write_sync)
         log.warning("truncated", path=self.path, partition=self.partition, offset=offset,
                     count=count, cut_bytes=self.written_end - offset)
-        return offset, count, self.commitlog.last()
+        return offset, count, last
 
     def _truncated(self, cut) -> None:
         if cut is None:

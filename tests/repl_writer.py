@@ -12,6 +12,11 @@
         replace, write, pwrite, pwritev) from then on. Prints "done" if it got through. Its batches
         are small (max_batch_bytes 1 KiB): recovery then refuses a commitlog that runs more
         than 2 KiB past the data, so a wrong order of the cut shows.
+
+    python repl_writer.py epochs FOLDER
+        Opens a replicated queue, writes 3 durable batches at epoch 3 and 3 at epoch 7 (as a
+        leader after set_epoch), prints "done" and exits without closing (no final sync of
+        the commitlog): a power cut then keeps only what was synced.
 """
 
 from __future__ import annotations
@@ -82,6 +87,19 @@ async def truncate(path: str, segment_bytes: int, clog_entries: int, offset: int
     os._exit(0)  # no close: only the truncation is under test
 
 
+async def epochs(path: str) -> None:
+    from diskqueue.queue import DiskQueue, QueueOptions
+
+    q = await DiskQueue.open(path, QueueOptions(replicated=True))
+    for epoch in (3, 7):
+        await q.set_epoch(epoch)
+        for i in range(3):
+            await q.append([b"%d-%d" % (epoch, i)])
+    sys.stdout.write("done\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import structlog
@@ -90,5 +108,7 @@ if __name__ == "__main__":
     mode, folder, *rest = sys.argv[1:]
     if mode == "commit":
         asyncio.run(commit(folder, int(rest[0])))
+    elif mode == "epochs":
+        asyncio.run(epochs(folder))
     else:
         asyncio.run(truncate(folder, *map(int, rest)))
