@@ -389,15 +389,17 @@ class Cluster:
                 del self._starting[channel]
 
     def made_here(self, topic: str, channel: str) -> list[int]:
-        """The partitions led here on which the channel is made: it exists, and a start
-        made here is on the ISR (channel_made). GET /channel/made answers it."""
+        """The partitions led here on which the channel is made: it exists, its metadata
+        is on this node's disk (NSQD.saved) and a start made here is on the ISR
+        (channel_made). GET /channel/made answers it."""
         t = self.nsqd.topics.get(topic)
         if t is None:
             return []
         out = []
         for n, p in sorted(t.writable.items()):
             c = p.channels.get(channel)
-            if c is not None and not c.closed and c not in self._starting:
+            if (c is not None and not c.closed and self.nsqd.saved(c)
+                    and c not in self._starting):
                 out.append(n)
         return out
 

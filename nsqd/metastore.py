@@ -11,7 +11,8 @@ channels are never stored.
 
 `put` and `delete` only note the change on the event loop (the last one of a key wins);
 `flush` pickles, writes and commits them in a worker thread, one flush at a time and in
-the order they were made.
+the order they were made. A read sees the changes a running flush writes and those
+not flushed yet, over what is in the database.
 
 Durable at `flush`: sqlitedict turns SQLite's syncing off (`synchronous=OFF`), so the
 store turns it back on at EXTRA: FULL syncs the journal and the database, and EXTRA also
@@ -41,6 +42,7 @@ class MetaStore:
         self._db = SqliteDict(path, tablename="meta", autocommit=False)
         self._pending: dict[str, object] = {}  # key -> value, or _DELETED
         self._prefixes: list[str] = []  # delete_prefix calls not flushed yet (applied first)
+        self._flushing: tuple[dict[str, object], list[str]] = ({}, [])  # what a flush writes
         self._lock = asyncio.Lock()
         self._db.conn.execute("PRAGMA synchronous=EXTRA")  # its one connection, before any write
 
@@ -57,16 +59,18 @@ class MetaStore:
         return out
 
     def _items(self, prefix: str) -> dict[str, object]:
-        """Stored items under `prefix`, with the changes not flushed yet."""
-        pending, prefixes = dict(self._pending), list(self._prefixes)
-        out = {k: v for k, v in self._db.items()
-               if k.startswith(prefix) and not any(k.startswith(p) for p in prefixes)}
-        for k, v in pending.items():
-            if k.startswith(prefix):
-                if v is _DELETED:
-                    out.pop(k, None)
-                else:
-                    out[k] = v
+        """Stored items under `prefix`, with the changes a flush is writing and those not
+        flushed yet over them (read from any thread)."""
+        layers = [self._flushing, (dict(self._pending), list(self._prefixes))]
+        out = {k: v for k, v in self._db.items() if k.startswith(prefix)}
+        for changes, prefixes in layers:
+            out = {k: v for k, v in out.items() if not any(k.startswith(p) for p in prefixes)}
+            for k, v in changes.items():
+                if k.startswith(prefix):
+                    if v is _DELETED:
+                        out.pop(k, None)
+                    else:
+                        out[k] = v
         return out
 
     def get(self, key: str):
@@ -92,11 +96,14 @@ class MetaStore:
         async with self._lock:
             batch, prefixes = self._pending, self._prefixes
             self._pending, self._prefixes = {}, []
+            self._flushing = (batch, prefixes)
             try:
                 await asyncio.to_thread(self._write, batch, prefixes)
             except BaseException:
                 self._keep(batch, prefixes)
                 raise
+            finally:
+                self._flushing = ({}, [])
 
     def _keep(self, batch: dict[str, object], prefixes: list[str]) -> None:
         """Put a failed flush's changes back under the newer ones."""

@@ -87,6 +87,7 @@ class NSQD:
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
+        self._unsaved: set[Channel] = set()  # made by _create_channel, not on disk yet
         self._tasks: list[asyncio.Task] = []
         self.tcp_server = None
         self.http_runner = None
@@ -362,6 +363,7 @@ class NSQD:
         would come back starting at the topic's end, past what was published for it in
         between), or not at all (StorageError)."""
         channel = p.add_channel(name, None, start, **self.channel_settings())
+        self._unsaved.add(channel)
         try:
             self._store_channel(channel)
             await self.meta.flush()
@@ -371,6 +373,8 @@ class NSQD:
             log.error("channel_create_failed", topic=topic.name, partition=p.number,
                       channel=name, error=error)
             raise StorageError(f"channel {name} could not be created: {error}")
+        finally:
+            self._unsaved.discard(channel)
         self.lookup.channel_created(topic.name, name)
         log.info("channel_created", topic=topic.name, partition=p.number, channel=name)
         self._join_channel(topic, p, channel)
@@ -381,6 +385,11 @@ class NSQD:
     # parent), forget the metadata (flushed), then remove the tombstone. A crash before the
     # rename leaves it whole; after it, start() finishes it (_finish_deletes). A topic or
     # channel of the same name made later waits for the lock and gets a fresh folder.
+
+    def saved(self, channel: Channel) -> bool:
+        """False while a channel made here waits for its metadata on disk (_create_channel):
+        it is in its partition's channels, but not made yet (Cluster.made_here)."""
+        return channel not in self._unsaved
 
     async def _forget_new_channel(self, topic: Topic, p, channel: Channel) -> None:
         if p.channels.get(channel.name) is channel:

@@ -1,6 +1,7 @@
 """MetaStore: changes noted on the loop, written in order by one flush (one transaction)."""
 
 import asyncio
+import threading
 
 from nsqd.metastore import MetaStore
 
@@ -44,4 +45,31 @@ async def test_a_failed_flush_keeps_its_changes_under_newer_ones(tmp_path):
     meta._write = real
     await meta.flush()
     assert meta.channels("t") == {(0, "c"): {"confirmed": 2}, (0, "d"): {"confirmed": 1}}
+    meta.close()
+
+
+async def test_what_a_flush_is_writing_is_read_back_meanwhile(tmp_path):
+    """A read while a flush runs sees the flush's changes (before, they were neither
+    pending nor in the database yet: a channel's state read then was missing)."""
+    meta = MetaStore(str(tmp_path / "meta.sqlite"))
+    meta.put("channel/t/0/gone", {"confirmed": 1})
+    await meta.flush()
+    meta.delete_prefix("channel/t/")
+    meta.put("channel/t/0/c", {"confirmed": 2})
+    real, started, release = meta._write, threading.Event(), threading.Event()
+
+    def slow(batch, prefixes):
+        started.set()
+        release.wait(10)
+        real(batch, prefixes)
+
+    meta._write = slow
+    flush = asyncio.ensure_future(meta.flush())
+    await asyncio.to_thread(started.wait, 10)
+    meta.put("channel/t/0/d", {"confirmed": 3})  # pending, after the flush began
+    assert await asyncio.to_thread(meta.channels, "t") == {(0, "c"): {"confirmed": 2},
+                                                          (0, "d"): {"confirmed": 3}}
+    release.set()
+    await flush
+    assert meta.channels("t") == {(0, "c"): {"confirmed": 2}, (0, "d"): {"confirmed": 3}}
     meta.close()

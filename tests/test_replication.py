@@ -22,6 +22,7 @@ import asyncio
 import os
 import random
 import signal
+import sqlite3
 import time
 
 import pytest
@@ -386,6 +387,42 @@ async def test_a_sub_on_a_follower_is_served_once_the_follower_leads(cluster):
     finally:
         for conn in conns:
             await conn.close()
+
+
+async def test_a_channel_counts_as_made_only_once_its_leader_stored_it(cluster):
+    """A leader answers GET /channel/made for a new channel only once the channel's
+    metadata is on its disk, so a SUB on a follower waits for that. (Before, the channel
+    counted as made while the leader's metadata write was still running: under a slow
+    disk the SUB was answered, the leader killed, and the new leader, which had no state
+    of the channel, started it at the floor.) The leader's metadata write is held here by
+    an exclusive lock on its SQLite file."""
+    cl = cluster
+    make_topic(cl, "sm", 1)
+    s = await cl.until_states("sm", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    leader = cl.nsqd_at(s[0].leader)
+    follower = next(n for n in cl.nsqds if n is not leader)
+    made = f"http://{leader.http_address}/channel/made?topic=sm&channel=c"
+    db = sqlite3.connect(os.path.join(leader.data_path, "nsqd.meta.sqlite"),
+                         isolation_level=None)
+    db.execute("BEGIN EXCLUSIVE")
+    host, port = follower.tcp_address.rsplit(":", 1)
+    conn = await Connection(host, int(port)).connect()
+    try:
+        sub = asyncio.ensure_future(conn.sub("sm", "c"))
+        # the leader makes `c` from etcd; its metadata write waits for the lock
+        await wait_until_async(lambda: any(ch["channel_name"] == "c" for ch in
+                                           (topic_stats(leader, "sm") or {}).get("channels", [])),
+                               10, "the leader has the channel in memory")
+        for _ in range(10):
+            assert http_json("GET", made) == (200, {"partitions": []})
+            await asyncio.sleep(0.05)
+        assert not sub.done()
+        db.execute("ROLLBACK")
+        await asyncio.wait_for(sub, 10)
+        assert http_json("GET", made) == (200, {"partitions": [0]})
+    finally:
+        db.close()
+        await conn.close()
 
 
 async def test_a_replica_moved_in_knows_an_idle_channel_before_it_leads(tmp_path):
