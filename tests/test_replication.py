@@ -400,6 +400,8 @@ async def test_a_channel_counts_as_made_only_once_its_leader_stored_it(cluster):
     make_topic(cl, "sm", 1)
     s = await cl.until_states("sm", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
     leader = cl.nsqd_at(s[0].leader)
+    # the leader applied the topic (its metadata written) before its file is locked
+    assert await pub_when_led(leader.tcp_address, "sm", 0, b"x") == b"OK"
     follower = next(n for n in cl.nsqds if n is not leader)
     made = f"http://{leader.http_address}/channel/made?topic=sm&channel=c"
     db = sqlite3.connect(os.path.join(leader.data_path, "nsqd.meta.sqlite"),
