@@ -12,7 +12,8 @@ pass `MAX_UNSENT` (bounded memory). The first frame must be HELLO of this cluste
 that does not decode or a request that does not check is answered with one ERROR
 E_BAD_FRAME, then the connection is closed. PUSH and CHANNELS go to `host.follower_log`,
 FETCH, EPOCH_END and JOIN to `host.leader_log` (absent: E_NOT_REPLICA / E_NOT_LEADER);
-each answers with `(kind, header, payload)`. A PUSH whose FollowerLog is open goes to
+each answers with `(kind, header, payload)`. PUBLISH, a node's forwarded publish, goes to
+`host.publish_forwarded`. A PUSH whose FollowerLog is open goes to
 `FollowerLog.push(frame, answer)` straight from `data_received` (no task, no future: the
 hot path; `answer` is called once with its answer). A handler that raises answers
 E_FAILED; the server never dies of a request. A handler runs to its end even if its
@@ -126,6 +127,8 @@ class RpcServer:
                 return Kind.OK, {}, b""
             if frame.kind is Kind.HELLO:
                 return error(wire.E_BAD_FRAME, "HELLO twice")
+            if frame.kind is Kind.PUBLISH:
+                return await self.host.publish_forwarded(h, frame.payload)
             if frame.kind in FOLLOWER_KINDS:
                 target = await _arrival(self.host.follower_log, h["topic"], h["partition"])
                 if target is None:

@@ -33,6 +33,7 @@ class Kind(IntEnum):
     JOIN = 5
     CHANNELS = 6
     PING = 7
+    PUBLISH = 8  # a node's forwarded publish (nsqd/forward.py), not replication
     OK = 64
     ACK = 65
     DATA = 66
@@ -69,6 +70,7 @@ REQUESTS: dict[Kind, dict[str, str]] = {
     Kind.JOIN: {**_PARTITION, "node": _STR, "offset": _INT, "count": _INT},
     Kind.CHANNELS: {**_PARTITION, "channels": _DICT},
     Kind.PING: {},
+    Kind.PUBLISH: {"topic": _STR, "partition": _INT, "n": _INT, "source": _STR},
 }
 ENTRY_SIZE = 64
 
@@ -285,7 +287,8 @@ def _valid(v, rule: str) -> bool:
 
 def check(frame: Frame) -> None:
     """A request's header has every field of its kind, well typed; its payload fits
-    (PUSH: n*64 + data_len bytes; other requests: none). Else `BadFrame`."""
+    (PUSH: n*64 + data_len bytes; PUBLISH: its messages, checked by its handler; other
+    requests: none). Else `BadFrame`."""
     rules = REQUESTS.get(frame.kind)
     if rules is None:
         raise BadFrame(f"{frame.kind.name} is not a request")
@@ -297,5 +300,5 @@ def check(frame: Frame) -> None:
         if h["n"] * ENTRY_SIZE + h["data_len"] != len(frame.payload):
             raise BadFrame(f"PUSH payload of {len(frame.payload)} bytes, header says "
                            f"{h['n']} entries + {h['data_len']} bytes")
-    elif frame.payload:
+    elif frame.payload and frame.kind is not Kind.PUBLISH:
         raise BadFrame(f"{frame.kind.name} carries no payload")

@@ -47,6 +47,7 @@ from isr.state import BadValue, ChannelMeta, NodeInfo, TopicMeta, default_min_is
 
 from .assignment import Assignment
 from .errors import ClusterUnavailable, TopicConflict
+from .forward import Forwarder
 from .loadreport import LoadReporter
 from .replication import Replication
 
@@ -80,6 +81,7 @@ class Cluster:
         self.metadata = Metadata(self.etcd, o.cluster_id)
         self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
         self.replication = Replication(nsqd, self)
+        self.forwarder = Forwarder(self.replication)  # publishes to leaders elsewhere
         self.load = LoadReporter(self)  # load/<node-id>, read by the nsqlookupd master
         self.ttl = ttl_s
         self.node: NodeInfo | None = None
@@ -151,6 +153,7 @@ class Cluster:
         await asyncio.gather(*starting, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
+        await self.forwarder.close()
         await self.replication.stop()
         if self.leader_keys is not None:
             await self.leader_keys.close()
@@ -646,4 +649,5 @@ class Cluster:
             "led": led,
             "problems": problems,
             "replication": self.replication.state(),
+            **self.forwarder.stats,  # forwarded, forward_failed: publish requests (forward.py)
         }

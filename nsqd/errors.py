@@ -36,7 +36,17 @@ class PartitionNotFound(LookupError):
 
 class PartitionNotLed(LookupError):
     """A partition of the topic that this node does not lead (E_FAILED_ON_NOT_LEADER);
-    None: a publish without a partition, while this node leads none of the topic's."""
+    None: a publish without a partition, while this node leads none of the topic's (and
+    could not forward it: nsqd/forward.py). `leader`: the partition's leader's TCP address
+    when this node knows it, and `detail`: more to say; both are in the answer."""
+
+    def __init__(self, partition: int | None, leader: str | None = None, detail: str = ""):
+        super().__init__(partition)
+        self.partition, self.leader, self.detail = partition, leader, detail
+
+    def text(self) -> str:
+        led = f"partition {self.partition} is led by {self.leader}" if self.leader else ""
+        return "; ".join(t for t in (led, self.detail) if t)
 
 
 class PartitionNotWritable(NotWritable):
@@ -78,7 +88,7 @@ ANSWERS: dict[type[Exception], Answer] = {
         tcp=lambda command, e, partition: wire.bad_partition(command, str(partition)),
         http=(400, "BAD_PARTITION")),
     PartitionNotLed: Answer(
-        tcp=lambda command, e, partition: wire.not_leader(command),
+        tcp=lambda command, e, partition: wire.not_leader(command, e.text()),
         http=(400, "E_FAILED_ON_NOT_LEADER")),
     NotWritable: Answer(  # PartitionNotWritable too
         tcp=lambda command, e, partition: wire.not_writable(command),

@@ -95,6 +95,7 @@ from .httpargs import (HTTPError, arg, bool_arg, defer_arg, parse_mpub_binary, p
                        partition_arg, query, read_body, strict_bool_arg, topic_arg,
                        topic_channel_args)
 from .httpconn import Server
+from .forward import PublishRequest
 from .message import defer_ext
 from .assignment import MAX_PARTITIONS
 from .errors import (ClusterUnavailable, NameError_, PartitionNotFound, PartitionNotLed,
@@ -120,9 +121,10 @@ def respond_legacy(status: int, data) -> web.Response:
                         charset="utf-8")
 
 
-def respond_v1(status: int, data) -> web.Response:
-    """nsqd's RespondV1: str as text, None as an empty body, anything else as JSON."""
-    body, content_type = v1_answer(status, data)
+def respond_v1(status: int, data, extra: dict | None = None) -> web.Response:
+    """nsqd's RespondV1: str as text, None as an empty body, anything else as JSON; an
+    error's `extra` fields beside its message."""
+    body, content_type = v1_answer(status, data, extra)
     if content_type is None:
         return web.Response(status=status, headers=V1_HEADER)
     return web.Response(status=status, body=body, content_type=content_type, charset="utf-8",
@@ -153,9 +155,19 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
     topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return
+    forwarder = nsqd.cluster.forwarder if nsqd.cluster is not None else None
     try:
-        await topic.publish(bodies, partition, ext, trace_id=trace_id, source=source)
-    except (PartitionNotFound, PartitionNotLed, NotWritable, NotCommitted) as e:
+        try:
+            await topic.publish(bodies, partition, ext, trace_id=trace_id, source=source)
+        except PartitionNotLed:  # leading none of the topic's: a leader writes it
+            if forwarder is None or partition is not None:
+                raise
+            await forwarder.publish(name, PublishRequest(bodies, ext, trace_id), source)
+    except PartitionNotLed as e:
+        if forwarder is not None:
+            forwarder.named(name, e)
+        raise HTTPError(*http_error(e), {"leader": e.leader} if e.leader else None) from None
+    except (PartitionNotFound, NotWritable, NotCommitted) as e:
         raise HTTPError(*http_error(e)) from None  # NotCommitted: written, outcome unknown
     except QueueClosedError:
         raise HTTPError(503, "EXITING") from None
@@ -660,6 +672,8 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
         else:
             data = await ROUTES[path][request.method](nsqd, request)
     except HTTPError as e:
+        if e.extra and respond is respond_v1:
+            return respond_v1(e.status, e.code, e.extra)
         return respond(e.status, e.code)
     except Exception as e:  # a bug costs one request, never the server
         if is_disk_full(e):  # an action whose state could not be stored: said, not a bug

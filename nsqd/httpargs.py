@@ -21,12 +21,13 @@ _BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.Incom
 
 
 class HTTPError(Exception):
-    """An answer `{"message": code}` with an HTTP status."""
+    """An answer `{"message": code, **extra}` with an HTTP status."""
 
-    def __init__(self, status: int, code: str):
+    def __init__(self, status: int, code: str, extra: dict | None = None):
         super().__init__(code)
         self.status = status
         self.code = code
+        self.extra = extra
 
 
 

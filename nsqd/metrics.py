@@ -145,6 +145,12 @@ def render(stats: dict) -> str:
         out.family("nsqd_cluster_partitions_led", "gauge",
                    "Partitions this node leads, as etcd assigns them.",
                    [({}, cluster["partitions_led"])])
+        out.family("nsqd_cluster_forwarded_total", "counter",
+                   "Publish requests this node forwarded to a leader, answered OK.",
+                   [({}, cluster["forwarded"])])
+        out.family("nsqd_cluster_forward_failed_total", "counter",
+                   "Publish requests forwarded to a leader that failed or whose outcome is "
+                   "unknown.", [({}, cluster["forward_failed"])])
         out.family("nsqd_cluster_problems", "gauge",
                    "Keys in etcd that do not decode, and topics that could not be applied.",
                    [({}, len(cluster["problems"]))])

@@ -39,6 +39,7 @@ from isr.peer import Peers
 from isr.rpc import RpcServer
 from isr.state import PartitionState
 
+from . import forward
 from .handover import replica_of
 from .metastore import channel_key
 from .replica import checkpoint_of
@@ -95,6 +96,10 @@ class Replication:
 
     def follower_log(self, topic: str, partition: int) -> FollowerLog | None:
         return self.followers.get((topic, partition))
+
+    async def publish_forwarded(self, header: dict, payload: bytes):
+        """A publish another node forwarded here (nsqd/forward.py)."""
+        return await forward.serve(self.nsqd, header, payload)
 
     def peer_address(self, node_id: str) -> str | None:
         view = self.cluster.mirror.view

@@ -31,6 +31,7 @@ from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
+from .forward import PublishRequest
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
@@ -90,6 +91,7 @@ class ClientConnection(asyncio.Protocol):
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
         self._held = None  # a command (or parser error) that answers after the publishes
         self._publishing: deque[list] = deque()  # slots (`_publish`), in order
+        self._forwards: set[asyncio.Task] = set()  # publishes forwarded to a leader
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
         self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
         self.state = self.INIT
@@ -239,7 +241,7 @@ class ClientConnection(asyncio.Protocol):
         if not self._publishing:
             self._fail(err)
             return
-        self._publishing.append([True, err, None, None, None, 0, None, None])
+        self._publishing.append([True, err, None, None, None, 0, None, None, False])
         if err.fatal:
             self._parser_dead = True
             self._held = None
@@ -384,13 +386,21 @@ class ClientConnection(asyncio.Protocol):
                 trace_id, extension = ext.stored(cmd.header)
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
-        # done, error, topic, bodies, command, trace_id, appended, trace_ids
-        slot = [False, None, topic, bodies, command, trace_id, None, trace_ids]
+        # done, error, topic, bodies, command, trace_id, appended, trace_ids, written here
+        slot = [False, None, topic, bodies, command, trace_id, None, trace_ids, True]
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
                           trace_ids=trace_ids, exts=exts,
                           callback=functools.partial(self._published, slot))
-        except (PartitionNotFound, PartitionNotLed, NotWritable) as e:
+        except PartitionNotLed as e:
+            forwarder = nsqd.cluster.forwarder if nsqd.cluster is not None else None
+            if forwarder is None or cmd.partition is not None:
+                if forwarder is not None:
+                    forwarder.named(cmd.topic, e)
+                raise tcp_error(command, e, cmd.partition) from None
+            slot[8] = False
+            self._forward(slot, PublishRequest(bodies, extension, trace_id, trace_ids, exts))
+        except (PartitionNotFound, NotWritable) as e:
             raise tcp_error(command, e, cmd.partition) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
@@ -398,6 +408,22 @@ class ClientConnection(asyncio.Protocol):
         if o.test_ack_before_sync:  # the broken build: OK now, whatever the write does
             self._published(slot, None, None)
         return True
+
+    def _forward(self, slot: list, req: PublishRequest) -> None:
+        """A publish this node leads no partition of: a leader writes it (nsqd/forward.py),
+        and its answer goes to `_published` as a local one's does, in command order."""
+        task = asyncio.get_running_loop().create_task(self._forwarding(slot, req))
+        self._forwards.add(task)
+        task.add_done_callback(self._forwards.discard)
+
+    async def _forwarding(self, slot: list, req: PublishRequest) -> None:
+        try:
+            written = await self.nsqd.cluster.forwarder.publish(
+                slot[2].name, req, self.client.remote_address)
+        except Exception as e:  # what the leader said, or why it was not asked
+            self._published(slot, None, e)
+        else:
+            self._published(slot, written, None)
 
     async def _publish_after(self, cmd) -> None:
         """What a publish awaits before `_publish` can take it: a cluster node's first view
@@ -431,25 +457,28 @@ class ClientConnection(asyncio.Protocol):
         others that this turn answers (pipelined publishes written by one batch)."""
         slot[0], slot[1], slot[6] = True, exc, appended
         topic = slot[2]
-        if exc is None and appended is not None and topic.trace is not None:  # PUB events
+        if (exc is None and appended is not None and topic.trace is not None
+                and slot[8]):  # PUB events (a forwarded publish's: its leader's)
             topic.trace.published(topic, appended, slot[5], slot[7], self.client.remote_address)
         publishing = self._publishing
         oks = 0
         while publishing and publishing[0][0]:
-            _, exc, topic, bodies, command, trace_id, appended, _ = publishing.popleft()
+            _, exc, topic, bodies, command, trace_id, appended, _, here = publishing.popleft()
             if exc is not None:
                 if oks:
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
                     oks = 0
                 err = (exc if isinstance(exc, errors.ProtocolError)
-                       else tcp_error(command, exc) if isinstance(exc, (NotWritable, NotCommitted))
+                       else tcp_error(command, exc)
+                       if isinstance(exc, (NotWritable, NotCommitted, PartitionNotLed))
                        else errors.publish_failed(command, str(exc)))
                 self._fail(err)
                 if err.fatal:
                     publishing.clear()
                     return
                 continue
-            topic.count_published(bodies)
+            if here:
+                topic.count_published(bodies)
             self._count_published(topic, len(bodies))
             if command in _TRACE_REPLY and appended is not None:  # OK, id, trace id, offset, size
                 self.client.answer(p.OK * oks + p.encode_response(p.pub_trace_reply(

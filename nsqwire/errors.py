@@ -248,9 +248,10 @@ def topic_not_exist(topic: str, command: str = "SUB") -> ProtocolError:
                          fatal=command not in _PUBLISHING)
 
 
-def not_leader(command: str) -> ProtocolError:
-    return ProtocolError("E_FAILED_ON_NOT_LEADER", f"{command} failed: not the partition leader",
-                         fatal=command not in _PUBLISHING)
+def not_leader(command: str, detail: str = "") -> ProtocolError:
+    """`detail` (optional): the partition's leader, when known, or why nothing could lead."""
+    return ProtocolError("E_FAILED_ON_NOT_LEADER", f"{command} failed: not the partition leader"
+                         + (f": {detail}" if detail else ""), fatal=command not in _PUBLISHING)
 
 
 def not_writable(command: str, reason: str = "") -> ProtocolError:

@@ -1,0 +1,140 @@
+"""Publish forwarding (nsqd/forward.py): a publish without a partition to a node that leads
+none of its topic's partitions is written by a leader and answered with its answer; a
+publish naming a partition this node does not lead is refused, naming the leader.
+
+Real processes: etcd, one nsqlookupd, three nsqd; the topic has 2 partitions of one
+replica each, so one node leads none of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import urllib.error
+import urllib.request
+
+import pytest
+
+from cluster import Cluster, http_json, wait_until
+from nsqclient.conn import Connection, NSQError
+from nsqd.forward import PublishRequest, decode, encode
+from nsqwire import commands as c
+
+
+def test_a_request_is_decoded_as_it_was_encoded():
+    req = PublishRequest([b"a", b"", b"ccc"], b"\x01\x02", 7, (1, 2, 3), (b"x", b"", b"zz"))
+    header, payload = encode("t", 1, req, "127.0.0.1:5")
+    assert decode(header, payload) == req
+    plain = PublishRequest([b"one"])
+    assert decode(*encode("t", 0, plain, ""))[:2] == ([b"one"], b"")
+    header, payload = encode("t", 0, req, "")
+    for bad in (payload[:-1], payload + b"\0", b""):
+        with pytest.raises(ValueError):
+            decode(header, bad)
+    with pytest.raises(ValueError):
+        decode({**header, "trace_ids": [1]}, payload)
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory):
+    cluster = Cluster(str(tmp_path_factory.mktemp("fwd")), 3, 1).start()
+    status, body = cluster.create_topic("f", 2)
+    assert status == 200, body
+    leaders = wait_until(lambda: len(cluster.leaders("f")) == 2 and cluster.leaders("f"), 10,
+                         "both partitions led")
+    cluster.spare = next(n for n in cluster.nsqds if n.tcp_address not in leaders.values())
+    yield cluster
+    cluster.stop()
+
+
+async def connect(address: str) -> Connection:
+    host, port = address.rsplit(":", 1)
+    return await Connection(host, int(port)).connect()
+
+
+def post(url: str, body: bytes) -> tuple[int, object]:
+    """(status, body: JSON when it is, else text) of a POST."""
+    req = urllib.request.Request(url, method="POST", data=body)
+    try:
+        with urllib.request.urlopen(req, timeout=15) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def committed(cl, topic: str) -> dict[int, int]:
+    """partition -> messages committed, as each partition's leader says."""
+    out = {}
+    for n, leader in sorted(cl.leaders(topic).items()):
+        status, doc = http_json("GET", f"http://{cl.nsqd_at(leader).http_address}"
+                                       f"/stats?format=json&topic={topic}")
+        assert status == 200, doc
+        for t in doc["topics"]:
+            for pt in t.get("partitions", []):
+                if pt["partition"] == n and pt["leader"]:
+                    out[n] = pt["committed_count"]
+    return out
+
+
+async def test_a_publish_to_a_node_that_leads_none_is_written_by_a_leader(cl):
+    """PUB, MPUB, DPUB and PUB_TRACE over TCP and /pub, /mpub over HTTP, to the node that
+    leads no partition: each answered as a leader answers, spread over both partitions."""
+    conn = await connect(cl.spare.tcp_address)
+    try:
+        for i in range(4):
+            assert await conn.command(c.cmd_pub("f", b"tcp-%d" % i)) == b"OK"
+        assert await conn.command(c.cmd_mpub("f", [b"m1", b"m2", b"m3"])) == b"OK"
+        assert await conn.command(c.cmd_dpub("f", 10, b"deferred")) == b"OK"
+        reply = await conn.command(c.cmd_pub_trace("f", 99, b"traced"))
+        ok, first_id, trace_id, offset, size = struct.unpack(">2sQQQI", reply)
+        assert (ok, trace_id) == (b"OK", 99) and size > 0 and first_id > 0
+    finally:
+        await conn.close()
+    base = f"http://{cl.spare.http_address}"
+    assert post(f"{base}/pub?topic=f", b"http-1") == (200, "OK")
+    assert post(f"{base}/mpub?topic=f", b"h2\nh3") == (200, "OK")
+    counts = committed(cl, "f")  # 12 messages in 9 requests, round-robin over 2 partitions
+    assert sorted(counts) == [0, 1] and sum(counts.values()) == 12 and min(counts.values()) >= 4
+    status, stats = http_json("GET", f"{base}/stats?format=json")
+    assert (stats["cluster"]["forwarded"], stats["cluster"]["forward_failed"]) == (9, 0)
+
+
+async def test_a_publish_naming_a_partition_led_elsewhere_names_its_leader(cl):
+    leaders = cl.leaders("f")
+    conn = await connect(cl.spare.tcp_address)
+    try:
+        with pytest.raises(NSQError) as e:
+            await conn.command(c.cmd_pub("f", b"x", partition=1))
+        assert str(e.value).startswith("E_FAILED_ON_NOT_LEADER")
+        assert f"partition 1 is led by {leaders[1]}" in str(e.value)
+        assert await conn.command(c.cmd_pub("f", b"after")) == b"OK"  # not fatal
+    finally:
+        await conn.close()
+    status, body = post(f"http://{cl.spare.http_address}/pub?topic=f&partition=0", b"x")
+    assert (status, body) == (400, {"message": "E_FAILED_ON_NOT_LEADER", "leader": leaders[0]})
+
+
+async def test_publishes_through_a_node_go_on_when_a_leader_is_killed(cl):
+    """The leader of partition 0 is SIGKILLed: publishes to the node that leads nothing
+    keep being answered OK (the dead leader's connection fails before anything is sent,
+    so the request goes to the other partition's leader), each within a few seconds.
+    (Runs last: the module's cluster keeps one node down.)"""
+    leaders = cl.leaders("f")
+    before = committed(cl, "f")
+    cl.nsqd_at(leaders[0]).kill()
+    conn = await connect(cl.spare.tcp_address)
+    slowest = 0.0
+    try:
+        for i in range(40):
+            began = asyncio.get_running_loop().time()
+            assert await conn.command(c.cmd_pub("f", b"k-%d" % i)) == b"OK"
+            slowest = max(slowest, asyncio.get_running_loop().time() - began)
+    finally:
+        await conn.close()
+    assert slowest < 5, slowest
+    assert committed(cl, "f")[1] - before[1] == 40  # the dead leader wrote none of them
+    print(f"\nslowest forwarded PUB while a leader was down: {slowest * 1000:.0f} ms")
