@@ -417,3 +417,17 @@ def test_cluster_moves_leader_drains_and_balances(env):
     for path in (f"/api/nodes/{nsqd}/drain", "/api/cluster/balance"):
         status, out, _ = classic.post(path)
         assert (status, out["message"]) == (400, "NOT_A_CLUSTER"), path
+
+
+def test_version():
+    import platform
+    import subprocess
+    import sys
+
+    from servers import ROOT
+    python = ".".join(platform.python_version_tuple()[:2])
+    for flag in ("--version", "-version"):
+        r = subprocess.run([sys.executable, "-m", "nsqadmin", flag], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        assert (r.returncode, r.stdout) == (
+            0, f"nsqadmin v1.3.0 (durable-nsq 0.1.0, python {python})\n"), r.stderr
