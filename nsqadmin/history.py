@@ -96,9 +96,14 @@ class History:
         return out
 
     def rate(self, key: tuple) -> float:
-        """The latest rate (per second), 0 without two samples."""
-        r = self.rates(key)
-        return r[-1] if r else 0.0
+        """The latest of rates(key) (0 without two samples), from the last two samples only."""
+        if key in self.parts:
+            return sum(self.rate(part) for part in self.parts[key])
+        s = self.series.get(key)
+        if not s or len(s) < 2:
+            return 0.0
+        dt = self.times[-1] - self.times[-2]
+        return max(0, s[-1][0] - s[-2][0]) / dt if dt > 0 else 0.0
 
     def depths(self, key: tuple) -> list[int]:
         s = self.series.get(key)
