@@ -186,7 +186,7 @@ def main() -> None:
         "channel": lambda: pages.channel_page(views.channel_view(source, topic, channel), ctx),
         "node": lambda: pages.node_page(views.node_view(source, node), ctx),
         "trace": lambda: pages.trace_page(trace_answer(views.TRACE_BODIES),
-                                          {"topic": topic}, ""),
+                                          {"topic": topic}, "", ctx),
     }
     report.section(f"render: views + pages + layout, {repeat} times a page")
     worst = 0.0

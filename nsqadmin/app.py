@@ -21,7 +21,9 @@ from .actions import ActionError
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 FLASH_COOKIE = "nsqadmin_flash"
 FRAGMENT_HEADER = "X-Nsqadmin-Fragment"
-OPEN_PATHS = ("/login", "/api/login", "/api/csrf", "/ping")
+OPEN_PATHS = ("/login", "/api/login", "/api/csrf", "/ping", "/favicon.ico")
+STATIC_TYPES = {"admin.css": "text/css", "admin.js": "text/javascript",
+                "favicon.svg": "image/svg+xml"}
 
 
 def _is_api(request) -> bool:
@@ -151,16 +153,17 @@ async def node(request):
 
 
 async def trace(request):
-    raw = dict(request.query)
+    raw, ctx = dict(request.query), _ctx(request)
     if not any(raw.get(k) for k in ("msg_id", "trace_id", "topic")):
         error = "give a message id, a trace id, or a topic" if raw else ""
-        return html_page(request, pages.trace_page(None, raw, error), 400 if raw else 200,
+        return html_page(request, pages.trace_page(None, raw, error, ctx), 400 if raw else 200,
                          refresh=False)
     try:
         status, v = await views.trace_view(_source(request), raw)
     except views.BadQuery as e:
-        return html_page(request, pages.trace_page(None, raw, str(e)), 400, refresh=False)
-    return html_page(request, pages.trace_page(v, raw, ""), status, refresh=False)
+        return html_page(request, pages.trace_page(None, raw, str(e), ctx), 400,
+                         refresh=False)
+    return html_page(request, pages.trace_page(v, raw, "", ctx), status, refresh=False)
 
 
 async def login_form(request):
@@ -238,15 +241,21 @@ async def node_act(request):
 
 
 async def balance(request):
-    _after(request, await actions.balance_now(_source(request)), "/")
+    _after(request, await actions.balance_now(_source(request)), "/cluster")
 
 
 async def static(request):
     name = request.match_info["name"]
-    if name not in ("admin.css", "admin.js"):
+    if name not in STATIC_TYPES:
         raise web.HTTPNotFound()
-    return web.FileResponse(os.path.join(STATIC, name),
-                            headers={"Cache-Control": "max-age=300"})
+    return web.FileResponse(os.path.join(STATIC, name), headers={
+        "Cache-Control": "max-age=300", "Content-Type": STATIC_TYPES[name]})
+
+
+async def favicon(request):
+    """The icon browsers ask for on their own: the page's SVG icon (no 404 in their logs)."""
+    return web.FileResponse(os.path.join(STATIC, "favicon.svg"), headers={
+        "Cache-Control": "max-age=86400", "Content-Type": "image/svg+xml"})
 
 
 async def ping(request):
@@ -256,9 +265,11 @@ async def ping(request):
 def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:
     app = web.Application(middlewares=[timing, guard], client_max_size=64 * 1024)
     app["source"], app["auth"], app["refresh_s"] = source, a, refresh_s
-    app.router.add_get("/", cluster)
+    app.router.add_get("/", topics)  # the front page is the topic list, as Go nsqadmin's
+    app.router.add_get("/cluster", cluster)
     app.router.add_get("/ping", ping)
     app.router.add_get("/static/{name}", static)
+    app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/topics", topics)
     app.router.add_post("/topics", topic_create)
     app.router.add_get("/topics/{topic}", topic)

@@ -1,6 +1,6 @@
 """The `nsqadmin` console script: parse flags, poll and serve until SIGTERM/SIGINT, exit 0.
 
-Exit codes: 0 after a clean stop; 1 when the port cannot be bound or the password file
+Exit codes: 0 after a clean stop (and after `--version`); 1 when the port cannot be bound or the password file
 cannot be read (one line); 2 for bad flags (argparse's one line)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import structlog
 from aiohttp import web
@@ -19,6 +20,17 @@ from .options import from_args, split_address
 from .source import Source
 
 log = structlog.get_logger("nsqadmin")
+VERSION = "1.3.0"  # the Go nsqadmin whose pages and /api/ this one stands in for
+
+
+def version_line() -> str:
+    """What `nsqadmin --version` prints, shaped as nsqd's and nsqlookupd's line."""
+    try:
+        ours = version("durable-nsq")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return (f"nsqadmin v{VERSION} (durable-nsq {ours}, python "
+            f"{sys.version_info.major}.{sys.version_info.minor})")
 
 
 class StartError(Exception):
@@ -67,7 +79,7 @@ async def serve(options) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = from_args(sys.argv[1:] if argv is None else argv)
+    options = from_args(sys.argv[1:] if argv is None else argv, version_line())
     configure_logs(options.log_level)
     try:
         asyncio.run(serve(options))

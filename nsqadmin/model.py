@@ -6,11 +6,21 @@ views.py and pages.py read. A Snapshot is never changed after build().
 Where a number comes from:
 - a partition's leader, ISR and epoch: the leading node's `cluster.replication.leading`;
   its catch-up list: the nodes that follow the partition (`following`) outside the ISR;
-- a partition's `messages`: its leader's `committed_count` (what the log holds, counted
-  from the start of its history); its `depth`: the largest depth of its channels (the
-  backlog of the slowest channel), or the topic partition's own depth without channels;
-- a channel's numbers: the sum over the nodes that serve its partitions (each nsqd
-  reports only the partitions it leads, so nothing is counted twice).
+- a partition's `messages`: its leader's `committed_count`, the messages committed to
+  its log since the partition was made; a position in the replicated log, so every
+  replica reports the same count and it does not restart when the leader changes; its
+  `depth`: the largest depth of its channels (the backlog of the slowest channel), or the
+  topic partition's own depth without channels;
+- a channel's `confirmed_count`: the sum over its partitions of the cursor's
+  `confirmed_count` (the messages of the partition's history before the channel's first
+  unfinished one), which the channel's checkpoint carries to the followers: it survives a
+  leader change as the partition's count does (a replay moves it back);
+- the other channel numbers: the sum over the nodes that serve its partitions.
+
+In cluster mode a partition is counted once: when two nodes report leading it (a leader
+change between the two /stats reads of one poll), the one with the higher epoch is kept
+and so are only its channel numbers. In the classic modes each nsqd's partition is a log
+of its own, and every one counts.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ class ChannelPart:
     paused: bool
     ordered: bool
     confirmed: int
+    confirmed_count: int
     next_read: int
 
 
@@ -87,7 +98,7 @@ class Channel:
     delayed: int = 0
     requeued: int = 0
     timed_out: int = 0
-    messages: int = 0
+    confirmed_count: int = 0
     paused: bool = False
     ordered: bool = False
     traced: bool = False
@@ -200,28 +211,47 @@ def _add_channel(topic: Topic, node: Node, c: dict, trace: dict) -> None:
     if ch is None:
         ch = topic.channels[name] = Channel(topic=topic.name, name=name)
     ch.traced = ch.traced or _traced(trace, topic.name) or _traced(trace, topic.name, name)
-    ch.messages += _int(c.get("message_count"))
     ch.clients += [{**cl, "node": node.http} for cl in c.get("clients") or ()]
     parts = c.get("partitions")
     if parts is None:  # a node without partitions in its stats: one row for the whole
         parts = [{"partition": 0, **c}]
     for p in parts:
-        cp = ChannelPart(
+        ch.parts.append(ChannelPart(
             partition=_int(p.get("partition")), node=node.http, depth=_int(p.get("depth")),
             in_flight=_int(p.get("in_flight_count")), deferred=_int(p.get("deferred_count")),
             delayed=_int(p.get("delayed_count")), requeued=_int(p.get("requeue_count")),
             timed_out=_int(p.get("timeout_count")), paused=bool(p.get("paused")),
             ordered=bool(p.get("ordered")), confirmed=_int(p.get("confirmed")),
-            next_read=_int(p.get("next_read")))
-        ch.parts.append(cp)
+            confirmed_count=_int(p.get("confirmed_count")),
+            next_read=_int(p.get("next_read"))))
+
+
+def _sum_channel(ch: Channel) -> None:
+    """The channel's numbers from its parts (after a partition claimed twice is dropped)."""
+    for cp in ch.parts:
         ch.depth += cp.depth
         ch.in_flight += cp.in_flight
         ch.deferred += cp.deferred
         ch.delayed += cp.delayed
         ch.requeued += cp.requeued
         ch.timed_out += cp.timed_out
+        ch.confirmed_count += cp.confirmed_count
         ch.paused = ch.paused or cp.paused
         ch.ordered = ch.ordered or cp.ordered
+
+
+def _one_leader_each(topic: Topic) -> None:
+    """Cluster mode: one Partition per number, the claim with the higher epoch (the newer
+    leader), and only the kept leaders' channel parts."""
+    kept: dict[int, Partition] = {}
+    for p in topic.partitions:
+        old = kept.get(p.number)
+        if old is None or (p.epoch or 0) > (old.epoch or 0):
+            kept[p.number] = p
+    topic.partitions = list(kept.values())
+    for ch in topic.channels.values():
+        ch.parts = [cp for cp in ch.parts
+                    if cp.partition not in kept or kept[cp.partition].leader == cp.node]
 
 
 def _add_topic(topics: dict[str, Topic], node: Node, t: dict, leading: dict,
@@ -252,7 +282,7 @@ def _add_topic(topics: dict[str, Topic], node: Node, t: dict, leading: dict,
             isr=isr, catchup=[f for f in following.get((name, n), ()) if f not in isr],
             epoch=repl.get("epoch"), writable=repl.get("writable"),
             reason=repl.get("reason") or "",
-            messages=_int(p.get("committed_count")) - _int(p.get("start_count")),
+            messages=_int(p.get("committed_count")),
             size_bytes=_int(p.get("committed_offset")) - _int(p.get("start_offset")),
             depth=_int(p.get("depth")), channels=list(p.get("channels") or ()),
             error=p.get("error") or ""))
@@ -286,10 +316,13 @@ def build(mode: str, taken_at: float, lookupds: list[dict], producers: list[dict
     for name in lookupd_topics:
         topics.setdefault(name, Topic(name=name))
     for topic in topics.values():
+        if mode == "cluster":
+            _one_leader_each(topic)
         topic.partitions.sort(key=lambda p: (p.number, p.leader))
         by_number: dict[int, list[ChannelPart]] = {}
         for ch in topic.channels.values():
             ch.parts.sort(key=lambda cp: (cp.partition, cp.node))
+            _sum_channel(ch)
             for cp in ch.parts:
                 by_number.setdefault(cp.partition, []).append(cp)
         for p in topic.partitions:

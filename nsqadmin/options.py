@@ -62,9 +62,12 @@ def _addresses(values) -> list[str]:
     return [_address(a.strip()) for v in values or () for a in v.split(",") if a.strip()]
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(version: str) -> argparse.ArgumentParser:
+    """The flags; `version` is what `--version` prints (main.version_line)."""
     p = argparse.ArgumentParser(prog="nsqadmin", allow_abbrev=False,
                                 description="web UI and JSON API for the cluster")
+    p.add_argument("--version", action="version", version=version,
+                   help="print the version and exit")
     p.add_argument("--http-address", type=_address, default="0.0.0.0:4171",
                    help='<addr>:<port> to listen on for HTTP clients (default "0.0.0.0:4171")')
     p.add_argument("--lookupd-http-address", action="append",
@@ -95,9 +98,10 @@ def go_style(argv: list[str]) -> list[str]:
     return ["-" + a if re.match(r"-[a-z][a-z-]+", a) else a for a in argv]
 
 
-def from_args(argv: list[str]) -> Options:
-    """Options from the command line; argparse exits 2 with one line on a bad flag."""
-    p = parser()
+def from_args(argv: list[str], version: str) -> Options:
+    """Options from the command line; argparse exits 2 with one line on a bad flag (0 after
+    printing `version` for --version)."""
+    p = parser(version)
     ns = p.parse_args(go_style(argv))
     try:
         lookupds, nsqds = _addresses(ns.lookupd_http_address), _addresses(ns.nsqd_http_address)

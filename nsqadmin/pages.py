@@ -31,6 +31,11 @@ def num(v) -> str:
     return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else esc(str(v))
 
 
+def count(n: int, noun: str) -> str:
+    """`1 message`, `0 messages`, `1,234 messages`: a number and its noun, singular for 1."""
+    return f"{num(n)} {esc(noun) if n == 1 else esc(noun) + 's'}"
+
+
 def yes(v) -> str:
     return "yes" if v else "no" if v is not None else "?"
 
@@ -80,10 +85,11 @@ def layout(title: str, main: str, ctx: dict) -> str:
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<title>{esc(title)} · nsqadmin</title>'
+            f'<link rel="icon" href="/static/favicon.svg" type="image/svg+xml">'
             f'<link rel="stylesheet" href="/static/admin.css"></head>'
             f'<body data-refresh="{ctx.get("refresh", 0)}"><header><nav>'
-            f'<a class="brand" href="/">nsqadmin</a><a href="/">cluster</a>'
-            f'<a href="/topics">topics</a><a href="/trace">trace</a>{who}</nav></header>'
+            f'<a class="brand" href="/">nsqadmin</a><a href="/">topics</a>'
+            f'<a href="/cluster">cluster</a><a href="/trace">trace</a>{who}</nav></header>'
             f'{flash_html}<main id="main">{main}</main>'
             f'<script src="/static/admin.js"></script></body></html>')
 
@@ -140,7 +146,7 @@ def cluster_page(v: dict, ctx: dict) -> tuple[str, str]:
     if v["problems"]:
         out.append("<h2>Problems</h2><ul class=\"problems\">" +
                    "".join(f"<li>{esc(p)}</li>" for p in v["problems"]) + "</ul>")
-    out.append(f'<p class="age">{v["topics"]} topics · last poll took '
+    out.append(f'<p class="age">{count(v["topics"], "topic")} · last poll took '
                f'{v["poll_seconds"]:g} s</p>')
     return "Cluster", "".join(out)
 
@@ -159,9 +165,12 @@ def topics_page(v: dict, ctx: dict) -> tuple[str, str]:
         '<input name="partitions" placeholder="partitions" inputmode="numeric" size="6">'
         + ('<input name="replicas" placeholder="replicas" inputmode="numeric" size="6">'
            if v["mode"] == "cluster" else "")))
-    return "Topics", (f"<h1>Topics</h1>{_age(v)}{create}" + table(
+    problems = (f'<p class="bad" id="problems"><a href="/cluster">'
+                f'{count(len(v["problems"]), "problem")}</a> in the cluster</p>'
+                if v["problems"] else "")
+    return "Topics", (f"<h1>Topics</h1>{_age(v)}{problems}" + table(
         ["topic", "partitions", "channels", "messages", "depth", "msgs/s", "nodes"], rows,
-        cls="topics", empty="no topics"))
+        cls="topics", empty="no topics") + create)
 
 
 def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
@@ -182,37 +191,40 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
                                                       "channels and messages?")])
     prow = []
     for p in v["partitions"]:
-        isr = ", ".join(node_link(h, i) if h else esc(i)
-                        for i, h in zip(p["isr"], p["isr_http"])) or "—"
-        prow.append([num(p["number"]), node_link(p["leader"], p["leader_id"] or p["leader"]),
-                     isr, esc(", ".join(p["catchup"])) or "—",
-                     num(p["epoch"]) if p["epoch"] is not None else "—",
-                     ("—" if p["writable"] is None else yes(p["writable"]))
-                     + (f' <small>{esc(p["reason"])}</small>' if p["reason"] else ""),
-                     num(p["messages"]), num(p["depth"]), num(p["rate"]),
-                     sparkline(p["rates"], f"partition {p['number']} messages/s", 80, 18),
-                     sparkline([float(d) for d in p["depths"]],
-                               f"partition {p['number']} depth", 80, 18),
-                     f'<span class="bad">{esc(p["error"])}</span>' if p["error"] else "",
-                     _move_leader_form(base, p, ctx) if v["mode"] == "cluster" else ""])
-    parts = table(["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
-                   "depth", "msgs/s", "msgs/s chart", "depth chart", "error", "move leader"],
-                  prow,
-                  cls="partitions", empty=v["partitions_note"] or "no partitions")
+        isr = "<br>".join(node_link(h, i) if h else esc(i)
+                          for i, h in zip(p["isr"], p["isr_http"])) or "—"
+        row = [num(p["number"]), node_link(p["leader"], p["leader_id"] or p["leader"]),
+               isr, "<br>".join(esc(i) for i in p["catchup"]) or "—",
+               num(p["epoch"]) if p["epoch"] is not None else "—",
+               ("—" if p["writable"] is None else yes(p["writable"]))
+               + (f'<br><small>{esc(p["reason"])}</small>' if p["reason"] else "")
+               + (f'<br><span class="bad">{esc(p["error"])}</span>' if p["error"] else ""),
+               num(p["messages"]),
+               f'{num(p["depth"])} ' + sparkline([float(d) for d in p["depths"]],
+                                                 f"partition {p['number']} depth", 80, 18),
+               f'{num(p["rate"])} ' + sparkline(p["rates"],
+                                                f"partition {p['number']} messages/s", 80, 18)]
+        if v["mode"] == "cluster":
+            row.append(_move_leader_form(base, p, ctx))
+        prow.append(row)
+    heads = ["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
+             "depth", "msgs/s"] + (["move leader"] if v["mode"] == "cluster" else [])
+    parts = table(heads, prow, cls="partitions",
+                  empty=v["partitions_note"] or "no partitions")
     note = f'<p class="note" id="replication-note">{esc(v["replication_note"])}</p>' \
         if v["replication_note"] else ""
     crow = [[f'<a href="{base}/{u(c["name"])}">{esc(c["name"])}</a> {_flags(c)}',
              num(c["depth"]), num(c["in_flight"]), num(c["deferred"]), num(c["delayed"]),
-             num(c["requeued"]), num(c["timed_out"]), num(c["messages"]), num(c["clients"])]
-            for c in v["channels"]]
+             num(c["requeued"]), num(c["timed_out"]), num(c["confirmed_count"]),
+             num(c["rate"]), num(c["clients"])] for c in v["channels"]]
     chans = table(["channel", "depth", "in flight", "deferred", "delayed", "requeued",
-                   "timed out", "messages", "clients"], crow, cls="channels",
+                   "timed out", "confirmed", "confirmed/s", "clients"], crow, cls="channels",
                   empty="no channels")
     add = form(f"{base}/channel_create", "create channel", ctx,
                fields='<input name="channel" placeholder="channel name" required>')
     return f"Topic {name}", (
         f'<h1>Topic <span class="name">{esc(name)}</span> {_flags(v)}</h1>{_age(v)}'
-        f'<p>{num(v["partition_num"])} partitions · {num(v["messages"])} messages · depth '
+        f'<p>{count(v["partition_num"], "partition")} · {count(v["messages"], "message")} · depth '
         f'{num(v["depth"])}</p>{charts}<div class="actions">{acts}</div>'
         f'<h2>Partitions</h2>{note}{parts}<h2>Channels</h2>{chans}{add}')
 
@@ -225,7 +237,7 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
                         ("depth", "depth"), ("in flight", "in_flight"),
                         ("deferred", "deferred"), ("delayed", "delayed"),
                         ("requeued", "requeued"), ("timed out", "timed_out"),
-                        ("messages", "messages"), ("msgs/s", "rate")))
+                        ("confirmed", "confirmed_count"), ("confirmed/s", "rate")))
     acts = "".join([
         form(f"{base}/unpause" if v["paused"] else f"{base}/pause",
              "unpause" if v["paused"] else "pause", ctx),
@@ -236,8 +248,8 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
         form(f"{base}/delete", "delete", ctx, confirm=f"Delete channel {name}?"),
         form(f"{base}/setoffset", "replay from", ctx,
              confirm=f"Move channel {name} to this time? Messages from there are delivered "
-                     "again.", fields='<input name="time" placeholder="-1h, 2026-11-26T10:00'
-                                      ' or unix s" required>')])
+                     "again.", fields='<input name="time" class="when" required '
+                                      'placeholder="-1h, 2026-11-26T10:00 or unix s">')])
     now = time.time()
     crow = [[esc(c.get("hostname", "")) + f' <small>{esc(c.get("remote_address", ""))}</small>',
              esc(c.get("user_agent", "")), node_link(c.get("node", "")),
@@ -250,17 +262,20 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
                     empty="no clients connected")
     prow = [[num(p["partition"]), node_link(p["node"]), num(p["depth"]), num(p["in_flight"]),
              num(p["deferred"]), num(p["delayed"]), num(p["requeued"]), num(p["timed_out"]),
-             yes(p["paused"]), yes(p["ordered"]), num(p["confirmed"]), num(p["next_read"])]
-            for p in v["partitions"]]
+             yes(p["paused"]), yes(p["ordered"]), num(p["confirmed_count"]),
+             num(p["confirmed"]), num(p["next_read"])] for p in v["partitions"]]
     parts = table(["partition", "node", "depth", "in flight", "deferred", "delayed",
-                   "requeued", "timed out", "paused", "ordered", "confirmed", "next read"],
+                   "requeued", "timed out", "paused", "ordered", "confirmed",
+                   "confirmed offset", "next read offset"],
                   prow, cls="channel-partitions")
     return f"Channel {topic}/{name}", (
         f'<h1><a href="/topics/{u(topic)}">{esc(topic)}</a> / <span class="name">'
         f'{esc(name)}</span> {_flags(v)}</h1>{_age(v)}<p>ordered: <b id="ordered">'
         f'{yes(v["ordered"])}</b> · paused: <b id="paused">{yes(v["paused"])}</b></p>'
         f'<div class="stats">{stats}</div>'
-        f'<div class="charts"><figure>{sparkline([float(d) for d in v["depths"]], "depth")}'
+        f'<div class="charts"><figure>{sparkline(v["rates"], "confirmed/s")}'
+        f'<figcaption>confirmed/s</figcaption></figure><figure>'
+        f'{sparkline([float(d) for d in v["depths"]], "depth")}'
         f'<figcaption>depth</figcaption></figure></div><div class="actions">{acts}</div>'
         f'<h2>Clients</h2>{clients}<h2>Partitions</h2>{parts}')
 
@@ -355,7 +370,17 @@ def _search_form(q: dict) -> str:
             + '<button type="submit">search</button></form>')
 
 
-def trace_page(v: dict | None, raw: dict, error: str) -> tuple[str, str]:
+def _tracing_off(v: dict, ctx: dict) -> str:
+    """Why a topic search finds nothing new: tracing is off for it, and the switch."""
+    topic = v["query"]["topic"]
+    return (f'<div class="note" id="tracing-off"><p>tracing is off for topic '
+            f'<b>{esc(topic)}</b>: its messages are recorded only while tracing is on, so a '
+            f'search finds none published while it is off. Turn it on here, or on the topic '
+            f'page (the "tracing on" button).</p>'
+            + form(f"/topics/{u(topic)}/trace_on", "tracing on", ctx) + "</div>")
+
+
+def trace_page(v: dict | None, raw: dict, error: str, ctx: dict) -> tuple[str, str]:
     out = ["<h1>Trace search</h1>", _search_form(raw)]
     if error:
         out.append(f'<p class="error" id="search-error">{esc(error)}</p>')
@@ -365,9 +390,11 @@ def trace_page(v: dict | None, raw: dict, error: str) -> tuple[str, str]:
         out.append(f'<p class="error" id="search-error">{esc(v["message"])}'
                    f'{": " + esc(v["detail"]) if v["detail"] else ""}</p>')
     else:
-        out.append(f'<p id="search-count">{num(v["count"])} events, '
-                   f'{len(v["messages"])} messages · nodes asked: '
+        out.append(f'<p id="search-count">{count(v["count"], "event")}, '
+                   f'{count(len(v["messages"]), "message")} · nodes asked: '
                    f'{esc(", ".join(v["nodes"]))}</p>')
+    if v.get("traced") is False:
+        out.append(_tracing_off(v, ctx))
     if v["unreachable"]:
         out.append(f'<p class="bad">unreachable: {esc(", ".join(v["unreachable"]))}</p>')
     for m in v["messages"]:
@@ -408,4 +435,4 @@ def login_page(ctx: dict, next_url: str, error: str = "") -> tuple[str, str]:
 def error_page(status: int, code: str, detail: str) -> tuple[str, str]:
     return f"{status} {code}", (f'<h1 class="error-title">{status} {esc(code)}</h1>'
                                 f'<p id="error-detail">{esc(detail)}</p>'
-                                f'<p><a href="/">back to the cluster</a></p>')
+                                f'<p><a href="/">back to the topics</a></p>')

@@ -13,6 +13,7 @@ import re
 import string
 import time
 
+from .history import channel_key, partition_key, topic_key
 from .model import Snapshot
 from .times import BadTime, parse_time
 
@@ -83,10 +84,10 @@ def cluster_view(source) -> dict:
 
 def topics_view(source) -> dict:
     snap, hist = source.snapshot, source.history
-    return {"mode": snap.mode, "age_s": _age(snap), "topics": [
+    return {"mode": snap.mode, "age_s": _age(snap), "problems": snap.problems, "topics": [
         {"name": t.name, "partitions": t.partition_num or len(t.partitions),
          "channels": len(t.channels), "messages": t.messages, "depth": t.depth,
-         "rate": round(hist.rate(("t", t.name)), 2), "paused": t.paused,
+         "rate": round(hist.rate(topic_key(t.name)), 2), "paused": t.paused,
          "ordered": t.ordered, "traced": t.traced, "nodes": len(t.nodes)}
         for t in snap.topics.values()]}
 
@@ -104,23 +105,23 @@ def topic_view(source, name: str) -> dict:
     ids = snap.node_by_id
     partitions = []
     for p in t.partitions:
-        key = ("p", t.name, p.number, p.leader)
+        key = partition_key(t.name, p.number, p.leader)
         partitions.append({
             **vars(p), "rate": round(hist.rate(key), 2),
             "isr_http": [ids[i].http if i in ids else "" for i in p.isr],
             "rates": [round(r, 2) for r in hist.rates(key)], "depths": hist.depths(key)})
     channels = [{"name": c.name, "depth": c.depth, "in_flight": c.in_flight,
                  "deferred": c.deferred, "delayed": c.delayed, "requeued": c.requeued,
-                 "timed_out": c.timed_out, "messages": c.messages, "clients": len(c.clients),
-                 "paused": c.paused, "ordered": c.ordered, "traced": c.traced,
-                 "rate": round(hist.rate(("c", t.name, c.name)), 2)}
+                 "timed_out": c.timed_out, "confirmed_count": c.confirmed_count,
+                 "clients": len(c.clients), "paused": c.paused, "ordered": c.ordered,
+                 "traced": c.traced, "rate": round(hist.rate(channel_key(t.name, c.name)), 2)}
                 for c in t.channels.values()]
     return {"mode": snap.mode, "age_s": _age(snap), "name": t.name,
             "partition_num": t.partition_num, "ordered": t.ordered, "paused": t.paused,
             "traced": t.traced, "messages": t.messages, "depth": t.depth,
-            "rate": round(hist.rate(("t", t.name)), 2), "nodes": t.nodes,
-            "rates": [round(r, 2) for r in hist.rates(("t", t.name))],
-            "depths": hist.depths(("t", t.name)), "partitions": partitions,
+            "rate": round(hist.rate(topic_key(t.name)), 2), "nodes": t.nodes,
+            "rates": [round(r, 2) for r in hist.rates(topic_key(t.name))],
+            "depths": hist.depths(topic_key(t.name)), "partitions": partitions,
             "channels": channels, "replication_note": REPLICATION_NOTE.get(snap.mode, ""),
             "partitions_note": "" if t.partitions else
             "no node reports a partition of this topic it leads (no nsqd holds it yet, "
@@ -140,10 +141,11 @@ def channel_view(source, topic: str, channel: str) -> dict:
     return {"mode": snap.mode, "age_s": _age(snap), "topic": t.name, "name": c.name,
             "depth": c.depth, "in_flight": c.in_flight, "deferred": c.deferred,
             "delayed": c.delayed, "requeued": c.requeued, "timed_out": c.timed_out,
-            "messages": c.messages, "paused": c.paused, "ordered": c.ordered,
+            "confirmed_count": c.confirmed_count, "paused": c.paused, "ordered": c.ordered,
             "traced": c.traced, "topic_traced": t.traced,
-            "rate": round(hist.rate(("c", t.name, c.name)), 2),
-            "depths": hist.depths(("c", t.name, c.name)),
+            "rate": round(hist.rate(channel_key(t.name, c.name)), 2),
+            "rates": [round(r, 2) for r in hist.rates(channel_key(t.name, c.name))],
+            "depths": hist.depths(channel_key(t.name, c.name)),
             "clients": clients, "partitions": [dict(vars(cp)) for cp in c.parts]}
 
 
@@ -210,12 +212,23 @@ def trace_query(params: dict, now: float) -> dict:
     return q
 
 
+def _traced_now(snap: Snapshot, q: dict) -> bool | None:
+    """Whether the searched topic (or its channel) is traced now: None when the search
+    names no topic the cluster has (by id, or an unknown topic)."""
+    t = snap.topics.get(q.get("topic", ""))
+    if t is None:
+        return None
+    c = t.channels.get(q.get("channel", ""))
+    return t.traced or (c is not None and c.traced)
+
+
 async def trace_view(source, params: dict) -> tuple[int, dict]:
     """(status, answer) of a search: the nodes' timelines, each with its body."""
     q = trace_query(params, time.time())
     status, body = await source.trace_search(q)
     out = {"query": q, "status": status, "messages": [], "other": [], "count": 0,
-           "nodes": [], "unreachable": [], "message": "", "detail": ""}
+           "nodes": [], "unreachable": [], "message": "", "detail": "",
+           "traced": _traced_now(source.snapshot, q)}
     if status != 200:
         out["message"] = body.get("message", "") if isinstance(body, dict) else str(body)
         out["detail"] = body.get("detail", "") if isinstance(body, dict) else ""

@@ -347,7 +347,7 @@ def test_model_catchup_depth_and_load():
                                              "node_load_factor": 2.5}]}, "")
     [p] = snap.topics["t"].partitions
     assert (p.leader, p.isr, p.catchup, p.epoch) == ("10.0.0.1:4151", [a, b], [c], 4)
-    assert p.messages == 7 and p.depth == 7 and snap.topics["t"].depth == 7
+    assert p.messages == 9 and p.depth == 7 and snap.topics["t"].depth == 7  # committed
     assert snap.topics["t"].channels["c"].ordered is True
     assert snap.topics["empty"].partitions == []  # known to the lookupd only
     assert snap.nodes["10.0.0.3:4151"].load["node_load_factor"] == 2.5
@@ -417,3 +417,112 @@ def test_cluster_moves_leader_drains_and_balances(env):
     for path in (f"/api/nodes/{nsqd}/drain", "/api/cluster/balance"):
         status, out, _ = classic.post(path)
         assert (status, out["message"]) == (400, "NOT_A_CLUSTER"), path
+
+
+def test_counts_survive_a_leader_move(env):
+    """Issue 29: a channel's count fell after leader moves (the leader's own counter). Now
+    the topic's `messages` is the log's committed count and the channel's
+    `confirmed_count` its replicated cursor: both read the same from the new leader, and
+    nothing published gives a rate of 0 through the move (no spike)."""
+    c, api = env["cluster"], Client(env["open"].url)
+    assert api.post("/api/topics", {"topic": "counted", "partitions": 1,
+                                    "replicas": 2})[0] == 200
+    assert api.post("/api/topics/counted/channel_create", {"channel": "ch"})[0] == 200
+    p = until(lambda: (v := api.get("/api/topics/counted")[1]) and len(
+        v["partitions"][0]["isr"]) == 2 and v["partitions"][0], 15, "the ISR of 2")
+    leader = c.nsqd_at(p["leader_id"])
+    consumer = ThreadConsumer(leader.tcp_address, "counted", "ch").start()
+    try:
+        for i in range(8):
+            assert publish(leader.http_address, "/pub?topic=counted", b"a%d" % i) == 200
+        assert all(consumer.take(10) for _ in range(8))
+    finally:
+        consumer.stop()
+    for i in range(12):
+        assert publish(leader.http_address, "/pub?topic=counted", b"b%d" % i) == 200
+
+    def counts():
+        t, ch = api.get("/api/topics/counted")[1], api.get("/api/topics/counted/ch")[1]
+        return t["messages"], ch["confirmed_count"], t["partitions"][0]["leader_id"]
+    until(lambda: counts()[:2] == (20, 8), 10, "20 messages, 8 confirmed", detail=counts)
+    time.sleep(2)  # a checkpoint interval (1 s): the followers have the channel's cursor
+    to = next(i for i in p["isr"] if i != p["leader_id"])
+    until(lambda: api.post("/api/topics/counted/move_leader", {"partition": 0, "to": to})[0]
+          == 200, 15, "the leader moved")
+    until(lambda: counts() == (20, 8, to), 10, "the same counts from the new leader",
+          detail=counts)
+    deadline = time.monotonic() + 3  # six polls under the new leader: steady, no rate
+    while time.monotonic() < deadline:
+        t, ch = api.get("/api/topics/counted")[1], api.get("/api/topics/counted/ch")[1]
+        assert (t["rate"], ch["rate"]) == (0, 0), (t["rates"], ch["rates"])
+        if t["partitions"]:  # a poll may miss a node: then nothing is counted, never less
+            assert t["messages"] == 20 and t["partitions"][0]["messages"] == 20, t
+        if ch["partitions"]:
+            assert ch["confirmed_count"] == 8, ch
+        time.sleep(0.3)
+
+
+def test_a_leader_change_between_polls_makes_no_spike():
+    """Pure: a partition claimed by the old and the new leader in one poll is counted once
+    (the higher epoch); one missing from a poll, or under a new leader, gives no rate from
+    the jump of a total; a replay (the cursor moved back) gives 0, never a negative."""
+    from nsqadmin import model
+    from nsqadmin.history import History, channel_key, topic_key
+
+    def stats(node_id, epoch, committed, confirmed):
+        part = {"partition": 0, "leader": True, "committed_count": committed,
+                "start_count": 40}
+        chan = {"channel_name": "c", "message_count": committed - 90, "clients": [],
+                "partitions": [{"partition": 0, "depth": committed - confirmed,
+                                "confirmed_count": confirmed}]}
+        return {"topics": [{"topic_name": "t", "partition_num": 1, "channels": [chan],
+                            "partitions": [part]}],
+                "cluster": {"node_id": node_id, "replication": {
+                    "leading": {"t/0": {"epoch": epoch, "isr": ["a:1", "b:1"]}}}}}
+    polls = [{"a": stats("a:1", 2, 100, 30)},
+             {"a": stats("a:1", 2, 100, 30), "b": stats("b:1", 3, 100, 30)},  # both claim
+             {},  # neither answered as leader
+             {"b": stats("b:1", 3, 100, 30)},
+             {"b": stats("b:1", 3, 110, 35)},  # 10 published, 5 confirmed in 1 s
+             {"b": stats("b:1", 3, 110, 10)}]  # replayed from an earlier point
+    hist = History(60, 1)
+    seen = []
+    for i, s in enumerate(polls):
+        snap = model.build("cluster", float(i), [], [], ["t"], s, {}, {}, None, "")
+        hist.add(snap)
+        t = snap.topics["t"]
+        seen.append((t.messages, t.channels["c"].confirmed_count if t.channels else None))
+    assert seen == [(100, 30), (100, 30), (0, None), (100, 30), (110, 35), (110, 10)]
+    # the series start afresh when b's claim is the only one: no spike from 0 to 100
+    assert hist.rates(topic_key("t")) == [10.0, 0.0]
+    assert hist.rates(channel_key("t", "c")) == [5.0, 0.0]
+
+
+def test_version():
+    import platform
+    import subprocess
+    import sys
+
+    from servers import ROOT
+    python = ".".join(platform.python_version_tuple()[:2])
+    for flag in ("--version", "-version"):
+        r = subprocess.run([sys.executable, "-m", "nsqadmin", flag], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        assert (r.returncode, r.stdout) == (
+            0, f"nsqadmin v1.3.0 (durable-nsq 0.1.0, python {python})\n"), r.stderr
+
+
+def test_favicon_and_plurals(env):
+    from nsqadmin.pages import count, trace_page
+    status, body, headers = Client(env["open"].url).get("/favicon.ico")
+    assert status == 200 and headers["Content-Type"] == "image/svg+xml"
+    assert body.startswith("<svg")
+    assert [count(n, "message") for n in (0, 1, 2, 1234)] == [
+        "0 messages", "1 message", "2 messages", "1,234 messages"]
+    v = {"status": 200, "count": 1, "messages": [{"msg_id": "00", "events": []}],
+         "nodes": ["n:1"], "unreachable": [], "query": {"topic": "t"}, "traced": True}
+    _, html = trace_page(v, {}, "", {"csrf": "x"})
+    assert "1 event, 1 message ·" in html and 'id="tracing-off"' not in html
+    _, html = trace_page({**v, "count": 0, "messages": [], "traced": False}, {}, "",
+                         {"csrf": "x"})
+    assert "0 events, 0 messages" in html and 'action="/topics/t/trace_on"' in html

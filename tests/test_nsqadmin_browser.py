@@ -127,7 +127,7 @@ def test_every_page_with_real_data(env, page):
     until(lambda: api.get("/api/topics/shop")[1]["depth"] == 3, 10, "depth 3 in nsqadmin")
     time.sleep(1.2)  # a few samples for the sparklines
 
-    visit(env, page, base, "/", "cluster")
+    visit(env, page, base, "/cluster", "cluster")
     assert page.locator("main table tbody tr").count() >= 4  # 1 lookupd + 3 nodes
     assert "healthy" in text(page, "main")
     assert page.locator("#load-note").count() == 0 or \
@@ -144,7 +144,7 @@ def test_every_page_with_real_data(env, page):
         cells = rows.nth(i).locator("td")
         assert cells.nth(2).locator("a").count() == 2  # ISR: two members, linked
         assert int(cells.nth(4).inner_text()) >= 1  # epoch
-        assert cells.nth(7).inner_text() == "1"  # depth
+        assert cells.nth(7).inner_text().split() == ["1"]  # depth (and its chart)
     assert page.locator("svg.spark polyline").count() >= 2  # sparklines with samples
     assert "mail" in text(page, "table.channels")
 
@@ -163,7 +163,7 @@ def test_every_page_with_real_data(env, page):
 
     phone = env["browser"].new_page(viewport={"width": 390, "height": 844})
     for path, shot in (("/topics/shop", "topic-phone"), ("/topics/shop/mail", "channel-phone"),
-                       ("/", "cluster-phone")):
+                       ("/cluster", "cluster-phone"), ("/", "topics-phone")):
         visit(env, phone, base, path, shot)
         assert phone.evaluate("document.documentElement.scrollWidth") <= 390 + 1
     phone.close()
@@ -325,7 +325,7 @@ def test_single_nsqd_and_classic_lookupd(env, page):
     until(lambda: Client(base).get("/api/topics/solo/c")[0] == 200, 10,
           "nsqadmin sees the topic and its channel")
 
-    visit(env, page, base, "/", "single-cluster")
+    visit(env, page, base, "/cluster", "single-cluster")
     assert "no nsqlookupd" in text(page, "main")
     assert text(page, "#load-note").startswith("load reports not available")
     visit(env, page, base, "/topics/solo", "single-topic")
@@ -371,3 +371,66 @@ def test_login_for_actions(env, page):
     assert text(page, "#paused") == "yes"
     click(page, "log out", within="nav")
     assert page.locator("nav a", has_text="log in").count() == 1
+
+
+def no_overflow(pg, selector: str) -> bool:
+    """True when every `selector` element shows its whole content without scrolling."""
+    return pg.evaluate(f"[...document.querySelectorAll({selector!r})].every("
+                       "e => e.scrollWidth <= e.clientWidth + 1)")
+
+
+def test_what_a_new_user_sees_first_at_1280(env, page):
+    """Issue 29: the front page leads with the topics (depth, rate); at 1280 px (and 1400)
+    the partitions table fits without a horizontal scroll bar, the page body never
+    overflows, the replay input shows its whole placeholder; the icon is served; a trace
+    search on a topic with tracing off says so and offers the switch."""
+    c, base = env["cluster"], env["admin"].url
+    api = Client(base)
+    assert api.post("/api/topics", {"topic": "first", "partitions": 3, "replicas": 3})[0] == 200
+    assert api.post("/api/topics/first/channel_create", {"channel": "look"})[0] == 200
+    until(lambda: all(len(p["isr"]) == 3 for p in api.get("/api/topics/first")[1]["partitions"])
+          and len(api.get("/api/topics/first")[1]["partitions"]) == 3, 15, "three ISRs of 3")
+    leader = c.nsqd_at(c.leaders("first")[0])
+    assert publish(leader.http_address, "/pub?topic=first&partition=0", b"one") == 200
+    until(lambda: api.get("/api/topics/first")[1]["messages"] == 1, 10, "1 message")
+
+    visit(env, page, base, "/", "front")
+    assert text(page, "main h1") == "Topics"
+    row = page.locator("table.topics tr", has_text="first")
+    assert row.is_visible() and row.locator("td").nth(3).inner_text() == "1"  # messages
+    assert [h.inner_text() for h in page.locator("table.topics th").all()][4:6] == \
+        ["depth", "msgs/s"]
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+
+    visit(env, page, base, "/topics/first", "topic-1280")
+    assert "3 partitions · 1 message · depth" in text(page, "main")
+    assert page.locator("table.partitions select[name=to]").first.is_visible()
+    assert no_overflow(page, "table.partitions") and no_overflow(page, "div.scroll")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    page.set_viewport_size({"width": 1400, "height": 900})
+    assert no_overflow(page, "div.scroll")
+    page.set_viewport_size({"width": 1280, "height": 900})
+
+    visit(env, page, base, "/topics/first/look", "channel-1280")
+    fits = page.evaluate("""() => { const e = document.querySelector('input[name=time]');
+        const s = getComputedStyle(e), g = document.createElement('canvas').getContext('2d');
+        g.font = s.font; return g.measureText(e.placeholder).width
+            <= e.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight); }""")
+    assert fits, "the replay input cuts its placeholder"
+    assert no_overflow(page, "div.scroll")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+
+    assert page.request.get(base + "/favicon.ico").status == 200
+
+    page.goto(base + "/trace")
+    page.fill("input[name=topic]", "first")
+    page.fill("input[name=since]", "-5m")
+    page.locator("form.search button").click()
+    page.wait_for_load_state()
+    page.screenshot(path=os.path.join(env["shots"], "trace-tracing-off.png"), full_page=True)
+    assert text(page, "#search-count").startswith("0 events, 0 messages")
+    hint = page.locator("#tracing-off")
+    assert hint.is_visible() and "tracing is off for topic first" in hint.inner_text()
+    hint.locator("button", has_text="tracing on").click()
+    page.wait_for_load_state()
+    assert page.url.endswith("/topics/first") and page.locator("h1 .tag.traced").count() == 1
