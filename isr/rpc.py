@@ -13,7 +13,7 @@ that does not decode or a request that does not check is answered with one ERROR
 E_BAD_FRAME, then the connection is closed. PUSH and CHANNELS go to `host.follower_log`,
 FETCH, EPOCH_END and JOIN to `host.leader_log` (absent: E_NOT_REPLICA / E_NOT_LEADER);
 each answers with `(kind, header, payload)`. PUBLISH, a node's forwarded publish, goes to
-`host.publish_forwarded`. A PUSH whose FollowerLog is open goes to
+`host.publish_forwarded(frame, answer)` straight from `data_received`, as a PUSH does. A PUSH whose FollowerLog is open goes to
 `FollowerLog.push(frame, answer)` straight from `data_received` (no task, no future: the
 hot path; `answer` is called once with its answer). A handler that raises answers
 E_FAILED; the server never dies of a request. A handler runs to its end even if its
@@ -51,9 +51,10 @@ async def _arrival(lookup, topic: str, partition: int):
     return target
 
 
-def _push(follower, frame: Frame, answer) -> None:
+def _call(handler, frame: Frame, answer) -> None:
+    """`handler(frame, answer)`, which calls `answer` once; E_FAILED if it raises."""
     try:
-        follower.push(frame, answer)
+        handler(frame, answer)
     except Exception as e:  # noqa: BLE001 - a request never takes the server down
         log.warning("rpc_request_failed", kind=frame.kind.name, error=repr(e))
         answer(error(wire.E_FAILED, repr(e)))
@@ -118,7 +119,7 @@ class RpcServer:
             if follower is None:
                 answer(error(wire.E_NOT_REPLICA, f"no replica of {key[0]}/{key[1]}"))
             else:
-                _push(follower, frame, answer)
+                _call(follower.push, frame, answer)
 
     async def _dispatch(self, frame: Frame) -> Answer:
         h = frame.header
@@ -127,8 +128,6 @@ class RpcServer:
                 return Kind.OK, {}, b""
             if frame.kind is Kind.HELLO:
                 return error(wire.E_BAD_FRAME, "HELLO twice")
-            if frame.kind is Kind.PUBLISH:
-                return await self.host.publish_forwarded(h, frame.payload)
             if frame.kind in FOLLOWER_KINDS:
                 target = await _arrival(self.host.follower_log, h["topic"], h["partition"])
                 if target is None:
@@ -244,7 +243,11 @@ class _Connection(asyncio.Protocol):
             if follower is None or early is not None:  # in arrival order behind the others
                 self.server._wait_for_replica(key, frame, answer)
                 return True
-            _push(follower, frame, answer)
+            _call(follower.push, frame, answer)
+            return True
+        if frame.kind is Kind.PUBLISH:  # a forwarded publish: answered when written, no task
+            rid = frame.rid
+            _call(self.server.host.publish_forwarded, frame, lambda a: self._answer(rid, a))
             return True
         task = asyncio.ensure_future(self.server._dispatch(frame))
         self.server._handlers.add(task)

@@ -26,16 +26,12 @@ import asyncio
 import struct
 from typing import NamedTuple
 
-import structlog
-
 from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from isr.peer import PeerError, Peers
-from isr.wire import Frame, Kind
+from isr.wire import Kind
 
 from .errors import PartitionNotLed
-
-log = structlog.get_logger("nsqd.forward")
 
 FORWARD_TIMEOUT_S = 10.0  # beyond a leader's commit deadline: its own answer comes first
 RETRY_S = 0.05  # after NOT_LEADER or a failed send: the view may name the new leader
@@ -111,32 +107,46 @@ def decode(header: dict, payload: bytes) -> PublishRequest:
                           tuple(items[n:]) if with_exts else None)
 
 
-async def serve(nsqd, header: dict, payload: bytes) -> tuple[Kind, dict, bytes]:
+def serve(nsqd, header: dict, payload: bytes, answer) -> None:
     """The leader's side: write a forwarded request to the partition it names (Topic.publish,
-    as an HTTP publish is written), answer OK with what was written, or ERROR with the NSQ
-    error code a client would get here."""
+    as a TCP publish is written: no task, no future), then `answer((kind, header, payload))`
+    once: OK with what was written, or ERROR with the NSQ error code a client would get."""
     try:
         req = decode(header, payload)
     except (ValueError, KeyError, TypeError) as e:
-        return _error(E_FAILED, str(e))
+        answer(_error(E_FAILED, str(e)))
+        return
     topic = nsqd.topics.get(header["topic"])
     partition = header["partition"]
     if topic is None:
-        return _error(E_NOT_LEADER, f"partition {partition} is not led here")
+        answer(_error(E_NOT_LEADER, f"partition {partition} is not led here"))
+        return
+
+    def written(appended, exc) -> None:
+        if exc is not None:
+            answer(_refused(exc, partition))
+            return
+        if topic.trace is not None:
+            topic.trace.published(topic, appended, req.trace_id, req.trace_ids, header["source"])
+        topic.count_published(req.bodies)
+        answer((Kind.OK, {"first_id": appended.first_id, "count": appended.count,
+                          "offset": appended.offset, "end_offset": appended.end_offset}, b""))
+
     try:
-        appended = await topic.publish(req.bodies, partition, req.ext, trace_id=req.trace_id,
-                                       trace_ids=req.trace_ids, exts=req.exts,
-                                       source=header["source"])
-    except PartitionNotLed:
+        topic.publish(req.bodies, partition, req.ext, trace_id=req.trace_id,
+                      trace_ids=req.trace_ids, exts=req.exts, callback=written)
+    except Exception as e:  # refused at once: not led, not writable, a message too big
+        answer(_refused(e, partition))
+
+
+def _refused(e: Exception, partition: int) -> tuple[Kind, dict, bytes]:
+    if isinstance(e, PartitionNotLed):
         return _error(E_NOT_LEADER, f"partition {partition} is not led here")
-    except NotCommitted as e:
+    if isinstance(e, NotCommitted):
         return _error(E_UNKNOWN, str(e))
-    except NotWritable as e:
+    if isinstance(e, NotWritable):
         return _error(E_NOT_WRITABLE, str(e))
-    except Exception as e:  # a closed or failed log, a message too big for a record
-        return _error(E_FAILED, f"{type(e).__name__}: {e}")
-    return Kind.OK, {"first_id": appended.first_id, "count": appended.count,
-                     "offset": appended.offset, "end_offset": appended.end_offset}, b""
+    return _error(E_FAILED, f"{type(e).__name__}: {e}")  # a closed or failed log
 
 
 def _error(code: str, message: str) -> tuple[Kind, dict, bytes]:
@@ -144,13 +154,14 @@ def _error(code: str, message: str) -> tuple[Kind, dict, bytes]:
 
 
 class Forwarder:
-    """The sending side, one per node: `publish` picks the partition and its leader, sends,
-    and returns what the leader wrote or raises what the client is told."""
+    """The sending side, one per node: `send` picks the partition and its leader, sends, and
+    calls back with what the leader wrote or what the client is told."""
 
     def __init__(self, replication):
         self.replication = replication
         self.peers = Peers(replication)  # connections of their own (see the docstring)
         self._next: dict[str, int] = {}
+        self._connects: set[asyncio.Task] = set()
         self.stats = {"forwarded": 0, "forward_failed": 0}  # requests; in /stats' cluster
 
     def leader_of(self, topic: str, partition: int) -> str | None:
@@ -167,7 +178,7 @@ class Forwarder:
             e.leader = self.leader_of(topic, e.partition)
         return e
 
-    def _pick(self, topic: str) -> tuple[int, str] | None:
+    def pick(self, topic: str) -> tuple[int, str] | None:
         """The next partition round-robin whose leader is a live node other than this one."""
         view = self.replication.cluster.mirror.view
         tv = view.topics.get(topic) if view is not None else None
@@ -183,58 +194,112 @@ class Forwarder:
                 return n, leader
         return None
 
-    async def publish(self, topic: str, req: PublishRequest, source: str) -> Forwarded:
-        """Forward one write request (see the module docstring). Raises PartitionNotLed (no
-        leader to send it to until the deadline), NotWritable (what the leader said),
-        NotCommitted (its outcome unknown) or RuntimeError (it failed there)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + FORWARD_TIMEOUT_S
-        last = "no partition of the topic has a live leader"
-        while True:
-            picked = self._pick(topic)
-            if picked is not None:
-                partition, leader = picked
-                header, payload = encode(topic, partition, req, source)
-                peer = self.peers.get(leader)
-                try:
-                    await asyncio.wait_for(peer.connect(), max(0.0, deadline - loop.time()))
-                    sent = peer.send(Kind.PUBLISH, header, payload)
-                except (PeerError, TimeoutError) as e:  # nothing sent: another try
-                    last = f"{leader}: {e}"
-                else:
-                    frame = await self._answer(sent, leader, deadline)
-                    if frame.kind is Kind.OK:
-                        self.stats["forwarded"] += 1
-                        h = frame.header
-                        return Forwarded(h["first_id"], h["count"], h["offset"],
-                                         h["end_offset"], partition)
-                    code, message = frame.header.get("code"), frame.header.get("message", "")
-                    if code != E_NOT_LEADER:
-                        self.stats["forward_failed"] += 1
-                        raise _refusal(code, f"forwarded to {leader}: {message}")
-                    last = f"{leader}: {message}"
-            if loop.time() + RETRY_S > deadline:
-                self.stats["forward_failed"] += 1
-                raise PartitionNotLed(None, detail=f"not forwarded within "
-                                      f"{FORWARD_TIMEOUT_S:g} s: {last}")
-            await asyncio.sleep(RETRY_S)
+    def send(self, topic: str, req: PublishRequest, source: str, done) -> None:
+        """Forward one write request (see the module docstring); `done(Forwarded, None)` or
+        `done(None, error)` is called once, the error being PartitionNotLed (no leader
+        took it before the deadline), NotWritable (what the leader said), NotCommitted (its
+        outcome unknown) or RuntimeError (it failed there)."""
+        _Forward(self, topic, req, source, done).attempt()
 
-    async def _answer(self, sent: asyncio.Future, leader: str, deadline: float) -> Frame:
-        """The leader's answer; NotCommitted when none comes (the request was sent)."""
-        left = max(0.0, deadline - asyncio.get_running_loop().time())
-        try:
-            return await asyncio.wait_for(asyncio.shield(sent), left)
-        except TimeoutError:
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self.stats["forward_failed"] += 1
-            raise NotCommitted(f"forwarded to {leader}: no answer in {FORWARD_TIMEOUT_S:g} s; "
-                               "it may still be written") from None
-        except PeerError as e:
-            self.stats["forward_failed"] += 1
-            raise NotCommitted(f"forwarded to {leader}: {e}; it may still be written") from None
+    async def publish(self, topic: str, req: PublishRequest, source: str) -> Forwarded:
+        """`send`, awaited (HTTP's form)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.send(topic, req, source,
+                  lambda written, exc: fut.done() or (fut.set_exception(exc) if exc
+                                                      else fut.set_result(written)))
+        return await fut
 
     async def close(self) -> None:
+        for task in list(self._connects):
+            task.cancel()
         await self.peers.close()
+
+
+class _Forward:
+    """One forwarded request until it is answered: each attempt sends it to the leader of
+    the partition picked, with one timer for its deadline (no task, no future)."""
+
+    __slots__ = ("fw", "topic", "req", "source", "done", "loop", "deadline", "timer",
+                 "last", "sent_to", "partition", "finished")
+
+    def __init__(self, fw: Forwarder, topic: str, req: PublishRequest, source: str, done):
+        self.fw, self.topic, self.req, self.source, self.done = fw, topic, req, source, done
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + FORWARD_TIMEOUT_S
+        self.timer = self.loop.call_at(self.deadline, self._expired)
+        self.last = "no partition of the topic has a live leader"
+        self.sent_to: str | None = None  # the leader asked, while its answer is awaited
+        self.partition = -1
+        self.finished = False
+
+    def attempt(self) -> None:
+        if self.finished:
+            return
+        picked = self.fw.pick(self.topic)
+        if picked is None:
+            self._again()
+            return
+        self.partition, leader = picked
+        peer = self.fw.peers.get(leader)
+        if not peer.connected:
+            task = self.loop.create_task(self._connect(peer))
+            self.fw._connects.add(task)
+            task.add_done_callback(self.fw._connects.discard)
+            return
+        header, payload = encode(self.topic, self.partition, self.req, self.source)
+        try:
+            peer.send_callback(Kind.PUBLISH, header, payload, self._answered)
+        except PeerError as e:  # nothing sent
+            self.last = f"{leader}: {e}"
+            self._again()
+            return
+        self.sent_to = leader
+
+    async def _connect(self, peer) -> None:
+        try:
+            await peer.connect()  # bounded by the peer's connect timeout
+        except PeerError as e:
+            self.last = str(e)
+            self._again()
+        else:
+            self.attempt()
+
+    def _again(self) -> None:
+        if not self.finished:
+            self.loop.call_later(RETRY_S, self.attempt)
+
+    def _answered(self, frame) -> None:
+        leader, self.sent_to = self.sent_to, None
+        if self.finished:
+            return
+        if isinstance(frame, PeerError):
+            self._finish(None, NotCommitted(f"forwarded to {leader}: {frame}; it may still be "
+                                            "written"))
+        elif frame.kind is Kind.OK:
+            h = frame.header
+            self._finish(Forwarded(h["first_id"], h["count"], h["offset"], h["end_offset"],
+                                   self.partition), None)
+        elif frame.header.get("code") == E_NOT_LEADER:  # nothing written: another try
+            self.last = f"{leader}: {frame.header.get('message', '')}"
+            self._again()
+        else:
+            self._finish(None, _refusal(frame.header.get("code"),
+                                        f"forwarded to {leader}: "
+                                        f"{frame.header.get('message', '')}"))
+
+    def _expired(self) -> None:
+        if self.sent_to is not None:
+            self._finish(None, NotCommitted(f"forwarded to {self.sent_to}: no answer in "
+                                            f"{FORWARD_TIMEOUT_S:g} s; it may still be written"))
+        else:
+            self._finish(None, PartitionNotLed(None, detail=f"not forwarded within "
+                                               f"{FORWARD_TIMEOUT_S:g} s: {self.last}"))
+
+    def _finish(self, written: Forwarded | None, exc: Exception | None) -> None:
+        self.finished = True
+        self.timer.cancel()
+        self.fw.stats["forwarded" if exc is None else "forward_failed"] += 1
+        self.done(written, exc)
 
 
 def _refusal(code: str | None, text: str) -> Exception:

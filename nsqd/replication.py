@@ -97,9 +97,9 @@ class Replication:
     def follower_log(self, topic: str, partition: int) -> FollowerLog | None:
         return self.followers.get((topic, partition))
 
-    async def publish_forwarded(self, header: dict, payload: bytes):
-        """A publish another node forwarded here (nsqd/forward.py)."""
-        return await forward.serve(self.nsqd, header, payload)
+    def publish_forwarded(self, frame, answer) -> None:
+        """A publish another node forwarded here (nsqd/forward.py); `answer` is called once."""
+        forward.serve(self.nsqd, frame.header, frame.payload, answer)
 
     def peer_address(self, node_id: str) -> str | None:
         view = self.cluster.mirror.view

@@ -91,7 +91,6 @@ class ClientConnection(asyncio.Protocol):
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
         self._held = None  # a command (or parser error) that answers after the publishes
         self._publishing: deque[list] = deque()  # slots (`_publish`), in order
-        self._forwards: set[asyncio.Task] = set()  # publishes forwarded to a leader
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
         self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
         self.state = self.INIT
@@ -398,8 +397,9 @@ class ClientConnection(asyncio.Protocol):
                 if forwarder is not None:
                     forwarder.named(cmd.topic, e)
                 raise tcp_error(command, e, cmd.partition) from None
-            slot[8] = False
-            self._forward(slot, PublishRequest(bodies, extension, trace_id, trace_ids, exts))
+            slot[8] = False  # a leader writes it; its answer comes as a local one's does
+            forwarder.send(cmd.topic, PublishRequest(bodies, extension, trace_id, trace_ids, exts),
+                           self.client.remote_address, functools.partial(self._published, slot))
         except (PartitionNotFound, NotWritable) as e:
             raise tcp_error(command, e, cmd.partition) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
@@ -408,22 +408,6 @@ class ClientConnection(asyncio.Protocol):
         if o.test_ack_before_sync:  # the broken build: OK now, whatever the write does
             self._published(slot, None, None)
         return True
-
-    def _forward(self, slot: list, req: PublishRequest) -> None:
-        """A publish this node leads no partition of: a leader writes it (nsqd/forward.py),
-        and its answer goes to `_published` as a local one's does, in command order."""
-        task = asyncio.get_running_loop().create_task(self._forwarding(slot, req))
-        self._forwards.add(task)
-        task.add_done_callback(self._forwards.discard)
-
-    async def _forwarding(self, slot: list, req: PublishRequest) -> None:
-        try:
-            written = await self.nsqd.cluster.forwarder.publish(
-                slot[2].name, req, self.client.remote_address)
-        except Exception as e:  # what the leader said, or why it was not asked
-            self._published(slot, None, e)
-        else:
-            self._published(slot, written, None)
 
     async def _publish_after(self, cmd) -> None:
         """What a publish awaits before `_publish` can take it: a cluster node's first view
