@@ -11,6 +11,8 @@ import contextlib
 from isr import core
 from isr.core import Action, LeaderCore
 
+from . import world
+
 
 def _begin_same_epoch(self):
     """(a) A restarted leader keeps the state's epoch: no "lead" CAS for a new one."""
@@ -103,6 +105,12 @@ def _join_again_starts_over(self, node):
     return True
 
 
+def _index_synced_lazily(self, unsynced, epoch):
+    """(i) The commitlog synced only every CLOG_SYNC_EVERY entries, not at an epoch's first
+    batch (c0e9012: a power cut rebuilt a new epoch's entries with an older one)."""
+    return unsynced >= world.CLOG_SYNC_EVERY
+
+
 MUTATIONS = {
     "a-same-epoch": (LeaderCore, "begin", _begin_same_epoch),
     "b-duplicate-by-offset": (core, "same_entries", _same_by_offset),
@@ -112,6 +120,7 @@ MUTATIONS = {
     "f-reconcile-by-offset": (core.EpochCache, "end_for", _end_for_by_offset),
     "g-epoch-end-pushed": (LeaderCore, "epoch_end", _epoch_end_pushed),
     "h-join-again-starts-over": (LeaderCore, "join_begin", _join_again_starts_over),
+    "i-index-synced-lazily": (world.Disk, "index_rule", _index_synced_lazily),
 }
 
 # Seeds that found a bug in the core as it was, and the mutation that puts it back: each

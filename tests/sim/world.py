@@ -54,13 +54,23 @@ def epoch_cache(log):
     return cache
 
 
+CLOG_SYNC_EVERY = 4  # entries: the real commitlog syncs every 4,096 (a lag of a few here)
+
+
 class Disk:
-    """A node's log: the synced entries, then the written ones a crash loses."""
+    """A node's log: the synced entries, then the written ones a crash loses. As in
+    diskqueue, a record's epoch lives in the commitlog, an index synced lazily
+    (`index_synced`); a crash keeps the synced records past it, and recovery gives them
+    the last surviving entry's epoch (0 when none survives). `index_rule` is
+    GroupCommit._write_sync's: sync the index when CLOG_SYNC_EVERY entries are unsynced,
+    or when a batch's epoch is above the highest the index synced since open."""
 
     def __init__(self):
         self.durable: list[Entry] = []
         self.volatile: list[Entry] = []
         self.version = 0
+        self.index_synced = 0  # durable entries whose epochs a crash keeps
+        self.index_epoch = 0  # the highest epoch the index synced since open (_clog_epoch)
 
     @property
     def log(self):
@@ -78,21 +88,37 @@ class Disk:
         self.version += 1
 
     def sync(self):
+        """Sync the written batches, each with the index as `index_rule` says (a batch is
+        acknowledged only after both: one job of the write worker)."""
+        for e in self.volatile:
+            self.durable.append(e)
+            if self.index_rule(len(self.durable) - self.index_synced, e.epoch):
+                self.index_synced = len(self.durable)
+                self.index_epoch = max(self.index_epoch, e.epoch)
         if self.volatile:
-            self.durable.extend(self.volatile)
             self.volatile = []
             self.version += 1
 
+    def index_rule(self, unsynced: int, epoch: int) -> bool:
+        return unsynced >= CLOG_SYNC_EVERY or epoch > self.index_epoch
+
     def truncate(self, cut):
-        """Cut to the last entry boundary at or before `cut` (durable at once)."""
+        """Cut to the last entry boundary at or before `cut` (durable at once, index too)."""
         log = [e for e in self.log if end_of(e) <= tuple(cut)]
         self.durable, self.volatile = log, []
+        self.index_synced, self.index_epoch = len(log), 0
         self.version += 1
 
     def crash(self):
-        if self.volatile:
+        """Lose the unsynced writes; recovery rebuilds the index past its synced part."""
+        lagging = self.durable[self.index_synced:]
+        if lagging:
+            epoch = self.durable[self.index_synced - 1].epoch if self.index_synced else 0
+            self.durable[self.index_synced:] = [e._replace(epoch=epoch) for e in lagging]
+        if self.volatile or lagging:
             self.volatile = []
             self.version += 1
+        self.index_synced, self.index_epoch = len(self.durable), 0
 
 
 class Msg:
