@@ -115,5 +115,25 @@ def test_the_run_command_serves_stops_cleanly_and_keeps_the_cluster(tmp_path):
         assert victim["pid"] not in pids(data) and all(alive(p) for p in pids(data))
         served_again()
     finally:
-        stop(proc)
-    assert not [p for p in pids(data) if alive(p)]
+        try:
+            stop(proc)
+        finally:
+            left = kill_left(proc, data)
+    assert not left
+
+
+def kill_left(proc: subprocess.Popen, data: str) -> list[int]:
+    """Kill what a failed run left running (the launcher, and the process group of each
+    process it lists: they run in sessions of their own); return the pids that were."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        left = [p for p in pids(data) if alive(p)]
+    except FileNotFoundError:  # the launcher never wrote it
+        return []
+    for pid in left:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
