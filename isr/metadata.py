@@ -60,6 +60,9 @@ class ClusterView:
     master: str | None = None
     topics: dict[str, TopicView] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # each node's registration: the lease of its key (a restart registers under a new one,
+    # even within the old one's TTL)
+    registrations: dict[str, int] = field(default_factory=dict)
 
     @property
     def racks(self) -> dict[str, str]:
@@ -106,6 +109,7 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
     `cache` (key -> (mod_revision, decode_kv's result or its BadValue)) spares decoding
     the keys that did not change since the last call; the caller drops deleted keys."""
     nodes: dict[str, NodeInfo] = {}
+    registrations: dict[str, int] = {}
     lookupds: dict[str, LookupdInfo] = {}
     master = None
     problems: list[str] = []
@@ -133,6 +137,7 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
         kind, topic, detail, value = decoded
         if kind == "node":
             nodes[detail] = value
+            registrations[detail] = kv.lease
         elif kind == "lookupd":
             lookupds[detail] = value
         elif kind == "master":
@@ -164,7 +169,7 @@ def build_view(cluster: str, kvs: Iterable[KeyValue], revision: int,
                             f"partitions {missing[:10]}")
         topics[name] = TopicView(name, meta, channels.get(name, {}), parts,
                                  locks.get(name, {}), incarnations[name])
-    return ClusterView(revision, nodes, lookupds, master, topics, problems)
+    return ClusterView(revision, nodes, lookupds, master, topics, problems, registrations)
 
 
 def initial_states(placement: list[list[str]]) -> list[PartitionState]:

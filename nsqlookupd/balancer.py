@@ -17,8 +17,10 @@ live and holds its key, nothing is catching up, and its ISR is at least its repl
 
 Leaders are balanced at any time (`--leader-balance on`, the default, as Kafka's
 auto.leader.rebalance): moving a leader inside its ISR copies no data. Its hysteresis: a
-node takes leaders only once it has been live `--leader-balance-settle` (10 s; a node
-that restarts in a loop is never given leaders to lose again), a move goes only between
+node takes leaders only once it has been live `--leader-balance-settle` (10 s) under its
+current registration (a restart registers under a new lease, and settles again even when
+no poll saw it down: a node that restarts in a loop is never given leaders to lose
+again), a move goes only between
 nodes whose counts differ by 2 or more (so none is ever undone while the nodes stay), and
 at most one leader move a second. Replicas (data moves) are evened only inside
 `--balance-window HH:MM-HH:MM` (local time of the lookupd; `00:00-24:00` always; a window
@@ -227,7 +229,8 @@ class Balancer:
         self.interval = interval
         self.leaders = leaders  # leader moves outside the window
         self.settle = settle
-        self._live_since: dict[str, float] = {}  # node -> when this lookupd first saw it live
+        # (node, registration) -> when this lookupd first saw it live under that registration
+        self._live_since: dict[tuple[str, int], float] = {}
         self._replica_moved = 0.0  # monotonic time of the last replica move
         self.drains: dict[str, dict] = {}  # node -> {state, moved, stuck, error}
         self.moves = 0
@@ -254,10 +257,13 @@ class Balancer:
         return in_window(self.window, t.tm_hour * 60 + t.tm_min)
 
     def settled(self, view: ClusterView) -> set[str]:
-        """The live nodes seen live for `settle` seconds or more (leader takers)."""
+        """The live nodes seen live for `settle` seconds or more under their current
+        registration (leader takers): a node that restarted, even between two polls and
+        within its old lease's TTL, registers anew and settles again."""
         now = time.monotonic()
-        self._live_since = {n: self._live_since.get(n, now) for n in view.nodes}
-        return {n for n, since in self._live_since.items() if now - since >= self.settle}
+        live = {(n, view.registrations.get(n, 0)) for n in view.nodes}
+        self._live_since = {key: self._live_since.get(key, now) for key in live}
+        return {n for (n, _), since in self._live_since.items() if now - since >= self.settle}
 
     def plan(self, view: ClusterView, replicas: bool, settle: bool = True) -> Plan | None:
         """The next move; `settle` False: as if every node were settled (whether the

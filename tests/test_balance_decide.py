@@ -5,6 +5,7 @@ leader or replica move."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -421,3 +422,24 @@ def test_a_dead_node_on_the_same_host_drains_to_a_live_one():
                                                   epoch=3)])})
     plan, stuck = drain_move(v, dead, set())
     assert plan is not None and plan.kind == "replica" and plan.frm == dead, stuck
+
+
+def test_a_node_that_registers_again_settles_again(monkeypatch):
+    """Balancer.settled counts a node's live time under its current registration: a restart
+    seen only as a new lease (between two polls, within the old lease's TTL) starts it over."""
+    import nsqlookupd.balancer as balancer
+
+    now = [1000.0]
+    monkeypatch.setattr(balancer.time, "monotonic", lambda: now[0])
+    b = balancer.Balancer(None, None, tolerance=1, interval=1.0, settle=10.0)
+    v = view({A, B}, {})
+    first = dataclasses.replace(v, registrations={A: 7, B: 8})
+    assert b.settled(first) == set()
+    now[0] += 10
+    assert b.settled(first) == {A, B}
+    restarted = dataclasses.replace(v, registrations={A: 7, B: 9})  # B's new lease
+    assert b.settled(restarted) == {A}
+    now[0] += 9.9
+    assert b.settled(restarted) == {A}
+    now[0] += 0.1
+    assert b.settled(restarted) == {A, B}
