@@ -1,4 +1,5 @@
-"""Times typed by a person (search windows, a channel's replay point), read as UTC.
+"""Times typed by a person (nsqadmin's search windows and a channel's replay point, and
+`python -m spark.replay --since/--until`), read as UTC.
 
 Accepted: ISO 8601 (`2026-11-26T10:00`, `2026-11-26 10:00:05`, with `Z` or an offset;
 without one it is UTC), unix seconds (`1795686717.5`), a time relative to now (`-15m`,

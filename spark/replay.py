@@ -2,8 +2,12 @@
 
     python -m spark.replay --lookupd 127.0.0.1:4161 --topic payments \\
         --since 2026-11-23T00:00:00Z --until 2026-11-24T00:00:00Z --to parquet:/data/pay
-    python -m spark.replay --lookupd 127.0.0.1:4161 --topic payments --since ... \\
+    python -m spark.replay --lookupd 127.0.0.1:4161 --topic payments --since -1h \\
         --to topic:payments-fixed --key-field customer
+
+`--since` and `--until` are read as nsqadmin reads a person's times (nsqadmin/times.py:
+ISO 8601, UTC without a zone; unix seconds; before now: `-1h`, `30m ago`, `now`), once,
+when the job starts: the planned window and the written one are the same.
 
 `--to topic:T2` publishes through nsqclient's partition-aware Producer, keyed by
 `--key-field` (a field of the body's JSON object, or `ext:NAME` for a key of the ext
@@ -15,8 +19,9 @@ In cluster mode, create T2 first (nsqlookupd's /topic/create) with the partition
 
 Progress every `--progress-s` seconds on stderr (tasks done, rows and bytes estimated from
 the plan, per second); a summary at the end (rows per partition, time, rate) and one line
-of JSON. Runs on `local[*]` by default; `--master spark://host:7077` for a cluster (each
-executor needs this project importable and the nodes' HTTP ports reachable).
+of JSON. Runs on `local[*]` by default, its driver on 127.0.0.1 (SPARK_LOCAL_IP, when not
+set already); `--master spark://host:7077` for a cluster (each executor needs this project
+importable and the nodes' HTTP ports reachable).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import sys
 import threading
 import time
 
+from nsqadmin.times import BadTime, parse_time
+
 from . import client
 from .client import NsqSourceError, Options
 
@@ -39,8 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--lookupd", help="nsqlookupd HTTP addresses, comma-separated")
     src.add_argument("--nsqd", help="nsqd HTTP addresses, comma-separated (one node)")
     p.add_argument("--topic", required=True)
-    p.add_argument("--since", help="unix seconds or ISO 8601 (default: the oldest kept)")
-    p.add_argument("--until", help="unix seconds or ISO 8601 (default: the committed end)")
+    p.add_argument("--since", help="ISO 8601, unix seconds or before now (-1h, 30m ago) "
+                                   "(default: the oldest kept)")
+    p.add_argument("--until", help="as --since (default: the committed end)")
     p.add_argument("--to", required=True, help="parquet:PATH or topic:NAME")
     p.add_argument("--key-field", help="body JSON field (or ext:NAME) keying republished rows")
     p.add_argument("--mode", default="errorifexists", help="Parquet save mode")
@@ -49,13 +57,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--before-retention", choices=("error", "warn"), default="error")
     p.add_argument("--batch", type=int, default=256, help="messages per MPUB when republishing")
     p.add_argument("--progress-s", type=float, default=2.0)
-    args = p.parse_args(argv)
+    glued: list[str] = []  # `--since -1h` as `--since=-1h`: argparse takes "-1h" for a flag
+    for arg in sys.argv[1:] if argv is None else argv:
+        if glued and glued[-1] in ("--since", "--until"):
+            glued[-1] += "=" + arg
+        else:
+            glued.append(arg)
+    args = p.parse_args(glued)
     kind, _, target = args.to.partition(":")
     if kind not in ("parquet", "topic") or not target:
         p.error("--to is parquet:PATH or topic:NAME")
     args.to_kind, args.target = kind, target
     if args.key_field and kind != "topic":
         p.error("--key-field is for --to topic:NAME")
+    now = time.time()
+    for name in ("since", "until"):  # unix seconds to the microsecond, as the source takes them
+        if getattr(args, name):
+            try:
+                setattr(args, name, f"{parse_time(getattr(args, name), now, '--' + name):.6f}")
+            except BadTime as e:
+                p.error(str(e))
     return args
 
 
@@ -69,10 +90,13 @@ def source_options(args) -> dict:
 
 
 def session(master: str, name: str = "nsq-replay"):
-    """A SparkSession for the job (workers run this interpreter; no UI in local mode)."""
+    """A SparkSession for the job (workers run this interpreter; in local mode no UI, and
+    the driver binds 127.0.0.1 unless SPARK_LOCAL_IP says otherwise)."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get(

@@ -372,6 +372,21 @@ def test_replay_into_parquet_and_into_another_topic(spark, node, groups, tmp_pat
     assert [bytes(r.body) for r in again] == gs[1] + gs[2]
 
 
+def test_replay_reads_times_as_nsqadmin_does_once_at_start():
+    before = time.time()
+    args = replay.parse_args(["--nsqd", "h:1", "--topic", "t", "--since", "-1h", "--until",
+                              "2026-11-26T10:00:00.000001Z", "--to", "parquet:/x"])
+    assert before - 3600 <= float(args.since) <= time.time() - 3600
+    assert args.until == "1795687200.000001"  # to the microsecond, as the source takes it
+    args = replay.parse_args(["--nsqd", "h:1", "--topic", "t", "--since=30m ago", "--until",
+                              "now", "--to", "parquet:/x"])
+    assert float(args.until) - float(args.since) == pytest.approx(1800, abs=1e-3)
+    for bad in ("-1x", "yesterday", "1795658400000"):
+        with pytest.raises(SystemExit):
+            replay.parse_args(["--nsqd", "h:1", "--topic", "t", "--since", bad,
+                               "--to", "parquet:/x"])
+
+
 def test_replay_refuses_bad_targets():
     with pytest.raises(SystemExit):
         replay.parse_args(["--nsqd", "h:1", "--topic", "t", "--to", "s3:x"])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -35,12 +34,7 @@ from nsqwire import commands as c
 from nsqwire import protocol as p
 from servers import NsqdProcess
 
-DATA = Path(__file__).parent / "data" / "nsqd-v1.3.0.json"
-SHARED = Path("/work/shared/reference/nsqd-v1.3.0.json")
-if not DATA.exists() and SHARED.exists():
-    DATA.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(SHARED, DATA)
-REFERENCE = json.loads(DATA.read_text())
+REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())
 CASES = {case["case"]: case for case in REFERENCE["tcp"]}
 FRAME_TYPES = {"response": p.FRAME_RESPONSE, "error": p.FRAME_ERROR, "message": p.FRAME_MESSAGE}
 HEARTBEAT = b"_heartbeat_"
