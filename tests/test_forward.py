@@ -140,3 +140,54 @@ async def test_publishes_through_a_node_go_on_when_a_leader_is_killed(cl):
     after = committed(cl, "f", {1: leaders[1]})  # the dead leader wrote none of them
     assert after[1] - before[1] == 40
     print(f"\nslowest forwarded PUB while a leader was down: {slowest * 1000:.0f} ms")
+
+
+async def test_forwarded_publishes_acknowledged_through_a_failover_are_all_kept(tmp_path):
+    """R=3 over 4 nodes: the node that holds no replica forwards every publish. Its leader
+    is SIGKILLed while 4 connections publish through it: every publish answered OK is
+    consumed afterwards (none lost); the others got an error (not writable, outcome
+    unknown, not leader) and went on."""
+    from test_replication import consume_all  # the partition-aware consumer, until all came
+
+    cl = Cluster(str(tmp_path), 4, 1).start()
+    try:
+        status, body = cl.create_topic("ff", 1, replicas=3)
+        assert status == 200, body
+        s = await cl.until_states("ff", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+        spare = next(n for n in cl.nsqds if n.tcp_address not in s[0].isr)
+        acked: set[bytes] = set()
+        errors: list[str] = []
+        stop = asyncio.Event()
+
+        async def publisher(w: int) -> None:
+            conn, i = None, 0
+            while not stop.is_set():
+                try:
+                    conn = conn or await connect(spare.tcp_address)
+                    body = b"%d-%d" % (w, i)
+                    i += 1
+                    if await conn.command(c.cmd_pub("ff", body)) == b"OK":
+                        acked.add(body)
+                except NSQError as e:
+                    errors.append(str(e).split(" ", 1)[0])
+                except ConnectionError:
+                    conn = None
+
+        tasks = [asyncio.create_task(publisher(w)) for w in range(4)]
+        await asyncio.sleep(1.0)
+        leader = cl.nsqd_at(s[0].leader)
+        leader.kill()
+        await cl.until_states("ff", lambda s: s[0].leader not in (None, leader.tcp_address),
+                              15, "a new leader")
+        before = len(acked)
+        await asyncio.sleep(2.0)
+        stop.set()
+        await asyncio.gather(*tasks)
+        assert len(acked) > before > 0  # publishing went on through the new leader
+        seen = await consume_all(cl, "ff", acked, 30)
+        lost = acked - seen.keys()
+        print(f"\nforwarded through a failover: acked {len(acked)}, errors "
+              f"{sorted(set(errors))} x{len(errors)}, lost {len(lost)}")
+        assert not lost, sorted(lost)[:10]
+    finally:
+        cl.stop()
