@@ -39,6 +39,7 @@ class Kind(IntEnum):
     DATA = 66
     POSITION = 67
     ERROR = 68
+    WRITTEN = 69  # PUBLISH's answer: what the leader wrote
 
 
 
@@ -70,7 +71,7 @@ REQUESTS: dict[Kind, dict[str, str]] = {
     Kind.JOIN: {**_PARTITION, "node": _STR, "offset": _INT, "count": _INT},
     Kind.CHANNELS: {**_PARTITION, "channels": _DICT},
     Kind.PING: {},
-    Kind.PUBLISH: {"topic": _STR, "partition": _INT, "n": _INT, "source": _STR},
+    Kind.PUBLISH: {"topic": _STR, "partition": _INT, "n": _INT},  # source: any str
 }
 ENTRY_SIZE = 64
 
@@ -155,11 +156,62 @@ def _ack_fields(raw: bytes) -> dict:
     return {"end": list(ACK_HEAD.unpack(raw))}
 
 
-_BINARY = {Kind.PUSH: (_push_head, _push_fields), Kind.ACK: (_ack_head, _ack_fields)}
+# PUBLISH header: partition, n (u32 each), trace_id (u64), flags (u8: 1 trace ids, 2 exts in
+# the payload), topic, source and ext lengths (u16 each); then those three, the ext raw.
+# WRITTEN header: first_id, count, offset, end_offset (u64 each).
+PUBLISH_HEAD = struct.Struct(">IIQBHHH")
+WRITTEN_HEAD = struct.Struct(">QQQQ")
+_WRITTEN = ("first_id", "count", "offset", "end_offset")
+
+
+def _publish_head(h: dict) -> bytes:
+    try:
+        topic, source, ext = h["topic"].encode(), h["source"].encode(), bytes(h["ext"])
+        flags = (1 if h["trace_ids"] else 0) | (2 if h["exts"] else 0)
+        return PUBLISH_HEAD.pack(h["partition"], h["n"], h["trace_id"], flags, len(topic),
+                                 len(source), len(ext)) + topic + source + ext
+    except (KeyError, TypeError, AttributeError, struct.error) as e:
+        raise ValueError(f"PUBLISH header {h!r}: {e!r}") from None
+
+
+def _publish_fields(raw: bytes) -> dict:
+    size = PUBLISH_HEAD.size
+    if len(raw) < size:
+        raise BadFrame(f"PUBLISH header of {len(raw)} bytes")
+    partition, n, trace_id, flags, topic_len, source_len, ext_len = PUBLISH_HEAD.unpack_from(raw)
+    if len(raw) != size + topic_len + source_len + ext_len or flags > 3:
+        raise BadFrame(f"PUBLISH header of {len(raw)} bytes does not match its lengths")
+    try:
+        topic = bytes(raw[size:size + topic_len]).decode()
+        source = bytes(raw[size + topic_len:size + topic_len + source_len]).decode()
+    except UnicodeDecodeError:
+        raise BadFrame("PUBLISH header: a name is not UTF-8") from None
+    return {"topic": topic, "partition": partition, "n": n, "trace_id": trace_id,
+            "trace_ids": bool(flags & 1), "exts": bool(flags & 2), "source": source,
+            "ext": bytes(raw[size + topic_len + source_len:])}
+
+
+def _written_head(h: dict) -> bytes:
+    try:
+        return WRITTEN_HEAD.pack(*(h[k] for k in _WRITTEN))
+    except (KeyError, TypeError, struct.error) as e:
+        raise ValueError(f"WRITTEN header {h!r}: {e!r}") from None
+
+
+def _written_fields(raw: bytes) -> dict:
+    if len(raw) != WRITTEN_HEAD.size:
+        raise BadFrame(f"WRITTEN header of {len(raw)} bytes")
+    return dict(zip(_WRITTEN, WRITTEN_HEAD.unpack(raw)))
+
+
+_BINARY = {Kind.PUSH: (_push_head, _push_fields), Kind.ACK: (_ack_head, _ack_fields),
+           Kind.PUBLISH: (_publish_head, _publish_fields),
+           Kind.WRITTEN: (_written_head, _written_fields)}
 
 
 def encode_header(kind: Kind, header: dict) -> bytes:
-    """A frame's header as it goes on the wire: binary for PUSH and ACK, else compact JSON
+    """A frame's header as it goes on the wire: binary for PUSH, ACK, PUBLISH and WRITTEN,
+    else compact JSON
     (ValueError for a header its kind cannot carry)."""
     codec = _BINARY.get(kind)
     if codec is not None:

@@ -161,6 +161,12 @@ class Workload:
                 except TimeoutError:
                     self.history.record("info", "enqueue", process,
                                         dict(value, error="timeout"))
+                    # pynsq matches answers to callbacks in order, and an E_* answer
+                    # fails every callback queued: a late answer to this publish would
+                    # be taken as the next one's. Closing the connections fails what
+                    # is queued (their publishes are past) and starts them afresh.
+                    for conn in list(writer.conns.values()):
+                        conn.close()
                     seq += 1
                     continue
                 node = getattr(conn, "id", None)

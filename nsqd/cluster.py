@@ -81,7 +81,8 @@ class Cluster:
         self.metadata = Metadata(self.etcd, o.cluster_id)
         self.mirror = ClusterMirror(self.etcd, o.cluster_id, on_change=self._on_change)
         self.replication = Replication(nsqd, self)
-        self.forwarder = Forwarder(self.replication)  # publishes to leaders elsewhere
+        # publishes to leaders elsewhere, answered within the node's commit timeout
+        self.forwarder = Forwarder(self.replication, o.commit_timeout_ms / 1000)
         self.load = LoadReporter(self)  # load/<node-id>, read by the nsqlookupd master
         self.ttl = ttl_s
         self.node: NodeInfo | None = None

@@ -9,14 +9,16 @@ the client with the leader's answer once it has it:
 - OK: the leader committed it (as for a publish written here; PUB_TRACE's reply carries
   the leader's id and offsets);
 - E_FAILED_ON_NOT_LEADER (the leadership moved before the request got there): nothing was
-  written, so it is sent again to the partition's leader in the next view, until
-  FORWARD_TIMEOUT_S; so is a request that could not be sent;
+  written, so it is sent again to the partition's leader in the next view, until the
+  deadline; so is a request that could not be sent;
 - anything else the leader said (not writable, its outcome unknown, failed), as it said it;
-- no answer within FORWARD_TIMEOUT_S, or the connection lost after sending: the outcome
-  is unknown (NotCommitted: the message may still be delivered), never retried here.
+- no answer by the deadline, or the connection lost after sending: the outcome is unknown
+  (NotCommitted: the message may still be delivered), never retried here.
+The deadline is this node's `--commit-timeout`, as for a publish written here: the client
+is answered within it whatever the leader does.
 
 The request is the write request this node made of the command (`encode`/`decode`): the
-bodies, and the ext and trace ids. A DPUB's due time is this node's clock's, as it is for a
+bodies, and the ext and trace ids; the leader answers WRITTEN (ids and offsets) or ERROR. A DPUB's due time is this node's clock's, as it is for a
 publish written here (due times are wall-clock times every node compares with its own).
 """
 
@@ -33,7 +35,6 @@ from isr.wire import Kind
 
 from .errors import PartitionNotLed
 
-FORWARD_TIMEOUT_S = 10.0  # beyond a leader's commit deadline: its own answer comes first
 RETRY_S = 0.05  # after NOT_LEADER or a failed send: the view may name the new leader
 _LEN = struct.Struct(">I")
 E_NOT_LEADER = "E_FAILED_ON_NOT_LEADER"
@@ -64,13 +65,13 @@ class PublishRequest(NamedTuple):
 
 
 def encode(topic: str, partition: int, req: PublishRequest, source: str) -> tuple[dict, bytes]:
-    """The PUBLISH frame's header and payload: each body as [u32 length][bytes], then each
-    ext likewise when there are per-message exts."""
+    """The PUBLISH frame's header (isr.wire's binary layout) and payload: each message's
+    trace id (u64) when the request has them, then each body as [u32 length][bytes], then
+    each ext likewise when there are per-message exts."""
     header = {"topic": topic, "partition": partition, "n": len(req.bodies), "source": source,
-              "ext": req.ext.hex(), "trace_id": req.trace_id,
-              "trace_ids": list(req.trace_ids) if req.trace_ids is not None else None,
+              "ext": req.ext, "trace_id": req.trace_id, "trace_ids": req.trace_ids is not None,
               "exts": req.exts is not None}
-    parts = []
+    parts = [struct.pack(f">{len(req.trace_ids)}Q", *req.trace_ids)] if req.trace_ids else []
     for item in (*req.bodies, *(req.exts or ())):
         parts.append(_LEN.pack(len(item)))
         parts.append(item)
@@ -80,16 +81,15 @@ def encode(topic: str, partition: int, req: PublishRequest, source: str) -> tupl
 def decode(header: dict, payload: bytes) -> PublishRequest:
     """The write request of a PUBLISH frame; ValueError when it is not one."""
     n = header["n"]
-    with_exts = header.get("exts") is True
-    trace_ids = header.get("trace_ids")
-    trace_id = header.get("trace_id", 0)
-    if n < 1 or not isinstance(trace_id, int) or not 0 <= trace_id < 1 << 64:
-        raise ValueError("PUBLISH: bad n or trace_id")
-    if trace_ids is not None and (not isinstance(trace_ids, list) or len(trace_ids) != n
-                                  or not all(isinstance(t, int) and 0 <= t < 1 << 64
-                                             for t in trace_ids)):
-        raise ValueError("PUBLISH: bad trace_ids")
-    items, at = [], 0
+    if n < 1:
+        raise ValueError("PUBLISH: no message")
+    trace_ids, at = None, 0
+    if header["trace_ids"]:
+        if len(payload) < 8 * n:
+            raise ValueError("PUBLISH: payload cut short")
+        trace_ids, at = struct.unpack_from(f">{n}Q", payload), 8 * n
+    with_exts = header["exts"]
+    items = []
     for _ in range(2 * n if with_exts else n):
         if at + 4 > len(payload):
             raise ValueError("PUBLISH: payload cut short")
@@ -101,9 +101,7 @@ def decode(header: dict, payload: bytes) -> PublishRequest:
         at += size
     if at != len(payload):
         raise ValueError("PUBLISH: bytes after the last message")
-    ext = bytes.fromhex(header.get("ext", ""))
-    return PublishRequest(items[:n], ext, trace_id,
-                          tuple(trace_ids) if trace_ids is not None else None,
+    return PublishRequest(items[:n], header["ext"], header["trace_id"], trace_ids,
                           tuple(items[n:]) if with_exts else None)
 
 
@@ -129,8 +127,9 @@ def serve(nsqd, header: dict, payload: bytes, answer) -> None:
         if topic.trace is not None:
             topic.trace.published(topic, appended, req.trace_id, req.trace_ids, header["source"])
         topic.count_published(req.bodies)
-        answer((Kind.OK, {"first_id": appended.first_id, "count": appended.count,
-                          "offset": appended.offset, "end_offset": appended.end_offset}, b""))
+        answer((Kind.WRITTEN, {"first_id": appended.first_id, "count": appended.count,
+                               "offset": appended.offset, "end_offset": appended.end_offset},
+                b""))
 
     try:
         topic.publish(req.bodies, partition, req.ext, trace_id=req.trace_id,
@@ -157,8 +156,9 @@ class Forwarder:
     """The sending side, one per node: `send` picks the partition and its leader, sends, and
     calls back with what the leader wrote or what the client is told."""
 
-    def __init__(self, replication):
+    def __init__(self, replication, timeout: float):
         self.replication = replication
+        self.timeout = timeout  # s: every request is answered within it
         self.peers = Peers(replication)  # connections of their own (see the docstring)
         self._next: dict[str, int] = {}
         self._connects: set[asyncio.Task] = set()
@@ -225,7 +225,7 @@ class _Forward:
     def __init__(self, fw: Forwarder, topic: str, req: PublishRequest, source: str, done):
         self.fw, self.topic, self.req, self.source, self.done = fw, topic, req, source, done
         self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + FORWARD_TIMEOUT_S
+        self.deadline = self.loop.time() + fw.timeout
         self.timer = self.loop.call_at(self.deadline, self._expired)
         self.last = "no partition of the topic has a live leader"
         self.sent_to: str | None = None  # the leader asked, while its answer is awaited
@@ -275,7 +275,7 @@ class _Forward:
         if isinstance(frame, PeerError):
             self._finish(None, NotCommitted(f"forwarded to {leader}: {frame}; it may still be "
                                             "written"))
-        elif frame.kind is Kind.OK:
+        elif frame.kind is Kind.WRITTEN:
             h = frame.header
             self._finish(Forwarded(h["first_id"], h["count"], h["offset"], h["end_offset"],
                                    self.partition), None)
@@ -290,10 +290,10 @@ class _Forward:
     def _expired(self) -> None:
         if self.sent_to is not None:
             self._finish(None, NotCommitted(f"forwarded to {self.sent_to}: no answer in "
-                                            f"{FORWARD_TIMEOUT_S:g} s; it may still be written"))
+                                            f"{self.fw.timeout:g} s; it may still be written"))
         else:
             self._finish(None, PartitionNotLed(None, detail=f"not forwarded within "
-                                               f"{FORWARD_TIMEOUT_S:g} s: {self.last}"))
+                                               f"{self.fw.timeout:g} s: {self.last}"))
 
     def _finish(self, written: Forwarded | None, exc: Exception | None) -> None:
         self.finished = True

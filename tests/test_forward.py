@@ -17,22 +17,33 @@ import pytest
 
 from cluster import Cluster, http_json, wait_until
 from nsqclient.conn import Connection, NSQError
+from isr import wire
+from isr.wire import Decoder, Kind
 from nsqd.forward import PublishRequest, decode, encode
 from nsqwire import commands as c
 
 
+def wire_round_trip(header: dict, payload: bytes):
+    """The header and payload as the leader reads them off the wire."""
+    (frame,) = Decoder().feed(wire.encode(Kind.PUBLISH, 9, header, payload))
+    wire.check(frame)
+    return frame.header, bytes(frame.payload)
+
+
 def test_a_request_is_decoded_as_it_was_encoded():
-    req = PublishRequest([b"a", b"", b"ccc"], b"\x01\x02", 7, (1, 2, 3), (b"x", b"", b"zz"))
-    header, payload = encode("t", 1, req, "127.0.0.1:5")
+    req = PublishRequest([b"a", b"", b"ccc"], b"\x01\x02", 7, (1, 2, 2**64 - 1),
+                         (b"x", b"", b"zz"))
+    header, payload = wire_round_trip(*encode("t", 1, req, "127.0.0.1:5"))
+    assert (header["topic"], header["partition"], header["source"]) == ("t", 1, "127.0.0.1:5")
     assert decode(header, payload) == req
     plain = PublishRequest([b"one"])
-    assert decode(*encode("t", 0, plain, ""))[:2] == ([b"one"], b"")
-    header, payload = encode("t", 0, req, "")
-    for bad in (payload[:-1], payload + b"\0", b""):
+    assert decode(*wire_round_trip(*encode("t", 0, plain, ""))) == plain
+    header, payload = wire_round_trip(*encode("t", 0, req, ""))
+    for bad in (payload[:-1], payload + b"\0", b"", payload[:20]):
         with pytest.raises(ValueError):
             decode(header, bad)
     with pytest.raises(ValueError):
-        decode({**header, "trace_ids": [1]}, payload)
+        decode({**header, "n": 0}, b"")
 
 
 @pytest.fixture(scope="module")
