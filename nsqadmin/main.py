@@ -1,7 +1,8 @@
 """The `nsqadmin` console script: parse flags, poll and serve until SIGTERM/SIGINT, exit 0.
 
-Exit codes: 0 after a clean stop (and after `--version`); 1 when the port cannot be bound or the password file
-cannot be read (one line); 2 for bad flags (argparse's one line)."""
+Exit codes: 0 after a clean stop (and after `--version`); 1 when the port cannot be bound or
+the password file or the admin secret file cannot be read (one line); 2 for bad flags
+(argparse's one line)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import structlog
 from aiohttp import web
+
+from nsqwire import adminkey
 
 from . import auth
 from .app import make_app
@@ -51,9 +54,11 @@ def configure_logs(level: str) -> None:
 async def serve(options) -> None:
     try:
         users = auth.load_users(options.admin_user, options.admin_password_file)
-    except auth.BadPasswordFile as e:
+        secret = (adminkey.read_secret(options.admin_secret_file)
+                  if options.admin_secret_file else "")
+    except (auth.BadPasswordFile, ValueError) as e:
         raise StartError(str(e)) from None
-    source = Source(options)
+    source = Source(options, secret)
     app = make_app(source, auth.Auth(users, options.require_login_for_reads),
                    refresh_s=max(2.0, options.poll_interval))
     runner = web.AppRunner(app, access_log=None)

@@ -11,6 +11,7 @@ import argparse
 import re
 from dataclasses import dataclass, field
 
+from nsqwire import adminkey
 from nsqwire.httpapi import go_duration_ms
 
 def parse_duration_s(text: str) -> float:
@@ -47,6 +48,7 @@ class Options:
     admin_user: list[str] = field(default_factory=list)
     admin_password_file: str = ""
     require_login_for_reads: bool = False
+    admin_secret_file: str = ""  # the daemons' admin key, sent on every call (source.py)
     poll_interval: float = 5.0  # seconds between two reads of every node's /stats
     history: float = 300.0  # seconds of samples kept for the sparklines
     http_client_timeout: float = 3.0  # seconds for one call to a node or lookupd
@@ -82,6 +84,9 @@ def parser(version: str) -> argparse.ArgumentParser:
                         "every admin user); needed with --admin-user")
     p.add_argument("--require-login-for-reads", action="store_true",
                    help="pages and GET /api/ need a login too (default: reads are open)")
+    p.add_argument("--admin-secret-file", default="",
+                   help="file whose first line is the admin secret of nsqd and nsqlookupd "
+                        "(their --admin-secret-file): sent on every call to them")
     p.add_argument("--poll-interval", type=parse_duration_s, default=5.0,
                    help="how often every node's /stats is read (default 5s)")
     p.add_argument("--history", type=parse_duration_s, default=300.0,
@@ -112,6 +117,7 @@ def from_args(argv: list[str], version: str) -> Options:
         admin_user=[u for v in ns.admin_user or () for u in v.split(",") if u],
         admin_password_file=ns.admin_password_file,
         require_login_for_reads=ns.require_login_for_reads,
+        admin_secret_file=ns.admin_secret_file,
         poll_interval=ns.poll_interval, history=ns.history,
         http_client_timeout=ns.http_client_timeout, log_level=ns.log_level)
     if not options.lookupd_http_address and not options.nsqd_http_address:
@@ -122,4 +128,9 @@ def from_args(argv: list[str], version: str) -> Options:
         p.error("--admin-user needs --admin-password-file")
     if options.require_login_for_reads and not options.admin_user:
         p.error("--require-login-for-reads needs --admin-user")
+    if options.admin_secret_file:
+        try:
+            adminkey.read_secret(options.admin_secret_file)
+        except ValueError as e:
+            p.error(str(e))
     return options

@@ -1,7 +1,8 @@
 """Everything nsqadmin reads or asks, over HTTP only (never a node's internals): the poll
 of the cluster every --poll-interval (model.build makes the Snapshot, history.History
 keeps the samples), the pass-through of trace search and message reads, and the calls
-actions.py makes. One aiohttp ClientSession; every call has --http-client-timeout.
+actions.py makes. One aiohttp ClientSession; every call has --http-client-timeout and,
+with --admin-secret-file, the daemons' admin key (nsqwire/adminkey.py).
 
 Modes: `nsqd` (--nsqd-http-address: each nsqd alone); with --lookupd-http-address the
 lookupd's /info says `cluster` (it has a `cluster` object: etcd behind it) or `classic`.
@@ -16,6 +17,8 @@ import time
 import aiohttp
 import structlog
 
+from nsqwire import adminkey
+
 from . import model
 from .history import History
 
@@ -23,8 +26,10 @@ log = structlog.get_logger("nsqadmin")
 
 
 class Source:
-    def __init__(self, options):
+    def __init__(self, options, admin_secret: str = ""):
+        """`admin_secret`: the daemons' admin key, sent on every call ("" none)."""
         self.options = options
+        self.admin_secret = admin_secret
         self.session: aiohttp.ClientSession | None = None
         self.snapshot = model.empty("nsqd" if options.mode == "nsqd" else "classic")
         self.history = History(options.history, options.poll_interval)
@@ -34,7 +39,8 @@ class Source:
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.options.http_client_timeout)
-        self.session = aiohttp.ClientSession(timeout=timeout)
+        self.session = aiohttp.ClientSession(timeout=timeout,
+                                             headers=adminkey.headers(self.admin_secret))
         await self.refresh()
         self._task = asyncio.create_task(self._run())
 

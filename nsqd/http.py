@@ -75,6 +75,19 @@ Ours, beyond classic:
   /message/trace/enable|disable are tracehttp.py's, added to ROUTES at start.
 - GET /topic/offsets and /topic/read (a partition's history by time window, raw records
   from the committed part, for spark/) are readhttp.py's, added to ROUTES at start.
+
+Who may change state (Gate, checked after routing and before any handler, so a refused
+call changes nothing):
+- `--admin-secret-file`: every call but a GET needs `Authorization: Bearer <secret>`
+  (nsqwire/adminkey.py: 401 `ADMIN_KEY_REQUIRED`, 403 `ADMIN_KEY_INVALID`), except the
+  paths in PUBLISH: publishing is data, as open as classic nsqd's HTTP /pub (the auth
+  server governs TCP PUB, as classic). A new route is an admin route unless it is a GET
+  (which must not change state) or is added to PUBLISH.
+- `--https-address`: the same API over TLS (--tls-cert, --tls-key and the other --tls-*
+  flags of the TCP port). With `--tls-required=true` as well, the plain listener refuses
+  every call but a GET (publishing included) with 403 `{"message": "TLS_REQUIRED",
+  "https_port": N}`, Go nsqd's answer: keys and messages travel encrypted; reads stay
+  on plain HTTP, which other nodes, nsqlookupd and nsqadmin poll.
 """
 
 from __future__ import annotations
@@ -83,6 +96,7 @@ import dataclasses
 import json
 import functools
 import socket
+import ssl
 
 import structlog
 from aiohttp import web
@@ -103,6 +117,7 @@ from .errors import (ClusterUnavailable, NameError_, PartitionNotFound, Partitio
 from .health import is_disk_full
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from isr.leader import NotWritable
+from nsqwire import adminkey
 from nsqwire.httpapi import V1_HEADER, go_json, v1_answer
 from nsqwire.protocol import valid_topic_name
 
@@ -629,6 +644,28 @@ ROUTES = {
     "/metrics": {"GET": do_metrics},
 }
 _CONFIG_METHODS = ("GET", "PUT")
+PUBLISH = frozenset({"/pub", "/mpub"})  # state-changing calls that need no admin key: data
+
+
+@dataclasses.dataclass
+class Gate:
+    """Which state-changing calls a node takes (the module docstring): `secret` the admin
+    key ("" none); `https_port` the HTTPS listener's (0 none), and `tls_required` whether
+    the plain listener then refuses them."""
+
+    secret: str = ""
+    https_port: int = 0
+    tls_required: bool = False
+
+    def refusal(self, request: web.BaseRequest) -> tuple[int, str, dict | None] | None:
+        """(status, code, extra) refusing `request`, or None to take it."""
+        if request.method == "GET":
+            return None
+        if self.tls_required and self.https_port and not request.secure:
+            return 403, "TLS_REQUIRED", {"https_port": self.https_port}
+        refused = adminkey.refusal(self.secret, request.method, request.path,
+                                   request.headers.get(adminkey.HEADER), PUBLISH)
+        return None if refused is None else (*refused, None)
 
 
 async def _ping(nsqd, request) -> web.Response:
@@ -648,7 +685,7 @@ def _allowed(path: str) -> tuple[str, ...] | None:
     return tuple(methods) if methods else None
 
 
-async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
+async def dispatch(nsqd, gate: Gate, request: web.BaseRequest) -> web.StreamResponse:
     respond = respond_v1
     if nsqd.options.http_legacy_envelope and "version=1.0" not in request.headers.get(
             "Accept", ""):
@@ -664,6 +701,11 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
         resp = respond(405, "METHOD_NOT_ALLOWED")
         resp.headers["Allow"] = allow
         return resp
+    refused = gate.refusal(request)
+    if refused is not None:
+        status, code, extra = refused
+        return respond_v1(status, code, extra) if extra and respond is respond_v1 \
+            else respond(status, code)
     try:
         if path == "/ping":
             return await _ping(nsqd, request)
@@ -686,16 +728,27 @@ async def dispatch(nsqd, request: web.BaseRequest) -> web.StreamResponse:
     return respond(200, data)
 
 
-async def start_http(nsqd):
+async def start_http(nsqd, tls: ssl.SSLContext | None = None):
+    """Listen on --http-address and, with `tls` (main.build's context of --tls-cert), on
+    --https-address; the HTTP port. The admin secret is read here, once."""
     from .tracehttp import ROUTES as TRACE_ROUTES  # /trace/search, /message/*: tracehttp.py
     from .readhttp import ROUTES as READ_ROUTES  # /topic/offsets, /topic/read: readhttp.py
 
     ROUTES.update(TRACE_ROUTES)
     ROUTES.update(READ_ROUTES)
     stats.install_gc_timer()
-    runner = web.ServerRunner(Server(functools.partial(dispatch, nsqd), access_log=None))
+    o = nsqd.options
+    gate = Gate(adminkey.read_secret(o.admin_secret_file) if o.admin_secret_file else "",
+                tls_required=o.tls_required == 1)
+    runner = web.ServerRunner(Server(functools.partial(dispatch, nsqd, gate), access_log=None))
     await runner.setup()
-    host, port = nsqd.options.http_host_port
+    host, port = o.http_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
+    if o.https_address:
+        host, port = o.https_host_port
+        https = web.TCPSite(runner, host, port, ssl_context=tls, reuse_address=True)
+        await https.start()
+        gate.https_port = https._server.sockets[0].getsockname()[1]
+        log.info("https_listening", https_port=gate.https_port)
     return runner, site._server.sockets[0].getsockname()[1]

@@ -46,8 +46,9 @@ def build(options: Options) -> NSQD:
     """The node wired to its TCP and HTTP servers and its cluster driver: what `nsqd` runs
     and what tests start in-process (`await build(options).start()`). A TLS certificate
     that does not load fails here, before the node opens anything."""
-    return NSQD(options, start_tcp=functools.partial(start_tcp, tls=tls_context(options)),
-                start_http=start_http, make_cluster=Cluster)
+    tls = tls_context(options)
+    return NSQD(options, start_tcp=functools.partial(start_tcp, tls=tls),
+                start_http=functools.partial(start_http, tls=tls), make_cluster=Cluster)
 
 
 async def serve(options) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from isr.etcd import parse_endpoints
 from isr.keys import check_cluster
 from isr.state import MAX_PARTITIONS, MAX_REPLICAS
+from nsqwire import adminkey
 from nsqwire.httpapi import go_duration_ms
 
 def parse_duration_ms(text: str | int | float) -> int:
@@ -45,6 +46,7 @@ class Options:
     # network
     tcp_address: str = "0.0.0.0:4150"
     http_address: str = "0.0.0.0:4151"
+    https_address: str = ""  # the HTTP API over TLS (--tls-cert, --tls-key); "": none
     broadcast_address: str = field(default_factory=socket.gethostname)
     broadcast_tcp_port: int = 0  # 0: the port of tcp_address
     broadcast_http_port: int = 0
@@ -107,9 +109,10 @@ class Options:
     tls_key: str = ""
     tls_root_ca_file: str = ""
     tls_client_auth_policy: str = ""
-    tls_required: int = 0  # 0 no, 1 yes (true), 2 all but HTTP (tcp-https; no HTTPS here yet)
+    tls_required: int = 0  # 0 no, 1 yes (true: with https_address, HTTP too), 2 TCP only (tcp-https)
     tls_min_version: str = "tls1.0"
     auth_http_address: list[str] = field(default_factory=list)
+    admin_secret_file: str = ""  # HTTP calls that change state need its secret (http.py)
     http_legacy_envelope: bool = False  # wrap JSON for requests without the V1 Accept header
     # logs
     log_level: str = "info"
@@ -122,6 +125,10 @@ class Options:
     @property
     def http_host_port(self) -> tuple[str, int]:
         return _split(self.http_address)
+
+    @property
+    def https_host_port(self) -> tuple[str, int]:
+        return _split(self.https_address)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -171,6 +178,8 @@ TLS_VERSIONS = ("ssl3.0", "tls1.0", "tls1.1", "tls1.2", "tls1.3")
 _HELP = {
     "tcp_address": "<addr>:<port> to listen on for TCP clients",
     "http_address": "<addr>:<port> to listen on for HTTP clients",
+    "https_address": "<addr>:<port> to listen on for HTTPS clients (needs --tls-cert and "
+                     "--tls-key)",
     "broadcast_address": "address this node is known by (default: the host name)",
     "broadcast_tcp_port": "TCP port this node is known by (0: the port it listens on)",
     "broadcast_http_port": "HTTP port this node is known by (0: the port it listens on)",
@@ -237,7 +246,10 @@ _HELP = {
     "max_channel_window": "messages a channel may hold taken and not confirmed past",
     "disable_auto_create": "never make a topic on PUB, SUB or /pub (E_TOPIC_NOT_EXIST); "
                            "POST /topic/create still makes one",
-    "tls_required": "require TLS for TCP clients: false, true or tcp-https",
+    "tls_required": "require TLS for TCP clients: false, true or tcp-https; true with "
+                    "--https-address also refuses HTTP calls but GETs on --http-address",
+    "admin_secret_file": "file whose first line is the admin secret: every HTTP call but "
+                         "GET, /pub and /mpub then needs 'Authorization: Bearer <secret>'",
     "tls_min_version": "oldest TLS version accepted: " + ", ".join(TLS_VERSIONS),
     "tls_client_auth_policy": "require (a client certificate) or require-verify (one "
                               "signed by --tls-root-ca-file)",
@@ -400,6 +412,18 @@ def build(values: dict) -> Options:
         if url.scheme not in ("http", "https") or not url.hostname or port is None:
             raise ValueError("--trace-es-url must be http(s)://host:port")
     check_trace_es_auth(options)
+    if options.https_address:
+        if not (options.tls_cert and options.tls_key):
+            raise ValueError("--https-address needs --tls-cert and --tls-key")
+        try:
+            port = options.https_host_port[1]
+        except ValueError:
+            port = -1
+        if not 0 <= port < 65536:
+            raise ValueError(f"invalid --https-address {options.https_address!r} "
+                             "(want <addr>:<port>)")
+    if options.admin_secret_file:
+        adminkey.read_secret(options.admin_secret_file)
     if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", options.trace_es_index_prefix):
         raise ValueError("--trace-es-index-prefix: lowercase letters, digits, '.', '_', '-'")
     return options

@@ -20,6 +20,11 @@ status; an unparsable query is 400 INVALID_REQUEST; an unknown path 404 NOT_FOUN
 known path with another method 405 METHOD_NOT_ALLOWED with `Allow`. v1.3.0 has no GET
 forms of the POST actions (they are 405 there too). Any bug is 500 INTERNAL_ERROR, logged.
 
+With `--admin-secret-file` every route but a GET (in either mode) needs
+`Authorization: Bearer <secret>` (nsqwire/adminkey.py: 401 ADMIN_KEY_REQUIRED, 403
+ADMIN_KEY_INVALID), checked after routing and before the handler, so a refused call
+changes nothing. A GET handler must not change state.
+
 The handlers read and change the registrations only through the `directory` given to
 start_http (in classic mode the RegistrationDB fed by nsqd over TCP). Requests are routed
 through `lookupd.routes`: ROUTES here, or cluster_http.ROUTES in cluster mode, which keeps
@@ -38,6 +43,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from nsqwire import adminkey
 from nsqwire.httpapi import V1_HEADER, parse_query, v1_answer
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
@@ -182,6 +188,10 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
         return resp
     if path == "/ping":  # Go's PlainText decorator: no V1 header
         return web.Response(text="OK")
+    refused = adminkey.refusal(lookupd.admin_secret, request.method, path,
+                               request.headers.get(adminkey.HEADER))
+    if refused is not None:
+        return respond(*refused)
     try:
         handler = methods[request.method]
         args = (lookupd, _query(request))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import structlog
 
+from nsqwire import adminkey
+
 from . import cluster_http, http, tracesearch
 from .cluster import Cluster
 from .http import start_http
@@ -32,6 +34,8 @@ class NSQLookupd:
     def __init__(self, options: Options):
         self.options = options
         self.version = VERSION
+        self.admin_secret = (adminkey.read_secret(options.admin_secret_file)
+                             if options.admin_secret_file else "")  # nsqwire/adminkey.py
         self.db = RegistrationDB(inactive_timeout=options.inactive_producer_timeout,
                                  tombstone_lifetime=options.tombstone_lifetime)
         self.cluster = None

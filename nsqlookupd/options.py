@@ -14,6 +14,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from nsqwire import adminkey
 from nsqwire.httpapi import go_duration_ms
 
 from isr.etcd import parse_endpoints
@@ -63,6 +64,7 @@ class Options:
     balance_interval: float = 10.0  # seconds between two replica moves
     leader_balance: str = "on"
     leader_balance_settle: float = 10.0  # seconds a node is live before it takes leaders
+    admin_secret_file: str = ""  # HTTP calls that change state need its secret (http.py)
 
     @property
     def cluster_mode(self) -> bool:
@@ -118,6 +120,9 @@ _HELP = {
                       "(moving a leader inside its ISR copies no data); off: only inside "
                       "--balance-window",
     "leader_balance_settle": "a node takes leaders from the balancer only once live this long",
+    "admin_secret_file": "file whose first line is the admin secret: every HTTP call but GET "
+                         "then needs 'Authorization: Bearer <secret>', and calls to nsqd "
+                         "send it (the same secret on every daemon)",
 }
 
 
@@ -202,6 +207,11 @@ def from_args(argv: list[str], version: str) -> Options:
     p = parser(version)
     known = {o for a in p._actions for o in a.option_strings}
     options = Options(**vars(p.parse_args(go_style(argv, known))))
+    if options.admin_secret_file:
+        try:
+            adminkey.read_secret(options.admin_secret_file)
+        except ValueError as e:
+            p.error(str(e))
     if options.cluster_mode:
         try:
             parse_endpoints(options.etcd_endpoints)

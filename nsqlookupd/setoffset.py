@@ -4,7 +4,7 @@
          offset:<n> | count:<n> | end (and Youzan's virtual_queue:, msgcount:, special:-1)
 
 The master nsqlookupd asks each partition's leader (its nsqd's own /channel/setoffset, in
-parallel, `TIMEOUT_S` each) and answers `{"partitions": [{partition, offset, count,
+parallel, `TIMEOUT_S` each, with the admin key when one is set) and answers `{"partitions": [{partition, offset, count,
 clipped}, ...]}` when every one moved. When one failed (no live leader, a refusal, a
 timeout) the answer is 502 `{"message": "SETOFFSET_FAILED", "failed": [{partition, node,
 status, error}], "partitions": [the ones that moved]}`: the moves that succeeded stay (a
@@ -23,6 +23,7 @@ import json
 import aiohttp
 import structlog
 
+from nsqwire import adminkey
 from nsqwire.protocol import parse_consume_start
 
 from .http import HTTPError, _topic_channel
@@ -54,7 +55,8 @@ async def do_channel_setoffset(lookupd, params, body: bytes):
         numbers = [int(raw)]
     if kind in ("offset", "count") and len(numbers) > 1:
         raise HTTPError(400, "MISSING_ARG_PARTITION")
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S),
+                                     headers=adminkey.headers(lookupd.admin_secret)) as session:
         results = await asyncio.gather(*(
             _move(session, view, topic, channel, n, target) for n in numbers))
     moved = [r for ok, r in results if ok]

@@ -190,6 +190,13 @@ CHECKS = {  # a regex on the command as the README has it: what its run must sho
         lambda r: r.status == 0 and r.json()["name"] == "events" and r.json()["messages"] == 1
         and r.json()["partitions"],
     r"\.venv/bin/python -m spark\.replay .*--since -1h": check_replay,
+    r"\.venv/bin/python -c 'import secrets":
+        lambda r: r.status == 0 and len(open(os.path.join(r.scratch, "admin.secret")).read()
+                                        .strip()) == 64,
+    r"curl -X POST '\S+/topic/create\?topic=test'":  # without the key: refused
+        lambda r: r.status == 0 and r.json() == {"message": "ADMIN_KEY_REQUIRED"},
+    r"curl -X POST -H \"Authorization: Bearer ":  # with it: made
+        lambda r: r.status == 0 and "message" not in r.out,
 }
 
 
