@@ -3,6 +3,7 @@ answers, stop it (SIGTERM, or SIGKILL to simulate a crash)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,21 @@ import urllib.request
 from jepsen.ports import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def http(node, method: str, path: str, body: bytes | None = None) -> tuple[int, object]:
+    """(status, body: JSON when it is, else text) of a call to `node`'s HTTP API; an error
+    status is returned, not raised."""
+    req = urllib.request.Request(f"http://{node.http_address}{path}", data=body, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
 
 
 class DaemonProcess:

@@ -8,14 +8,12 @@ replica each, so one node leads none of them."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
-import urllib.error
-import urllib.request
 
 import pytest
 
 from cluster import Cluster, http_json, wait_until
+from servers import http
 from nsqclient.conn import Connection, NSQError
 from isr import wire
 from isr.wire import Decoder, Kind
@@ -63,20 +61,6 @@ async def connect(address: str) -> Connection:
     return await Connection(host, int(port)).connect()
 
 
-def post(url: str, body: bytes) -> tuple[int, object]:
-    """(status, body: JSON when it is, else text) of a POST."""
-    req = urllib.request.Request(url, method="POST", data=body)
-    try:
-        with urllib.request.urlopen(req, timeout=15) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode()
-
-
 def committed(cl, topic: str, leaders: dict[int, str] | None = None) -> dict[int, int]:
     """partition -> messages committed, as each partition's leader says (`leaders`: these
     partitions and leaders; all, as /lookup says, by default)."""
@@ -106,12 +90,11 @@ async def test_a_publish_to_a_node_that_leads_none_is_written_by_a_leader(cl):
         assert (ok, trace_id) == (b"OK", 99) and size > 0 and first_id > 0
     finally:
         await conn.close()
-    base = f"http://{cl.spare.http_address}"
-    assert post(f"{base}/pub?topic=f", b"http-1") == (200, "OK")
-    assert post(f"{base}/mpub?topic=f", b"h2\nh3") == (200, "OK")
+    assert http(cl.spare, "POST", "/pub?topic=f", b"http-1") == (200, "OK")
+    assert http(cl.spare, "POST", "/mpub?topic=f", b"h2\nh3") == (200, "OK")
     counts = committed(cl, "f")  # 12 messages in 9 requests, round-robin over 2 partitions
     assert sorted(counts) == [0, 1] and sum(counts.values()) == 12 and min(counts.values()) >= 4
-    status, stats = http_json("GET", f"{base}/stats?format=json")
+    status, stats = http(cl.spare, "GET", "/stats?format=json")
     assert (stats["cluster"]["forwarded"], stats["cluster"]["forward_failed"]) == (9, 0)
 
 
@@ -126,7 +109,7 @@ async def test_a_publish_naming_a_partition_led_elsewhere_names_its_leader(cl):
         assert await conn.command(c.cmd_pub("f", b"after")) == b"OK"  # not fatal
     finally:
         await conn.close()
-    status, body = post(f"http://{cl.spare.http_address}/pub?topic=f&partition=0", b"x")
+    status, body = http(cl.spare, "POST", "/pub?topic=f&partition=0", b"x")
     assert (status, body) == (400, {"message": "E_FAILED_ON_NOT_LEADER", "leader": leaders[0]})
 
 

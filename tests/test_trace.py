@@ -5,14 +5,11 @@ across a restart, its retention, and a store that cannot be written."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pickle
 import sqlite3
 import struct
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -21,21 +18,8 @@ from nsqtrace.events import NO_MESSAGE
 from nsqtrace.store import CHUNK_EVENTS, RUN_GAP, RUN_WIDTH, TraceStore, search
 from nsqtrace.writer import EventWriter
 from nsqwire import commands as c
-from servers import NsqdProcess
+from servers import NsqdProcess, http
 from nodes import nothing_arrives, take
-
-
-def http(node, method: str, path: str, body: bytes | None = None) -> tuple[int, object]:
-    req = urllib.request.Request(f"http://{node.http_address}{path}", data=body, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode()
 
 
 def ok(node, method: str, path: str, body: bytes | None = None):
