@@ -395,8 +395,7 @@ class Topic:
         next writable partition, round-robin (one request stays whole in one partition).
         Raises what `check_partition` raises, or what DiskQueue.append raises, at once.
         Without `callback`, returns an awaitable
-        that ends (and counts the messages) once the log acknowledged the request, with what
-        was appended (diskqueue's Appended); with one,
+        that ends (and counts the messages) once the log acknowledged the request; with one,
         the log calls `callback(appended, error)` and the caller counts them
         (`count_published`) when it answers: TCP's path, with no task per publish.
         `source`: the publisher's address, for the PUB trace events (nsqd/tracing.py) of a
@@ -440,12 +439,11 @@ class Topic:
         raise PartitionNotLed(None)
 
     async def _counted(self, appended, bodies: list[bytes], trace_id: int, trace_ids,
-                       source: str):
+                       source: str) -> None:
         appended = await appended
         if self.trace is not None:
             self.trace.published(self, appended, trace_id, trace_ids, source)
         self.count_published(bodies)
-        return appended
 
     def count_published(self, bodies: list[bytes]) -> None:
         self.message_count += len(bodies)
