@@ -1,7 +1,8 @@
-"""The pure core of a replicated partition: every decision of the leader and the follower,
-with no socket, file, clock or etcd call inside (etcd raft's shape). The drivers
-(`leader.py`, `follower.py`) feed it events and do what it says; the fault simulator
-(tests/sim) feeds it the same events from a simulated disk, network and etcd.
+"""The pure core of a replicated partition's leader, and the epoch rules both sides use,
+with no socket, file, clock or etcd call inside (etcd raft's shape); the follower's half
+is `followcore.py`. The drivers (`leader.py`, `follower.py`) feed them events and do what
+they say; the fault simulator (tests/sim) feeds them the same events from a simulated
+disk, network and etcd.
 
 Positions are `(offset, count)` pairs. Epochs: every leadership is a new epoch, written
 to etcd by CAS before its first push (`LeaderCore` starts by asking for it).

@@ -210,11 +210,12 @@ async def test_pushes_before_the_replica_opens_keep_their_order(tmp_path):
         await stop(hosts)
 
 
-async def test_pushes_that_wait_for_the_lock_go_the_one_push_path_in_order(tmp_path):
-    """While another step holds B's lock (a catch-up's fetch or truncation), PUSHes wait;
-    once it lets go they are appended in arrival order, by the same path as any push. A
-    PUSH whose epoch the fence passed while it waited is refused E_STALE_EPOCH, and nothing
-    of it is written."""
+async def test_pushes_that_wait_for_the_log_go_the_one_push_path_in_order(tmp_path):
+    """While another job holds B's log (the fence and EPOCH_END rounds of the first push),
+    later PUSHes wait; once it is done they are appended in arrival order, by the same path
+    as any push. A PUSH whose epoch the fence passed while it waited (a newer leadership's
+    push came first, and its rounds failed: C does not lead) is refused E_STALE_EPOCH, and
+    nothing of it is written."""
     from diskqueue.queue import DiskQueue, QueueOptions
     from isr.wire import Frame
     states, hosts = await cluster(tmp_path)
@@ -223,7 +224,7 @@ async def test_pushes_that_wait_for_the_lock_go_the_one_push_path_in_order(tmp_p
         bq = hosts[1].queues[(T, 0)]
         f = hosts[1].followers[(T, 0)]
         await until(lambda: hosts[0].leaders[(T, 0)].writable)
-        leader, epoch = A, states.states[(T, 0)].epoch  # B fences and reconciles first
+        epoch = states.states[(T, 0)].epoch  # B fences and reconciles first
         first, second = await two_batches(source)
         await source.append([b"four"])
         end1 = (len(first.data), 1)
@@ -231,28 +232,25 @@ async def test_pushes_that_wait_for_the_lock_go_the_one_push_path_in_order(tmp_p
         third = await source.read_raw(end2[0], 1 << 20)
         answers: dict[str, tuple] = {}
 
-        def push(name, raw, at, end):
+        def push(name, raw, at, end, leader=A, epoch=epoch):
             header = {"topic": T, "partition": 0, "epoch": epoch, "leader": leader,
                       "offset": at[0], "count": at[1], "n": raw.n_entries,
                       "data_len": len(raw.data), "commit": list(end)}  # readable up to it
             f.push(Frame(Kind.PUSH, 0, header, raw.entries + raw.data),
                    lambda a: answers.setdefault(name, a))
 
-        await f._lock.acquire()
         push("1", first, (0, 0), end1)
         push("2", second, end1, end2)
-        await asyncio.sleep(0.05)
-        assert answers == {} and bq.written_end == 0
-        f._lock.release()
+        assert answers == {} and f.core.slot is not None and len(f.core.pending) == 2
         await until(lambda: len(answers) == 2)
         assert [answers[k][0] for k in "12"] == [Kind.ACK, Kind.ACK], answers
         assert [x[2] for x in await records(bq)] == [b"one", b"two", b"three"]
 
-        await f._lock.acquire()
+        push("C", third, end2, end2, leader=C, epoch=epoch + 1)  # fences, asks C: refused
         push("3", third, end2, (end2[0] + len(third.data), 4))
-        await f._raise_epoch(epoch + 1)  # a newer leadership's fence, while "3" waits
-        f._lock.release()
+        assert "3" not in answers
         await until(lambda: "3" in answers)
+        assert answers["C"][1]["code"] == wire.E_FAILED, answers["C"]
         assert answers["3"][0] is Kind.ERROR and answers["3"][1]["code"] == wire.E_STALE_EPOCH
         assert [x[2] for x in await records(bq)] == [b"one", b"two", b"three"]
     finally:

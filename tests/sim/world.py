@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections import namedtuple
 
-from isr import core
+from isr import core, followcore
 from isr.state import PartitionState
 
 from .invariants import Checker, Violation
@@ -200,12 +200,14 @@ class LeaderDriver:
             node, epoch = a.args
             w.checker.joined(w, self, w.nodes[node])
             w.stats["joined"] += 1
-            self.joins.pop(node, None)
-            w.send(self.node.id, node, "JOINED", {"leader": self.node.id, "inc": self.inc})
+            j = self.joins.pop(node, None) or {}
+            w.send(self.node.id, node, "JOINED", {"leader": self.node.id, "inc": self.inc,
+                                                  "rid": j.get("rid")})
         elif a.kind == "join_failed":
             node, reason = a.args
-            self.joins.pop(node, None)
-            w.send(self.node.id, node, "JOIN_FAILED", {"leader": self.node.id, "inc": self.inc})
+            j = self.joins.pop(node, None) or {}
+            w.send(self.node.id, node, "JOIN_FAILED", {"leader": self.node.id, "inc": self.inc,
+                                                       "rid": j.get("rid")})
         elif a.kind == "stop":
             self.stopped = True
             self.node.key_released = True
@@ -321,7 +323,7 @@ class LeaderDriver:
             c.refused(src, b.get("seen"), b.get("why", ""))
             self.run()
         elif msg.kind == "EPOCH_END":
-            if not self.epoch or self.stopped:
+            if not self.epoch or self.stopped or b["epoch"] > self.epoch:
                 self.w.send(self.node.id, src, "ERROR", {"rid": b["rid"]})
                 return
             epoch, end = c.epoch_end(b["last"])
@@ -330,7 +332,7 @@ class LeaderDriver:
                 "inc": self.inc})
         elif msg.kind == "FETCH":
             if not self.epoch or self.stopped or b["leader_epoch"] != self.epoch:
-                self.w.send(self.node.id, src, "ERROR", {"rid": b["rid"]})
+                self.w.send(self.node.id, src, "ERROR", {"rid": b["rid"], "epoch": self.epoch})
                 return
             written = [e for e in self.pushed_log if end_of(e) <= c.written]
             at = tuple(b["end"])
@@ -340,30 +342,27 @@ class LeaderDriver:
                 return
             chunk = written[i:i + 3] if i is not None else []
             self.w.send(self.node.id, src, "DATA", {
-                "rid": b["rid"], "entries": chunk, "commit": self.committed,
-                "more": i is not None and i + 3 < len(written)})
+                "rid": b["rid"], "at": at, "entries": chunk, "commit": self.committed,
+                "end": log_end(written)})
         elif msg.kind == "JOIN":
+            answer = {"leader": self.node.id, "inc": self.inc, "rid": b["rid"]}
             if not self.epoch or self.stopped or b["leader_epoch"] != self.epoch:
-                self.w.send(self.node.id, src, "JOIN_FAILED", {"leader": self.node.id,
-                                                               "inc": self.inc})
+                self.w.send(self.node.id, src, "JOIN_FAILED", dict(answer, epoch=self.epoch))
                 return
             at = tuple(b["end"])
             i = next((k for k, e in enumerate(self.pushed_log) if start_of(e) == at), None)
             if i is None and at != log_end(self.pushed_log):
-                self.w.send(self.node.id, src, "JOIN_FAILED", {"leader": self.node.id,
-                                                               "inc": self.inc})
+                self.w.send(self.node.id, src, "JOIN_FAILED", answer)
                 return
             begun = c.join_begin(src)
             if begun is None:  # its last JOIN is still going: ask again later
-                self.w.send(self.node.id, src, "JOIN_FAILED", {"leader": self.node.id,
-                                                               "inc": self.inc})
+                self.w.send(self.node.id, src, "JOIN_FAILED", answer)
                 return
             if not begun:
-                self.w.send(self.node.id, src, "JOINED", {"leader": self.node.id,
-                                                          "inc": self.inc})
+                self.w.send(self.node.id, src, "JOINED", answer)
                 return
             copy = self.pushed_log[i:] if i is not None else []
-            self.joins[src] = {"copy_end": log_end(self.pushed_log),
+            self.joins[src] = {"copy_end": log_end(self.pushed_log), "rid": b["rid"],
                                "deadline": self.w.now + JOIN_TIMEOUT}
             self.push(src, copy, at)
             if not copy:
@@ -398,6 +397,10 @@ class LeaderDriver:
 
 
 class Node:
+    """One replica: its disk, its leadership (a LeaderDriver) or its follower side, which is
+    the real `FollowerCore` (isr/followcore.py) driven as isr/follower.py drives it, with
+    the simulated disk and network."""
+
     def __init__(self, world, nid):
         self.w = world
         self.id = nid
@@ -408,13 +411,14 @@ class Node:
         self.reset()
 
     def reset(self):
-        self.level = None  # (leader, epoch) the log is checked level with
+        self.fc: followcore.FollowerCore | None = None  # the follower side, while following
         self.commit = (0, 0)  # the committed end this replica knows
         self.driver: LeaderDriver | None = None
         self.view: PartitionState | None = None
-        self.recon = None  # the follower's EPOCH_END rounds / catch-up in progress
-        self.held = []  # pushes waiting for the reconcile
-        self.acks = []  # (leader, inc) of pushes to ACK after the next sync
+        self.writing = False  # a push group written, answered once synced
+        self.requests = {}  # rid -> deadline of the follower's requests to a leader
+        self.chunk = None  # (rid, entries) of the last FETCH answer
+        self.retry_at = None
         self.key_released = False
         self.refreshed = self.w.now  # last lease refresh, on this node's clock
 
@@ -439,11 +443,19 @@ class Node:
                 return
         if state.leader == self.id and not self.key_released:
             self.lead(state)
+            return
+        outside = state.leader is not None and self.id not in state.isr
+        self.follower().follow(state.leader, state.epoch, outside)
+        self.run()
 
     def lead(self, state):
         w = self.w
         w.leaderships += 1
-        self.recon, self.held, self.acks, self.level = None, [], [], None
+        if self.fc is not None:  # the follower side closes before the partition is led
+            self.fc.close()
+            self.run()
+            self.fc, self.writing, self.requests, self.chunk, self.retry_at = (
+                None, False, {}, None, None)
         self.driver = LeaderDriver(w, self, state, w.leaderships)
         w.trace(f"  {self.id} leads #{w.leaderships} at {state}")
         self.driver.core.begin()
@@ -451,211 +463,171 @@ class Node:
 
     # ---- the follower side ----
 
+    def follower(self):
+        if self.fc is None:
+            log = self.disk.log
+            self.fc = followcore.FollowerCore(fence=self.fencing(), end=self.disk.end(),
+                                              last_epoch=epoch_cache(log).last, join_lag=0)
+        return self.fc
+
     def on_push(self, msg):
         b = msg.body
         if self.driver is not None and not self.driver.stopped:
             if b["epoch"] < self.fencing():
-                self.reply_refused(msg, self.fencing())
+                self.reply(msg, "REFUSED", {"seen": self.fencing()})
             else:
-                self.reply_refused(msg, None, "leading")
+                self.reply(msg, "REFUSED", {"seen": None, "why": "leading"})
             return
-        self.push(msg)
-
-    def reply_refused(self, msg, seen, why="stale"):
-        self.w.send(self.id, msg.src, "REFUSED", {"inc": msg.body["inc"], "seen": seen,
-                                                  "why": why})
-
-    def push(self, msg):
-        r = self.recon
-        if r is not None and r["purpose"] == "catchup" and r["phase"] == "epoch":
-            # isr/follower.py runs a catch-up's EPOCH_END rounds under its lock: pushes wait
-            self.held.append(msg)
-            return
-        b = msg.body
         entries = b["entries"]
-        while True:
-            v = core.push_verdict(self.fencing(), self.level, self.disk.end(), b["leader"],
-                                  b["epoch"], b["start"], len(entries))
-            if v != core.Verdict.FENCE:
-                break
-            self.fence = b["epoch"]
-            self.level = None
-        V = core.Verdict
-        if v == V.STALE:
-            self.reply_refused(msg, self.fencing())
-        elif v == V.RECONCILE:
-            self.reconcile(msg)
-        elif v == V.COMMIT:
-            self.learn_commit(b["commit"])
-        elif v == V.APPEND:
-            self.disk.write(entries)
-            self.accepted(msg)
-        elif v == V.CHECK:
-            log = self.disk.log
-            i = next((k for k, e in enumerate(log) if start_of(e) == tuple(b["start"])), None)
-            held = log[i:i + len(entries)] if i is not None else []
-            if i is not None and core.same_entries(entries[:len(held)], held):
-                self.disk.write(entries[len(held):])
-                self.accepted(msg)
+        start = tuple(b["start"])
+        self.follower().push(followcore.Push(
+            b["leader"], b["epoch"], start, end_of(entries[-1]) if entries else start,
+            len(entries), tuple(b["commit"]), msg))
+        self.run()
+
+    def reply(self, msg, kind, body):
+        self.w.send(self.id, msg.src, kind, dict(body, inc=msg.body["inc"]))
+
+    def run(self):
+        """Do what the follower core asks, in order (isr/follower.py's `_run`)."""
+        fc = self.fc
+        while fc is not None and (steps := fc.take()):
+            for step in steps:
+                self.w.trace(f"  {self.id} follower {step.kind} {step.args}")
+                getattr(self, "_" + step.kind)(*step.args)
+
+    def _answer(self, pushes, result):
+        for p in pushes:
+            if result[0] == "ack":
+                self.reply(p.token, "ACK", {"end": result[1]})
+            elif result[0] == "stale":
+                self.reply(p.token, "REFUSED", {"seen": result[1], "why": "stale"})
             else:
-                self.w.trace(f"  {self.id} diverges from push at {b['start']}")
-                self.level = None
-                self.reconcile(msg)
-        else:  # GAP
-            self.reply_refused(msg, None, "gap")
+                self.reply(p.token, "REFUSED", {"seen": None, "why": str(result[1])})
 
-    def accepted(self, msg):
-        self.acks.append((msg.src, msg.body["inc"]))
-        self.learn_commit(msg.body["commit"])
+    def _commit(self, pos):
+        self.commit = max(self.commit, min(tuple(pos), self.disk.end()))
 
-    def learn_commit(self, commit):
-        c = min(tuple(commit), self.disk.end())
-        if c > self.commit:
-            self.commit = c
+    def _append(self, group):
+        """DiskQueue.append_raw's job: a batch wholly within the log is a duplicate only when
+        its entries are the ones held; else it must start at the end, epochs never back."""
+        entries = [e for p in group for e in p.token.body["entries"]]
+        start, log, end = group[0].start, self.disk.log, self.disk.end()
+        if end_of(entries[-1]) <= end:
+            i = next((k for k, e in enumerate(log) if start_of(e) == start), None)
+            held = log[i:i + len(entries)] if i is not None else []
+            if core.same_entries(entries, held):
+                return self.fc.written(end, epoch_cache(log).last)
+            self.w.trace(f"  {self.id} diverges from push at {start}")
+            return self.fc.written(end, epoch_cache(log).last, "diverged", True)
+        if start != end:
+            return self.fc.written(end, epoch_cache(log).last, "gap")
+        if log and entries[0].epoch < log[-1].epoch:
+            return self.fc.written(end, epoch_cache(log).last, "bad batch: epoch back")
+        self.disk.write(entries)
+        self.writing = True  # answered once synced (the real job writes and syncs)
 
-    def reconcile(self, msg, purpose="push"):
-        """KIP-279 rounds with the pushing leader; its pushes wait (in order)."""
-        b = msg.body
-        r = self.recon
-        if r is not None and r["leader"] == b["leader"] and r["inc"] == b["inc"] \
-                and r["purpose"] == "push":
-            self.held.append(msg)
-            return
-        self.held = [msg]
-        self.start_recon(b["leader"], b["inc"], purpose)
+    def _fence(self, epoch):
+        self.fence = max(self.fence, epoch)
+        self.fc.fenced(epoch)
 
-    def start_recon(self, leader, inc, purpose):
-        w = self.w
-        w.req_ids += 1
-        self.recon = {"leader": leader, "inc": inc, "purpose": purpose, "rid": w.req_ids,
-                      "deadline": w.now + REQ_TIMEOUT, "phase": "epoch", "rounds": 0}
-        self.send_epoch_end()
+    def ask(self, rid, leader, kind, body, timeout=REQ_TIMEOUT):
+        self.requests[rid] = self.w.now + timeout
+        self.w.send(self.id, leader, kind, dict(body, rid=rid))
 
-    def new_rid(self):
-        self.w.req_ids += 1
-        self.recon["rid"] = self.w.req_ids
-        self.recon["deadline"] = self.w.now + REQ_TIMEOUT
+    def _epoch_end(self, rid, leader, epoch, last_epoch):
+        self.ask(rid, leader, "EPOCH_END", {"epoch": epoch, "last": last_epoch})
 
-    def send_epoch_end(self):
-        r = self.recon
-        self.new_rid()
-        r["deadline"] = self.w.now + REQ_TIMEOUT
-        self.w.send(self.id, r["leader"], "EPOCH_END",
-                    {"rid": r["rid"], "last": epoch_cache(self.disk.log).last})
+    def _truncate(self, cut):
+        log = self.disk.log
+        if tuple(cut) < self.commit:  # DiskQueue.truncate_to never cuts what is committed
+            return self.fc.truncated(self.disk.end(), epoch_cache(log).last,
+                                     f"cut {cut} below the commit {self.commit}")
+        self.w.trace(f"  {self.id} truncates to {cut}")
+        self.disk.truncate(cut)
+        self.w.stats["truncated"] += 1
+        self.fc.truncated(self.disk.end(), epoch_cache(self.disk.log).last)
+
+    def _fetch(self, rid, leader, epoch, pos):
+        self.ask(rid, leader, "FETCH", {"end": pos, "leader_epoch": epoch})
+
+    def _append_fetched(self, rid):
+        _rid, entries = self.chunk
+        self.chunk = None
+        if entries and start_of(entries[0]) != self.disk.end():
+            return self.fc.written(self.disk.end(), epoch_cache(self.disk.log).last, "gap")
+        self.disk.write(entries)
+        self.disk.sync()  # a fetched chunk is synced before the next request
+        self.fc.written(self.disk.end(), epoch_cache(self.disk.log).last)
+
+    def _restart(self, start):
+        raise AssertionError("the simulated leader never answers out of range")
+
+    def _join(self, rid, leader, epoch, pos):
+        self.ask(rid, leader, "JOIN", {"end": pos, "leader_epoch": epoch})
+
+    def _retry(self, delay):
+        self.retry_at = self.w.now + 1
+
+    def _level(self, leader, epoch):
+        self.w.stats["reconciled"] += 1  # (on_answer checks the log against that leader's)
 
     def on_answer(self, msg):
-        """EPOCH / DATA / ERROR answers to the follower's own requests."""
-        r = self.recon
+        """EPOCH / DATA / ERROR / JOINED / JOIN_FAILED answers to the follower's requests."""
         b = msg.body
-        if r is None or b.get("rid") != r["rid"] or msg.src != r["leader"]:
-            return
-        if msg.kind == "ERROR":
-            self.give_up("refused")
-            return
-        if msg.kind == "EPOCH":
-            if r["phase"] != "epoch":
-                return
-            if b["leader_epoch"] < self.fencing() or \
-                    (r["purpose"] == "push" and b["inc"] != r["inc"]):
-                self.give_up("stale leader")
-                return
-            self.fence = max(self.fence, b["leader_epoch"])
+        rid = b.get("rid")
+        fc = self.fc
+        if fc is None or self.requests.pop(rid, None) is None:
+            return  # answered already, timed out, or asked by a follower side since closed
+        if msg.kind in ("ERROR", "JOIN_FAILED"):
+            fc.request_failed(rid, "refused", b.get("epoch"))
+        elif msg.kind == "EPOCH":
             log = self.disk.log
-            own = epoch_cache(log)
             e = b["epoch"]
-            if e < 0:
-                own_first = start_of(log[0]) if log else (0, 0)
-            else:
-                own_first = next((start_of(x) for x in log if x.epoch > e), log_end(log))
-            cut = core.truncation_point(b["end"], own_first, log_end(log))
-            del own
-            if cut is not None:
-                r["rounds"] += 1
-                if r["rounds"] > 20:
-                    self.give_up("no agreement")
-                    return
-                self.w.trace(f"  {self.id} truncates to {cut}")
-                self.disk.truncate(cut)
-                self.w.stats["truncated"] += 1
-                self.commit = min(self.commit, self.disk.end())
-                self.send_epoch_end()
-                return
-            self.level = (r["leader"], b["leader_epoch"])
-            self.w.stats["reconciled"] += 1
-            leader = self.w.nodes[r["leader"]].driver
-            if leader is not None and leader.inc == b["inc"]:
-                self.w.checker.level(self.w, leader, self)
-            if r["purpose"] == "push":
-                self.recon = None
-                held, self.held = self.held, []
-                for m in held:
-                    self.push(m)
-            else:
-                r["phase"] = "fetch"
-                r["leader_epoch"] = b["leader_epoch"]
-                self.send_fetch()
-                held, self.held = self.held, []  # the lock let go: the pushes that waited
-                for m in held:
-                    self.push(m)
+            own = next((start_of(x) for x in log if x.epoch > e), log_end(log))
+            level_before = fc.level
+            fc.epoch_answer(rid, e, b["end"], own)
+            if fc.level != level_before and fc.level is not None:
+                d = self.w.nodes[msg.src].driver
+                if d is not None and d.inc == b["inc"]:
+                    self.w.checker.level(self.w, d, self)
         elif msg.kind == "DATA":
-            if r["phase"] != "fetch":
-                return
             entries = b["entries"]
-            if entries and start_of(entries[0]) != self.disk.end():
-                self.give_up("fetch misplaced")
-                return
-            self.disk.write(entries)
-            self.disk.sync()  # a fetched chunk is synced before the next request
-            self.learn_commit(b["commit"])
-            if b["more"]:
-                self.send_fetch()
-            else:
-                r["phase"] = "join"
-                self.new_rid()
-                r["deadline"] = self.w.now + JOIN_TIMEOUT
-                self.w.send(self.id, r["leader"], "JOIN", {
-                    "rid": r["rid"], "end": self.disk.end(), "leader_epoch": r["leader_epoch"]})
-
-    def send_fetch(self):
-        r = self.recon
-        self.new_rid()
-        r["deadline"] = self.w.now + REQ_TIMEOUT
-        self.w.send(self.id, r["leader"], "FETCH", {
-            "rid": r["rid"], "end": self.disk.end(), "leader_epoch": r["leader_epoch"]})
-
-    def on_join_answer(self, msg):
-        r = self.recon
-        if r is None or r["purpose"] != "catchup" or msg.src != r["leader"]:
-            return
-        self.recon = None
-
-    def give_up(self, why):
-        self.w.trace(f"  {self.id} gives up its {self.recon['purpose']}: {why}")
-        self.recon = None
-        self.held = []
+            self.chunk = (rid, entries)
+            fc.fetched(rid, tuple(b["at"]), len(entries), tuple(b["end"]), tuple(b["commit"]))
+        elif msg.kind == "JOINED":
+            fc.joined(rid)
+        self.run()
 
     def synced(self):
-        end = self.disk.durable_end()
-        acks, self.acks = self.acks, []
-        for leader, inc in acks:
-            self.w.send(self.id, leader, "ACK", {"inc": inc, "end": end})
+        if self.writing and self.fc is not None:
+            self.writing = False
+            self.fc.written(self.disk.end(), epoch_cache(self.disk.log).last)
+            self.run()
         if self.driver is not None:
             self.driver.synced()
 
     def catch_up(self):
-        """Outside the ISR (as this node's view has it): catch up with the leader, JOIN."""
-        v = self.view
-        if (self.driver is not None or self.recon is not None or v is None
-                or self.id not in v.catchup or v.leader is None):
+        """A catch-up waiting for its retry goes now (as if its pause had passed)."""
+        if self.fc is None or self.retry_at is None:
             return False
-        self.held = []
-        self.start_recon(v.leader, None, "catchup")
+        self.retry_at = None
+        self.fc.retry()
+        self.run()
         return True
 
     def tick(self):
         w = self.w
-        if self.recon is not None and w.now > self.recon["deadline"]:
-            self.give_up("timeout")
+        fc = self.fc
+        if fc is not None:
+            for rid, deadline in list(self.requests.items()):
+                if w.now > deadline:
+                    del self.requests[rid]
+                    fc.request_failed(rid, "timeout")
+            if self.retry_at is not None and w.now >= self.retry_at:
+                self.retry_at = None
+                fc.retry()
+            self.run()
         d = self.driver
         if d is not None:
             if not d.stopped and w.now - self.refreshed > TTL - 1:
@@ -664,7 +636,6 @@ class Node:
             d.tick()
             if d.stopped:
                 self.driver = None
-                self.level = None
 
 
 class World:
@@ -797,10 +768,8 @@ class World:
                 d.receive(m)
             elif k == "EPOCH_END" or k == "FETCH":
                 self.send(node.id, m.src, "ERROR", {"rid": m.body["rid"]})
-        elif k in ("EPOCH", "DATA", "ERROR"):
+        elif k in ("EPOCH", "DATA", "ERROR", "JOINED", "JOIN_FAILED"):
             node.on_answer(m)
-        elif k in ("JOINED", "JOIN_FAILED"):
-            node.on_join_answer(m)
 
     def tick(self):
         self.now += 1
