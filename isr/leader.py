@@ -86,6 +86,7 @@ class LeaderLog:
         self._joins: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
+        self._followed = asyncio.Event()  # set while the core has followers: the ticker runs
         self._channels: dict | None = None
         self._channels_sent = 0.0
         self._commit_sent = 0.0
@@ -169,6 +170,8 @@ class LeaderLog:
         """Do the core's actions in order. An epoch change is awaited (set_epoch) before the
         actions after it: a publish taken after "writable" never carries the old epoch."""
         actions = self.core.take()
+        if self.core.followers:
+            self._followed.set()
         if not actions:
             return
         for node in self.core.followers:  # connected before the first push goes out
@@ -278,6 +281,7 @@ class LeaderLog:
                      isr=list(new.isr), epoch=new.epoch)
 
     def _link(self, node: str, held: bool = False) -> _Link:
+        self._followed.set()
         link = self.links.get(node)
         if link is None or held:
             link = self.links[node] = _Link(node, self.peers.get(node), held)
@@ -364,7 +368,13 @@ class LeaderLog:
         self._do()
 
     async def _tick(self) -> None:
+        """Every TICK while the core has followers (their timeouts, commit updates, channel
+        states); a leader alone in its ISR (a topic of one replica) has nothing to tick and
+        waits until a follower comes (a join, a state that lists one)."""
         while True:
+            if not self.core.followers:
+                self._followed.clear()
+                await self._followed.wait()
             await asyncio.sleep(TICK)
             now = time.monotonic()
             self.core.tick(now)

@@ -2,9 +2,9 @@
 
 Per topic: `partition_num` (how many partitions the topic has, cluster-wide), `leading`
 (the partitions this node leads: it opens them, takes their publishes and serves their
-channels), `ordered`, `replicas` (more than 1: each led partition's log is replicated, and
-takes publishes only while nsqd/replication.py says it is writable), and `ext` (more
-topic meta a cluster driver may carry). Single-node
+channels), `ordered`, and `ext` (more topic meta a cluster driver may carry). Whether a
+partition's log is replicated is the node's mode, not the topic's: every partition in
+cluster mode (NSQD.queue_options). Single-node
 mode: every topic is `Assignment.single()` unless made with `/topic/create?partition_num=N`
 (N partitions, all led here). The cluster driver calls `NSQD.apply_assignment` with what
 etcd says; the node stores it with the topic (metastore `topic/<name>` -> "assignment"),
@@ -32,7 +32,6 @@ class Assignment:
     partition_num: int
     leading: frozenset[int]
     ordered: bool = False
-    replicas: int = 1
     ext: dict = field(default_factory=dict, compare=False)
     incarnation: int = 0
 
@@ -43,8 +42,6 @@ class Assignment:
         bad = sorted(p for p in self.leading if not isinstance(p, int) or not 0 <= p < n)
         if bad:
             raise AssignmentError(f"leading partitions {bad} are outside 0..{n - 1}")
-        if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise AssignmentError(f"replicas must be at least 1, not {self.replicas!r}")
         if not isinstance(self.incarnation, int) or self.incarnation < 0:
             raise AssignmentError(f"incarnation must be 0 or more, not {self.incarnation!r}")
         object.__setattr__(self, "leading", frozenset(self.leading))
@@ -66,7 +63,7 @@ class Assignment:
 
     def state(self) -> dict:
         return {"partition_num": self.partition_num, "leading": sorted(self.leading),
-                "ordered": self.ordered, "replicas": self.replicas, "ext": dict(self.ext),
+                "ordered": self.ordered, "ext": dict(self.ext),
                 "incarnation": self.incarnation}
 
     @classmethod
@@ -75,5 +72,4 @@ class Assignment:
         if not state:
             return cls.single()
         return cls(state["partition_num"], frozenset(state["leading"]),
-                   bool(state.get("ordered", False)), int(state.get("replicas", 1)),
-                   dict(state.get("ext", {})), int(state.get("incarnation", 0)))
+                   bool(state.get("ordered", False)), dict(state.get("ext", {})), int(state.get("incarnation", 0)))

@@ -269,9 +269,10 @@ class Cluster:
         stale = {p for p in self.leader_keys.wanted if p[0] == name and p[1] not in named}
         if stale:
             await self.leader_keys.release(stale)
-        # One replica: nobody else can take over (the master never moves it), so it serves
-        # at once, its key written in the background (and while etcd is away, say, without
-        # it). More replicas: only with the key held.
+        # One replica: nobody else can take over (but a replica the master adds to move it,
+        # which joins the ISR first and then leads in an epoch of its own, fencing this
+        # one), so it serves at once, its key written in the background (and while etcd is
+        # away, say, without it). More replicas: only with the key held.
         single = tv.meta.replicas == 1
         if single:
             self.leader_keys.want({(name, n) for n in named})
@@ -291,11 +292,11 @@ class Cluster:
                                  "not held yet")
         await self.replication.release(name, follow)  # a followed log closes before it is led
         want = Assignment(tv.meta.partitions, frozenset(leading), tv.meta.ordered,
-                          tv.meta.replicas, incarnation=tv.incarnation)
+                          incarnation=tv.incarnation)
         topic = self.nsqd.topics.get(name)
         if topic is None or topic.assignment != want:
             topic = await self.nsqd.apply_assignment(name, want.partition_num, want.leading,
-                                                     want.ordered, replicas=want.replicas,
+                                                     want.ordered,
                                                      incarnation=want.incarnation)
         await self.nsqd.apply_topic_settings(
             topic, (tv.meta.sync_every, tv.meta.sync_timeout_ms), tv.meta.retention_ms or None,

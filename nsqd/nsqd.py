@@ -112,11 +112,15 @@ class NSQD:
 
     def queue_options(self, sync: tuple[int, int] | None = None) -> QueueOptions:
         """Options of a topic's partitions: the node's sync policy, or the topic's own
-        (`sync`: messages per sync, ms; see Topic.sync), and its commit timeout."""
+        (`sync`: messages per sync, ms; see Topic.sync), and its commit timeout. In cluster
+        mode every partition is a replicated log, whatever its replica count (one replica:
+        an ISR of its leader alone, which commits on its own write), so a replica can be
+        added to any partition and moved like any other."""
         o = self.options
         every, ms = sync or (o.sync_every, o.sync_timeout_ms)
         return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms),
-                            commit_timeout=o.commit_timeout_ms / 1000)
+                            commit_timeout=o.commit_timeout_ms / 1000,
+                            replicated=bool(o.etcd_endpoints))
 
     def channel_settings(self) -> dict:
         o = self.options
@@ -422,7 +426,7 @@ class NSQD:
 
     async def apply_assignment(self, name: str, partition_num: int, leading,
                                ordered: bool = False, ext: dict | None = None,
-                               replicas: int = 1, incarnation: int = 0) -> Topic:
+                               incarnation: int = 0) -> Topic:
         """Serve `leading` of the topic's `partition_num` partitions, without a restart (the
         cluster driver's call; tests call it in-process). A missing topic is made.
 
@@ -438,8 +442,8 @@ class NSQD:
         Runs under the create lock (no topic or channel create or delete meanwhile).
         Raises AssignmentError (bad numbers), NameError_, or StorageError when the
         metadata could not be stored (it stays pending: the next checkpoint retries)."""
-        assignment = Assignment(partition_num, frozenset(leading), ordered, replicas,
-                                dict(ext or {}), incarnation)
+        assignment = Assignment(partition_num, frozenset(leading), ordered, dict(ext or {}),
+                                incarnation)
         if not valid_topic_name(name):
             raise NameError_(name)
         async with self._create_lock:

@@ -1,8 +1,9 @@
 """Replication on this node (cluster mode): the host that isr's replication runs on.
 
-For every partition of a replicated topic (TopicMeta.replicas > 1) that the cluster's view
-gives this node, one of:
-- led here (the state names this node leader and it holds the partition's leader key):
+For every partition that the cluster's view gives this node (every one is a replicated
+log, a topic of one replica too: its ISR is its leader alone), one of:
+- led here (the state names this node leader and it holds the partition's leader key, or
+  the topic has one replica):
   the open Partition's log gets a `LeaderLog`, whose writer takes the partition's
   publishes (the Partition's `writer`, while it says `writable`) and pushes every batch
   to the in-sync followers;
@@ -214,7 +215,7 @@ class Replication:
         for n, s in tv.partitions.items():
             if s.leader == me and held_keys(n) and not self.gave_up(tv.name, n, s):
                 lead.add(n)
-            elif s.leader != me and (me in s.isr or me in s.catchup) and tv.meta.replicas > 1:
+            elif s.leader != me and (me in s.isr or me in s.catchup):
                 follow[n] = s
         return lead, follow
 

@@ -277,8 +277,7 @@ class Topic:
                              create: bool = False) -> str | None:
         """Open one partition (again): None when it serves, else the reason (in `failed`)."""
         path = os.path.join(self.path, str(number))
-        opts = dataclasses.replace(self.queue_options, partition=number,
-                                   replicated=self.assignment.replicas > 1)
+        opts = dataclasses.replace(self.queue_options, partition=number)
         try:
             if not create and not await asyncio.to_thread(os.path.isdir, path):
                 raise FileNotFoundError(f"{path}: the partition's folder is missing")
