@@ -12,8 +12,10 @@ partitions the busiest moves first (what evens the load factors most). A replica
 (balancer or drain) never leaves a partition's replicas less spread over racks (nsqd
 --rack: hosts by default) than it found them; a manual move is the operator's call.
 
-A partition is moved by the balancer only when its topic has 2+ replicas, its leader is
-live and holds its key, nothing is catching up, and its ISR is at least its replica count.
+A partition is moved by the balancer only when its leader is live and holds its key,
+nothing is catching up, and its ISR is at least its replica count. A topic of one replica
+moves like any other (every partition is a replicated log: the new replica catches up
+from the leader, joins, leads, and the old one leaves).
 
 Leaders are balanced at any time (`--leader-balance on`, the default, as Kafka's
 auto.leader.rebalance): moving a leader inside its ISR copies no data. Its hysteresis: a
@@ -32,8 +34,8 @@ Drain of a node (live, or dead and still named in partition states): every parti
 holds gets its replica moved to the live, non-draining node holding the fewest
 partitions that does not hold it (the leader is moved off first, inside the replica
 move; a dead node's partitions once failover gave them a live leader, and once the
-leader dropped it from the ISR). A partition that cannot move (one replica, no
-spare node, ISR incomplete) is retried every DRAIN_RETRY_S and listed in `stuck`. When the
+leader dropped it from the ISR). A partition that cannot move (no spare node, ISR
+incomplete, its only replica dead) is retried every DRAIN_RETRY_S and listed in `stuck`. When the
 node holds nothing, it is `removable` (shown in /cluster/stats). Drain states live in the
 master's memory: a new master forgets them (drain again: it is idempotent).
 """
@@ -99,8 +101,7 @@ class Plan:
 
 def movable(view: ClusterView, tv: TopicView, n: int) -> bool:
     s = tv.partitions[n]
-    return (tv.meta.replicas >= 2 and s.leader in view.nodes
-            and tv.leader_locks.get(n) == s.leader and not s.catchup
+    return (s.leader in view.nodes and tv.leader_locks.get(n) == s.leader and not s.catchup
             and len(s.isr) >= tv.meta.replicas)
 
 
@@ -193,9 +194,6 @@ def drain_move(view: ClusterView, node: str, draining: set[str]) -> tuple[Plan |
     for name, tv in sorted(view.topics.items()):
         for n, s in sorted(tv.partitions.items()):
             if node not in s.isr and node not in s.catchup:
-                continue
-            if tv.meta.replicas < 2:
-                stuck.append(f"{name}:{n}: one replica (not replicated, cannot move)")
                 continue
             others = [x for x in s.isr if x != node]
             if (s.leader not in view.nodes or tv.leader_locks.get(n) != s.leader

@@ -7,7 +7,8 @@ The steps, and why each is safe:
 1. `check_leader_move` (pure) refuses what must not move: an unknown topic or partition,
    a target that is not a live node or not in the ISR, the leader itself, a leader that
    is not live or does not hold its leader key (failover's business, or a move still
-   settling), a topic of one replica.
+   settling). (A topic of one replica has another ISR member only while a replica move
+   adds one: then its leader can move to it.)
 2. One compare-and-swap of the partition state on the revision the view showed: leader =
    target, epoch + 1, ISR unchanged. That write is the old leader's signal to stop: on
    seeing it, it takes no more publishes (E_FAILED_ON_NOT_WRITABLE / E_FAILED_ON_NOT_LEADER,
@@ -62,7 +63,7 @@ CATCHUP_S = 30.0  # longest a replica move waits for the new replica to join the
 CAS_TRIES = 10
 
 
-def _movable(view: ClusterView, topic: str, partition: int, to: str, unreplicated: str):
+def _movable(view: ClusterView, topic: str, partition: int, to: str):
     """(topic view, partition state) of a partition something may move to the live node
     `to`; else HTTPError (what both kinds of move refuse alike)."""
     tv = view.topics.get(topic)
@@ -72,8 +73,6 @@ def _movable(view: ClusterView, topic: str, partition: int, to: str, unreplicate
     if state is None:
         raise HTTPError(400, "BAD_PARTITION",
                         detail=f"partition {partition} not in 0..{tv.meta.partitions - 1}")
-    if tv.meta.replicas < 2:
-        raise HTTPError(409, "NOT_REPLICATED", detail=unreplicated)
     if to not in view.nodes:
         raise HTTPError(409, "NODE_NOT_LIVE", detail=f"{to} is not a live node")
     return tv, state
@@ -83,8 +82,7 @@ def check_leader_move(view: ClusterView, topic: str, partition: int,
                       to: str) -> tuple[PartitionState, PartitionState]:
     """Pure: (current state, state to write) of moving `topic`:`partition`'s leader to
     `to`, or HTTPError saying why not (404 unknown topic, 400 bad partition, 409 else)."""
-    tv, state = _movable(view, topic, partition, to,
-                         "a topic of one replica has no other node to lead it")
+    tv, state = _movable(view, topic, partition, to)
     if state.leader == to:
         raise HTTPError(409, "ALREADY_LEADER", detail=f"{to} leads it already")
     if to not in state.isr:
@@ -103,8 +101,7 @@ def check_replica_move(view: ClusterView, topic: str, partition: int, frm: str,
                        to: str) -> PartitionState:
     """Pure: the current state, if moving `topic`:`partition`'s replica from `frm` to `to`
     may start; else HTTPError (404 unknown topic, 400 bad partition, 409 else)."""
-    tv, state = _movable(view, topic, partition, to,
-                         "a topic of one replica is not replicated: nothing to copy from")
+    tv, state = _movable(view, topic, partition, to)
     if to in state.isr or to in state.catchup:
         raise HTTPError(409, "ALREADY_REPLICA", detail=f"{to} holds it already")
     if frm not in state.isr and frm not in state.catchup:

@@ -3,7 +3,8 @@ TTL 2 s), one cluster for the module:
 
 - load reports reach the master's /cluster/stats (rates of the partitions published to);
 - refusals of bad moves (unknown topic or partition, a target down or outside the ISR, a
-  topic of one replica, a balancer step outside --balance-window): 4xx JSON, nothing moved;
+  balancer step outside --balance-window): 4xx JSON, nothing moved;
+- a topic of one replica moved to another node under traffic, nothing lost;
 - leader transfers under keyed publishing and consuming: each partition unavailable < 2 s
   per move, >= 99% of publishes succeed, every acknowledged message consumed;
 - a transfer interrupted by kill -9 of the target or of the old leader ends with exactly
@@ -238,6 +239,8 @@ async def test_bad_moves_are_refused_and_move_nothing(cl):
     s = before[0]
     outside = next(n.tcp_address for n in cl.nsqds if n.tcp_address not in s.isr)
     follower = next(x for x in s.isr if x != s.leader)
+    solo = (await settled(cl, "solo"))[0]
+    not_solo = next(n.tcp_address for n in cl.nsqds if n.tcp_address != solo.leader)
     cases = [
         ("/partition/move_leader?partition=0&to=" + follower, 400, "MISSING_ARG_TOPIC"),
         ("/partition/move_leader?topic=bad&to=" + follower, 400, "MISSING_ARG_PARTITION"),
@@ -249,7 +252,7 @@ async def test_bad_moves_are_refused_and_move_nothing(cl):
         ("/partition/move_leader?topic=bad&partition=0&to=127.0.0.1:1", 409, "NODE_NOT_LIVE"),
         ("/partition/move_leader?topic=bad&partition=0&to=" + outside, 409, "NOT_IN_ISR"),
         ("/partition/move_leader?topic=bad&partition=0&to=" + s.leader, 409, "ALREADY_LEADER"),
-        ("/partition/move_leader?topic=solo&partition=0&to=" + follower, 409, "NOT_REPLICATED"),
+        ("/partition/move_leader?topic=solo&partition=0&to=" + not_solo, 409, "NOT_IN_ISR"),
         (f"/partition/move_replica?topic=bad&partition=0&from={s.leader}&to={follower}", 409,
          "ALREADY_REPLICA"),
         (f"/partition/move_replica?topic=bad&partition=0&from={outside}&to={outside}", 409,
@@ -265,6 +268,32 @@ async def test_bad_moves_are_refused_and_move_nothing(cl):
         assert got[0] == status and got[1].get("message") == code, (path, got)
     assert (await cl.states("bad")) == before  # nothing moved
     assert http_json("GET", lookupd(cl) + "/partition/move_leader")[0] == 405
+
+
+async def test_a_topic_of_one_replica_moves_under_traffic(cl):
+    """Issue 29 item 1: a topic of one replica moves to another node like any other (every
+    partition is a replicated log, its ISR the leader alone): the new replica catches up,
+    joins, leads, and the old one leaves, under keyed publishing and consuming; nothing
+    acknowledged is lost."""
+    make_topic(cl, "one", 1, 1)
+    s = (await settled(cl, "one"))[0]
+    to = next(n.tcp_address for n in cl.nsqds if n.tcp_address != s.leader)
+    load = await Load(cl, "one", 1).read(cl)
+    await until(lambda: len(load.acked) > 200, 20, "publishing")
+    status, body = post(cl, f"/partition/move_replica?topic=one&partition=0&from={s.leader}"
+                            f"&to={to}")
+    assert status == 200 and body["leader_move"], body
+    after = (await cl.states("one"))[0]
+    assert after.leader == to and after.isr == (to,) and not after.catchup, after
+    await until(lambda: node_led(cl, cl.nsqd_at(to), "one") == {0}, 10, f"{to} leads it")
+    moved_at = len(load.acked)
+    await until(lambda: len(load.acked) > moved_at + 200, 20, "publishing after the move")
+    await load.stop()
+    assert not node_led(cl, cl.nsqd_at(s.leader), "one")
+    load.check_success()
+    await check_nothing_lost(cl, load)
+    print(f"one replica moved {s.leader} -> {to} in {body['took_ms']} ms; "
+          f"acked {len(load.acked)}, failed {load.failed}")
 
 
 async def test_a_replica_move_to_a_node_that_died_ends_with_its_lease(tmp_path):
@@ -387,7 +416,8 @@ def add_nsqd(cl: Cluster) -> NsqdProcess:
 
 
 async def test_drain_under_traffic_moves_everything_off(cl):
-    assert post(cl, "/topic/delete?topic=solo")[0] == 200  # one replica: could never move
+    for topic in ("solo", "one"):  # not in the counts the tests below check
+        assert post(cl, f"/topic/delete?topic={topic}")[0] == 200
     make_topic(cl, "dr", 6, 2)
     await settled(cl, "dr")
     # fully skewed for the next test: every leader of "sk" on one node, moved by hand

@@ -196,8 +196,15 @@ def test_the_balancer_never_moves_an_incomplete_partition():
     v = view({A, B, C}, {"t": (2, [PartitionState(leader=A, isr=(A, B), epoch=1)] * 4)},
              locks=False)  # leaders without their keys: not settled
     assert next_move(v, set(), 1) is None
-    v = view({A, B, C}, {"t": (1, [PartitionState(leader=A, isr=(A,), epoch=1)] * 4)})
-    assert next_move(v, set(), 1) is None  # one replica: nothing to move to
+
+
+def test_a_topic_of_one_replica_is_evened_like_any_other():
+    """Every partition is a replicated log, one replica too: its replica moves (issue 29)."""
+    v = view({A, B, C}, {"t": (1, [PartitionState(leader=A, isr=(A,), epoch=1)] * 6)})
+    end, moves = run_balancer(v)
+    assert moves and all(m.kind == "replica" and m.frm == A for m in moves)
+    held, led = counts(end, [A, B, C])
+    assert held == led == {A: 2, B: 2, C: 2}
 
 
 def test_tolerance_and_draining_nodes():
@@ -226,8 +233,9 @@ def test_drain_moves_everything_off_then_nothing():
     assert stuck == []
     held, led = counts(v, nodes)
     assert held[A] == 0 and led[A] == 0 and moved == 9
-    _, stuck = drain_move(v, B, {A, B})
-    assert stuck == ["one:0: one replica (not replicated, cannot move)"]
+    plan, stuck = drain_move(v, B, {A, B})  # one replica moves too
+    assert plan.kind == "replica" and (plan.topic, plan.frm) == ("one", B), plan
+    assert plan.to in (C, D) and stuck == [], (plan, stuck)
 
 
 def test_drain_without_a_spare_node_moves_the_leader_and_says_why():
@@ -253,7 +261,7 @@ def test_leader_move_refusals():
                          "one": (1, [PartitionState(leader=A, isr=(A,), epoch=1)])})
     assert refused(check_leader_move, v, "nope", 0, B) == (404, "TOPIC_NOT_FOUND")
     assert refused(check_leader_move, v, "t", 1, B) == (400, "BAD_PARTITION")
-    assert refused(check_leader_move, v, "one", 0, B) == (409, "NOT_REPLICATED")
+    assert refused(check_leader_move, v, "one", 0, B) == (409, "NOT_IN_ISR")
     assert refused(check_leader_move, v, "t", 0, D) == (409, "NODE_NOT_LIVE")
     assert refused(check_leader_move, v, "t", 0, A) == (409, "ALREADY_LEADER")
     assert refused(check_leader_move, v, "t", 0, C) == (409, "NOT_IN_ISR")
