@@ -289,19 +289,30 @@ class FollowerLog:
             self._run()
         self._spawn(job())
 
-    def _truncate(self, pos) -> None:
+    def _log_job(self, op, done, counted: str | None = None) -> None:
+        """Run the log job `op()` (a coroutine function), then tell the core by `done(end,
+        last_epoch[, error])`; `counted`: the stat it adds to when it succeeds."""
         async def job():
-            log.info("follower_truncate", topic=self.topic, partition=self.partition,
-                     end=list(self.end), to=list(pos))
             try:
-                await self.q.truncate_to(*pos)
-            except Exception as e:  # noqa: BLE001 - the core refuses the rounds
-                self.core.truncated(self.end, self.q.last_epoch, e)
+                await op()
+            except Exception as e:  # noqa: BLE001 - the core decides what a failure means
+                log.info("follower_log_job_failed", topic=self.topic, partition=self.partition,
+                         job=op.__name__, error=repr(e))
+                done(self.end, self.q.last_epoch, e)
             else:
-                self.stats["truncations"] += 1
-                self.core.truncated(self.end, self.q.last_epoch)
+                if counted:
+                    self.stats[counted] += 1
+                done(self.end, self.q.last_epoch)
             self._run()
         self._spawn(job())
+
+    def _truncate(self, pos) -> None:
+        log.info("follower_truncate", topic=self.topic, partition=self.partition,
+                 end=list(self.end), to=list(pos))
+
+        async def truncate():
+            await self.q.truncate_to(*pos)
+        self._log_job(truncate, self.core.truncated, "truncations")
 
     def _fetch(self, rid: int, leader: str, epoch: int, pos) -> None:
         async def job():
@@ -320,38 +331,23 @@ class FollowerLog:
 
     def _append_fetched(self, rid: int) -> None:
         chunk, self._chunk = self._chunk, None
-
-        async def job():
-            h, payload = chunk[1].header, chunk[1].payload
-            n = h["n"] * wire.ENTRY_SIZE
-            try:
-                await self.q.append_raw(h["offset"], h["count"], payload[:n], payload[n:])
-            except Exception as e:  # noqa: BLE001 - the catch-up starts again
-                log.info("follower_fetched_refused", topic=self.topic,
-                         partition=self.partition, error=repr(e))
-                self.core.written(self.end, self.q.last_epoch, e)
-            else:
-                self.core.written(self.end, self.q.last_epoch)
-            self._run()
-
         if chunk is None or chunk[0] != rid:  # (never: the core asks for the chunk it has)
             self.core.written(self.end, self.q.last_epoch, ValueError("no fetched chunk"))
             return
-        self._spawn(job())
+        h, payload = chunk[1].header, chunk[1].payload
+        n = h["n"] * wire.ENTRY_SIZE
+
+        async def append_fetched():
+            await self.q.append_raw(h["offset"], h["count"], payload[:n], payload[n:])
+        self._log_job(append_fetched, self.core.written)
 
     def _restart(self, start) -> None:
-        async def job():
-            log.warning("follower_restarting_at_leader_start", topic=self.topic,
-                        partition=self.partition, end=list(self.end), start=list(start))
-            try:
-                await self.q.restart_at(*start)
-            except Exception as e:  # noqa: BLE001 - the catch-up starts again
-                self.core.restarted(self.end, self.q.last_epoch, e)
-            else:
-                self.stats["restarts"] += 1
-                self.core.restarted(self.end, self.q.last_epoch)
-            self._run()
-        self._spawn(job())
+        log.warning("follower_restarting_at_leader_start", topic=self.topic,
+                    partition=self.partition, end=list(self.end), start=list(start))
+
+        async def restart():
+            await self.q.restart_at(*start)
+        self._log_job(restart, self.core.restarted, "restarts")
 
     def _join(self, rid: int, leader: str, epoch: int, pos) -> None:
         async def job():
