@@ -41,6 +41,7 @@ E_NOT_LEADER = "E_FAILED_ON_NOT_LEADER"
 E_NOT_WRITABLE = "E_FAILED_ON_NOT_WRITABLE"
 E_UNKNOWN = "E_OUTCOME_UNKNOWN"  # written (or maybe): NotCommitted
 E_FAILED = "E_PUB_FAILED"
+_waiting: set[asyncio.Task] = set()  # serve()'s publishes waiting for a leadership to start
 
 
 class Forwarded(NamedTuple):
@@ -131,11 +132,22 @@ def serve(nsqd, header: dict, payload: bytes, answer) -> None:
                                "offset": appended.offset, "end_offset": appended.end_offset},
                 b""))
 
-    try:
-        topic.publish(req.bodies, partition, req.ext, trace_id=req.trace_id,
-                      trace_ids=req.trace_ids, exts=req.exts, callback=written)
-    except Exception as e:  # refused at once: not led, not writable, a message too big
-        answer(_refused(e, partition))
+    def publish() -> None:
+        try:
+            topic.publish(req.bodies, partition, req.ext, trace_id=req.trace_id,
+                          trace_ids=req.trace_ids, exts=req.exts, callback=written)
+        except Exception as e:  # refused at once: not led, not writable, a message too big
+            answer(_refused(e, partition))
+
+    if not topic.starting(partition):
+        publish()
+        return
+
+    async def when_led() -> None:  # a leadership here still starting (rare): bounded
+        await nsqd.until_led(topic, partition)
+        publish()
+    _waiting.add(task := asyncio.get_running_loop().create_task(when_led()))
+    task.add_done_callback(_waiting.discard)
 
 
 def _refused(e: Exception, partition: int) -> tuple[Kind, dict, bytes]:

@@ -170,6 +170,8 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
     topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return
+    if topic.starting(partition):
+        await nsqd.until_led(topic, partition)
     forwarder = nsqd.cluster.forwarder if nsqd.cluster is not None else None
     try:
         try:

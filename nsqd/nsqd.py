@@ -263,6 +263,18 @@ class NSQD:
                 topic = await self._create_topic(name, Assignment.single())
         return topic
 
+    async def until_led(self, topic: Topic, partition: int | None) -> None:
+        """Wait, at most the commit timeout, while a publish to `partition` (None: any)
+        finds no writable partition only because a leadership here is starting (a topic
+        just made, a partition just taken over: Topic.starting); at once before a cluster
+        node applied a view of etcd (etcd away at start: no leadership is on its way)."""
+        if self.cluster is not None and not self.cluster.first_applied.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.commit_timeout_ms / 1000
+        while topic.starting(partition) and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+
     async def create_topic(self, name: str, partition_num: int | None = None,
                            ordered: bool = False) -> Topic:
         """POST /topic/create: the topic with `partition_num` partitions, all led here

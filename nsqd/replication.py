@@ -371,7 +371,7 @@ class _Led:
     acknowledges goes on committing (no leader can be elected meanwhile, and one elected
     from its ISR after fences it: issue 28 item 10)."""
 
-    __slots__ = ("leader", "append", "save_channel", "push_channel")
+    __slots__ = ("append", "leader", "push_channel", "save_channel")
 
     def __init__(self, leader: LeaderLog, replication: Replication):
         self.leader = leader
@@ -382,6 +382,11 @@ class _Led:
     @property
     def writable(self) -> bool:
         return self.leader.writable and self.leader.q.failed is None
+
+    @property
+    def starting(self) -> bool:
+        """Taking this leadership's epoch (publishes may wait for it: NSQD.until_led)."""
+        return not self.leader.closed and not self.leader.epoch
 
     @property
     def reason(self) -> str:

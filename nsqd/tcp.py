@@ -349,12 +349,12 @@ class ClientConnection(asyncio.Protocol):
 
     # ---- publishing: one path for PUB, MPUB, DPUB, PUB_EXT, MPUB_EXT -----
 
-    def _publish(self, cmd, fresh_auth: bool = False) -> bool:
+    def _publish(self, cmd, fresh_auth: bool = False, waited: bool = False) -> bool:
         """Every publish: the rules (TLS, auth, the topic), then one write request to the
         partition's log through Topic.publish (HTTP's too), written whole or not at all;
         its callback answers, in command order. Returns False, having appended nothing,
-        when an await must come first (a missing topic, an authorization whose ttl passed):
-        see `_publish_after`."""
+        when an await must come first (a missing topic, an authorization whose ttl passed,
+        a leadership here still starting, unless `waited` for it): see `_publish_after`."""
         command = _PUBLISH[type(cmd)]
         nsqd = self.nsqd
         o = nsqd.options
@@ -401,6 +401,8 @@ class ClientConnection(asyncio.Protocol):
             forwarder.send(cmd.topic, PublishRequest(bodies, extension, trace_id, trace_ids, exts),
                            self.client.remote_address, functools.partial(self._published, slot))
         except (PartitionNotFound, NotWritable) as e:
+            if not waited and topic.starting(cmd.partition):
+                return False
             raise tcp_error(command, e, cmd.partition) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
@@ -411,9 +413,9 @@ class ClientConnection(asyncio.Protocol):
 
     async def _publish_after(self, cmd) -> None:
         """What a publish awaits before `_publish` can take it: a cluster node's first view
-        of etcd (NSQD.serving), the auth server asked again, the topic made. Later commands
-        wait meanwhile."""
-        fresh_auth = False
+        of etcd (NSQD.serving), the auth server asked again, the topic made, its leadership
+        here started (bounded: NSQD.until_led). Later commands wait meanwhile."""
+        fresh_auth = waited = False
         while True:
             if not self.nsqd.serving.is_set():
                 await self.nsqd.serving.wait()
@@ -431,7 +433,10 @@ class ClientConnection(asyncio.Protocol):
                     raise errors.publish_failed(_PUBLISH[type(cmd)], str(e)) from None
                 if topic is None:  # --disable-auto-create
                     raise errors.topic_not_exist(cmd.topic, _PUBLISH[type(cmd)])
-            if self._publish(cmd, fresh_auth):
+            elif not waited and (topic := self.nsqd.topics[cmd.topic]).starting(cmd.partition):
+                await self.nsqd.until_led(topic, cmd.partition)
+                waited = True
+            if self._publish(cmd, fresh_auth, waited):
                 return
 
     def _published(self, slot: list, appended, exc) -> None:

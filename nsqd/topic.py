@@ -97,6 +97,7 @@ class Solo:
 
     __slots__ = ("append",)
     writable = True  # while open: a failed log's append raises why (answered as StorageError)
+    starting = False
     reason = ""
 
     def __init__(self, queue: DiskQueue):
@@ -111,13 +112,15 @@ class Solo:
 
 class NotLed:
     """The writer of a replicated partition while this node does not lead it (its
-    replication is starting, or stopping): takes no publish and no channel state."""
+    replication is starting, or stopping): takes no publish and no channel state.
+    `starting`: its leadership is on its way (a publish may wait for it: NSQD.until_led)."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "starting")
     writable = False
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, starting: bool = False):
         self.reason = reason
+        self.starting = starting
 
     def save_channel(self, channel: Channel, state: dict) -> None:
         """Kept on this node only: the partition's leader sends its own."""
@@ -127,7 +130,7 @@ class NotLed:
                                    f"{self.reason}")
 
 
-STARTING = NotLed("its replication is starting")
+STARTING = NotLed("its replication is starting", starting=True)
 
 
 class Partition:
@@ -421,6 +424,16 @@ class Topic:
                                       trace_ids=trace_ids, exts=exts)
         if callback is None:
             return self._counted(appended, bodies, trace_id, trace_ids, source)
+
+    def starting(self, partition: int | None) -> bool:
+        """Whether a publish to `partition` (None: any) finds no writable partition only
+        because a leadership here is starting (its writer not in place, or its epoch being
+        taken): worth waiting for."""
+        if partition is not None:
+            p = self.writable.get(partition)
+            return p is not None and not p.writable and p.writer.starting
+        return (not any(p.writable for p in self._spread)
+                and any(p.writer.starting for p in self._spread))
 
     def _writable_after(self, refused: Partition) -> Partition:
         """A publish without a partition whose round-robin pick is not writable: the next

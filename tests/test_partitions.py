@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -306,6 +307,36 @@ async def test_a_sub_answered_during_a_takeover_joins_the_channel_made_after_it(
     m.fin()
     for conn in (pub, consumer):
         await conn.close()
+
+
+async def test_a_publish_waits_while_its_partitions_leadership_starts(node):
+    """A partition whose leadership here is starting (in cluster mode: its writer not in
+    place yet, or its epoch being taken; set here as the replication driver sets it) holds
+    a PUB (TCP and HTTP, named partition or any) until it is led, then writes it; past
+    the commit timeout the publish is refused E_FAILED_ON_NOT_WRITABLE, not left waiting.
+    (A topic of one replica is a replicated log in cluster mode: a publish right after it
+    was made, or taken over, was refused in that window.)"""
+    from nsqd.topic import NotLed, Solo
+    n = await node(commit_timeout_ms=1500)
+    await n.apply_assignment("t", 2, {0, 1})
+    parts = n.topics["t"].partitions
+    for p in parts.values():
+        p.writer = NotLed("test: its leadership is starting", starting=True)
+    conn = await connect(n)
+    named = asyncio.ensure_future(conn.command(c.cmd_pub("t", b"named", 1)))
+    anyone = asyncio.ensure_future(post(n, "/pub?topic=t", b"any"))
+    await asyncio.sleep(0.3)
+    assert not named.done() and not anyone.done()
+    for p in parts.values():
+        p.writer = Solo(p.queue)
+    assert await asyncio.wait_for(named, 5) == b"OK"
+    assert await asyncio.wait_for(anyone, 5) == (200, "OK")
+    parts[0].writer = NotLed("test: its leadership is starting", starting=True)
+    started = time.monotonic()
+    with pytest.raises(NSQError, match="E_FAILED_ON_NOT_WRITABLE"):
+        await conn.command(c.cmd_pub("t", b"never", 0))
+    assert 1.4 < time.monotonic() - started < 5
+    assert await conn.command(c.cmd_pub("t", b"other", 1)) == b"OK"  # not fatal
 
 
 async def test_assignment_survives_restart(node, tmp_path):
