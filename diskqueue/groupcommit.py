@@ -6,8 +6,8 @@ batches. A durable queue hands its next batch over while one is in flight (encod
 place after it), so the worker goes from one sync straight to the next write; a batch is
 written only where it was encoded for, never after a failed sync. A batch given whole
 (`DiskQueue.write_batch`, a leader's) may be announced when it is encoded, before it is
-written: its place is then never given to another batch (a failed write fails the queue),
-and it is never handed over ahead.
+written: once its announce says it went out (others may hold it), its place is never given
+to another batch (a failed write fails the queue); it is never handed over ahead.
 Invariants and figures: diskqueue/README.md ("Workers", "The commitlog lags the data").
 """
 
@@ -54,7 +54,8 @@ class Appended(NamedTuple):
 
 
 class _Batch:
-    __slots__ = ("requests", "bytes", "count", "ahead", "deadline", "announce", "done")
+    __slots__ = ("ahead", "announce", "bytes", "count", "deadline", "done", "pushed",
+                 "requests")
 
     def __init__(self, announce=None, done=None):
         self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
@@ -63,6 +64,7 @@ class _Batch:
         self.ahead = False  # handed over while another batch was in flight
         self.deadline = 0.0  # loop time by which its requests are answered (commit_timeout)
         self.announce = announce  # fn(offset, count, entries, n_entries, data, epoch), encoded
+        self.pushed = False  # its announce said it went out: others may hold it
         self.done = done  # fn(results, error) once for the whole batch (its requests: no waiter)
 
 
@@ -154,8 +156,10 @@ class GroupCommit:
         self._ahead = (end + len(data), seq, log_id + len(results), ts)
         if batch.announce is not None:
             try:
-                batch.announce(end, count, clog, len(results), data, self.epoch)
+                batch.pushed = bool(batch.announce(end, count, clog, len(results), data,
+                                                   self.epoch))
             except Exception:  # the announcer's bug must never stop the writer
+                batch.pushed = True  # it may have gone out before it raised
                 log.exception("announce_failed", path=self.path)
         return True
 
@@ -326,7 +330,7 @@ class GroupCommit:
         if error is _STALE:  # the loop's view and the files disagree: never write over them
             error = _Unrecoverable("the log's files are not where the writer expected them")
         if error is not None:
-            announced = batch.announce is not None
+            announced = batch.pushed
             err = self._batch_error(error, announced)
             if announced:  # the followers may hold it, and a new leader may commit it
                 err = NotCommitted(f"not written here ({err}): it may still be delivered")

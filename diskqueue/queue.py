@@ -299,9 +299,11 @@ class DiskQueue(GroupCommit, Replicated):
         """Write `requests` (each from `request`) as one batch of their own, in the order
         given, after what is queued before it: `announce(offset, count, entries, n_entries,
         data, epoch)` is called when it is encoded, before it is written (a leader pushes
-        it); `done(results, error)` once it is written (one Appended per request) or failed
-        (an announced batch that failed to write fails the queue: its place is never
-        reused). Raises QueueClosedError or the queue's failure at once."""
+        it), and returns whether it went out (others may hold it); `done(results, error)`
+        once it is written (one Appended per request) or failed (a batch that went out and
+        failed to write fails the queue: its place is never reused; one that went nowhere
+        fails alone, as an append does). Raises QueueClosedError or the queue's failure at
+        once."""
         if self._closing:
             raise QueueClosedError(self.path)
         if self.failed is not None:

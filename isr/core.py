@@ -208,6 +208,13 @@ class LeaderCore:
         self.pushed = tuple(end)
         return [f.node for f in self.followers.values() if not f.failed]
 
+    def unwritten(self, start: Pos) -> None:
+        """The last batch handed to the disk, which went to no follower, was not written (a
+        full disk): the log goes on from `start`, as if it had never been pushed."""
+        if self.stopped is None and self.written <= tuple(start) <= self.pushed:
+            self.pushed = tuple(start)
+            self.epochs.truncate(start)
+
     def written_to(self, end: Pos) -> Pos | None:
         """The local log is written (and synced as the policy says) up to `end`."""
         self.written = max(self.written, tuple(end))

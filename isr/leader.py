@@ -79,7 +79,8 @@ class LeaderLog:
                                written=(q.written_end, q.written_count), epochs=EpochCache(),
                                repl_timeout=repl_timeout)
         self.core.committed = (q.committed_end, q.committed_count)
-        self.writer = LeaderWriter(q, self._on_batch, self._on_written)
+        self.writer = LeaderWriter(q, self._on_batch, self._on_written, self._on_unwritten)
+        self._last_batch: tuple[tuple[int, int], bool] | None = None  # (start, went out)
         self.links: dict[str, _Link] = {}
         self._backlog: collections.deque = collections.deque()  # actions waiting their turn
         self._runner: asyncio.Task | None = None
@@ -308,12 +309,14 @@ class LeaderLog:
 
     # ---- the push path ----
 
-    def _on_batch(self, offset, count, entries, n_entries, data, epoch) -> None:
+    def _on_batch(self, offset, count, entries, n_entries, data, epoch) -> bool:
+        """A batch as the log encodes it: pushed to the followers. Whether it went out."""
         end = batch_end(offset, count, entries)
         nodes = self.core.pushed_batch((offset, count), end, epoch)
+        self._last_batch = ((offset, count), bool(nodes))
         if nodes is None:
             self._do()
-            return
+            return False
         header = {**self._base, "epoch": self.core.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
                   "crc": zlib.crc32(data), "commit": list(self.core.committed)}
@@ -321,6 +324,14 @@ class LeaderLog:
         payload = (entries, data)
         for node in nodes:
             self._push(self._link(node), header, payload, head)
+        return bool(nodes)
+
+    def _on_unwritten(self) -> None:
+        """The last batch failed to be written here: when it went to no follower (a leader
+        alone in its ISR), the log goes on from its start (a full disk refuses publishes
+        until there is room, as an unreplicated log does); else the log failed for good."""
+        if self._last_batch is not None and not self._last_batch[1]:
+            self.core.unwritten(self._last_batch[0])
 
     def _on_written(self, end: tuple[int, int]) -> None:
         low = self.core.written_to(end)

@@ -55,13 +55,15 @@ class _InReplication:
 
 class LeaderWriter:
     """Takes a led partition's publishes (see the module docstring). `push(offset, count,
-    entries, n_entries, data, epoch)` is called with each batch as it is encoded;
-    `written(end)` once it is written here, with its (end offset, count)."""
+    entries, n_entries, data, epoch)` is called with each batch as it is encoded, and says
+    whether it went out; `written(end)` once it is written here, with its (end offset,
+    count); `unwritten()` when it failed to be written."""
 
-    def __init__(self, q, push, written):
+    def __init__(self, q, push, written, unwritten):
         self.q = q
         self._push = push
         self._written = written
+        self._unwritten = unwritten
         self._loop = asyncio.get_running_loop()
         self._timeout = q.options.commit_timeout
         self.solo = False  # the core commits on the local write alone: no linger
@@ -139,6 +141,7 @@ class LeaderWriter:
         log, and `error` says it may still be delivered)."""
         if error is not None:
             batch.answer(None, error)
+            self._unwritten()
             if batch is self._batch:
                 self._batch = None
             if self.q.failed is not None:

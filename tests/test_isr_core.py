@@ -185,3 +185,19 @@ def test_a_join_asked_again_while_it_waits_behind_a_shrink_keeps_the_joiner_coun
     assert not core.solo and C in core.counted
     assert core.written_to((100, 1)) is None  # waits for C's ACK
     assert core.acked(C, (100, 1)) == (100, 1)
+
+
+def test_a_batch_that_went_to_no_follower_and_was_not_written_is_taken_back():
+    """A leader alone in its ISR (a topic of one replica) whose batch failed to be written
+    (a full disk) goes on from that batch's start: the next batch is pushed there, and the
+    leadership goes on. A batch that went out is never taken back: the next one, behind
+    what was pushed, stops the leadership."""
+    core = take_epoch(leader(isr=(A,), min_isr=1))
+    epoch = core.epoch
+    assert core.pushed_batch((0, 0), (10, 1), epoch) == []
+    assert core.written_to((10, 1)) == (10, 1)
+    assert core.pushed_batch((10, 1), (20, 2), epoch) == []
+    core.unwritten((10, 1))
+    assert core.pushed_batch((10, 1), (30, 3), epoch) == [] and core.stopped is None
+    core.pushed_batch((30, 3), (40, 4), epoch)
+    assert core.pushed_batch((30, 3), (50, 5), epoch) is None and core.stopped

@@ -10,7 +10,7 @@ import time
 import pytest
 from test_diskqueue import body, read_all, small_disk  # noqa: F401 (a fixture)
 
-from diskqueue.queue import (AppendError, CommitTimeout, DiskQueue, NotCommitted,
+from diskqueue.queue import (AppendError, CommitTimeout, DiskFullError, DiskQueue, NotCommitted,
                              QueueClosedError, QueueFailedError, QueueOptions)
 from isr import writer as writer_module
 from isr.writer import LeaderWriter
@@ -18,16 +18,26 @@ from isr.writer import LeaderWriter
 
 class Leader:
     """A LeaderWriter over a replicated DiskQueue: `pushed` holds each batch as the log
-    encoded it, `written` each written end; nothing commits unless the test says so
-    (`commit`), as when no follower has acked, or `solo` is set (a commit on each write,
-    as the core makes when the ISR is the leader alone)."""
+    encoded it (said to go out unless `went_out` is False: no follower), `written` each
+    written end, `unwritten` counts the batches that failed; nothing commits unless the
+    test says so (`commit`), as when no follower has acked, or `solo` is set (a commit on
+    each write, as the core makes when the ISR is the leader alone)."""
 
     def __init__(self, q):
         self.q = q
         self.pushed: list = []
         self.written: list = []
+        self.unwritten = 0
         self.solo = False
-        self.w = LeaderWriter(q, lambda *batch: self.pushed.append(batch), self._written)
+        self.went_out = True
+        self.w = LeaderWriter(q, self._push, self._written, self._unwritten)
+
+    def _push(self, *batch) -> bool:
+        self.pushed.append(batch)
+        return self.went_out
+
+    def _unwritten(self) -> None:
+        self.unwritten += 1
 
     def _written(self, end) -> None:
         self.written.append(end)
@@ -253,3 +263,22 @@ async def test_a_batch_pushed_and_not_written_here_fails_the_log(small_disk, lea
     assert len(lw.pushed) == i + 1 and lw.q.written_count == i
     with pytest.raises(QueueFailedError):
         lw.w.append([b"x"])
+
+
+async def test_a_batch_that_went_nowhere_and_was_not_written_fails_alone(small_disk, leader):  # noqa: F811
+    """A leader alone in its ISR (a topic of one replica) pushed its batch to nobody: a full
+    disk refuses that batch (nothing of it stored) and the log goes on once there is room,
+    as an unreplicated log does."""
+    lw = await leader(path=small_disk / "leader")
+    lw.w.set_solo(True)
+    lw.solo = True
+    lw.went_out = False
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(os.urandom(1024 * 1024))
+    with pytest.raises(DiskFullError):
+        for i in range(20):
+            await lw.w.append([os.urandom(100_000)])
+    assert lw.q.failed is None and lw.unwritten == 1 and lw.q.written_count == i
+    ballast.unlink()
+    assert (await lw.w.append([b"after"])).first_id == i  # the refused batch took no id
+    assert lw.q.written_count == i + 1
