@@ -122,6 +122,11 @@ class LeaderLog:
         return self.core.epoch
 
     @property
+    def followed(self) -> bool:
+        """Whether it has followers (ISR members, joiners) to push to."""
+        return bool(self.core.followers)
+
+    @property
     def closed(self) -> bool:
         """Closed for good: stepped down, a newer epoch seen, a local write failed, or close()."""
         return self._closed or self.core.stopped is not None

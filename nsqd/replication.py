@@ -139,8 +139,11 @@ class Replication:
 
     def channel_stored(self, channel, state: dict) -> None:
         """A checkpoint of a channel led here: its followers get it (batched, async), with
-        the first messages its delay store holds listed (handover.replica_of)."""
-        if (channel.topic_name, channel.partition) in self.leaders:
+        the first messages its delay store holds listed (handover.replica_of). A leader
+        with no follower (a topic of one replica) sends nothing: a joiner gets every
+        channel's state before it enters the ISR (LeaderLog._send_every_channel)."""
+        leader = self.leaders.get((channel.topic_name, channel.partition))
+        if leader is not None and leader.followed:
             self._outbox[channel] = state
             if self._sender is None or self._sender.done():
                 self._sender = asyncio.get_running_loop().create_task(self._send_states())
