@@ -72,4 +72,5 @@ class Assignment:
         if not state:
             return cls.single()
         return cls(state["partition_num"], frozenset(state["leading"]),
-                   bool(state.get("ordered", False)), dict(state.get("ext", {})), int(state.get("incarnation", 0)))
+                   bool(state.get("ordered", False)), dict(state.get("ext", {})),
+                   int(state.get("incarnation", 0)))
