@@ -319,8 +319,9 @@ class LeaderLog:
         end = batch_end(offset, count, entries)
         nodes = self.core.pushed_batch((offset, count), end, epoch)
         self._last_batch = ((offset, count), bool(nodes))
-        if nodes is None:
-            self._do()
+        if not nodes:  # None: stopped; []: alone in its ISR (no header, no checksum to make)
+            if nodes is None:
+                self._do()
             return False
         header = {**self._base, "epoch": self.core.epoch, "leader": self.host.node_id,
                   "offset": offset, "count": count, "n": n_entries, "data_len": len(data),
@@ -329,7 +330,7 @@ class LeaderLog:
         payload = (entries, data)
         for node in nodes:
             self._push(self._link(node), header, payload, head)
-        return bool(nodes)
+        return True
 
     def _on_unwritten(self) -> None:
         """The last batch failed to be written here: when it went to no follower (a leader
