@@ -52,7 +52,8 @@ class Step(NamedTuple):
     """What the follower's driver does: kind and its arguments.
 
     - ("answer", pushes, result): answer each push; result ("ack", end), ("stale", fence),
-      ("gap", end), ("failed", reason, end) or ("error", exception, end) (the log's);
+      ("gap", end), ("failed", reason, end), ("error", exception, end) (the log's) or
+      ("closed",) (this replica closed);
     - ("commit", pos): readers may see the log up to `pos` (never past its written end);
     - ("append", pushes): append the pushes' entries as one batch; answer `written`;
     - ("fence", epoch): persist `epoch` as the fence; answer `fenced`;
@@ -132,7 +133,10 @@ class FollowerCore:
 
     def push(self, p: Push) -> None:
         """A PUSH arrived (in arrival order)."""
-        if p.epoch < self.fence or self.closed:
+        if self.closed:
+            self._do("answer", (p,), ("closed",))
+            return
+        if p.epoch < self.fence:
             self._do("answer", (p,), ("stale", self.fence))
             return
         self.pending.append(p)
@@ -425,13 +429,13 @@ class FollowerCore:
     # ---- closing ----
 
     def close(self) -> None:
-        """Take nothing more: what waits is answered stale."""
+        """Take nothing more: what waits is answered ("closed",)."""
         self.closed = True
         self.catchup = None
         self.rounds = None
         pending, self.pending = tuple(self.pending), deque()
         if pending:
-            self._do("answer", pending, ("stale", self.fence))
+            self._do("answer", pending, ("closed",))
 
 
 def _continues(a: Push, b: Push) -> bool:
