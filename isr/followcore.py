@@ -52,8 +52,7 @@ class Step(NamedTuple):
     """What the follower's driver does: kind and its arguments.
 
     - ("answer", pushes, result): answer each push; result ("ack", end), ("stale", fence),
-      ("gap", end), ("failed", reason, end), ("error", exception, end) (the log's) or
-      ("closed",) (this replica closed);
+      ("gap", end), ("failed", reason, end) or ("error", exception, end) (the log's);
     - ("commit", pos): readers may see the log up to `pos` (never past its written end);
     - ("append", pushes): append the pushes' entries as one batch; answer `written`;
     - ("fence", epoch): persist `epoch` as the fence; answer `fenced`;
@@ -133,10 +132,7 @@ class FollowerCore:
 
     def push(self, p: Push) -> None:
         """A PUSH arrived (in arrival order)."""
-        if self.closed:
-            self._do("answer", (p,), ("closed",))
-            return
-        if p.epoch < self.fence:
+        if p.epoch < self.fence or self.closed:
             self._do("answer", (p,), ("stale", self.fence))
             return
         self.pending.append(p)
@@ -429,13 +425,13 @@ class FollowerCore:
     # ---- closing ----
 
     def close(self) -> None:
-        """Take nothing more: what waits is answered ("closed",)."""
+        """Take nothing more: what waits is answered stale."""
         self.closed = True
         self.catchup = None
         self.rounds = None
         pending, self.pending = tuple(self.pending), deque()
         if pending:
-            self._do("answer", pending, ("closed",))
+            self._do("answer", pending, ("stale", self.fence))
 
 
 def _continues(a: Push, b: Push) -> bool:

@@ -177,8 +177,6 @@ class FollowerLog:
             reply = (Kind.ACK, {"end": list(result[1])}, b"")
         elif kind == "stale":
             reply = error(wire.E_STALE_EPOCH, f"epoch < {result[1]}", epoch=result[1])
-        elif kind == "closed":
-            reply = error(wire.E_NOT_REPLICA, "replica closed")
         elif kind == "gap":
             reply = error(wire.E_GAP, f"push starts past our end {list(result[1])}",
                           end=list(result[1]))

@@ -503,7 +503,7 @@ class Node:
             elif result[0] == "stale":
                 self.reply(p.token, "REFUSED", {"seen": result[1], "why": "stale"})
             else:
-                self.reply(p.token, "REFUSED", {"seen": None, "why": str(result[1:])})
+                self.reply(p.token, "REFUSED", {"seen": None, "why": str(result[1])})
 
     def _commit(self, pos):
         self.commit = max(self.commit, min(tuple(pos), self.disk.end()))
