@@ -23,8 +23,13 @@ class NotCommitted(Exception):
 
 class CommitTimeout(NotCommitted):
     """A request not answered within the queue's commit timeout (QueueOptions): one never
-    written is taken out of the queue (nothing of it is stored), one written or being
-    written stays (its outcome is unknown, as NotCommitted says). The text says which."""
+    written is taken out of the queue (nothing of it is stored: `unwritten`), one written
+    or being written stays (its outcome is unknown, as NotCommitted says). The text says
+    which."""
+
+    def __init__(self, text: str, unwritten: bool = False):
+        super().__init__(text)
+        self.unwritten = unwritten
 
 
 class _Unrecoverable(Exception):

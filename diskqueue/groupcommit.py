@@ -51,6 +51,7 @@ class Appended(NamedTuple):
     log_id: int  # its commitlog entry
     timestamp: int
     offsets: list[int]  # virtual offset of each record
+    duplicate: bool = False  # an idempotent producer's request answered again (nsqd/producers.py)
 
 
 class _Batch:
@@ -233,7 +234,7 @@ class GroupCommit:
             if batch is self._open:
                 self._open = None
             self._answer_now(batch, CommitTimeout(
-                f"not written within {timeout:g}s: nothing of it is stored"))
+                f"not written within {timeout:g}s: nothing of it is stored", unwritten=True))
         self._batches = kept
         upcoming = [b.deadline for b in (*waiting, *kept)
                     if b.deadline > now and any(r[0] is not None for r in b.requests)]
@@ -407,7 +408,7 @@ class GroupCommit:
             clog.append(encode_fields(log_id, epoch, first_id, start, seq, ts, offset - start, n,
                                       flags))
             flags = 0
-            results.append(_new(Appended, (first_id, n, start, offset, log_id, ts, offsets)))
+            results.append(_new(Appended, (first_id, n, start, offset, log_id, ts, offsets, False)))
             seq += n
             log_id += 1
         return b"".join(parts), b"".join(clog), results, seq

@@ -37,13 +37,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import struct
 import time
 from collections import deque
 from typing import Sequence
 
 import structlog
 
-from commitlog.entry import Entry
+from commitlog.entry import ENTRY_SIZE, Entry
+from commitlog.entry import decode as decode_entry
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
 
 from .atomic import make_dirs, read_json, write_json_atomic
@@ -63,6 +65,7 @@ from .segments import MissingSegmentError, Segments
 from .worker import Worker
 
 log = structlog.get_logger("diskqueue")
+_EXT_LEN = struct.Struct(">H")  # a record head's last field
 
 META_FILE = "meta.json"
 
@@ -391,6 +394,40 @@ class DiskQueue(GroupCommit, Replicated):
 
     def reader(self, offset: int | None = None, read_ahead: int = 1 << 20) -> Reader:
         return Reader(self, self.start_offset if offset is None else offset, read_ahead)
+
+    async def marked_requests(self, since: int, marker: bytes) -> list[tuple[Entry, bytes]]:
+        """The write requests from the one holding offset `since` (the log's start, when
+        before it) to the written end whose first record's ext header holds `marker`: (its
+        commitlog entry, that header), in log order. An exclusive job off the loop (retention
+        waits for it); records are not checksummed again (recovery did)."""
+        return await self._exclusive(self._marked_sync, since, marker)
+
+    def _marked_sync(self, since: int, marker: bytes) -> list[tuple[Entry, bytes]]:
+        clog, end = self.commitlog, self.written_end
+        first = clog.find_by_offset(max(since, self.start_offset)) if len(clog) else None
+        found: list[tuple[Entry, bytes]] = []
+        buf, buf_start, log_id = b"", 0, first.log_id if first is not None else clog.next_log_id
+        while log_id < clog.next_log_id:
+            raw = clog.read_encoded(log_id, 4096)
+            for pos in range(0, len(raw), ENTRY_SIZE):
+                entry = decode_entry(raw, pos)
+                if entry.offset >= end:
+                    return found
+                at = entry.offset - buf_start
+                if at < 0 or at + HEAD_SIZE > len(buf):
+                    buf_start, at = entry.offset, 0
+                    buf = self._segments.read(entry.offset, min(end, entry.offset + (1 << 20)))
+                ext_len = _EXT_LEN.unpack_from(buf, at + HEAD_SIZE - 2)[0]
+                if not ext_len:
+                    continue
+                if at + HEAD_SIZE + ext_len > len(buf):
+                    buf_start, at = entry.offset, 0
+                    buf = self._segments.read(entry.offset, entry.offset + HEAD_SIZE + ext_len)
+                ext = buf[at + HEAD_SIZE:at + HEAD_SIZE + ext_len]
+                if marker in ext:
+                    found.append((entry, ext))
+            log_id += len(raw) // ENTRY_SIZE
+        return found
 
     async def find(self, method: str, value: int) -> Entry | None:
         """Commitlog search off the loop: method is offset, msg_id, count or timestamp.

@@ -230,7 +230,8 @@ class LeaderWriter:
                 kept.append(entry)
             else:
                 settle(entry[0], None, CommitTimeout(
-                    f"not written within {timeout:g}s: nothing of it is stored"))
+                    f"not written within {timeout:g}s: nothing of it is stored",
+                    unwritten=True))
         self._pending = kept
         upcoming = [d for _w, d, _r in kept]
         batch = self._batch

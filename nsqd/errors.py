@@ -56,6 +56,20 @@ class PartitionNotWritable(NotWritable):
     below min_isr before it committed (its data may still commit: the publisher retries)."""
 
 
+class BadSequence(ValueError):
+    """An idempotent producer's request refused for its sequence, nothing of it written
+    (nsqd/producers.py): a gap after the last one taken, or older than those kept."""
+
+
+class ProducersLoading(Exception):
+    """An idempotent producer's request to a partition whose producer table is still being
+    read from its log: the caller awaits `partition.load_producers()` and publishes again."""
+
+    def __init__(self, partition):
+        super().__init__(partition.number)
+        self.partition = partition
+
+
 class StorageError(Exception):
     """The node's storage refused: a partition does not serve (see topic.py's
     invariants), or a topic or channel could not be made (a full disk). The text says
@@ -96,6 +110,9 @@ ANSWERS: dict[type[Exception], Answer] = {
     NotCommitted: Answer(  # written, its outcome unknown (CommitTimeout too): the text says so
         tcp=lambda command, e, partition: wire.not_writable(command, str(e)),
         http=(503, "E_FAILED_ON_NOT_WRITABLE")),
+    BadSequence: Answer(
+        tcp=lambda command, e, partition: wire.bad_sequence(command, str(e)),
+        http=(400, "BAD_SEQUENCE")),
     TopicConflict: Answer(tcp=None, http=(409, "TOPIC_PARTITION_NUM_CONFLICT")),
     # TCP: a publish's topic etcd could not make is E_TOPIC_NOT_EXIST, a SUB's E_SUB_FAILED
     ClusterUnavailable: Answer(tcp=None, http=(503, "CLUSTER_UNAVAILABLE")),

@@ -33,7 +33,9 @@ from isr.leader import NotWritable
 from isr.peer import PeerError, Peers
 from isr.wire import Kind
 
-from .errors import PartitionNotLed
+from nsqwire.ext import checked_producer
+
+from .errors import BadSequence, PartitionNotLed, ProducersLoading
 
 RETRY_S = 0.05  # after NOT_LEADER or a failed send: the view may name the new leader
 _LEN = struct.Struct(">I")
@@ -41,6 +43,7 @@ E_NOT_LEADER = "E_FAILED_ON_NOT_LEADER"
 E_NOT_WRITABLE = "E_FAILED_ON_NOT_WRITABLE"
 E_UNKNOWN = "E_OUTCOME_UNKNOWN"  # written (or maybe): NotCommitted
 E_FAILED = "E_PUB_FAILED"
+E_BAD_SEQUENCE = "E_BAD_SEQUENCE"  # an idempotent producer's request refused: BadSequence
 _waiting: set[asyncio.Task] = set()  # serve()'s publishes waiting for a leadership to start
 
 
@@ -53,6 +56,7 @@ class Forwarded(NamedTuple):
     offset: int
     end_offset: int
     partition: int
+    duplicate: bool = False  # an idempotent producer's retry, written before
 
 
 class PublishRequest(NamedTuple):
@@ -63,6 +67,7 @@ class PublishRequest(NamedTuple):
     trace_id: int = 0
     trace_ids: tuple | None = None
     exts: tuple | None = None
+    producer: tuple[str, int] | None = None  # an idempotent producer's (id, sequence)
 
 
 def encode(topic: str, partition: int, req: PublishRequest, source: str) -> tuple[dict, bytes]:
@@ -71,7 +76,7 @@ def encode(topic: str, partition: int, req: PublishRequest, source: str) -> tupl
     each ext likewise when there are per-message exts."""
     header = {"topic": topic, "partition": partition, "n": len(req.bodies), "source": source,
               "ext": req.ext, "trace_id": req.trace_id, "trace_ids": req.trace_ids is not None,
-              "exts": req.exts is not None}
+              "exts": req.exts is not None, "producer": req.producer}
     parts = [struct.pack(f">{len(req.trace_ids)}Q", *req.trace_ids)] if req.trace_ids else []
     for item in (*req.bodies, *(req.exts or ())):
         parts.append(_LEN.pack(len(item)))
@@ -102,8 +107,11 @@ def decode(header: dict, payload: bytes) -> PublishRequest:
         at += size
     if at != len(payload):
         raise ValueError("PUBLISH: bytes after the last message")
+    producer = header.get("producer")
+    if producer is not None:
+        producer = checked_producer(*producer)
     return PublishRequest(items[:n], header["ext"], header["trace_id"], trace_ids,
-                          tuple(items[n:]) if with_exts else None)
+                          tuple(items[n:]) if with_exts else None, producer)
 
 
 def serve(nsqd, header: dict, payload: bytes, answer) -> None:
@@ -125,17 +133,25 @@ def serve(nsqd, header: dict, payload: bytes, answer) -> None:
         if exc is not None:
             answer(_refused(exc, partition))
             return
-        if topic.trace is not None:
-            topic.trace.published(topic, appended, req.trace_id, req.trace_ids, header["source"])
-        topic.count_published(req.bodies)
+        if not appended.duplicate:  # an idempotent producer's retry: written before
+            if topic.trace is not None:
+                topic.trace.published(topic, appended, req.trace_id, req.trace_ids,
+                                      header["source"])
+            topic.count_published(req.bodies)
         answer((Kind.WRITTEN, {"first_id": appended.first_id, "count": appended.count,
-                               "offset": appended.offset, "end_offset": appended.end_offset},
-                b""))
+                               "offset": appended.offset, "end_offset": appended.end_offset,
+                               "duplicate": appended.duplicate}, b""))
+
+    def refuse(e: Exception) -> None:
+        answer(_refused(e, partition))
 
     def publish() -> None:
         try:
             topic.publish(req.bodies, partition, req.ext, trace_id=req.trace_id,
-                          trace_ids=req.trace_ids, exts=req.exts, callback=written)
+                          trace_ids=req.trace_ids, exts=req.exts, callback=written,
+                          producer=req.producer)
+        except ProducersLoading as e:  # the partition's producer table is read first
+            _later(e.partition.load_producers(), publish, refuse)
         except Exception as e:  # refused at once: not led, not writable, a message too big
             answer(_refused(e, partition))
 
@@ -143,10 +159,20 @@ def serve(nsqd, header: dict, payload: bytes, answer) -> None:
         publish()
         return
 
-    async def when_led() -> None:  # a leadership here still starting (rare): bounded
-        await nsqd.until_led(topic, partition)
-        publish()
-    _waiting.add(task := asyncio.get_running_loop().create_task(when_led()))
+    _later(nsqd.until_led(topic, partition), publish, refuse)  # its leadership starting
+
+
+def _later(first, then, refuse) -> None:
+    """Await `first` (bounded), then call `then()`; `refuse(error)` when it fails: a
+    request that waits for its partition."""
+    async def waited() -> None:
+        try:
+            await first
+        except Exception as e:
+            refuse(e)
+            return
+        then()
+    _waiting.add(task := asyncio.get_running_loop().create_task(waited()))
     task.add_done_callback(_waiting.discard)
 
 
@@ -157,6 +183,8 @@ def _refused(e: Exception, partition: int) -> tuple[Kind, dict, bytes]:
         return _error(E_UNKNOWN, str(e))
     if isinstance(e, NotWritable):
         return _error(E_NOT_WRITABLE, str(e))
+    if isinstance(e, BadSequence):
+        return _error(E_BAD_SEQUENCE, str(e))
     return _error(E_FAILED, f"{type(e).__name__}: {e}")  # a closed or failed log
 
 
@@ -290,7 +318,7 @@ class _Forward:
         elif frame.kind is Kind.WRITTEN:
             h = frame.header
             self._finish(Forwarded(h["first_id"], h["count"], h["offset"], h["end_offset"],
-                                   self.partition), None)
+                                   self.partition, h.get("duplicate", False)), None)
         elif frame.header.get("code") == E_NOT_LEADER:  # nothing written: another try
             self.last = f"{leader}: {frame.header.get('message', '')}"
             self._again()
@@ -319,4 +347,6 @@ def _refusal(code: str | None, text: str) -> Exception:
         return NotCommitted(text)
     if code == E_NOT_WRITABLE:
         return NotWritable(text)
+    if code == E_BAD_SEQUENCE:
+        return BadSequence(text)
     return RuntimeError(text)

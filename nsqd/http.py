@@ -106,14 +106,14 @@ from diskqueue.queue import QueueClosedError
 
 from . import metrics, replay, stats
 from .httpargs import (HTTPError, arg, bool_arg, defer_arg, parse_mpub_binary, parse_mpub_text,
-                       partition_arg, query, read_body, strict_bool_arg, topic_arg,
+                       partition_arg, producer_arg, query, read_body, strict_bool_arg, topic_arg,
                        topic_channel_args)
 from .httpconn import Server
 from .forward import PublishRequest
 from .message import defer_ext
 from .assignment import MAX_PARTITIONS
-from .errors import (ClusterUnavailable, NameError_, PartitionNotFound, PartitionNotLed,
-                     StorageError, TopicConflict, http_error)
+from .errors import (BadSequence, ClusterUnavailable, NameError_, PartitionNotFound,
+                     PartitionNotLed, StorageError, TopicConflict, http_error)
 from .health import is_disk_full
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from isr.leader import NotWritable
@@ -162,7 +162,8 @@ async def _get_topic(nsqd, name: str, failed_code: str = "TOPIC_CREATE_FAILED"):
 
 
 async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition: int | None,
-                  ext: bytes = b"", trace_id: int = 0, source: str = "") -> None:
+                  ext: bytes = b"", trace_id: int = 0, source: str = "",
+                  producer: tuple[str, int] | None = None) -> None:
     if not nsqd.serving.is_set():  # a cluster node's first view of etcd (NSQD.serving)
         await nsqd.serving.wait()
     if partition is not None and name not in nsqd.topics and partition != 0:
@@ -175,16 +176,18 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
     forwarder = nsqd.cluster.forwarder if nsqd.cluster is not None else None
     try:
         try:
-            await topic.publish(bodies, partition, ext, trace_id=trace_id, source=source)
+            await topic.publish(bodies, partition, ext, trace_id=trace_id, source=source,
+                                producer=producer)
         except PartitionNotLed:  # leading none of the topic's: a leader writes it
             if forwarder is None or partition is not None:
                 raise
-            await forwarder.publish(name, PublishRequest(bodies, ext, trace_id), source)
+            await forwarder.publish(name, PublishRequest(bodies, ext, trace_id,
+                                                         producer=producer), source)
     except PartitionNotLed as e:
         if forwarder is not None:
             forwarder.named(name, e)
         raise HTTPError(*http_error(e), {"leader": e.leader} if e.leader else None) from None
-    except (PartitionNotFound, NotWritable, NotCommitted) as e:
+    except (PartitionNotFound, NotWritable, NotCommitted, BadSequence) as e:
         raise HTTPError(*http_error(e)) from None  # NotCommitted: written, outcome unknown
     except QueueClosedError:
         raise HTTPError(503, "EXITING") from None
@@ -303,7 +306,7 @@ async def do_pub(nsqd, request):
     if not (trace_id.isdigit() and int(trace_id) < 1 << 64):
         raise HTTPError(400, "INVALID_TRACE_ID")
     await publish(nsqd, "PUB", name, [body], partition, defer_ext(defer_ms, nsqd.clock()),
-                  int(trace_id), f"http://{request.remote}")
+                  int(trace_id), f"http://{request.remote}", producer_arg(params))
     return "OK"
 
 
@@ -322,7 +325,8 @@ async def do_mpub(nsqd, request):
         bodies = parse_mpub_binary(body, o.max_msg_size, o.max_body_size)
     else:
         bodies = parse_mpub_text(body, o.max_msg_size)
-    await publish(nsqd, "MPUB", name, bodies, partition, source=f"http://{request.remote}")
+    await publish(nsqd, "MPUB", name, bodies, partition, source=f"http://{request.remote}",
+                  producer=producer_arg(params))
     return "OK"
 
 

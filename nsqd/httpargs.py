@@ -11,6 +11,7 @@ import re
 from aiohttp import ClientError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from nsqwire.ext import checked_producer
 from nsqwire.httpapi import parse_query
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 
@@ -86,6 +87,17 @@ def partition_arg(params) -> int | None:
     if not raw.isdigit() or int(raw) > MAX_PARTITION:
         raise HTTPError(400, "BAD_PARTITION")
     return int(raw)
+
+
+def producer_arg(params) -> tuple[str, int] | None:
+    """An idempotent producer's `producer_id` and `sequence` (both or neither), or None."""
+    producer_id, sequence = arg(params, "producer_id"), arg(params, "sequence")
+    if producer_id is None and sequence is None:
+        return None
+    try:
+        return checked_producer(producer_id, sequence)
+    except ValueError:
+        raise HTTPError(400, "INVALID_PRODUCER") from None
 
 
 def defer_arg(params, max_ms: int) -> int:

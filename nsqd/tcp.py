@@ -35,8 +35,8 @@ from .forward import PublishRequest
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
-from .errors import (ClusterUnavailable, PartitionNotFound, PartitionNotLed, StorageError,
-                     TopicNotFound, tcp_error)
+from .errors import (BadSequence, ClusterUnavailable, PartitionNotFound, PartitionNotLed,
+                     ProducersLoading, StorageError, TopicNotFound, tcp_error)
 from .identify import IdentifyLimits, initial_settings, negotiate
 
 log = structlog.get_logger("nsqd.tcp")
@@ -91,6 +91,7 @@ class ClientConnection(asyncio.Protocol):
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
         self._held = None  # a command (or parser error) that answers after the publishes
         self._publishing: deque[list] = deque()  # slots (`_publish`), in order
+        self._loading = None  # the Partition whose producer table a publish waits for
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
         self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
         self.state = self.INIT
@@ -366,7 +367,7 @@ class ClientConnection(asyncio.Protocol):
         if topic is None or not nsqd.serving.is_set():
             return False
         kind = type(cmd)
-        trace_id, extension, trace_ids, exts = 0, b"", None, None
+        trace_id, extension, trace_ids, exts, producer = 0, b"", None, None, None
         if kind is p.Pub:
             bodies = [cmd.body]
         elif kind is p.Mpub:
@@ -374,6 +375,7 @@ class ClientConnection(asyncio.Protocol):
         elif kind is p.MpubExt:
             bodies = [body for _, body in cmd.messages]
             trace_ids, exts = zip(*[ext.stored(header) for header, _ in cmd.messages])
+            producer = ext.producer_of(cmd.messages[0][0])
         elif kind is p.MpubTrace:
             trace_ids, bodies = zip(*cmd.messages)
             bodies, exts, trace_id = list(bodies), [b""] * len(bodies), trace_ids[0]
@@ -383,13 +385,14 @@ class ClientConnection(asyncio.Protocol):
                 extension = defer_ext(cmd.defer_ms, nsqd.clock())
             elif kind is p.PubExt:
                 trace_id, extension = ext.stored(cmd.header)
+                producer = ext.producer_of(cmd.header)
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
         # done, error, topic, bodies, command, trace_id, appended, trace_ids, written here
         slot = [False, None, topic, bodies, command, trace_id, None, trace_ids, True]
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
-                          trace_ids=trace_ids, exts=exts,
+                          trace_ids=trace_ids, exts=exts, producer=producer,
                           callback=functools.partial(self._published, slot))
         except PartitionNotLed as e:
             forwarder = nsqd.cluster.forwarder if nsqd.cluster is not None else None
@@ -398,8 +401,14 @@ class ClientConnection(asyncio.Protocol):
                     forwarder.named(cmd.topic, e)
                 raise tcp_error(command, e, cmd.partition) from None
             slot[8] = False  # a leader writes it; its answer comes as a local one's does
-            forwarder.send(cmd.topic, PublishRequest(bodies, extension, trace_id, trace_ids, exts),
+            forwarder.send(cmd.topic, PublishRequest(bodies, extension, trace_id, trace_ids, exts,
+                                                     producer),
                            self.client.remote_address, functools.partial(self._published, slot))
+        except ProducersLoading as e:
+            self._loading = e.partition
+            return False
+        except BadSequence as e:
+            raise tcp_error(command, e) from None
         except (PartitionNotFound, NotWritable) as e:
             if not waited and topic.starting(cmd.partition):
                 return False
@@ -414,7 +423,8 @@ class ClientConnection(asyncio.Protocol):
     async def _publish_after(self, cmd) -> None:
         """What a publish awaits before `_publish` can take it: a cluster node's first view
         of etcd (NSQD.serving), the auth server asked again, the topic made, its leadership
-        here started (bounded: NSQD.until_led). Later commands wait meanwhile."""
+        here started (bounded: NSQD.until_led), the partition's producer table read
+        (Partition.load_producers). Later commands wait meanwhile."""
         fresh_auth = waited = False
         while True:
             if not self.nsqd.serving.is_set():
@@ -436,6 +446,9 @@ class ClientConnection(asyncio.Protocol):
             elif not waited and (topic := self.nsqd.topics[cmd.topic]).starting(cmd.partition):
                 await self.nsqd.until_led(topic, cmd.partition)
                 waited = True
+            elif self._loading is not None:  # an idempotent producer's first request here
+                loading, self._loading = self._loading, None
+                await loading.load_producers()
             if self._publish(cmd, fresh_auth, waited):
                 return
 
@@ -446,6 +459,8 @@ class ClientConnection(asyncio.Protocol):
         others that this turn answers (pipelined publishes written by one batch)."""
         slot[0], slot[1], slot[6] = True, exc, appended
         topic = slot[2]
+        if exc is None and appended is not None and appended.duplicate:
+            slot[8] = False  # written before: nothing new to trace or count here
         if (exc is None and appended is not None and topic.trace is not None
                 and slot[8]):  # PUB events (a forwarded publish's: its leader's)
             topic.trace.published(topic, appended, slot[5], slot[7], self.client.remote_address)

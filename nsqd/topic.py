@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import shutil
 import time
@@ -34,15 +35,28 @@ import time
 import structlog
 
 from diskqueue.atomic import fsync_dir
+from diskqueue.errors import NotCommitted
+from diskqueue.groupcommit import Appended, settle
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
 
 from .assignment import Assignment
 from .channel import Channel
 from .cursor import SavedWindow
-from .errors import PartitionNotFound, PartitionNotLed, PartitionNotWritable, StorageError
+from .errors import (PartitionNotFound, PartitionNotLed, PartitionNotWritable,
+                     ProducersLoading, StorageError)
 from .handover import opening_state
+from .producers import MARKER, SCAN_BYTES, UNKNOWN, WRITE, ProducerTable, mark_of, marked
 
 log = structlog.get_logger("nsqd.topic")
+
+FIND_EVERY = 0.2  # s: how often a partition looks in its log for UNKNOWN requests
+FIND_TRIES = 150
+
+
+def _appended_of(entry) -> Appended:
+    """The answer a request got, from its commitlog entry (a request is one entry)."""
+    return Appended(entry.first_msg_id, entry.msg_count, entry.offset, entry.end_offset,
+                    entry.log_id, entry.timestamp, [])
 
 
 def sync_policy(sync_every: int, sync_timeout_ms: int) -> SyncPolicy:
@@ -147,10 +161,123 @@ class Partition:
         # not replicated; else the writer of its replication while it leads here (set by
         # nsqd/replication.py), STARTING until then.
         self.writer = STARTING if queue.options.replicated else Solo(queue)
+        # The idempotent producers' sequences (producers.py): read from the log's tail on
+        # the first request that names a producer, then kept as requests are written.
+        self.producers: ProducerTable | None = None
+        self._producers_loading: asyncio.Future | None = None
+        self._finding: asyncio.Task | None = None  # what UNKNOWN requests became
+        self._unknown_since = 0  # the log's written end before the first UNKNOWN request
 
     @property
     def writable(self) -> bool:
         return self.writer.writable
+
+    def append(self, bodies: list[bytes], trace_id: int = 0, ext: bytes = b"", *,
+               trace_ids=None, exts=None, callback=None, producer: tuple[str, int] | None = None):
+        """The writer's `append` (DiskQueue.append's arguments and answers). With `producer`
+        (id, sequence), a request written once, answered as producers.py says: raises
+        BadSequence, NotCommitted when a try's outcome is not known yet, ProducersLoading
+        before the table is read (`load_producers`)."""
+        if producer is None:
+            return self.writer.append(bodies, trace_id, ext, callback=callback,
+                                      trace_ids=trace_ids, exts=exts)
+        table = self.producers
+        if table is None:
+            raise ProducersLoading(self)
+        now = time.time()
+        found = table.check(*producer, now)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future() if callback is None else None
+        waiter = fut if callback is None else callback
+        if found is WRITE:
+            trace_ids = list(trace_ids) if trace_ids is not None else [trace_id] * len(bodies)
+            exts = list(exts) if exts is not None else [ext] * len(bodies)
+            exts[0] = marked(exts[0], producer)
+            waiters = [waiter]
+            since = self.queue.written_end
+            self.writer.append(bodies, callback=functools.partial(
+                self._producer_written, producer, waiters, since), trace_ids=trace_ids,
+                exts=exts)
+            table.begin(*producer, now, waiters)
+        elif found is UNKNOWN:
+            raise NotCommitted(f"sequence {producer[1]} of producer {producer[0]} was written "
+                               "and its outcome is not known yet: it may still be delivered")
+        elif isinstance(found, list):  # in flight: answered with it
+            found.append(waiter)
+        else:
+            loop.call_soon(settle, waiter, found, None)
+        return fut
+
+    def _producer_written(self, producer, waiters: list, since: int, appended, exc) -> None:
+        table = self.producers
+        maybe_stored = isinstance(exc, NotCommitted) and not getattr(exc, "unwritten", False)
+        table.settle(*producer, waiters, appended, maybe_stored)
+        settle(waiters[0], appended, exc)
+        again = appended._replace(duplicate=True) if appended is not None else None
+        for waiter in waiters[1:]:
+            settle(waiter, again, exc)
+        if maybe_stored:
+            self._unknown_since = min(self._unknown_since, since) if self._finding else since
+            if self._finding is None:
+                self._finding = asyncio.get_running_loop().create_task(self._find_unknown())
+
+    async def load_producers(self) -> None:
+        """Read the producer table from the log's last SCAN_BYTES, once; every caller waits
+        for the one read (a failed read is tried again by the next caller)."""
+        if self.producers is not None:
+            return
+        if self._producers_loading is None:
+            self._producers_loading = asyncio.ensure_future(self._read_producers())
+        loading = self._producers_loading
+        try:
+            await asyncio.shield(loading)
+        finally:
+            if loading.done() and loading.exception() is not None:
+                self._producers_loading = None
+
+    async def _read_producers(self) -> None:
+        q = self.queue
+        table = ProducerTable()
+        committed = q.committed_end
+        since = None
+        for entry, ext in await q.marked_requests(q.written_end - SCAN_BYTES, MARKER):
+            mark = mark_of(ext)
+            if mark is None:
+                continue
+            if entry.end_offset <= committed:
+                table.replayed(*mark, _appended_of(entry), entry.timestamp / 1e9)
+            else:  # a new leader's tail, not committed yet: answered once it is
+                table.replayed(*mark, UNKNOWN, entry.timestamp / 1e9)
+                since = entry.offset if since is None else since
+        self.producers = table
+        if since is not None:
+            self._unknown_since = since
+            self._finding = asyncio.get_running_loop().create_task(self._find_unknown())
+
+    async def _find_unknown(self) -> None:
+        """What UNKNOWN requests became: each found committed in the log is answered from
+        it from then on. Looked for every FIND_EVERY while any is UNKNOWN, at most
+        FIND_TRIES times; one never found stays UNKNOWN until the partition opens again."""
+        try:
+            for _ in range(FIND_TRIES):
+                await asyncio.sleep(FIND_EVERY)
+                q, table = self.queue, self.producers
+                if q.closed or q.failed is not None:
+                    return
+                committed = q.committed_end
+                for entry, ext in await q.marked_requests(self._unknown_since, MARKER):
+                    mark = mark_of(ext)
+                    if entry.end_offset > committed:
+                        break
+                    if mark is not None:
+                        table.replayed(*mark, _appended_of(entry), entry.timestamp / 1e9)
+                if not table.unknown():
+                    return
+        except Exception as e:  # a read that failed: the partition opens again to find out
+            log.warning("producers_unknown_unresolved", topic=self.topic.name,
+                        partition=self.number, error=f"{type(e).__name__}: {e}")
+        finally:
+            self._finding = None
 
     @property
     def floor(self) -> tuple[int, int]:
@@ -391,7 +518,8 @@ class Topic:
         return await asyncio.to_thread(bury, self.path)
 
     def publish(self, bodies: list[bytes], partition: int | None = None, ext: bytes = b"", *,
-                trace_id: int = 0, trace_ids=None, exts=None, callback=None, source: str = ""):
+                trace_id: int = 0, trace_ids=None, exts=None, callback=None, source: str = "",
+                producer: tuple[str, int] | None = None):
         """One write request (every TCP publish, HTTP /pub and /mpub) to a partition's log,
         written whole or not at all (DiskQueue.append's arguments). `partition` None: the
         next writable partition, round-robin (one request stays whole in one partition).
@@ -402,7 +530,9 @@ class Topic:
         (`count_published`) when it answers: TCP's path, with no task per publish.
         `source`: the publisher's address, for the PUB trace events (nsqd/tracing.py) of a
         publish without `callback`; a caller with one records them itself when it is called
-        (`Tracer.published`)."""
+        (`Tracer.published`). `producer`: an idempotent producer's (id, sequence), written
+        once (Partition.append); with `callback`, ProducersLoading says what to await
+        first."""
         if partition is None:
             if self.assignment.ordered:  # a key's order needs its partition named
                 raise PartitionNotFound(None)
@@ -420,10 +550,25 @@ class Topic:
             if not part.writable:
                 raise PartitionNotWritable(f"topic {self.name} partition {partition} is not "
                                            f"writable: {part.writer.reason}")
-        appended = part.writer.append(bodies, trace_id, ext, callback=callback,
-                                      trace_ids=trace_ids, exts=exts)
         if callback is None:
+            if producer is not None and part.producers is None:
+                return self._loaded_first(part, bodies, trace_id, ext, trace_ids, exts, source,
+                                          producer)
+            appended = part.append(bodies, trace_id, ext, trace_ids=trace_ids, exts=exts,
+                                   producer=producer)
             return self._counted(appended, bodies, trace_id, trace_ids, source)
+        part.append(bodies, trace_id, ext, trace_ids=trace_ids, exts=exts, callback=callback,
+                    producer=producer)
+
+    async def _loaded_first(self, part: Partition, bodies, trace_id, ext, trace_ids, exts,
+                            source, producer) -> None:
+        await part.load_producers()
+        if not part.writable:
+            raise PartitionNotWritable(f"topic {self.name} partition {part.number} is not "
+                                       f"writable: {part.writer.reason}")
+        appended = part.append(bodies, trace_id, ext, trace_ids=trace_ids, exts=exts,
+                               producer=producer)
+        await self._counted(appended, bodies, trace_id, trace_ids, source)
 
     def starting(self, partition: int | None) -> bool:
         """Whether a publish to `partition` (None: any) finds no writable partition only
@@ -453,6 +598,8 @@ class Topic:
     async def _counted(self, appended, bodies: list[bytes], trace_id: int, trace_ids,
                        source: str) -> None:
         appended = await appended
+        if appended.duplicate:  # written before: nothing new to trace or count
+            return
         if self.trace is not None:
             self.trace.published(self, appended, trace_id, trace_ids, source)
         self.count_published(bodies)

@@ -263,6 +263,12 @@ def not_writable(command: str, reason: str = "") -> ProtocolError:
                          fatal=command not in _PUBLISHING)
 
 
+def bad_sequence(command: str, reason: str) -> ProtocolError:
+    """An idempotent producer's request refused, nothing of it written: its sequence leaves
+    a gap after the last one the partition took, or is older than the ones it keeps."""
+    return ProtocolError("E_BAD_SEQUENCE", f"{command} failed: {reason}", fatal=False)
+
+
 def pub_too_much_waiting(waiting_bytes: int) -> ProtocolError:
     return ProtocolError("E_PUB_TOO_MUCH_WAITING", f"pub too much waiting in the queue: {waiting_bytes}")
 

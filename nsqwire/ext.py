@@ -6,17 +6,27 @@ only RESERVED_HEADER_KEYS may come from a client. The trace id has ONE home, the
 own trace-id field: `stored` takes `##trace_id` out of the header before it is stored,
 and `delivered` puts it back, from the field, for an `extend_support` client (as a
 decimal string, the form Youzan's clients send and read), so a consumer sees what the
-producer sent. Every other `##` key is the server's own (a DPUB's due time
-`##defer_until_ms`) and is never delivered.
+producer sent. An idempotent producer's `##producer_id` and `##sequence` (`producer_of`)
+name the request, not a message: `stored` leaves them out, and the server stores them
+on the request's first record as its own `##producer` key. Every other `##` key is the
+server's own (a DPUB's due time `##defer_until_ms`, `##producer`) and is never delivered.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 TRACE_ID_KEY = "##trace_id"
+PRODUCER_ID_KEY = "##producer_id"
+SEQUENCE_KEY = "##sequence"
+_REQUEST_KEYS = frozenset({PRODUCER_ID_KEY, SEQUENCE_KEY})
 # Keys beginning "##" are the server's: only these may come from a client.
-RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##client_dispatch_tag"})
+RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##client_dispatch_tag",
+                                  *_REQUEST_KEYS})
+# A producer id: 1 to 64 of these characters.
+_PRODUCER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_SEQUENCE = (1 << 63) - 1
 
 # The 1-byte version before an extension header in a message frame sent to an
 # extend_support client, Youzan's numbers (their internal/ext, go-nsq's DecodeMessageWithExt):
@@ -45,12 +55,38 @@ def trace_id_of(header: dict) -> int:
     return value
 
 
+def producer_of(header: dict) -> tuple[str, int] | None:
+    """(producer id, sequence) of a client's header, None when it names no producer.
+    Raises ValueError when only one of the two is there or either is malformed."""
+    producer_id = header.get(PRODUCER_ID_KEY)
+    sequence = header.get(SEQUENCE_KEY)
+    if producer_id is None and sequence is None:
+        return None
+    return checked_producer(producer_id, sequence)
+
+
+def checked_producer(producer_id, sequence) -> tuple[str, int]:
+    """(producer id, sequence) checked: an id of 1-64 characters [A-Za-z0-9_.:-] and a
+    sequence in 0..2**63-1 (an integer, or a decimal string as HTTP gives it); else
+    ValueError."""
+    if not isinstance(producer_id, str) or _PRODUCER_ID.fullmatch(producer_id) is None:
+        raise ValueError(f"{PRODUCER_ID_KEY} must be 1-64 characters of [A-Za-z0-9_.:-]")
+    if isinstance(sequence, str) and sequence.isascii() and sequence.isdigit():
+        sequence = int(sequence)
+    if (isinstance(sequence, bool) or not isinstance(sequence, int)
+            or not 0 <= sequence <= MAX_SEQUENCE):
+        raise ValueError(f"{SEQUENCE_KEY} must be a number in 0..2**63-1 beside "
+                         f"{PRODUCER_ID_KEY}")
+    return producer_id, sequence
+
+
 def stored(header: dict) -> tuple[int, bytes]:
     """A client's header (already checked) as stored: (trace id, compact JSON without
-    `##trace_id`, or b"" when nothing else is left)."""
+    `##trace_id`, `##producer_id` and `##sequence`, or b"" when nothing else is left)."""
     trace_id = trace_id_of(header)
-    if TRACE_ID_KEY in header:
-        header = {k: v for k, v in header.items() if k != TRACE_ID_KEY}
+    if TRACE_ID_KEY in header or PRODUCER_ID_KEY in header or SEQUENCE_KEY in header:
+        header = {k: v for k, v in header.items()
+                  if k != TRACE_ID_KEY and k not in _REQUEST_KEYS}
     if not header:
         return trace_id, b""
     return trace_id, json.dumps(header, separators=(",", ":")).encode()
@@ -67,7 +103,8 @@ def delivered(ext: bytes, trace_id: int) -> bytes:
             stored_header = None
         if isinstance(stored_header, dict):
             header = {k: v for k, v in stored_header.items()
-                      if not k.startswith("##") or k in RESERVED_HEADER_KEYS}
+                      if not k.startswith("##")
+                      or (k in RESERVED_HEADER_KEYS and k not in _REQUEST_KEYS)}
     if trace_id:
         header[TRACE_ID_KEY] = str(trace_id)
     if not header:

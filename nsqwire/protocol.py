@@ -20,7 +20,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .ext import RESERVED_HEADER_KEYS, trace_id_of  # noqa: F401
+from .ext import RESERVED_HEADER_KEYS, producer_of, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
                      MAGIC_V2, OK, encode_error, encode_messages, encode_response, pub_trace_reply)
 from .ids import (MAX_PARTITION, MAX_SEQUENCE, MSG_ID_LENGTH, PARTITION_SHIFT,  # noqa: F401
@@ -297,6 +297,7 @@ def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
             raise invalid_json_header(command, f"key {_go_quote(key)} is reserved")
     try:
         trace_id_of(header)
+        producer_of(header)
     except ValueError as e:
         raise invalid_json_header(command, str(e)) from None
     return header, raw[end:]
@@ -619,7 +620,11 @@ class CommandParser:
         partition = _partition("MPUB_EXT", params, 2)
 
         def build(bodies: list[bytes]) -> MpubExt:
-            return MpubExt(topic, [_split_ext("MPUB_EXT", body) for body in bodies], partition)
+            messages = [_split_ext("MPUB_EXT", body) for body in bodies]
+            if any(producer_of(header) for header, _ in messages[1:]):
+                raise invalid_json_header("MPUB_EXT", "##producer_id and ##sequence name the "
+                                          "request: only its first message may carry them")
+            return MpubExt(topic, messages, partition)
 
         self._expect_body("MPUB_EXT", self._check_mpub_size, build)
 

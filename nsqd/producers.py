@@ -1,0 +1,165 @@
+"""The idempotent producers of one partition led here: the sequences each wrote and the
+answers they got (pure: no I/O; nsqd/topic.py's Partition drives it).
+
+A producer names itself and numbers its requests to a partition, one more each request
+(`##producer_id`, `##sequence`: nsqwire/ext.py). A request the partition takes is stored
+with `##producer` [id, sequence] in its first record's header (`marked`), so the log is
+this table's source: a partition opened here (a restart, a new leadership) rebuilds it
+from the requests of the log's last SCAN_BYTES (`replayed`), and a new leader knows what
+the old one took.
+
+What `check` says of a request (id, s):
+- WRITE: the id is not in the table (a new producer, or one forgotten), or s is the next;
+- an `Appended` (its `duplicate` set): s is among the KEPT last taken: the answer it got,
+  and nothing is written;
+- a list: s is in flight: its waiters, to which the caller adds its own;
+- UNKNOWN: s's write failed without saying whether it was stored; the producer retries
+  until the partition finds out (`replayed` from the log, or a reopen);
+- BadSequence: s leaves a gap after the next, or is older than those kept: refused.
+
+Bounds: at most `max_producers` a partition, the least recently written forgotten first,
+and each forgotten `expiry` seconds after its last write. A forgotten producer is a new
+one: its next request is written whatever its sequence.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .errors import BadSequence
+
+WRITE = "write"
+UNKNOWN = "unknown"
+KEPT = 5  # the last sequences of a producer whose answers are kept
+SCAN_BYTES = 32 << 20  # how much of a log's tail a partition opened here rebuilds from
+MARK_KEY = "##producer"
+MARKER = b'"' + MARK_KEY.encode() + b'"'  # what a marked record's header holds
+
+
+def marked(ext: bytes, producer: tuple[str, int]) -> bytes:
+    """The stored header of a request's first record: `ext` (compact JSON or b"") with
+    `##producer` [id, sequence] added."""
+    header = json.loads(ext) if ext else {}
+    header[MARK_KEY] = list(producer)
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def mark_of(ext: bytes) -> tuple[str, int] | None:
+    """(id, sequence) of a first record's stored header, None when it has none."""
+    if MARKER not in ext:
+        return None
+    try:
+        value = json.loads(ext).get(MARK_KEY)
+        producer_id, sequence = value
+    except (ValueError, TypeError, AttributeError):
+        return None
+    if not isinstance(producer_id, str) or not isinstance(sequence, int):
+        return None
+    return producer_id, sequence
+
+
+class _Producer:
+    __slots__ = ("kept", "next", "written_at")
+
+    def __init__(self):
+        self.next = 0
+        self.kept: dict = {}  # sequence -> Appended | list of waiters | UNKNOWN, oldest first
+        self.written_at = 0.0
+
+
+class ProducerTable:
+    """See the module docstring. `now` is wall-clock seconds (the log's timestamps)."""
+
+    def __init__(self, max_producers: int = 10_000, expiry: float = 3600.0):
+        self.max_producers = max_producers
+        self.expiry = expiry
+        self._producers: dict[str, _Producer] = {}  # least recently written first
+        self.duplicates = 0  # requests answered again, not written
+
+    def __len__(self) -> int:
+        return len(self._producers)
+
+    def check(self, producer_id: str, sequence: int, now: float):
+        """WRITE, the answer kept, the waiters in flight or UNKNOWN; raises BadSequence."""
+        self._expire(now)
+        p = self._producers.get(producer_id)
+        if p is None or sequence == p.next:
+            return WRITE
+        found = p.kept.get(sequence)
+        if found is not None:
+            if found is not UNKNOWN and not isinstance(found, list):
+                self.duplicates += 1
+                return found._replace(duplicate=True)
+            return found
+        if sequence > p.next:
+            raise BadSequence(f"sequence {sequence} of producer {producer_id} leaves a gap: "
+                              f"the next is {p.next}")
+        raise BadSequence(f"sequence {sequence} of producer {producer_id} is older than the "
+                          f"last {KEPT} kept (the next is {p.next})")
+
+    def begin(self, producer_id: str, sequence: int, now: float, waiters: list) -> None:
+        """A request `check` said to WRITE went to the log: in flight, with `waiters` (the
+        caller's list, which it answers: `settle`)."""
+        p = self._touch(producer_id, now)
+        if sequence != p.next:  # a new producer, or one forgotten: it starts here
+            p.kept.clear()
+        self._keep(p, sequence, waiters)
+
+    def settle(self, producer_id: str, sequence: int, waiters: list, appended,
+               maybe_stored: bool) -> None:
+        """The write `begin` gave `waiters` for ended (its caller answers them): written
+        (`appended`), or failed: UNKNOWN when it `maybe_stored`, else forgotten (the next
+        goes back to it when it was the last taken)."""
+        p = self._producers.get(producer_id)
+        if p is None or p.kept.get(sequence) is not waiters:
+            return  # forgotten meanwhile
+        if appended is not None:
+            p.kept[sequence] = appended
+        elif maybe_stored:
+            p.kept[sequence] = UNKNOWN
+        else:
+            del p.kept[sequence]
+            if p.next == sequence + 1:
+                p.next = sequence
+
+    def replayed(self, producer_id: str, sequence: int, appended, written_at: float) -> None:
+        """A request the log holds, in log order (a rebuild, or finding out what UNKNOWN
+        ones became): kept with its answer. One in flight is left to its write."""
+        p = self._producers.get(producer_id)
+        if p is not None and isinstance(p.kept.get(sequence), list):
+            return
+        p = self._touch(producer_id, written_at)
+        if sequence >= p.next:
+            if sequence != p.next:
+                p.kept.clear()
+            self._keep(p, sequence, appended)
+        elif sequence in p.kept:
+            p.kept[sequence] = appended
+
+    def unknown(self) -> bool:
+        """Whether any request's outcome is UNKNOWN."""
+        return any(v is UNKNOWN for p in self._producers.values() for v in p.kept.values())
+
+    def _touch(self, producer_id: str, now: float) -> _Producer:
+        """The producer, made most recently written (a new one when not kept)."""
+        p = self._producers.pop(producer_id, None) or _Producer()
+        self._producers[producer_id] = p
+        p.written_at = max(p.written_at, now)
+        while len(self._producers) > self.max_producers:
+            del self._producers[next(iter(self._producers))]
+        return p
+
+    @staticmethod
+    def _keep(p: _Producer, sequence: int, value) -> None:
+        p.kept[sequence] = value
+        p.next = sequence + 1
+        while len(p.kept) > KEPT:
+            del p.kept[next(iter(p.kept))]
+
+    def _expire(self, now: float) -> None:
+        producers = self._producers
+        while producers:
+            first = next(iter(producers))
+            if producers[first].written_at + self.expiry > now:
+                return
+            del producers[first]
