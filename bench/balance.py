@@ -35,7 +35,7 @@ sys.path[:] = [x for x in sys.path if os.path.abspath(x or os.curdir) != HERE]
 sys.path += [ROOT, os.path.join(ROOT, "tests")]
 from bench.common import Report, machine_info, percentile  # noqa: E402
 from cluster import Cluster, http_json  # noqa: E402
-from nsqclient.partitioning import partition_of  # noqa: E402
+from nsqwire.partitioning import partition_of  # noqa: E402
 from nsqclient.producer import Producer  # noqa: E402
 
 TOPIC = "bench_balance"

@@ -8,7 +8,7 @@ Three set-ups in one run, all durable (every batch synced before OK):
 - a real cluster (tests/cluster.py: etcd, 2 nsqlookupd, 3 nsqd in cluster mode) and a
   topic of 6 partitions, R=1, created on the master nsqlookupd. The load is routed as the
   partition-aware client routes it: each producer connection has a key, its partition is
-  `nsqclient.partitioning.partition_of(key, 6)`, found in the `/lookup` answer read by
+  `nsqwire.partitioning.partition_of(key, 6)`, found in the `/lookup` answer read by
   `nsqclient.lookup`, and it sends `PUB topic <partition>` to that leader.
 Parts: (1) 100 producer connections, one 200-byte PUB at a time each; (2) 6 connections,
 MPUB of 200 at a time. The load generators are bench/loadgen.py processes (raw frames,
@@ -46,7 +46,7 @@ from bench.loadgen import Workers  # noqa: E402
 from bench.nsqd_server import pid_cpu_seconds  # noqa: E402
 from cluster import Cluster, wait_until  # noqa: E402
 from nsqclient.lookup import LookupdSource  # noqa: E402
-from nsqclient.partitioning import partition_of  # noqa: E402
+from nsqwire.partitioning import partition_of  # noqa: E402
 from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
 from servers import NsqdProcess  # noqa: E402
 

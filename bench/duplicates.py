@@ -1,12 +1,14 @@
 """Duplicates that retried publishes write through leader kills (issue 30's "measure first").
 
-    .venv/bin/python bench/duplicates.py [--kills 50]
+    .venv/bin/python bench/duplicates.py [--kills 50] [--modes idempotent,plain]
 
 A real cluster (tests/cluster.py: etcd, one nsqlookupd, three nsqd), a topic of 3
 partitions, R=3. Eight publishers of the partition-aware client (nsqclient.Producer,
 keyed, each publish retried for up to 10 s: tests/test_replication.py KeyedLoad) publish
 unique bodies while the leader of a random partition is SIGKILLed, replaced, restarted
-and back in the ISR, `--kills` times. Then one channel reads the whole topic from its
+and back in the ISR, `--kills` times; once for each of `--modes`: the client idempotent
+(its default: a producer id and a sequence per partition, nsqd/producers.py) and plain
+(PUB and MPUB, at-least-once). Then one channel reads the whole topic from its
 start. Figures: publishes acknowledged, calls that failed, acknowledged bodies not read
 (lost), duplicate writes (a body stored under two or more message ids: a retry of a
 publish that had been written), and redeliveries (one message id delivered again).
@@ -75,7 +77,7 @@ async def read_all(cl: Cluster, acked: set[bytes], timeout: float) -> dict[bytes
     return ids
 
 
-async def run(count: int, report: Report) -> None:
+async def run(count: int, report: Report, mode: str) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-dup-") as tmp:
         cl = Cluster(tmp, 3, 1).start()
         try:
@@ -83,7 +85,7 @@ async def run(count: int, report: Report) -> None:
             assert status == 200, body
             await cl.until_states(TOPIC, lambda s: all(len(p.isr) == 3 for p in s.values()),
                                   15, "3 in sync")
-            load = KeyedLoad(cl, TOPIC, 32)
+            load = KeyedLoad(cl, TOPIC, 32, idempotent=mode == "idempotent")
             try:
                 await kills(cl, count)
             finally:
@@ -94,24 +96,31 @@ async def run(count: int, report: Report) -> None:
     lost = load.acked - ids.keys()
     duplicates = sum(len(set(v)) - 1 for v in ids.values())
     redelivered = sum(len(v) - len(set(v)) for v in ids.values())
-    report.section(f"{count} leader kills, 8 keyed publishers (nsqclient), R=3")
-    report.add("acked", len(load.acked), "publishes acknowledged", fmt=",d")
-    report.add("failed_calls", load.failed, "publish calls that failed (after retries)", fmt=",d")
-    report.add("lost", len(lost), "acknowledged, never read", fmt=",d")
-    report.add("duplicate_writes", duplicates, "extra copies written (a body under 2+ ids)",
+    report.section(f"{count} leader kills, 8 keyed publishers (nsqclient, {mode}), R=3")
+    report.add(f"{mode}_acked", len(load.acked), "publishes acknowledged", fmt=",d")
+    report.add(f"{mode}_failed_calls", load.failed, "publish calls that failed (after retries)",
                fmt=",d")
-    report.add("duplicated_bodies", sum(1 for v in ids.values() if len(set(v)) > 1),
+    report.add(f"{mode}_lost", len(lost), "acknowledged, never read", fmt=",d")
+    report.add(f"{mode}_duplicate_writes", duplicates,
+               "extra copies written (a body under 2+ ids)", fmt=",d")
+    report.add(f"{mode}_duplicated_bodies", sum(1 for v in ids.values() if len(set(v)) > 1),
                "bodies written twice or more", fmt=",d")
-    report.add("redeliveries", redelivered, "deliveries of a message id again", fmt=",d")
+    report.add(f"{mode}_redeliveries", redelivered, "deliveries of a message id again",
+               fmt=",d")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--modes", default="idempotent,plain",
+                    help="the client's modes to run, in turn: idempotent, plain")
     args = ap.parse_args()
     report = Report("duplicates")
     report.figures.update(common.machine_info())
-    asyncio.run(run(args.kills, report))
+    for mode in args.modes.split(","):
+        if mode not in ("idempotent", "plain"):
+            ap.error(f"unknown mode {mode!r}")
+        asyncio.run(run(args.kills, report, mode))
     report.emit_json()
     return 0
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import array
 import asyncio
 import multiprocessing
+import os
 import resource
 import struct
 import time
 
-from nsqwire.commands import FrameParser, cmd_cls, cmd_nop, cmd_rdy, cmd_sub
+from nsqwire.commands import (FrameParser, cmd_cls, cmd_mpub_ext, cmd_nop, cmd_pub_ext, cmd_rdy,
+                              cmd_sub)
 from nsqwire import protocol as p
 
 FRAME = struct.Struct(">ii")
@@ -36,6 +38,9 @@ class ProduceJob:
     for a time window (`warm_s` unmeasured, then `dur_s` measured) or `batches` times.
     With `answers` N (default 1), `cmd` holds N requests sent together (pipelined) and the
     next send waits for all N OKs (`per_cmd` counts the messages of all N).
+    With `named` (topic, bodies), each send is an idempotent producer's request instead:
+    PUB_EXT (MPUB_EXT for several bodies) named by the connection's producer id and its next
+    sequence (nsqd/producers.py).
     With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics);
     with `targets` (a list of (host, port, cmd), one per connection), connection i goes to
     its own node with its own command (a cluster's leaders)."""
@@ -67,6 +72,8 @@ class ProduceJob:
                 proto.cmd = targets[i][2]
             elif self.spec.get("cmds"):
                 proto.cmd = self.spec["cmds"][i % len(self.spec["cmds"])]
+            if self.spec.get("named"):
+                proto.named = (*self.spec["named"], f"bench-{os.getpid()}-{i}")
             self.conns.append(proto)
 
     async def run(self, t0: float) -> dict:
@@ -104,6 +111,8 @@ class Producer(asyncio.Protocol):
         self.finished = False
         self.answers = job.spec.get("answers", 1)  # OKs that answer one send
         self.pending = 0
+        self.named: tuple | None = None  # (topic, bodies, producer id): see ProduceJob
+        self.sequence = 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -112,7 +121,17 @@ class Producer(asyncio.Protocol):
     def send(self, now: float | None = None) -> None:
         self.t_sent = time.monotonic() if now is None else now
         self.pending = self.answers
-        self.transport.write(self.cmd)
+        if self.named is None:
+            self.transport.write(self.cmd)
+            return
+        topic, bodies, producer_id = self.named
+        header = {"##producer_id": producer_id, "##sequence": self.sequence}
+        self.sequence += 1
+        if len(bodies) == 1:
+            self.transport.write(cmd_pub_ext(topic, header, bodies[0]))
+        else:
+            self.transport.write(cmd_mpub_ext(topic, [(header, bodies[0])]
+                                              + [({}, b) for b in bodies[1:]]))
 
     def data_received(self, data: bytes) -> None:
         f = self.frames

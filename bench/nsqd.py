@@ -27,6 +27,10 @@ used. Messages have 200-byte bodies.
   (h) pipelined:  4 connections, each sending 32 PUBs together and the next 32 once all are
                   answered (as a client with many publishers on one connection): msgs/s and
                   the server's CPU per message (their answers leave in one write per turn)
+  (i) named:      what idempotent producers cost: (a)'s load and (e)'s as PUB_EXT / MPUB_EXT,
+                  each request named (a producer id per connection, the next sequence) against
+                  the same commands unnamed, on a fresh nsqd each, alternated for --rounds
+                  rounds: medians of msgs/s, server CPU per message and p99, and their ratios
 and all of it twice: nsqd's defaults (durable: every batch synced before OK), then
 `--sync-every 10000`. Every part gives the server's CPU per message (`*_server_cpu_us_per_msg`,
 from /proc/PID/stat of the server over the measured span). Prints readable lines, then ONE
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import array
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -58,7 +63,7 @@ from bench.loadgen import Workers, cpu_seconds  # noqa: E402
 from bench import nsqd_server  # noqa: E402
 from bench.nsqd_server import (Profiler, Server, pid_cpu_seconds, summarize_profile,  # noqa: E402
                                thread_cpu)
-from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
+from nsqwire.commands import cmd_mpub, cmd_mpub_ext, cmd_pub, cmd_pub_ext  # noqa: E402
 
 BODY_LEN = 200
 TOPIC = "bench"
@@ -538,12 +543,56 @@ def part_pipelined(report: Report, cfg: str, flags: list[str], P: dict, args) ->
     print_profile(report, prof)
 
 
+def part_named(report: Report, cfg: str, flags: list[str], P: dict, args) -> None:
+    key = f"{cfg}_named"
+    report.section(f"[{cfg}] (i) idempotent producers: PUB_EXT on {P['pub_conns']} "
+                   f"connections and MPUB_EXT of {MPUB_BATCH} on 2, named against unnamed, "
+                   f"{args.rounds} alternated rounds ({P['conns_s']:g} s each)")
+    loads = {"pub1": (P["pub_conns"], bodies(1)), "mpub200": (2, bodies(MPUB_BATCH))}
+    got: dict = {}
+    for _ in range(args.rounds):
+        for load, (conns, bs) in loads.items():
+            for named in (False, True):
+                with Server(flags, args.dir) as srv:
+                    srv.command(cmd_pub(TOPIC, b"x" * BODY_LEN))
+                    cmd = (cmd_pub_ext(TOPIC, {}, bs[0]) if len(bs) == 1
+                           else cmd_mpub_ext(TOPIC, [({}, b) for b in bs]))
+                    specs = produce_specs(cmd, len(bs), conns, min(args.procs, conns),
+                                          warm_s=P["pub_warm_s"], dur_s=P["conns_s"])
+                    for spec in specs:
+                        if named:
+                            spec["named"] = (TOPIC, bs)
+                    results, _, phase = run_load(srv, specs, None, args.py_spy_rate)
+                lat = array.array("d")
+                for r in results:
+                    lat.frombytes(r["lat"])
+                rate = sum(r["count"] for r in results) / P["conns_s"]
+                got.setdefault((load, named), []).append(
+                    (rate, phase.server_cpus / rate * 1e6, percentile(sorted(lat), 99) * 1000))
+    for load in loads:
+        med = {named: [statistics.median([r[i] for r in got[(load, named)]]) for i in range(3)]
+               for named in (False, True)}
+        for named, (rate, cpu, p99) in med.items():
+            tag = f"{key}_{load}_{'named' if named else 'unnamed'}"
+            report.add(f"{tag}_msgs_per_s", rate, f"{load} {'named' if named else 'unnamed'} "
+                       "msgs/s (median)", fmt=",.0f")
+            report.add(f"{tag}_server_cpu_us_per_msg", cpu, "server CPU per message (µs)",
+                       fmt=",.2f")
+            report.add(f"{tag}_p99_ms", p99, "latency p99 (ms)", fmt=",.2f")
+        report.add(f"{key}_{load}_msgs_ratio", med[True][0] / med[False][0],
+                   f"{load}: named / unnamed msgs/s", fmt=".3f")
+        report.add(f"{key}_{load}_cpu_ratio", med[True][1] / med[False][1],
+                   f"{load}: named / unnamed server CPU per message", fmt=".3f")
+        report.add(f"{key}_{load}_cpu_us_added", med[True][1] - med[False][1],
+                   f"{load}: server CPU per message added by naming (µs)", fmt=",.2f")
+
+
 # =============================================================================
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller: under a minute")
-    ap.add_argument("--only", default="a,b,c,d,e,f,g,h",
+    ap.add_argument("--only", default="a,b,c,d,e,f,g,h,i",
                     help="parts to run, e.g. a,c (d needs c for its ratio)")
     ap.add_argument("--configs", default="durable,sync10000",
                     help="server configurations: durable (defaults), sync10000 (--sync-every 10000)")
@@ -553,6 +602,7 @@ def main() -> int:
     ap.add_argument("--channel-consumers", type=int, default=1,
                     help="consumers per channel in (d) (default 1)")
     ap.add_argument("--backlog", type=int, help="backlog messages for (c) and (d)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds of (i)")
     ap.add_argument("--dir", help="temporary data paths inside DIR (default: the system temp dir)")
     ap.add_argument("--nsqd-root", metavar="DIR",
                     help="run the nsqd of the checkout in DIR (e.g. `git worktree add /tmp/base "
@@ -617,6 +667,8 @@ def main() -> int:
             part_isolation(report, cfg, flags, P, args)
         if "h" in parts:
             part_pipelined(report, cfg, flags, P, args)
+        if "i" in parts:
+            part_named(report, cfg, flags, P, args)
 
     report.section("end")
     report.add("fsync_bound_end_syncs_per_s", fsync_bound(args.dir, P["fsync_s"]),

@@ -41,7 +41,7 @@ from bench.cluster import P_DUR, leader_targets, report_part, run, spec  # noqa:
 from bench.common import Report  # noqa: E402
 from cluster import Cluster, wait_until  # noqa: E402
 from nsqclient.consumer import Consumer  # noqa: E402
-from nsqclient.partitioning import partition_of  # noqa: E402
+from nsqwire.partitioning import partition_of  # noqa: E402
 from nsqclient.producer import Producer  # noqa: E402
 from nsqwire.commands import cmd_mpub, cmd_pub  # noqa: E402
 

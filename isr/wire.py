@@ -157,20 +157,29 @@ def _ack_fields(raw: bytes) -> dict:
 
 
 # PUBLISH header: partition, n (u32 each), trace_id (u64), flags (u8: 1 trace ids, 2 exts in
-# the payload), topic, source and ext lengths (u16 each); then those three, the ext raw.
-# WRITTEN header: first_id, count, offset, end_offset (u64 each).
+# the payload, 4 an idempotent producer's name), topic, source and ext lengths (u16 each);
+# then those three, the ext raw; then, with flag 4, [u8 length][producer id][u64 sequence].
+# WRITTEN header: first_id, count, offset, end_offset (u64 each), duplicate (u8: 1 when an
+# idempotent producer's request was answered again, not written).
 PUBLISH_HEAD = struct.Struct(">IIQBHHH")
-WRITTEN_HEAD = struct.Struct(">QQQQ")
-_WRITTEN = ("first_id", "count", "offset", "end_offset")
+WRITTEN_HEAD = struct.Struct(">QQQQB")
+_WRITTEN = ("first_id", "count", "offset", "end_offset", "duplicate")
+_SEQUENCE = struct.Struct(">Q")
 
 
 def _publish_head(h: dict) -> bytes:
     try:
         topic, source, ext = h["topic"].encode(), h["source"].encode(), bytes(h["ext"])
         flags = (1 if h["trace_ids"] else 0) | (2 if h["exts"] else 0)
+        tail = b""
+        if h.get("producer") is not None:
+            producer_id = h["producer"][0].encode()
+            flags |= 4
+            tail = (bytes([len(producer_id)]) + producer_id
+                    + _SEQUENCE.pack(h["producer"][1]))
         return PUBLISH_HEAD.pack(h["partition"], h["n"], h["trace_id"], flags, len(topic),
-                                 len(source), len(ext)) + topic + source + ext
-    except (KeyError, TypeError, AttributeError, struct.error) as e:
+                                 len(source), len(ext)) + topic + source + ext + tail
+    except (KeyError, TypeError, AttributeError, ValueError, struct.error) as e:
         raise ValueError(f"PUBLISH header {h!r}: {e!r}") from None
 
 
@@ -179,7 +188,17 @@ def _publish_fields(raw: bytes) -> dict:
     if len(raw) < size:
         raise BadFrame(f"PUBLISH header of {len(raw)} bytes")
     partition, n, trace_id, flags, topic_len, source_len, ext_len = PUBLISH_HEAD.unpack_from(raw)
-    if len(raw) != size + topic_len + source_len + ext_len or flags > 3:
+    ext_end = size + topic_len + source_len + ext_len
+    producer = None
+    if flags & 4 and len(raw) > ext_end:
+        id_end = ext_end + 1 + raw[ext_end]
+        if len(raw) == id_end + _SEQUENCE.size:
+            try:
+                producer = (bytes(raw[ext_end + 1:id_end]).decode(),
+                            _SEQUENCE.unpack_from(raw, id_end)[0])
+            except UnicodeDecodeError:
+                raise BadFrame("PUBLISH header: a producer id is not UTF-8") from None
+    if flags > 7 or (producer is None and (flags & 4 or len(raw) != ext_end)):
         raise BadFrame(f"PUBLISH header of {len(raw)} bytes does not match its lengths")
     try:
         topic = bytes(raw[size:size + topic_len]).decode()
@@ -188,7 +207,7 @@ def _publish_fields(raw: bytes) -> dict:
         raise BadFrame("PUBLISH header: a name is not UTF-8") from None
     return {"topic": topic, "partition": partition, "n": n, "trace_id": trace_id,
             "trace_ids": bool(flags & 1), "exts": bool(flags & 2), "source": source,
-            "ext": bytes(raw[size + topic_len + source_len:])}
+            "ext": bytes(raw[size + topic_len + source_len:ext_end]), "producer": producer}
 
 
 def _written_head(h: dict) -> bytes:
@@ -201,7 +220,9 @@ def _written_head(h: dict) -> bytes:
 def _written_fields(raw: bytes) -> dict:
     if len(raw) != WRITTEN_HEAD.size:
         raise BadFrame(f"WRITTEN header of {len(raw)} bytes")
-    return dict(zip(_WRITTEN, WRITTEN_HEAD.unpack(raw)))
+    fields = dict(zip(_WRITTEN, WRITTEN_HEAD.unpack(raw)))
+    fields["duplicate"] = bool(fields["duplicate"])
+    return fields
 
 
 _BINARY = {Kind.PUSH: (_push_head, _push_fields), Kind.ACK: (_ack_head, _ack_fields),

@@ -16,7 +16,7 @@ import threading
 
 from jepsen.history import History
 from nsqclient.consumer import Consumer
-from nsqclient.partitioning import partition_of
+from nsqwire.partitioning import partition_of
 from nsqclient.producer import Producer, PublishError
 
 CHANNEL = "jepsen"

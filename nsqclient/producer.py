@@ -5,25 +5,36 @@ Routing: with a key, partition_of(key, partition_num) (partitioning.py); without
 led partitions in turn. A classic topic (no partition map) is published without a
 partition number to one of its producers (by key when there is one, else in turn).
 A publish is done only at the server's OK. On E_FAILED_ON_NOT_LEADER,
-E_TOPIC_NOT_EXIST, E_BAD_PARTITION, a lost connection, a timeout or a failed lookup,
-it looks up again and retries with exponential backoff, at most `max_attempts` times
-within `max_retry_time`, then raises PublishError. Messages of one key are sent one at
-a time, in call order, each after the previous one's answer (so retries never reorder
-a key); other keys and keyless messages proceed meanwhile. Retries may duplicate a
-message whose answer was lost (at-least-once).
+E_FAILED_ON_NOT_WRITABLE, E_TOPIC_NOT_EXIST, E_BAD_PARTITION, a lost connection, a
+timeout or a failed lookup, it looks up again and retries with exponential backoff, at
+most `max_attempts` times within `max_retry_time`, then raises PublishError.
+
+Idempotent (the default, on a topic with partitions): each partition has a `Lane`, one
+request in flight at a time, named by the producer's id and the lane's next sequence
+(`##producer_id`, `##sequence` in PUB_EXT / MPUB_EXT) and sent again under the same name
+on every retry, so the partition writes it once (nsqd/producers.py) through leader
+kills. What callers publish while a request is in flight goes as the next one, in one
+MPUB_EXT, in call order (so a key's order holds). A request refused E_BAD_SEQUENCE (nothing
+of it written) is sent again under a new id; one given up leaves the lane a new id too.
+
+Not idempotent (`idempotent=False`, or a classic topic without partitions): PUB and MPUB;
+messages of one key are sent one at a time, in call order, each after the previous one's
+answer (so retries never reorder a key); other keys and keyless messages proceed
+meanwhile. Retries may duplicate a message whose answer was lost (at-least-once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from contextlib import asynccontextmanager
 
 import structlog
 
 from nsqclient.conn import Connection, NSQError
 from nsqclient.lookup import LookupFailed, LookupSource, Node, TopicMap, lookup_source
-from nsqclient.partitioning import key_bytes, partition_of
+from nsqwire.partitioning import key_bytes, partition_of
 from nsqwire import commands as c
 from nsqwire.protocol import valid_topic_name
 
@@ -40,6 +51,11 @@ class PublishError(Exception):
 
 class NoLeader(Exception):
     """The partition a message must go to has no leader in the current lookup."""
+
+
+class Rerouted(Exception):
+    """A lane's partition is not in the topic's map any more (a stale map fixed): its
+    request, never written, goes where its calls' keys now route."""
 
 
 class KeyOrder:
@@ -65,6 +81,100 @@ class KeyOrder:
         return len(self._entries)
 
 
+class Lane:
+    """The requests of one producer to one partition (see the module docstring): callers'
+    messages wait in `waiting` as (bodies, key, future); one task sends them, a request at
+    a time."""
+
+    MAX_MESSAGES = 1000  # what one request carries at most, from the calls waiting
+    MAX_BYTES = 512 * 1024
+
+    def __init__(self, producer: "Producer", topic: str, partition: int):
+        self.producer = producer
+        self.topic = topic
+        self.partition = partition
+        self.producer_id = uuid.uuid4().hex
+        self.sequence = 0  # the next request's
+        self.waiting: list[tuple[list[bytes], bytes | None, asyncio.Future]] = []
+        self._sender: asyncio.Task | None = None
+
+    async def publish(self, bodies: list[bytes], key: bytes | None) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((bodies, key, fut))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.ensure_future(self._send_all())
+        await fut
+
+    def _take(self) -> list[tuple[list[bytes], bytes | None, asyncio.Future]]:
+        """The calls the next request carries: the first one waiting, and those after it
+        while they fit."""
+        taken, count, size = [], 0, 0
+        for call in self.waiting:
+            n, b = len(call[0]), sum(map(len, call[0]))
+            if taken and (count + n > self.MAX_MESSAGES or size + b > self.MAX_BYTES):
+                break
+            taken.append(call)
+            count, size = count + n, size + b
+        del self.waiting[:len(taken)]
+        return taken
+
+    async def _send_all(self) -> None:
+        while self.waiting:
+            taken = [call for call in self._take() if not call[2].done()]  # none cancelled
+            if not taken:
+                continue
+            bodies = [body for call in taken for body in call[0]]
+            try:
+                await self.producer._send(self.topic, None, self._encoder(bodies),
+                                          partition=self.partition, lane=self)
+            except Rerouted:  # nothing written: each call is published again, in order
+                for call_bodies, key, fut in taken:
+                    _chain(self.producer._publish(self.topic, key, call_bodies), fut)
+                continue
+            except Exception as e:  # given up: its outcome may be unknown, a new name follows
+                self.renew()
+                for _, _, fut in taken:
+                    if not fut.done():
+                        fut.set_exception(e)
+            else:
+                self.sequence += 1
+                for _, _, fut in taken:
+                    if not fut.done():
+                        fut.set_result(None)
+
+    def _encoder(self, bodies: list[bytes]):
+        def encode(partition: int | None) -> bytes:
+            header = {"##producer_id": self.producer_id, "##sequence": self.sequence}
+            if len(bodies) == 1:
+                return c.cmd_pub_ext(self.topic, header, bodies[0], partition)
+            return c.cmd_mpub_ext(self.topic, [(header, bodies[0])]
+                                  + [({}, body) for body in bodies[1:]], partition)
+        return encode
+
+    def renew(self) -> None:
+        """A new producer id, from sequence 0: the partition takes it as a new producer."""
+        self.producer_id = uuid.uuid4().hex
+        self.sequence = 0
+
+    def close(self, error: Exception) -> None:
+        waiting, self.waiting = self.waiting, []
+        for _, _, fut in waiting:
+            if not fut.done():
+                fut.set_exception(error)
+
+
+def _chain(coro, fut: asyncio.Future) -> None:
+    """Run `coro`; its outcome becomes `fut`'s."""
+    def done(task: asyncio.Task) -> None:
+        if fut.done():
+            return
+        if task.exception() is not None:
+            fut.set_exception(task.exception())
+        else:
+            fut.set_result(None)
+    asyncio.ensure_future(coro).add_done_callback(done)
+
+
 def route(tmap: TopicMap, key: bytes | None, turn: int) -> tuple[int | None, Node]:
     """(partition or None for a classic topic, its leader) for one message."""
     if tmap.partition_num is None:
@@ -86,12 +196,14 @@ def route(tmap: TopicMap, key: bytes | None, turn: int) -> tuple[int | None, Nod
 
 class Producer:
     """`await publish(topic, body, key=None)`, `await publish_many(topic, bodies,
-    key=None)` (one MPUB, to one partition), `await close()`."""
+    key=None)` (one request, to one partition), `await close()`. `idempotent`: see the
+    module docstring."""
 
     def __init__(self, lookupd_http_addresses: list[str] | None = None, *,
                  lookup: LookupSource | None = None, max_attempts: int = 40,
                  max_retry_time: float = 30.0, backoff: float = 0.05, max_backoff: float = 0.5,
-                 connect_timeout: float = 3.0, response_timeout: float = 10.0):
+                 connect_timeout: float = 3.0, response_timeout: float = 10.0,
+                 idempotent: bool = True):
         self.source = lookup_source(lookupd_http_addresses, lookup)
         self.max_attempts = max_attempts
         self.max_retry_time = max_retry_time
@@ -101,6 +213,8 @@ class Producer:
         self.response_timeout = response_timeout
         self.identify = {"hostname": socket.gethostname(), "user_agent": USER_AGENT}
         self.order = KeyOrder()
+        self.idempotent = idempotent
+        self._lanes: dict[tuple[str, int], Lane] = {}
         self.retries = 0  # attempts after a first one, over the producer's life
         self._maps: dict[str, TopicMap] = {}
         self._lookups: dict[str, asyncio.Future] = {}
@@ -110,34 +224,77 @@ class Producer:
         self._closed = False
 
     async def publish(self, topic: str, body: bytes, key: bytes | str | None = None) -> None:
-        await self._publish(topic, key, lambda n: c.cmd_pub(topic, body, n))
+        await self._publish(topic, key, [body])
 
     async def publish_many(self, topic: str, bodies: list[bytes],
                            key: bytes | str | None = None) -> None:
-        """All of `bodies` in one MPUB to one partition: the key's, or the next in turn."""
+        """All of `bodies` in one request to one partition: the key's, or the next in turn."""
         if not bodies:
             raise ValueError("publish_many needs at least one body")
-        await self._publish(topic, key, lambda n: c.cmd_mpub(topic, bodies, n))
+        await self._publish(topic, key, list(bodies))
 
     async def close(self) -> None:
         self._closed = True
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close(PublishError("the producer is closed"))
         conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             await conn.close()
         await self.source.close()
 
-    async def _publish(self, topic: str, key, encode) -> None:
+    async def _publish(self, topic: str, key, bodies: list[bytes]) -> None:
         if self._closed:
             raise PublishError("the producer is closed")
         if not valid_topic_name(topic):
             raise PublishError(f"invalid topic name {topic!r}")
+        if self.idempotent:
+            partition = await self._partition(topic, None if key is None else key_bytes(key))
+            if partition is not None:
+                lane = self._lanes.get((topic, partition))
+                if lane is None:
+                    lane = self._lanes[(topic, partition)] = Lane(self, topic, partition)
+                return await lane.publish(bodies, None if key is None else key_bytes(key))
+        if len(bodies) == 1:
+            encode = lambda n: c.cmd_pub(topic, bodies[0], n)  # noqa: E731
+        else:
+            encode = lambda n: c.cmd_mpub(topic, bodies, n)  # noqa: E731
         if key is None:
             return await self._send(topic, None, encode)
         kb = key_bytes(key)
         async with self.order.hold((topic, kb)):
             await self._send(topic, kb, encode)
 
-    async def _send(self, topic: str, key: bytes | None, encode) -> None:
+    async def _partition(self, topic: str, key: bytes | None) -> int | None:
+        """The partition an idempotent request goes to, kept through its retries: the
+        key's, or the next led one in turn; None on a topic without partitions. Looks up
+        again (bounded, as `_send`) while no partition of a keyless one has a leader."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_retry_time
+        delay, refresh = self.backoff, False
+        while True:
+            try:
+                tmap = await self._topic_map(topic, refresh)
+                if tmap.partition_num is None:
+                    return None
+                if key is not None:
+                    return partition_of(key, tmap.partition_num)
+                turn = self._turns.get(topic, 0)
+                self._turns[topic] = turn + 1
+                return route(tmap, None, turn)[0]
+            except (LookupFailed, NoLeader, OSError, TimeoutError) as e:
+                last = e
+            if self._closed or loop.time() + delay > deadline:
+                raise PublishError(f"publish to topic {topic!r} found no partition: "
+                                   f"{type(last).__name__}: {last}") from last
+            refresh = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_backoff)
+
+    async def _send(self, topic: str, key: bytes | None, encode, partition: int | None = None,
+                    lane: Lane | None = None) -> None:
+        """Send one request (`encode(partition)`), retried as the module docstring says; to
+        `partition` when given (a lane's), else routed by key or in turn."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_retry_time
         delay, refresh, attempt = self.backoff, False, 0
@@ -145,15 +302,25 @@ class Producer:
             attempt += 1
             try:
                 tmap = await self._topic_map(topic, refresh)
-                turn = 0 if key is not None else self._turns.get(topic, 0)
-                partition, node = route(tmap, key, turn)
-                if key is None:
-                    self._turns[topic] = turn + 1
+                if partition is not None:
+                    n = partition
+                    if tmap.partition_num is None or n >= tmap.partition_num:
+                        raise Rerouted()
+                    node = tmap.leaders.get(n)
+                    if node is None:
+                        raise NoLeader(f"partition {n} of topic {topic!r} has no leader")
+                else:
+                    turn = 0 if key is not None else self._turns.get(topic, 0)
+                    n, node = route(tmap, key, turn)
+                    if key is None:
+                        self._turns[topic] = turn + 1
                 conn = await self._connection(node)
-                await self._request(conn, node, encode(partition))
+                await self._request(conn, node, encode(n))
                 return
             except NSQError as e:
-                if not str(e).startswith(RETRYABLE):
+                if lane is not None and str(e).startswith("E_BAD_SEQUENCE"):
+                    lane.renew()  # refused, nothing written: sent again under a new name
+                elif not str(e).startswith(RETRYABLE):
                     raise PublishError(f"publish to topic {topic!r} refused: {e}") from e
                 last = e
             except (LookupFailed, NoLeader, OSError, TimeoutError) as e:

@@ -34,6 +34,7 @@ from isr.peer import PeerError, Peers
 from isr.wire import Kind
 
 from nsqwire.ext import checked_producer
+from nsqwire.partitioning import partition_of
 
 from .errors import BadSequence, PartitionNotLed, ProducersLoading
 
@@ -218,13 +219,19 @@ class Forwarder:
             e.leader = self.leader_of(topic, e.partition)
         return e
 
-    def pick(self, topic: str) -> tuple[int, str] | None:
-        """The next partition round-robin whose leader is a live node other than this one."""
+    def pick(self, topic: str, req: PublishRequest) -> tuple[int, str] | None:
+        """The next partition round-robin whose leader is a live node other than this one;
+        a named request's, its producer id's (Topic.publish's rule) when its leader is."""
         view = self.replication.cluster.mirror.view
         tv = view.topics.get(topic) if view is not None else None
         if tv is None:
             return None
         numbers = sorted(tv.partitions)
+        if req.producer is not None:
+            n = partition_of(req.producer[0], len(numbers))
+            leader = self.leader_of(topic, n)
+            ok = leader is not None and leader != self.replication.node_id
+            return (n, leader) if ok else None
         start = self._next.get(topic, 0)
         for i in range(len(numbers)):
             n = numbers[(start + i) % len(numbers)]
@@ -275,7 +282,7 @@ class _Forward:
     def attempt(self) -> None:
         if self.finished:
             return
-        picked = self.fw.pick(self.topic)
+        picked = self.fw.pick(self.topic, self.req)
         if picked is None:
             self._again()
             return
@@ -318,7 +325,7 @@ class _Forward:
         elif frame.kind is Kind.WRITTEN:
             h = frame.header
             self._finish(Forwarded(h["first_id"], h["count"], h["offset"], h["end_offset"],
-                                   self.partition, h.get("duplicate", False)), None)
+                                   self.partition, h["duplicate"]), None)
         elif frame.header.get("code") == E_NOT_LEADER:  # nothing written: another try
             self.last = f"{leader}: {frame.header.get('message', '')}"
             self._again()

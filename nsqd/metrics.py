@@ -16,7 +16,8 @@ Families (labels: topic, partition, channel):
   nsqd_partition_depth,
   nsqd_partition_start_offset,
   nsqd_partition_committed_offset, nsqd_partition_committed_count,
-  nsqd_partition_written_offset, group commit histograms
+  nsqd_partition_written_offset, nsqd_partition_producers,
+  nsqd_partition_producer_duplicates_total (nsqd/producers.py), group commit histograms
   nsqd_group_commit_batch_messages (messages per written batch) and
   nsqd_group_commit_sync_seconds (time per sync);
 - channel (per partition): nsqd_channel_depth, nsqd_channel_backend_depth,
@@ -190,6 +191,12 @@ def render(stats: dict) -> str:
     out.family("nsqd_partition_written_offset", "gauge",
                "Virtual offset up to which the partition's log is written.",
                [(pl(t, p), p["written_offset"]) for t, p in partitions])
+    out.family("nsqd_partition_producers", "gauge",
+               "Idempotent producers the partition knows (their last sequences).",
+               [(pl(t, p), p["producers"]) for t, p in partitions])
+    out.family("nsqd_partition_producer_duplicates_total", "counter",
+               "Idempotent producers' requests answered again, not written.",
+               [(pl(t, p), p["producer_duplicates"]) for t, p in partitions])
     gc_of = [(t, p, p["group_commit"]) for t, p in partitions if "group_commit" in p]
     out.histogram("nsqd_group_commit_batch_messages",
                   "Messages per batch written by the partition's group commit.",

@@ -17,7 +17,9 @@ them; ours are additive:
   start_offset, start_count, committed_offset,
   committed_count, written_offset, written_count, group_commit{batches, syncs,
   batch_messages_total, sync_seconds_total, batch_messages_histogram,
-  sync_seconds_histogram}, error}]: `error` is null while the partition serves, else why
+  sync_seconds_histogram}, producers (idempotent producers it knows: producers.py),
+  producer_duplicates (their requests answered again, not written), error}]: `error` is
+  null while the partition serves, else why
   it does not (its log failed); a partition that failed to open has only `partition`,
   `depth` (0) and `error`;
 - channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
@@ -179,6 +181,9 @@ def partition_stats(partition) -> dict:
                                                    h.get("batch_messages")),
             "sync_seconds_histogram": _histogram(SYNC_SECONDS_BUCKETS, h.get("sync_seconds")),
         },
+        "producers": len(partition.producers) if partition.producers is not None else 0,
+        "producer_duplicates": (partition.producers.duplicates
+                                if partition.producers is not None else 0),
         "error": str(q.failed) if q.failed is not None else None,
     }
 

@@ -407,7 +407,7 @@ class ClientConnection(asyncio.Protocol):
         except ProducersLoading as e:
             self._loading = e.partition
             return False
-        except BadSequence as e:
+        except (BadSequence, NotCommitted) as e:  # a producer's retry refused, or not yet known
             raise tcp_error(command, e) from None
         except (PartitionNotFound, NotWritable) as e:
             if not waited and topic.starting(cmd.partition):

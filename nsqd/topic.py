@@ -38,6 +38,7 @@ from diskqueue.atomic import fsync_dir
 from diskqueue.errors import NotCommitted
 from diskqueue.groupcommit import Appended, settle
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy
+from nsqwire.partitioning import partition_of
 
 from .assignment import Assignment
 from .channel import Channel
@@ -528,11 +529,15 @@ class Topic:
         that ends (and counts the messages) once the log acknowledged the request; with one,
         the log calls `callback(appended, error)` and the caller counts them
         (`count_published`) when it answers: TCP's path, with no task per publish.
+        A named request (`producer`) without a partition goes to its producer id's
+        (nsqwire.partitioning, as a key's).
         `source`: the publisher's address, for the PUB trace events (nsqd/tracing.py) of a
         publish without `callback`; a caller with one records them itself when it is called
         (`Tracer.published`). `producer`: an idempotent producer's (id, sequence), written
         once (Partition.append); with `callback`, ProducersLoading says what to await
         first."""
+        if partition is None and producer is not None:  # its retries land where it did
+            partition = partition_of(producer[0], self.assignment.partition_num)
         if partition is None:
             if self.assignment.ordered:  # a key's order needs its partition named
                 raise PartitionNotFound(None)

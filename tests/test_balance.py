@@ -34,7 +34,7 @@ from isr import keys
 from isr.etcd import Etcd
 from isr.metadata import Metadata
 from nsqclient.consumer import Consumer
-from nsqclient.partitioning import partition_of
+from nsqwire.partitioning import partition_of
 from nsqclient.producer import Producer
 from servers import NsqdProcess, free_port
 

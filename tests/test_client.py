@@ -20,7 +20,7 @@ from nodes import until
 from nsqclient.conn import Connection
 from nsqclient.consumer import Consumer
 from nsqclient.lookup import LookupdSource, LookupFailed, StaticLookup, TopicNotFound
-from nsqclient.partitioning import partition_of
+from nsqwire.partitioning import partition_of
 from nsqclient.producer import Producer, PublishError
 from nsqwire import commands as c
 from nsqwire.ids import SEQUENCE_MASK, decode_msg_id, msg_id_partition
@@ -100,12 +100,16 @@ async def test_keys_land_in_their_partition_and_keyless_go_round(proc):
                 assert partition_of(key, N) == n, m.body
 
 
-async def test_per_key_order_across_kill9(proc):
-    """Eight keys publish 120 messages each, all called at once; nsqd is killed -9 and
-    restarted mid-stream. Every acknowledged message is there and each key's messages
-    are stored in call order (a retry's duplicate only right after its original): the
-    producer sends a key's next message only after the previous one's answer."""
-    p = Producer(lookup=static_all(proc.tcp_address), max_retry_time=30, max_attempts=100)
+@pytest.mark.parametrize("idempotent", [False, True])
+async def test_per_key_order_across_kill9(proc, idempotent):
+    """Eight keys publish 120 messages each; nsqd is killed -9 and restarted mid-stream.
+    Every acknowledged message is there and each key's messages are stored in call order.
+    Not idempotent, all called at once: a retry's duplicate only right after its original
+    (the producer sends a key's next message only after the previous one's answer).
+    Idempotent, each key's calls one after another (the producer would carry calls made at
+    once in one request): stored exactly once each, in order."""
+    p = Producer(lookup=static_all(proc.tcp_address), max_retry_time=30, max_attempts=100,
+                 idempotent=idempotent)
     acked = defaultdict(list)
 
     async def one(key: str, j: int):
@@ -113,7 +117,11 @@ async def test_per_key_order_across_kill9(proc):
         acked[key].append(j)
 
     async def key_stream(key: str):
-        await asyncio.gather(*(one(key, j) for j in range(120)))
+        if idempotent:
+            for j in range(120):
+                await one(key, j)
+        else:
+            await asyncio.gather(*(one(key, j) for j in range(120)))
 
     streams = asyncio.gather(*(key_stream(f"k{i}") for i in range(8)))
     await until(lambda: sum(map(len, acked.values())) >= 300, 20)
@@ -135,6 +143,8 @@ async def test_per_key_order_across_kill9(proc):
         assert seq == list(range(120))
         assert stored[key] == sorted(stored[key]), key  # order per key intact
         assert sorted(set(stored[key])) == seq, key  # every acknowledged one, nothing else
+        if idempotent:
+            assert stored[key] == seq, key  # and each once
 
 
 async def test_bad_partition_and_missing_topic_are_retried_then_clear(tmp_path):
@@ -163,7 +173,7 @@ async def test_bad_partition_and_missing_topic_are_retried_then_clear(tmp_path):
         await asyncio.wait_for(task, 10)
 
         retries = p.retries  # refusals that a new lookup cannot fix are raised at once
-        with pytest.raises(PublishError, match="refused: E_BAD_MESSAGE"):
+        with pytest.raises(PublishError, match="refused: E_BAD_(MESSAGE|BODY)"):
             await p.publish("t", b"")
         with pytest.raises(PublishError, match="invalid topic name"):
             await p.publish("bad topic!", b"x")

@@ -11,7 +11,7 @@ import pytest
 from cluster import Cluster, wait_until
 from nodes import until
 from nsqclient.consumer import Consumer
-from nsqclient.partitioning import partition_of
+from nsqwire.partitioning import partition_of
 from nsqclient.producer import Producer
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from servers import free_port

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from nsqclient.conn import Connection
 from nsqclient.consumer import spread_rdy, targets
 from nsqclient.lookup import LookupFailed, Node, StaticLookup, TopicMap, TopicNotFound, parse_lookup
-from nsqclient.partitioning import partition_of
+from nsqwire.partitioning import partition_of
 from nsqclient.producer import KeyOrder, NoLeader, route
 
 # (key, murmur3 x86 32-bit seed 0 unsigned, partition for n = 2, 4, 16, 1024): nsqclient/README.md

@@ -19,6 +19,7 @@ from isr import wire
 from isr.wire import Decoder, Kind
 from nsqd.forward import PublishRequest, decode, encode
 from nsqwire import commands as c
+from nsqwire.partitioning import partition_of
 
 
 def wire_round_trip(header: dict, payload: bytes):
@@ -36,6 +37,8 @@ def test_a_request_is_decoded_as_it_was_encoded():
     assert decode(header, payload) == req
     plain = PublishRequest([b"one"])
     assert decode(*wire_round_trip(*encode("t", 0, plain, ""))) == plain
+    named = PublishRequest([b"one"], b"{}", producer=("till-7", 2**63 - 1))
+    assert decode(*wire_round_trip(*encode("t", 0, named, ""))) == named
     header, payload = wire_round_trip(*encode("t", 0, req, ""))
     for bad in (payload[:-1], payload + b"\0", b"", payload[:20]):
         with pytest.raises(ValueError):
@@ -96,6 +99,18 @@ async def test_a_publish_to_a_node_that_leads_none_is_written_by_a_leader(cl):
     assert sorted(counts) == [0, 1] and sum(counts.values()) == 12 and min(counts.values()) >= 4
     status, stats = http(cl.spare, "GET", "/stats?format=json")
     assert (stats["cluster"]["forwarded"], stats["cluster"]["forward_failed"]) == (9, 0)
+
+
+async def test_a_named_request_is_forwarded_to_its_producers_partition_and_written_once(cl):
+    """An idempotent producer's /pub through the node that leads none, sent three times:
+    forwarded each time to the partition its producer id hashes to, written once."""
+    before = committed(cl, "f")
+    for _ in range(3):
+        assert http(cl.spare, "POST", "/pub?topic=f&producer_id=curl-1&sequence=0",
+                    b"once") == (200, "OK")
+    after = committed(cl, "f")
+    n = partition_of("curl-1", 2)
+    assert [after.get(k, 0) - before.get(k, 0) for k in (n, 1 - n)] == [1, 0]
 
 
 async def test_a_publish_naming_a_partition_led_elsewhere_names_its_leader(cl):

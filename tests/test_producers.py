@@ -15,6 +15,7 @@ from nodes import connect
 from nsqclient.conn import NSQError
 from nsqd.errors import BadSequence
 from nsqd.producers import KEPT, UNKNOWN, WRITE, ProducerTable, mark_of, marked
+from nsqd.stats import partition_stats
 from nsqwire import commands as c
 from test_http import call
 from test_tcp_ext import raw_consumer
@@ -118,6 +119,8 @@ async def test_a_request_sent_again_is_written_once(node):
     await pub.command(_pub("t", b"d", "p1", 2))  # the connection goes on: not fatal
     assert await _bodies(n) == [b"a", b"b", b"c", b"d"]
     assert n.topics["t"].message_count == 4
+    got = partition_stats(n.topics["t"].partition(0))
+    assert (got["producers"], got["producer_duplicates"]) == (1, 2)
 
 
 async def test_pipelined_retries_of_one_in_flight_request_get_its_answer(node):

@@ -78,14 +78,16 @@ async def consume_all(cl: Cluster, topic: str, expected: set[bytes], timeout: fl
 
 class KeyedLoad:
     """8 publishers through the partition-aware client, keyed (`keys` keys), each publish
-    retried within 10 s: what was acknowledged and how many calls failed."""
+    retried within 10 s: what was acknowledged and how many calls failed. `idempotent`: the
+    client's mode (its default: on)."""
 
-    def __init__(self, cl: Cluster, topic: str, keys: int):
+    def __init__(self, cl: Cluster, topic: str, keys: int, idempotent: bool = True):
         self.topic, self.keys = topic, keys
         self.acked: set[bytes] = set()
         self.failed = 0
         self._stop = asyncio.Event()
-        self._producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0)
+        self._producer = Producer([cl.lookupds[0].http_address], max_retry_time=10.0,
+                                  idempotent=idempotent)
         self._workers = [asyncio.create_task(self._publish(w)) for w in range(8)]
 
     async def _publish(self, worker: int) -> None:

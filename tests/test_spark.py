@@ -408,7 +408,7 @@ def cluster(module_dir):
 def test_replay_keyed_into_a_topic_of_other_partitions_keeps_per_key_order(spark, cluster):
     """Source: 2 partitions, keys spread over both; target: 4 partitions. Each key's messages
     land in partition_of(key, 4), in their source order."""
-    from nsqclient.partitioning import partition_of
+    from nsqwire.partitioning import partition_of
 
     for topic, n in (("ksrc", 2), ("kdst", 4)):
         status, answer = cluster.create_topic(topic, n)
