@@ -26,6 +26,9 @@ from nsqwire.commands import (FrameParser, cmd_cls, cmd_mpub_ext, cmd_nop, cmd_p
 from nsqwire import protocol as p
 
 FRAME = struct.Struct(">ii")
+# A named request's sequence as a decimal string of 19 digits (the server reads a string as
+# HTTP's): the command is encoded once and only these bytes change.
+_SLOT = "X" * 19
 
 
 def cpu_seconds() -> float:
@@ -40,7 +43,7 @@ class ProduceJob:
     next send waits for all N OKs (`per_cmd` counts the messages of all N).
     With `named` (topic, bodies), each send is an idempotent producer's request instead:
     PUB_EXT (MPUB_EXT for several bodies) named by the connection's producer id and its next
-    sequence (nsqd/producers.py).
+    sequence (nsqd/producers.py), encoded once with the sequence's digits patched.
     With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics);
     with `targets` (a list of (host, port, cmd), one per connection), connection i goes to
     its own node with its own command (a cluster's leaders)."""
@@ -112,6 +115,8 @@ class Producer(asyncio.Protocol):
         self.answers = job.spec.get("answers", 1)  # OKs that answer one send
         self.pending = 0
         self.named: tuple | None = None  # (topic, bodies, producer id): see ProduceJob
+        self.template: bytes | None = None
+        self.slot = 0
         self.sequence = 0
 
     def connection_made(self, transport) -> None:
@@ -124,14 +129,19 @@ class Producer(asyncio.Protocol):
         if self.named is None:
             self.transport.write(self.cmd)
             return
-        topic, bodies, producer_id = self.named
-        header = {"##producer_id": producer_id, "##sequence": self.sequence}
+        if self.template is None:  # the command once, its sequence a slot of 19 digits
+            topic, bodies, producer_id = self.named
+            header = {"##producer_id": producer_id, "##sequence": _SLOT}
+            if len(bodies) == 1:
+                self.template = cmd_pub_ext(topic, header, bodies[0])
+            else:
+                self.template = cmd_mpub_ext(topic, [(header, bodies[0])]
+                                             + [({}, b) for b in bodies[1:]])
+            self.slot = self.template.index(_SLOT.encode())
+        at = self.slot
+        self.transport.write(self.template[:at] + b"%019d" % self.sequence
+                             + self.template[at + 19:])
         self.sequence += 1
-        if len(bodies) == 1:
-            self.transport.write(cmd_pub_ext(topic, header, bodies[0]))
-        else:
-            self.transport.write(cmd_mpub_ext(topic, [(header, bodies[0])]
-                                              + [({}, b) for b in bodies[1:]]))
 
     def data_received(self, data: bytes) -> None:
         f = self.frames

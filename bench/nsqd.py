@@ -562,7 +562,10 @@ def part_named(report: Report, cfg: str, flags: list[str], P: dict, args) -> Non
                     for spec in specs:
                         if named:
                             spec["named"] = (TOPIC, bs)
-                    results, _, phase = run_load(srv, specs, None, args.py_spy_rate)
+                    prof = profile_path(args, cfg, f"named_{load}_{int(named)}")
+                    results, _, phase = run_load(srv, specs, prof, args.py_spy_rate,
+                                                 args.py_spy_native)
+                print_profile(report, prof)
                 lat = array.array("d")
                 for r in results:
                     lat.frombytes(r["lat"])

@@ -34,14 +34,16 @@ KEPT = 5  # the last sequences of a producer whose answers are kept
 SCAN_BYTES = 32 << 20  # how much of a log's tail a partition opened here rebuilds from
 MARK_KEY = "##producer"
 MARKER = b'"' + MARK_KEY.encode() + b'"'  # what a marked record's header holds
+_new = tuple.__new__
 
 
 def marked(ext: bytes, producer: tuple[str, int]) -> bytes:
-    """The stored header of a request's first record: `ext` (compact JSON or b"") with
-    `##producer` [id, sequence] added."""
-    header = json.loads(ext) if ext else {}
-    header[MARK_KEY] = list(producer)
-    return json.dumps(header, separators=(",", ":")).encode()
+    """The stored header of a request's first record: `ext` (a compact JSON object or b"")
+    with `##producer` [id, sequence] first (an id is [A-Za-z0-9_.:-]: nothing to escape)."""
+    mark = b'{"%s":["%s",%d]' % (MARK_KEY.encode(), producer[0].encode(), producer[1])
+    if not ext or ext == b"{}":
+        return mark + b"}"
+    return mark + b"," + ext[1:]
 
 
 def mark_of(ext: bytes) -> tuple[str, int] | None:
@@ -58,6 +60,13 @@ def mark_of(ext: bytes) -> tuple[str, int] | None:
     return producer_id, sequence
 
 
+def _again(appended):
+    """The answer kept for a request's retries: its ids and offsets (an `Appended` with
+    `duplicate` set), as little as the answer needs."""
+    return _new(type(appended), (appended.first_id, appended.count, appended.offset,
+                                 appended.end_offset, 0, 0, (), True))
+
+
 class _Producer:
     __slots__ = ("kept", "next", "written_at")
 
@@ -70,10 +79,11 @@ class _Producer:
 class ProducerTable:
     """See the module docstring. `now` is wall-clock seconds (the log's timestamps)."""
 
-    def __init__(self, max_producers: int = 10_000, expiry: float = 3600.0):
+    def __init__(self, max_producers: int = 2_000, expiry: float = 3600.0):
         self.max_producers = max_producers
         self.expiry = expiry
         self._producers: dict[str, _Producer] = {}  # least recently written first
+        self._expired_at = float("-inf")
         self.duplicates = 0  # requests answered again, not written
 
     def __len__(self) -> int:
@@ -89,7 +99,6 @@ class ProducerTable:
         if found is not None:
             if found is not UNKNOWN and not isinstance(found, list):
                 self.duplicates += 1
-                return found._replace(duplicate=True)
             return found
         if sequence > p.next:
             raise BadSequence(f"sequence {sequence} of producer {producer_id} leaves a gap: "
@@ -114,7 +123,7 @@ class ProducerTable:
         if p is None or p.kept.get(sequence) is not waiters:
             return  # forgotten meanwhile
         if appended is not None:
-            p.kept[sequence] = appended
+            p.kept[sequence] = _again(appended)
         elif maybe_stored:
             p.kept[sequence] = UNKNOWN
         else:
@@ -129,12 +138,13 @@ class ProducerTable:
         if p is not None and isinstance(p.kept.get(sequence), list):
             return
         p = self._touch(producer_id, written_at)
+        answer = appended if appended is UNKNOWN else _again(appended)
         if sequence >= p.next:
             if sequence != p.next:
                 p.kept.clear()
-            self._keep(p, sequence, appended)
+            self._keep(p, sequence, answer)
         elif sequence in p.kept:
-            p.kept[sequence] = appended
+            p.kept[sequence] = answer
 
     def unknown(self) -> bool:
         """Whether any request's outcome is UNKNOWN."""
@@ -142,8 +152,13 @@ class ProducerTable:
 
     def _touch(self, producer_id: str, now: float) -> _Producer:
         """The producer, made most recently written (a new one when not kept)."""
-        p = self._producers.pop(producer_id, None) or _Producer()
-        self._producers[producer_id] = p
+        producers = self._producers
+        if producers and next(reversed(producers)) == producer_id:  # the last already
+            p = producers[producer_id]
+            p.written_at = max(p.written_at, now)
+            return p
+        p = producers.pop(producer_id, None) or _Producer()
+        producers[producer_id] = p
         p.written_at = max(p.written_at, now)
         while len(self._producers) > self.max_producers:
             del self._producers[next(iter(self._producers))]
@@ -151,12 +166,17 @@ class ProducerTable:
 
     @staticmethod
     def _keep(p: _Producer, sequence: int, value) -> None:
-        p.kept[sequence] = value
+        kept = p.kept
+        kept[sequence] = value
         p.next = sequence + 1
-        while len(p.kept) > KEPT:
-            del p.kept[next(iter(p.kept))]
+        if len(kept) > KEPT:  # one more than KEPT at most: one is added at a time
+            del kept[next(iter(kept))]
 
     def _expire(self, now: float) -> None:
+        """Forget the producers idle past the expiry (looked for at most once a second)."""
+        if now < self._expired_at + 1.0:
+            return
+        self._expired_at = now
         producers = self._producers
         while producers:
             first = next(iter(producers))

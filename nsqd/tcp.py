@@ -375,7 +375,7 @@ class ClientConnection(asyncio.Protocol):
         elif kind is p.MpubExt:
             bodies = [body for _, body in cmd.messages]
             trace_ids, exts = zip(*[ext.stored(header) for header, _ in cmd.messages])
-            producer = ext.producer_of(cmd.messages[0][0])
+            producer = cmd.producer
         elif kind is p.MpubTrace:
             trace_ids, bodies = zip(*cmd.messages)
             bodies, exts, trace_id = list(bodies), [b""] * len(bodies), trace_ids[0]
@@ -385,7 +385,7 @@ class ClientConnection(asyncio.Protocol):
                 extension = defer_ext(cmd.defer_ms, nsqd.clock())
             elif kind is p.PubExt:
                 trace_id, extension = ext.stored(cmd.header)
-                producer = ext.producer_of(cmd.header)
+                producer = cmd.producer
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
         # done, error, topic, bodies, command, trace_id, appended, trace_ids, written here

@@ -187,36 +187,42 @@ class Partition:
             raise ProducersLoading(self)
         now = time.time()
         found = table.check(*producer, now)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future() if callback is None else None
-        waiter = fut if callback is None else callback
-        if found is WRITE:
-            trace_ids = list(trace_ids) if trace_ids is not None else [trace_id] * len(bodies)
-            exts = list(exts) if exts is not None else [ext] * len(bodies)
-            exts[0] = marked(exts[0], producer)
-            waiters = [waiter]
-            since = self.queue.written_end
-            self.writer.append(bodies, callback=functools.partial(
-                self._producer_written, producer, waiters, since), trace_ids=trace_ids,
-                exts=exts)
+        if found is WRITE:  # its first record stores its name (producers.py)
+            fut = asyncio.get_running_loop().create_future() if callback is None else None
+            waiters = [fut if callback is None else callback]
+            written = functools.partial(self._producer_written, producer, waiters,
+                                        self.queue.written_end)
+            if exts is not None:
+                self.writer.append(bodies, callback=written, trace_ids=trace_ids,
+                                   exts=(marked(exts[0], producer), *exts[1:]))
+            elif len(bodies) == 1:
+                self.writer.append(bodies, trace_id, marked(ext, producer), callback=written)
+            else:
+                self.writer.append(bodies, callback=written,
+                                   trace_ids=(trace_id,) * len(bodies),
+                                   exts=(marked(ext, producer),) + (ext,) * (len(bodies) - 1))
             table.begin(*producer, now, waiters)
-        elif found is UNKNOWN:
+            return fut
+        if found is UNKNOWN:
             raise NotCommitted(f"sequence {producer[1]} of producer {producer[0]} was written "
                                "and its outcome is not known yet: it may still be delivered")
-        elif isinstance(found, list):  # in flight: answered with it
+        fut = asyncio.get_running_loop().create_future() if callback is None else None
+        waiter = fut if callback is None else callback
+        if isinstance(found, list):  # in flight: answered with it
             found.append(waiter)
         else:
-            loop.call_soon(settle, waiter, found, None)
+            asyncio.get_running_loop().call_soon(settle, waiter, found, None)
         return fut
 
     def _producer_written(self, producer, waiters: list, since: int, appended, exc) -> None:
-        table = self.producers
-        maybe_stored = isinstance(exc, NotCommitted) and not getattr(exc, "unwritten", False)
-        table.settle(*producer, waiters, appended, maybe_stored)
+        maybe_stored = exc is not None and isinstance(exc, NotCommitted) and not getattr(
+            exc, "unwritten", False)
+        self.producers.settle(*producer, waiters, appended, maybe_stored)
         settle(waiters[0], appended, exc)
-        again = appended._replace(duplicate=True) if appended is not None else None
-        for waiter in waiters[1:]:
-            settle(waiter, again, exc)
+        if len(waiters) > 1:  # retries that came while it was in flight
+            again = appended._replace(duplicate=True) if appended is not None else None
+            for waiter in waiters[1:]:
+                settle(waiter, again, exc)
         if maybe_stored:
             self._unknown_since = min(self._unknown_since, since) if self._finding else since
             if self._finding is None:

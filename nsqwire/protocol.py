@@ -163,17 +163,21 @@ class Dpub:
 
 @dataclass(slots=True)
 class PubExt:
+    """`producer`: the header's (##producer_id, ##sequence), None when it names none."""
     topic: str
     header: dict
     body: bytes
     partition: int | None = None
+    producer: tuple[str, int] | None = None
 
 
 @dataclass(slots=True)
 class MpubExt:
+    """`producer`: the first message's header's (##producer_id, ##sequence), or None."""
     topic: str
     messages: list[tuple[dict, bytes]]
     partition: int | None = None
+    producer: tuple[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -277,8 +281,8 @@ def _msg_id(command: str, params: list[bytes], needed: int) -> bytes:
     return params[1]
 
 
-def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
-    """[2-byte header length][JSON header][message] -> (header, message)."""
+def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes, tuple[str, int] | None]:
+    """[2-byte header length][JSON header][message] -> (header, message, its producer)."""
     if len(raw) <= 2:
         raise invalid_ext_body(command, len(raw), "with ext json header enabled")
     end = 2 + _U16.unpack_from(raw)[0]
@@ -297,10 +301,10 @@ def _split_ext(command: str, raw: bytes) -> tuple[dict, bytes]:
             raise invalid_json_header(command, f"key {_go_quote(key)} is reserved")
     try:
         trace_id_of(header)
-        producer_of(header)
+        producer = producer_of(header)
     except ValueError as e:
         raise invalid_json_header(command, str(e)) from None
-    return header, raw[end:]
+    return header, raw[end:], producer
 
 
 class CommandParser:
@@ -594,8 +598,8 @@ class CommandParser:
         partition = _partition("PUB_EXT", params, 2)
 
         def build(body: bytes) -> PubExt:
-            header, message = _split_ext("PUB_EXT", body)
-            return PubExt(topic, header, message, partition)
+            header, message, producer = _split_ext("PUB_EXT", body)
+            return PubExt(topic, header, message, partition, producer)
 
         self._expect_body("PUB_EXT", self._check_message_size, build)
 
@@ -620,11 +624,12 @@ class CommandParser:
         partition = _partition("MPUB_EXT", params, 2)
 
         def build(bodies: list[bytes]) -> MpubExt:
-            messages = [_split_ext("MPUB_EXT", body) for body in bodies]
-            if any(producer_of(header) for header, _ in messages[1:]):
+            split = [_split_ext("MPUB_EXT", body) for body in bodies]
+            if any(producer for _, _, producer in split[1:]):
                 raise invalid_json_header("MPUB_EXT", "##producer_id and ##sequence name the "
                                           "request: only its first message may carry them")
-            return MpubExt(topic, messages, partition)
+            return MpubExt(topic, [(header, message) for header, message, _ in split],
+                           partition, split[0][2])
 
         self._expect_body("MPUB_EXT", self._check_mpub_size, build)
 
