@@ -14,7 +14,7 @@ request in flight at a time, named by the producer's id and the lane's next sequ
 (`##producer_id`, `##sequence` in PUB_EXT / MPUB_EXT) and sent again under the same name
 on every retry, so the partition writes it once (nsqd/producers.py) through leader
 kills. What callers publish while a request is in flight goes as the next one, in one
-MPUB_EXT, in call order (so a key's order holds). A request refused E_BAD_SEQUENCE (nothing
+MPUB_EXT, in call order (so a key's order holds). A request refused as a gap (nothing
 of it written) is sent again under a new id; one given up leaves the lane a new id too.
 
 Not idempotent (`idempotent=False`, or a classic topic without partitions): PUB and MPUB;
@@ -318,7 +318,8 @@ class Producer:
                 await self._request(conn, node, encode(n))
                 return
             except NSQError as e:
-                if lane is not None and str(e).startswith("E_BAD_SEQUENCE"):
+                if lane is not None and str(e).startswith("E_BAD_SEQUENCE") and (
+                        "leaves a gap" in str(e)):
                     lane.renew()  # refused, nothing written: sent again under a new name
                 elif not str(e).startswith(RETRYABLE):
                     raise PublishError(f"publish to topic {topic!r} refused: {e}") from e

@@ -321,7 +321,7 @@ class _Forward:
             return
         if isinstance(frame, PeerError):
             self._finish(None, NotCommitted(f"forwarded to {leader}: {frame}; it may still be "
-                                            "written"))
+                                            "delivered"))
         elif frame.kind is Kind.WRITTEN:
             h = frame.header
             self._finish(Forwarded(h["first_id"], h["count"], h["offset"], h["end_offset"],
@@ -337,7 +337,7 @@ class _Forward:
     def _expired(self) -> None:
         if self.sent_to is not None:
             self._finish(None, NotCommitted(f"forwarded to {self.sent_to}: no answer in "
-                                            f"{self.fw.timeout:g} s; it may still be written"))
+                                            f"{self.fw.timeout:g} s; it may still be delivered"))
         else:
             self._finish(None, PartitionNotLed(None, detail=f"not forwarded within "
                                                f"{self.fw.timeout:g} s: {self.last}"))

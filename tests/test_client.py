@@ -147,6 +147,29 @@ async def test_per_key_order_across_kill9(proc, idempotent):
             assert stored[key] == seq, key  # and each once
 
 
+async def test_calls_made_at_once_go_as_one_named_request_and_a_gap_takes_a_new_name(proc):
+    """Idempotent (the default): 50 calls of one key at once are carried in few requests
+    (one in flight a partition), stored once each and in call order, under one producer.
+    A lane whose sequence the partition does not expect (a gap: refused, never written)
+    sends its request again under a new producer id."""
+    p = Producer(lookup=static_all(proc.tcp_address))
+    await asyncio.gather(*(p.publish("t", b"k|%d" % j, key="k") for j in range(50)))
+    n = partition_of("k", N)
+    _, doc = http(proc.http_address, "GET", "/stats?format=json&topic=t")
+    part = doc["topics"][0]["partitions"][n]
+    assert part["producers"] == 1 and part["group_commit"]["batches"] < 50
+    lane = p._lanes[("t", n)]
+    first_id = lane.producer_id
+    lane.sequence += 3  # the partition expects 3 fewer: its next request leaves a gap
+    await p.publish("t", b"k|50", key="k")
+    assert lane.producer_id != first_id and lane.sequence == 1
+    await p.close()
+    got = await read_partition("127.0.0.1", proc.tcp_port, "t", n, 51)
+    assert [m.body for m in got] == [b"k|%d" % j for j in range(51)]
+    _, doc = http(proc.http_address, "GET", "/stats?format=json&topic=t")
+    assert doc["topics"][0]["partitions"][n]["producers"] == 2
+
+
 async def test_bad_partition_and_missing_topic_are_retried_then_clear(tmp_path):
     proc = NsqdProcess(str(tmp_path / "nsqd"), "--disable-auto-create").start()
     try:

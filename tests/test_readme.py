@@ -197,6 +197,14 @@ CHECKS = {  # a regex on the command as the README has it: what its run must sho
         lambda r: r.status == 0 and r.json() == {"message": "ADMIN_KEY_REQUIRED"},
     r"curl -X POST -H \"Authorization: Bearer ":  # with it: made
         lambda r: r.status == 0 and "message" not in r.out,
+    r"curl -d 'debit 42' '\S+/pub\?topic=pay&producer_id=till-7&sequence=0'":  # and again
+        lambda r: r.status == 0 and r.out == "OK",
+    r"curl -d 'debit 43' '\S+&sequence=5'":  # a gap: refused, nothing written
+        lambda r: r.status == 0 and r.json() == {"message": "BAD_SEQUENCE"},
+    r"curl '\S+/stats\?format=json&topic=pay'":  # the retry written once
+        lambda r: r.status == 0 and [(t["message_count"], t["partitions"][0]["producers"],
+                                      t["partitions"][0]["producer_duplicates"])
+                                     for t in r.json()["topics"]] == [(1, 1, 1)],
 }
 
 
