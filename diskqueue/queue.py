@@ -395,16 +395,23 @@ class DiskQueue(GroupCommit, Replicated):
     def reader(self, offset: int | None = None, read_ahead: int = 1 << 20) -> Reader:
         return Reader(self, self.start_offset if offset is None else offset, read_ahead)
 
-    async def marked_requests(self, since: int, marker: bytes) -> list[tuple[Entry, bytes]]:
+    async def marked_requests(self, since: int, marker: bytes,
+                              within_ns: int = 0) -> list[tuple[Entry, bytes]]:
         """The write requests from the one holding offset `since` (the log's start, when
-        before it) to the written end whose first record's ext header holds `marker`: (its
+        before it), or from the first written within `within_ns` of the last one when that
+        is earlier, to the written end, whose first record's ext header holds `marker`: (its
         commitlog entry, that header), in log order. An exclusive job off the loop (retention
         waits for it); records are not checksummed again (recovery did)."""
-        return await self._exclusive(self._marked_sync, since, marker)
+        return await self._exclusive(self._marked_sync, since, marker, within_ns)
 
-    def _marked_sync(self, since: int, marker: bytes) -> list[tuple[Entry, bytes]]:
+    def _marked_sync(self, since: int, marker: bytes,
+                     within_ns: int) -> list[tuple[Entry, bytes]]:
         clog, end = self.commitlog, self.written_end
         first = clog.find_by_offset(max(since, self.start_offset)) if len(clog) else None
+        if first is not None and within_ns:
+            recent = clog.find_by_timestamp(clog.last().timestamp - within_ns)
+            if recent is not None and recent.log_id < first.log_id:
+                first = recent
         found: list[tuple[Entry, bytes]] = []
         buf, buf_start, log_id = b"", 0, first.log_id if first is not None else clog.next_log_id
         while log_id < clog.next_log_id:

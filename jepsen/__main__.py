@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"valid": summary["valid"], "lost": tq["lost"],
                       "unexpected": tq["unexpected"], "acknowledged": tq["acknowledged"],
                       "attempted": tq["attempted"], "duplicated": tq["duplicated"],
+                      "stored_twice": tq["stored_twice"],
+                      "named_stored_twice": tq["named_stored_twice"],
                       "duplicate_rate": tq["duplicate_rate"],
                       "order": summary["order"]["valid"],
                       "divergent": rp.get("divergent"), "missing": rp.get("missing"),

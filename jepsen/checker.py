@@ -5,7 +5,9 @@ with `valid` (True, False, or "skipped") and its figures, named plainly.
   dequeued that was never attempted (`unexpected` 0); duplicates are counted, not
   failed (delivery is at least once). An enqueue that ended `info` or `fail` and was
   dequeued anyway is `recovered` (an indeterminate one may have happened; a `fail`
-  one must not: it counts as `unexpected`).
+  one must not: it counts as `unexpected`). `stored_twice`: values delivered under two
+  or more message ids (a retried publish written again); those of idempotent producers
+  (the enqueue's `named`, nsqclient's) must be none (`named_stored_twice` 0).
 - order: per key, the first deliveries of its messages have increasing `seq`
   (a redelivery of an earlier message is a duplicate, not a reordering). Only for an
   ordered topic; "skipped" otherwise.
@@ -40,9 +42,12 @@ def pairs(history: list[dict]) -> list[tuple[dict, dict | None]]:
 
 def total_queue(history: list[dict]) -> dict:
     attempted, acknowledged, failed, indeterminate = set(), set(), set(), set()
+    named = set()
     for inv, done in pairs(history):
         vid = inv["value"]["id"]
         attempted.add(vid)
+        if inv["value"].get("named"):
+            named.add(vid)
         kind = done["type"] if done else "info"
         {"ok": acknowledged, "fail": failed, "info": indeterminate}[kind].add(vid)
     deliveries = Counter(op["value"].get("id") for op in history
@@ -52,8 +57,14 @@ def total_queue(history: list[dict]) -> dict:
     unexpected = sorted((dequeued - attempted) | (dequeued & failed))
     duplicated = sorted(i for i, n in deliveries.items() if n > 1)
     extra = sum(n - 1 for n in deliveries.values())
+    copies: dict = defaultdict(set)  # value id -> the message ids it was delivered under
+    for op in history:
+        if op["f"] == "dequeue" and op["type"] == "ok" and op["value"].get("msg_id"):
+            copies[op["value"].get("id")].add(op["value"]["msg_id"])
+    stored_twice = sorted(i for i, ids in copies.items() if len(ids) > 1)
+    named_twice = [i for i in stored_twice if i in named]
     return {
-        "valid": not lost and not unexpected,
+        "valid": not lost and not unexpected and not named_twice,
         "attempted": len(attempted), "acknowledged": len(acknowledged),
         "failed": len(failed), "indeterminate": len(indeterminate),
         "dequeued": len(dequeued), "deliveries": sum(deliveries.values()),
@@ -62,6 +73,8 @@ def total_queue(history: list[dict]) -> dict:
         "duplicated": len(duplicated), "duplicate_deliveries": extra,
         "duplicate_rate": round(extra / len(dequeued), 6) if dequeued else 0.0,
         "recovered": len(dequeued & indeterminate),
+        "stored_twice": len(stored_twice), "named_stored_twice": len(named_twice),
+        "named_stored_twice_ids": named_twice[:50],
     }
 
 

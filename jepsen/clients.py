@@ -109,7 +109,7 @@ class Workload:
         try:
             while self.producing:
                 value = {"id": f"{process}-{seq}", "key": key, "seq": seq,
-                         "partition": partition}
+                         "partition": partition, "named": True}  # idempotent: nsqclient's
                 invoked = self.history.now()
                 self.history.record("invoke", "enqueue", process, value)
                 try:
@@ -202,6 +202,7 @@ class Workload:
             value = {"id": None, "raw": message.body[:100].decode(errors="replace")}
         conn = message.conn
         node = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+        value["msg_id"] = message.id.decode()  # the stored copy delivered: write duplicates
         self.history.record("ok", "dequeue", process, value, node)
         self.dequeued.add(value.get("id"))
 

@@ -91,6 +91,8 @@ def write(folder: str, history: list[dict], results: dict, run: dict) -> str:
     tq, av, fo = results["total_queue"], results["availability"], results["failover"]
     verdict = "PASS" if results["valid"] else "FAIL"
     rows = [("lost (must be 0)", tq["lost"]), ("unexpected (must be 0)", tq["unexpected"]),
+            ("stored twice, idempotent producers (must be 0)", tq["named_stored_twice"]),
+            ("stored twice, all producers", tq["stored_twice"]),
             ("acknowledged enqueues", tq["acknowledged"]),
             ("indeterminate (info)", tq["indeterminate"]), ("failed", tq["failed"]),
             ("dequeued (distinct)", tq["dequeued"]), ("duplicated", tq["duplicated"]),

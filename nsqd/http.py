@@ -166,8 +166,9 @@ async def publish(nsqd, command: str, name: str, bodies: list[bytes], partition:
                   producer: tuple[str, int] | None = None) -> None:
     if not nsqd.serving.is_set():  # a cluster node's first view of etcd (NSQD.serving)
         await nsqd.serving.wait()
-    if partition is not None and name not in nsqd.topics and partition != 0:
-        raise HTTPError(400, "BAD_PARTITION")  # a new topic has one: before it is made
+    if (partition is not None and name not in nsqd.topics and partition != 0
+            and nsqd.cluster is None):  # a topic made here has one: refused before it is made
+        raise HTTPError(400, "BAD_PARTITION")  # (in a cluster, etcd may have it with more)
     topic = await _get_topic(nsqd, name, f"{command}_FAILED")
     if not bodies:
         return

@@ -5,8 +5,8 @@ A producer names itself and numbers its requests to a partition, one more each r
 (`##producer_id`, `##sequence`: nsqwire/ext.py). A request the partition takes is stored
 with `##producer` [id, sequence] in its first record's header (`marked`), so the log is
 this table's source: a partition opened here (a restart, a new leadership) rebuilds it
-from the requests of the log's last SCAN_BYTES (`replayed`), and a new leader knows what
-the old one took.
+from the requests of the log's tail (SCAN_BYTES, SCAN_SECONDS: `replayed`), and a new
+leader knows what the old one took.
 
 What `check` says of a request (id, s):
 - WRITE: the id is not in the table (a new producer, or one forgotten), or s is the next;
@@ -31,7 +31,12 @@ from .errors import BadSequence
 WRITE = "write"
 UNKNOWN = "unknown"
 KEPT = 5  # the last sequences of a producer whose answers are kept
-SCAN_BYTES = 32 << 20  # how much of a log's tail a partition opened here rebuilds from
+# What a partition opened here rebuilds the table from: the log's last SCAN_BYTES, and every
+# request written within SCAN_SECONDS of its last one (a retry comes within the client's
+# retry time, nsqclient's 30 s; one in flight at a crash was written within the commit
+# timeout, 10 s, of it).
+SCAN_BYTES = 32 << 20
+SCAN_SECONDS = 60
 MARK_KEY = "##producer"
 MARKER = b'"' + MARK_KEY.encode() + b'"'  # what a marked record's header holds
 _new = tuple.__new__

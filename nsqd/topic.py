@@ -46,7 +46,8 @@ from .cursor import SavedWindow
 from .errors import (PartitionNotFound, PartitionNotLed, PartitionNotWritable,
                      ProducersLoading, StorageError)
 from .handover import opening_state
-from .producers import MARKER, SCAN_BYTES, UNKNOWN, WRITE, ProducerTable, mark_of, marked
+from .producers import (MARKER, SCAN_BYTES, SCAN_SECONDS, UNKNOWN, WRITE, ProducerTable,
+                        mark_of, marked)
 
 log = structlog.get_logger("nsqd.topic")
 
@@ -229,8 +230,8 @@ class Partition:
                 self._finding = asyncio.get_running_loop().create_task(self._find_unknown())
 
     async def load_producers(self) -> None:
-        """Read the producer table from the log's last SCAN_BYTES, once; every caller waits
-        for the one read (a failed read is tried again by the next caller)."""
+        """Read the producer table from the log's tail (SCAN_BYTES, SCAN_SECONDS), once;
+        every caller waits for the one read (a failed read is tried again by the next)."""
         if self.producers is not None:
             return
         if self._producers_loading is None:
@@ -247,7 +248,8 @@ class Partition:
         table = ProducerTable()
         committed = q.committed_end
         since = None
-        for entry, ext in await q.marked_requests(q.written_end - SCAN_BYTES, MARKER):
+        for entry, ext in await q.marked_requests(q.written_end - SCAN_BYTES, MARKER,
+                                                  SCAN_SECONDS * 1_000_000_000):
             mark = mark_of(ext)
             if mark is None:
                 continue

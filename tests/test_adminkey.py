@@ -193,6 +193,9 @@ def test_cluster_with_the_key_everywhere(tmp_path):
         for a in admins:
             a.start()
         keyed, keyless = Client(admins[0].url), Client(admins[1].url)
+        for admin in (keyed, keyless):  # a first poll the loaded machine let time out: again
+            wait_until(lambda: admin.get("/api/cluster")[1].get("mode") == "cluster", 15,
+                       "nsqadmin sees the cluster")
         status, out, _ = keyless.post("/api/topics", {"topic": "refused", "partitions": 1})
         assert status != 200 and "ADMIN_KEY_REQUIRED" in json.dumps(out), out
         status, out, _ = keyed.post("/api/topics", {"topic": "made", "partitions": 1})

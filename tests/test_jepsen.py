@@ -67,6 +67,25 @@ def test_total_queue_valid_when_every_acknowledged_is_dequeued():
     assert r["valid"] is True and r["lost"] == 0 and r["unexpected"] == 0
 
 
+def test_a_value_stored_twice_fails_only_an_idempotent_producers_run():
+    def named(vid):
+        out = enq(0, "p1", vid, "ok")
+        for o in out:
+            o["value"] = dict(o["value"], named=True)
+        return out
+
+    def copy(t, vid, msg_id):
+        return op("ok", "dequeue", t, "c1", {"id": vid, "key": None, "seq": 0, "msg_id": msg_id})
+
+    h = (named("a") + enq(0, "p9", "b", "ok")
+         + [copy(1, "a", "01"), copy(2, "a", "01"),  # a redelivery: one stored copy
+            copy(3, "b", "02"), copy(4, "b", "03")])  # a classic retry, stored twice
+    r = checker.total_queue(h)
+    assert r["valid"] is True and (r["stored_twice"], r["named_stored_twice"]) == (1, 0)
+    r = checker.total_queue(h + [copy(5, "a", "04")])  # the idempotent one, stored twice
+    assert r["valid"] is False and r["named_stored_twice_ids"] == ["a"]
+
+
 def test_order_reorderings_per_key_and_skipped_without_ordered_topic():
     h = [deq(1, "k-0", "k", 0), deq(2, "k-2", "k", 2), deq(3, "k-1", "k", 1),
          deq(4, "k-0", "k", 0),  # a redelivery: a duplicate, not a reordering

@@ -11,10 +11,11 @@ import types
 import pytest
 
 from diskqueue.groupcommit import Appended
+from diskqueue.queue import DiskQueue
 from nodes import connect
 from nsqclient.conn import NSQError
 from nsqd.errors import BadSequence
-from nsqd.producers import KEPT, UNKNOWN, WRITE, ProducerTable, mark_of, marked
+from nsqd.producers import KEPT, MARKER, UNKNOWN, WRITE, ProducerTable, mark_of, marked
 from nsqd.stats import partition_stats
 from nsqwire import commands as c
 from test_http import call
@@ -88,6 +89,21 @@ def test_the_mark_round_trips_beside_a_clients_keys():
     ext = marked(b'{"k":1}', ("p-1", 42))
     assert mark_of(ext) == ("p-1", 42) and b'"k":1' in ext
     assert mark_of(b'{"k":1}') is None and mark_of(marked(b"", ("x", 0))) == ("x", 0)
+
+
+async def test_the_log_is_read_back_by_bytes_or_by_time_whichever_reaches_further(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"))
+    try:
+        await q.append([b"named"], 0, marked(b"", ("p", 0)))
+        await q.append([b"plain"] * 50)
+        end = q.written_end
+        assert await q.marked_requests(end, MARKER) == []  # no bytes back: nothing
+        found = await q.marked_requests(end, MARKER, 60 * 10**9)  # the last minute: it
+        assert [mark_of(ext) for _, ext in found] == [("p", 0)]
+        assert found[0][0].msg_count == 1 and found[0][0].offset == q.start_offset
+        assert len(await q.marked_requests(0, MARKER)) == 1  # the whole log
+    finally:
+        await q.close()
 
 
 # ---- a node, over TCP and HTTP ----
