@@ -20,6 +20,7 @@ from nsqd.stats import partition_stats
 from nsqwire import commands as c
 from test_http import call
 from test_tcp_ext import raw_consumer
+from test_tcp_publish import bodies_of
 
 
 def _answer(first_id: int) -> Appended:
@@ -112,15 +113,6 @@ def _pub(topic: str, body: bytes, producer: str, seq: int, partition: int | None
     return c.cmd_pub_ext(topic, {"##producer_id": producer, "##sequence": seq}, body, partition)
 
 
-async def _bodies(n, topic: str = "t") -> list[bytes]:
-    q = n.topics[topic].partition(0).queue
-    reader = q.reader(q.start_offset)
-    try:
-        return [r.body for r in await reader.read(1000)]
-    finally:
-        reader.close()
-
-
 async def test_a_request_sent_again_is_written_once(node):
     n = await node()
     pub = await connect(n)
@@ -133,7 +125,7 @@ async def test_a_request_sent_again_is_written_once(node):
     with pytest.raises(NSQError, match="E_BAD_SEQUENCE.*gap: the next is 2"):
         await pub.command(_pub("t", b"z", "p1", 5))
     await pub.command(_pub("t", b"d", "p1", 2))  # the connection goes on: not fatal
-    assert await _bodies(n) == [b"a", b"b", b"c", b"d"]
+    assert await bodies_of(n, "t") == [b"a", b"b", b"c", b"d"]
     assert n.topics["t"].message_count == 4
     got = partition_stats(n.topics["t"].partition(0))
     assert (got["producers"], got["producer_duplicates"]) == (1, 2)
@@ -143,7 +135,7 @@ async def test_pipelined_retries_of_one_in_flight_request_get_its_answer(node):
     n = await node()
     pub = await connect(n)
     await asyncio.gather(*[pub.command(_pub("t", b"x", "p1", 0)) for _ in range(5)])
-    assert await _bodies(n) == [b"x"]
+    assert await bodies_of(n, "t") == [b"x"]
 
 
 async def test_producer_keys_are_checked_and_never_delivered(node):
@@ -173,7 +165,7 @@ async def test_http_pub_and_mpub_take_a_producer(node):
     assert (r.status, r.json["message"]) == (400, "BAD_SEQUENCE")
     r = await call(at, "POST", "/pub?topic=t&producer_id=h", b"z")
     assert (r.status, r.json["message"]) == (400, "INVALID_PRODUCER")
-    assert await _bodies(n) == [b"a", b"b", b"c"]
+    assert await bodies_of(n, "t") == [b"a", b"b", b"c"]
 
 
 async def test_a_restart_reads_the_table_back_from_the_log(node, tmp_path):
@@ -189,4 +181,4 @@ async def test_a_restart_reads_the_table_back_from_the_log(node, tmp_path):
     with pytest.raises(NSQError, match="gap: the next is 3"):
         await pub.command(_pub("t", b"m9", "p1", 9))
     await pub.command(_pub("t", b"m3", "p1", 3))
-    assert await _bodies(n) == [b"m0", b"m1", b"m2", b"m3"]
+    assert await bodies_of(n, "t") == [b"m0", b"m1", b"m2", b"m3"]
