@@ -89,6 +89,15 @@ def _record(out: Outcome, node: str, path: str, status: int, answer) -> None:
                       "answer": answer if status != 200 else ""})
 
 
+async def _snapshot(source):
+    """The view an action acts on: the last poll's, read again when no lookupd answered it
+    (its mode and nodes are then unknown: an nsqadmin just started on a loaded machine)."""
+    snap = source.snapshot
+    if snap.lookupds and all(lk["error"] for lk in snap.lookupds):
+        snap = await source.refresh()
+    return snap
+
+
 async def _master(source, out: Outcome, path: str, params: dict,
                   body: bytes | None = None) -> None:
     """A cluster-wide write to the master lookupd. A lookupd that answers 503 NOT_MASTER
@@ -129,7 +138,7 @@ async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
     check_topic(topic)
     if action not in TOPIC_ACTIONS:
         raise ActionError(404, "UNKNOWN_ACTION", f"topic actions: {', '.join(TOPIC_ACTIONS)}")
-    snap = source.snapshot
+    snap = await _snapshot(source)
     mode, out, q = snap.mode, Outcome(action=f"topic {action} {topic}"), {"topic": topic}
     lookupds = [lk["address"] for lk in snap.lookupds]
     if action != "create" and not action.startswith("trace") and topic not in snap.topics:
@@ -183,7 +192,7 @@ def _cluster_only(snap, what: str) -> None:
 async def _move_leader(source, out: Outcome, topic: str, form: dict) -> Outcome:
     """Move a partition's leader to another member of its ISR (the master's
     /partition/move_leader: no data copied, the epoch raised)."""
-    snap = source.snapshot
+    snap = await _snapshot(source)
     _cluster_only(snap, "moving a leader")
     number = _int_arg(form, "partition", 0, 1023)
     to = str(form.get("to") or "")
@@ -205,7 +214,7 @@ async def node_action(source, action: str, http: str, form: dict) -> Outcome:
     cancel that."""
     if action not in NODE_ACTIONS:
         raise ActionError(404, "UNKNOWN_ACTION", f"node actions: {', '.join(NODE_ACTIONS)}")
-    snap = source.snapshot
+    snap = await _snapshot(source)
     _cluster_only(snap, "draining a node")
     node = snap.nodes.get(http)
     if node is None or not node.node_id:
@@ -219,7 +228,7 @@ async def node_action(source, action: str, http: str, form: dict) -> Outcome:
 
 async def balance_now(source) -> Outcome:
     """One balancer move now (the master's /cluster/balance: refused outside its window)."""
-    snap = source.snapshot
+    snap = await _snapshot(source)
     _cluster_only(snap, "balancing")
     out = Outcome(action="balance")
     await _master(source, out, "/cluster/balance", {})
@@ -238,7 +247,7 @@ async def _settle(source, out: Outcome, shows) -> None:
 
 
 async def _trace(source, out: Outcome, action: str, q: dict) -> None:
-    snap = source.snapshot
+    snap = await _snapshot(source)
     path = "/message/trace/enable" if action == "trace_on" else "/message/trace/disable"
     live = [n.http for n in snap.nodes.values() if not n.error]
     if not live:
@@ -252,7 +261,7 @@ async def channel_action(source, action: str, topic: str, channel: str, form: di
     if action not in CHANNEL_ACTIONS:
         raise ActionError(404, "UNKNOWN_ACTION",
                           f"channel actions: {', '.join(CHANNEL_ACTIONS)}")
-    snap = source.snapshot
+    snap = await _snapshot(source)
     t = snap.topics.get(topic)
     if t is None:
         raise ActionError(404, "TOPIC_NOT_FOUND", f"no topic {topic!r}")

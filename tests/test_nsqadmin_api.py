@@ -526,3 +526,28 @@ def test_favicon_and_plurals(env):
     _, html = trace_page({**v, "count": 0, "messages": [], "traced": False}, {}, "",
                          {"csrf": "x"})
     assert "0 events, 0 messages" in html and 'action="/topics/t/trace_on"' in html
+
+
+async def test_an_action_reads_the_cluster_again_when_no_lookupd_answered_the_last_poll():
+    """An nsqadmin whose last poll reached no lookupd (just started on a loaded machine)
+    does not act on that view (its mode and nodes unknown): it polls again first."""
+    from types import SimpleNamespace
+
+    from nsqadmin import actions
+
+    class Source:
+        polls = 0
+
+        def __init__(self, lookupds):
+            self.snapshot = SimpleNamespace(lookupds=lookupds)
+
+        async def refresh(self):
+            self.polls += 1
+            return "read again"
+
+    blind = Source([{"address": "a:4161", "error": "/info: no answer"},
+                    {"address": "b:4161", "error": "/nodes: HTTP 500"}])
+    assert await actions._snapshot(blind) == "read again" and blind.polls == 1
+    seen = Source([{"address": "a:4161", "error": "/info: no answer"},
+                   {"address": "b:4161", "error": ""}])
+    assert await actions._snapshot(seen) is seen.snapshot and seen.polls == 0
