@@ -4,7 +4,7 @@
 - a new leader answers a request the killed one took (read back from its copy of the
   log) and writes nothing again; the sequence goes on from there, a gap is refused;
 - the partition-aware client (idempotent by default) under keyed load through leader
-  kills: every acknowledged message stored, none stored twice.
+  kills (3; 50 with --long): every acknowledged message stored, none stored twice.
 """
 
 from __future__ import annotations
@@ -85,13 +85,16 @@ async def test_a_new_leader_answers_what_the_killed_one_took(cluster):
     assert all(len(ids) == 1 for ids in stored.values()), stored
 
 
-async def test_the_client_stores_nothing_twice_through_leader_kills(cluster):
+@pytest.mark.parametrize("kills", [3, pytest.param(50, marks=pytest.mark.long)])
+async def test_the_client_stores_nothing_twice_through_leader_kills(cluster, kills):
+    """3 leader kills under keyed load (50 with --long; bench/duplicates.py also counts
+    what the plain client writes twice)."""
     cl = cluster
     make_topic(cl, "pay", 2)
     await cl.until_states("pay", lambda s: all(len(p.isr) == 3 for p in s.values()), 10,
                           "every partition with 3 in sync")
     load = KeyedLoad(cl, "pay", 16)
-    for k in range(3):
+    for k in range(kills):
         await asyncio.sleep(1.5)
         before = await cl.states("pay")
         n = k % 2
