@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+from diskqueue.errors import DiskFullError, NotCommitted
 from diskqueue.groupcommit import Appended
 from diskqueue.queue import DiskQueue
 from nodes import connect
@@ -182,3 +183,65 @@ async def test_a_restart_reads_the_table_back_from_the_log(node, tmp_path):
         await pub.command(_pub("t", b"m9", "p1", 9))
     await pub.command(_pub("t", b"m3", "p1", 3))
     assert await bodies_of(n, "t") == [b"m0", b"m1", b"m2", b"m3"]
+
+
+class _FailingOnce:
+    """A partition's writer whose first append fails with `error` (after a loop turn, as a
+    log answers), and whose later ones go to the real writer."""
+
+    def __init__(self, writer, error):
+        self.writer, self.error = writer, error
+        self.writable, self.starting, self.reason = True, False, ""
+
+    def append(self, bodies, trace_id=0, ext=b"", callback=None, **kw):
+        if self.error is None:
+            return self.writer.append(bodies, trace_id, ext, callback=callback, **kw)
+        error, self.error = self.error, None
+        asyncio.get_running_loop().call_soon(callback, None, error)
+
+
+async def test_a_write_that_stored_nothing_may_be_sent_again_under_its_sequence(node):
+    n = await node()
+    pub = await connect(n)
+    await pub.command(_pub("t", b"a", "p1", 0))
+    part = n.topics["t"].partition(0)
+    part.writer = _FailingOnce(part.writer, DiskFullError("disk full"))
+    with pytest.raises(NSQError, match="E_PUB_FAILED"):  # fatal, as in classic nsqd
+        await pub.command(_pub("t", b"b", "p1", 1))
+    pub = await connect(n)
+    await pub.command(_pub("t", b"b", "p1", 1))  # nothing was stored: written now
+    assert await bodies_of(n, "t") == [b"a", b"b"]
+
+
+async def test_a_write_whose_outcome_is_unknown_is_answered_once_the_log_shows_it(node):
+    """The write went to the log but its answer said "may still be delivered": its retries
+    are refused as not writable (retry) until the partition finds it in its log, then
+    answered with it; nothing is written twice."""
+    n = await node()
+    pub = await connect(n)
+    await pub.command(_pub("t", b"a", "p1", 0))
+    part = n.topics["t"].partition(0)
+    real = part.writer
+
+    class Unknown:  # writes it, then answers as a leader that lost its ISR would
+        writable, starting, reason = True, False, ""
+
+        def append(self, bodies, trace_id=0, ext=b"", callback=None, **kw):
+            def done(appended, exc):
+                callback(None, NotCommitted("not committed (test): it may still be delivered"))
+            return real.append(bodies, trace_id, ext, callback=done, **kw)
+
+    part.writer = Unknown()
+    with pytest.raises(NSQError, match="E_FAILED_ON_NOT_WRITABLE.*may still be delivered"):
+        await pub.command(_pub("t", b"b", "p1", 1))
+    part.writer = real
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while True:  # the client's retries
+        try:
+            reply = await pub.command(_pub("t", b"b", "p1", 1))
+            break
+        except NSQError as e:
+            assert "not known yet" in str(e) and loop.time() < deadline
+            await asyncio.sleep(0.05)
+    assert reply == b"OK" and await bodies_of(n, "t") == [b"a", b"b"]
