@@ -66,6 +66,7 @@ from .worker import Worker
 
 log = structlog.get_logger("diskqueue")
 _EXT_LEN = struct.Struct(">H")  # a record head's last field
+_ENTRY_OFFSET = struct.Struct(">24xQ32x")  # a commitlog entry's `offset` (commitlog/entry.py)
 
 META_FILE = "meta.json"
 
@@ -416,23 +417,23 @@ class DiskQueue(GroupCommit, Replicated):
         buf, buf_start, log_id = b"", 0, first.log_id if first is not None else clog.next_log_id
         while log_id < clog.next_log_id:
             raw = clog.read_encoded(log_id, 4096)
-            for pos in range(0, len(raw), ENTRY_SIZE):
-                entry = decode_entry(raw, pos)
-                if entry.offset >= end:
+            # each entry's offset (its 4th field), unchecked: only a found one is decoded
+            for i, (offset,) in enumerate(_ENTRY_OFFSET.iter_unpack(raw)):
+                if offset >= end:
                     return found
-                at = entry.offset - buf_start
+                at = offset - buf_start
                 if at < 0 or at + HEAD_SIZE > len(buf):
-                    buf_start, at = entry.offset, 0
-                    buf = self._segments.read(entry.offset, min(end, entry.offset + (1 << 20)))
+                    buf_start, at = offset, 0
+                    buf = self._segments.read(offset, min(end, offset + (1 << 20)))
                 ext_len = _EXT_LEN.unpack_from(buf, at + HEAD_SIZE - 2)[0]
                 if not ext_len:
                     continue
                 if at + HEAD_SIZE + ext_len > len(buf):
-                    buf_start, at = entry.offset, 0
-                    buf = self._segments.read(entry.offset, entry.offset + HEAD_SIZE + ext_len)
+                    buf_start, at = offset, 0
+                    buf = self._segments.read(offset, offset + HEAD_SIZE + ext_len)
                 ext = buf[at + HEAD_SIZE:at + HEAD_SIZE + ext_len]
                 if marker in ext:
-                    found.append((entry, ext))
+                    found.append((decode_entry(raw, i * ENTRY_SIZE), ext))
             log_id += len(raw) // ENTRY_SIZE
         return found
 
