@@ -216,8 +216,7 @@ class Partition:
         return fut
 
     def _producer_written(self, producer, waiters: list, since: int, appended, exc) -> None:
-        maybe_stored = exc is not None and isinstance(exc, NotCommitted) and not getattr(
-            exc, "unwritten", False)
+        maybe_stored = isinstance(exc, NotCommitted) and not getattr(exc, "unwritten", False)
         self.producers.settle(*producer, waiters, appended, maybe_stored)
         settle(waiters[0], appended, exc)
         if len(waiters) > 1:  # retries that came while it was in flight
@@ -537,13 +536,12 @@ class Topic:
         that ends (and counts the messages) once the log acknowledged the request; with one,
         the log calls `callback(appended, error)` and the caller counts them
         (`count_published`) when it answers: TCP's path, with no task per publish.
-        A named request (`producer`) without a partition goes to its producer id's
-        (nsqwire.partitioning, as a key's).
         `source`: the publisher's address, for the PUB trace events (nsqd/tracing.py) of a
         publish without `callback`; a caller with one records them itself when it is called
         (`Tracer.published`). `producer`: an idempotent producer's (id, sequence), written
-        once (Partition.append); with `callback`, ProducersLoading says what to await
-        first."""
+        once (Partition.append); without a partition it goes to its producer id's
+        (nsqwire.partitioning, as a key's); with `callback`, ProducersLoading says what to
+        await first."""
         if partition is None and producer is not None:  # its retries land where it did
             partition = partition_of(producer[0], self.assignment.partition_num)
         if partition is None:
