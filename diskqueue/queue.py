@@ -67,6 +67,7 @@ from .worker import Worker
 log = structlog.get_logger("diskqueue")
 _EXT_LEN = struct.Struct(">H")  # a record head's last field
 _ENTRY_OFFSET = struct.Struct(">24xQ32x")  # a commitlog entry's `offset` (commitlog/entry.py)
+MARKED_PER_JOB = 16384  # requests `marked_requests` reads while the writer waits (~40 ms)
 
 META_FILE = "meta.json"
 
@@ -401,26 +402,41 @@ class DiskQueue(GroupCommit, Replicated):
         """The write requests from the one holding offset `since` (the log's start, when
         before it), or from the first written within `within_ns` of the last one when that
         is earlier, to the written end, whose first record's ext header holds `marker`: (its
-        commitlog entry, that header), in log order. An exclusive job off the loop (retention
-        waits for it); records are not checksummed again (recovery did)."""
-        return await self._exclusive(self._marked_sync, since, marker, within_ns)
-
-    def _marked_sync(self, since: int, marker: bytes,
-                     within_ns: int) -> list[tuple[Entry, bytes]]:
-        clog, end = self.commitlog, self.written_end
-        first = clog.find_by_offset(max(since, self.start_offset)) if len(clog) else None
-        if first is not None and within_ns:
-            recent = clog.find_by_timestamp(clog.last().timestamp - within_ns)
-            if recent is not None and recent.log_id < first.log_id:
-                first = recent
+        commitlog entry, that header), in log order. Exclusive jobs off the loop of at most
+        MARKED_PER_JOB requests each (retention waits for them; the writer goes on between
+        them); records are not checksummed again (recovery did)."""
         found: list[tuple[Entry, bytes]] = []
-        buf, buf_start, log_id = b"", 0, first.log_id if first is not None else clog.next_log_id
-        while log_id < clog.next_log_id:
-            raw = clog.read_encoded(log_id, 4096)
+        log_id = None
+        while True:
+            part, log_id = await self._exclusive(self._marked_sync, since, marker, within_ns,
+                                                 log_id)
+            found += part
+            if log_id is None:
+                return found
+
+    def _marked_sync(self, since: int, marker: bytes, within_ns: int,
+                     log_id: int | None) -> tuple[list[tuple[Entry, bytes]], int | None]:
+        """One job of `marked_requests`: from entry `log_id` (None: the first job, which
+        finds where to start), what it found and the entry the next job starts at (None:
+        the written end was reached)."""
+        clog, end = self.commitlog, self.written_end
+        if log_id is None:
+            first = clog.find_by_offset(max(since, self.start_offset)) if len(clog) else None
+            if first is not None and within_ns:
+                recent = clog.find_by_timestamp(clog.last().timestamp - within_ns)
+                if recent is not None and recent.log_id < first.log_id:
+                    first = recent
+            log_id = first.log_id if first is not None else clog.next_log_id
+        log_id = max(log_id, clog.first_log_id)  # retention may have passed it meanwhile
+        stop = min(clog.next_log_id, log_id + MARKED_PER_JOB)
+        found: list[tuple[Entry, bytes]] = []
+        buf, buf_start = b"", 0
+        while log_id < stop:
+            raw = clog.read_encoded(log_id, min(4096, stop - log_id))
             # each entry's offset (its 4th field), unchecked: only a found one is decoded
             for i, (offset,) in enumerate(_ENTRY_OFFSET.iter_unpack(raw)):
                 if offset >= end:
-                    return found
+                    return found, None
                 at = offset - buf_start
                 if at < 0 or at + HEAD_SIZE > len(buf):
                     buf_start, at = offset, 0
@@ -435,7 +451,7 @@ class DiskQueue(GroupCommit, Replicated):
                 if marker in ext:
                     found.append((decode_entry(raw, i * ENTRY_SIZE), ext))
             log_id += len(raw) // ENTRY_SIZE
-        return found
+        return found, (stop if stop < clog.next_log_id else None)
 
     async def find(self, method: str, value: int) -> Entry | None:
         """Commitlog search off the loop: method is offset, msg_id, count or timestamp.

@@ -108,6 +108,21 @@ async def test_the_log_is_read_back_by_bytes_or_by_time_whichever_reaches_furthe
         await q.close()
 
 
+async def test_the_log_is_read_back_in_jobs_that_let_writes_through(tmp_path, monkeypatch):
+    import diskqueue.queue as dq
+    monkeypatch.setattr(dq, "MARKED_PER_JOB", 3)  # 10 named requests: 4 jobs
+    q = await DiskQueue.open(str(tmp_path / "q"))
+    try:
+        for s in range(10):
+            await q.append([b"m%d" % s], 0, marked(b"", ("p", s)))
+        found, written = await asyncio.gather(q.marked_requests(0, MARKER),
+                                              q.append([b"plain"]))  # between two jobs
+        assert [mark_of(ext) for _, ext in found] == [("p", s) for s in range(10)]
+        assert written.count == 1
+    finally:
+        await q.close()
+
+
 # ---- a node, over TCP and HTTP ----
 
 def _pub(topic: str, body: bytes, producer: str, seq: int, partition: int | None = None):
