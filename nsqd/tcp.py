@@ -448,7 +448,12 @@ class ClientConnection(asyncio.Protocol):
                 waited = True
             elif self._loading is not None:  # an idempotent producer's first request here
                 loading, self._loading = self._loading, None
-                await loading.load_producers()
+                try:
+                    await loading.load_producers()
+                except Exception as e:  # its log could not be read: this publish fails
+                    log.error("producers_unread", topic=cmd.topic, error=str(e))
+                    raise errors.publish_failed(_PUBLISH[type(cmd)], f"the partition's "
+                                                f"producers could not be read: {e}") from None
             if self._publish(cmd, fresh_auth, waited):
                 return
 
