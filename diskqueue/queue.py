@@ -397,11 +397,12 @@ class DiskQueue(GroupCommit, Replicated):
     def reader(self, offset: int | None = None, read_ahead: int = 1 << 20) -> Reader:
         return Reader(self, self.start_offset if offset is None else offset, read_ahead)
 
-    async def marked_requests(self, since: int, marker: bytes,
-                              within_ns: int = 0) -> list[tuple[Entry, bytes]]:
+    async def marked_requests(self, since: int, marker: bytes, within_ns: int = 0,
+                              max_requests: int = 0) -> list[tuple[Entry, bytes]]:
         """The write requests from the one holding offset `since` (the log's start, when
         before it), or from the first written within `within_ns` of the last one when that
-        is earlier, to the written end, whose first record's ext header holds `marker`: (its
+        is earlier, but no more than `max_requests` (when given) before the written end, to
+        the written end, whose first record's ext header holds `marker`: (its
         commitlog entry, that header), in log order. Exclusive jobs off the loop of at most
         MARKED_PER_JOB requests each (retention waits for them; the writer goes on between
         them); records are not checksummed again (recovery did)."""
@@ -409,12 +410,12 @@ class DiskQueue(GroupCommit, Replicated):
         log_id = None
         while True:
             part, log_id = await self._exclusive(self._marked_sync, since, marker, within_ns,
-                                                 log_id)
+                                                 max_requests, log_id)
             found += part
             if log_id is None:
                 return found
 
-    def _marked_sync(self, since: int, marker: bytes, within_ns: int,
+    def _marked_sync(self, since: int, marker: bytes, within_ns: int, max_requests: int,
                      log_id: int | None) -> tuple[list[tuple[Entry, bytes]], int | None]:
         """One job of `marked_requests`: from entry `log_id` (None: the first job, which
         finds where to start), what it found and the entry the next job starts at (None:
@@ -427,6 +428,8 @@ class DiskQueue(GroupCommit, Replicated):
                 if recent is not None and recent.log_id < first.log_id:
                     first = recent
             log_id = first.log_id if first is not None else clog.next_log_id
+            if max_requests:
+                log_id = max(log_id, clog.next_log_id - max_requests)
         log_id = max(log_id, clog.first_log_id)  # retention may have passed it meanwhile
         stop = min(clog.next_log_id, log_id + MARKED_PER_JOB)
         found: list[tuple[Entry, bytes]] = []

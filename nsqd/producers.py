@@ -24,7 +24,7 @@ one: its next request is written whatever its sequence.
 
 from __future__ import annotations
 
-import json
+from diskqueue.groupcommit import Appended
 
 from .errors import BadSequence
 
@@ -34,11 +34,14 @@ KEPT = 5  # the last sequences of a producer whose answers are kept
 # What a partition opened here rebuilds the table from: the log's last SCAN_BYTES, and every
 # request written within SCAN_SECONDS of its last one (a retry comes within the client's
 # retry time, nsqclient's 30 s; one in flight at a crash was written within the commit
-# timeout, 10 s, of it).
+# timeout, 10 s, of it), but at most its last SCAN_REQUESTS requests (about 2 s to read
+# back: the first named request after a partition opens waits for it).
 SCAN_BYTES = 32 << 20
 SCAN_SECONDS = 60
+SCAN_REQUESTS = 500_000
 MARK_KEY = "##producer"
 MARKER = b'"' + MARK_KEY.encode() + b'"'  # what a marked record's header holds
+_MARK_START = b'{' + MARKER + b':["'  # how `marked` begins a header
 _new = tuple.__new__
 
 
@@ -52,24 +55,22 @@ def marked(ext: bytes, producer: tuple[str, int]) -> bytes:
 
 
 def mark_of(ext: bytes) -> tuple[str, int] | None:
-    """(id, sequence) of a first record's stored header, None when it has none."""
-    if MARKER not in ext:
+    """(id, sequence) of a first record's stored header, None when it has none. `marked`
+    puts the mark first, so it is read without decoding the JSON."""
+    if not ext.startswith(_MARK_START):
         return None
+    id_end = ext.find(b'",', len(_MARK_START))
+    seq_end = ext.find(b"]", id_end)
     try:
-        value = json.loads(ext).get(MARK_KEY)
-        producer_id, sequence = value
-    except (ValueError, TypeError, AttributeError):
+        return ext[len(_MARK_START):id_end].decode(), int(ext[id_end + 2:seq_end])
+    except ValueError:  # not a mark `marked` wrote
         return None
-    if not isinstance(producer_id, str) or not isinstance(sequence, int):
-        return None
-    return producer_id, sequence
 
 
-def _again(appended):
+def answer_of(first_id: int, count: int, offset: int, end_offset: int) -> Appended:
     """The answer kept for a request's retries: its ids and offsets (an `Appended` with
     `duplicate` set), as little as the answer needs."""
-    return _new(type(appended), (appended.first_id, appended.count, appended.offset,
-                                 appended.end_offset, 0, 0, (), True))
+    return _new(Appended, (first_id, count, offset, end_offset, 0, 0, (), True))
 
 
 class _Producer:
@@ -128,7 +129,8 @@ class ProducerTable:
         if p is None or p.kept.get(sequence) is not waiters:
             return  # forgotten meanwhile
         if appended is not None:
-            p.kept[sequence] = _again(appended)
+            p.kept[sequence] = answer_of(appended.first_id, appended.count, appended.offset,
+                                         appended.end_offset)
         elif maybe_stored:
             p.kept[sequence] = UNKNOWN
         else:
@@ -136,14 +138,14 @@ class ProducerTable:
             if p.next == sequence + 1:
                 p.next = sequence
 
-    def replayed(self, producer_id: str, sequence: int, appended, written_at: float) -> None:
+    def replayed(self, producer_id: str, sequence: int, answer, written_at: float) -> None:
         """A request the log holds, in log order (a rebuild, or finding out what UNKNOWN
-        ones became): kept with its answer. One in flight is left to its write."""
+        ones became): kept with its `answer` (`answer_of`, or UNKNOWN while it is not
+        committed). One in flight is left to its write."""
         p = self._producers.get(producer_id)
         if p is not None and isinstance(p.kept.get(sequence), list):
             return
         p = self._touch(producer_id, written_at)
-        answer = appended if appended is UNKNOWN else _again(appended)
         if sequence >= p.next:
             if sequence != p.next:
                 p.kept.clear()

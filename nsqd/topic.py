@@ -46,8 +46,8 @@ from .cursor import SavedWindow
 from .errors import (PartitionNotFound, PartitionNotLed, PartitionNotWritable,
                      ProducersLoading, StorageError)
 from .handover import opening_state
-from .producers import (MARKER, SCAN_BYTES, SCAN_SECONDS, UNKNOWN, WRITE, ProducerTable,
-                        mark_of, marked)
+from .producers import (MARKER, SCAN_BYTES, SCAN_REQUESTS, SCAN_SECONDS, UNKNOWN, WRITE,
+                        ProducerTable, answer_of, mark_of, marked)
 
 log = structlog.get_logger("nsqd.topic")
 
@@ -55,10 +55,9 @@ FIND_EVERY = 0.2  # s: how often a partition looks in its log for UNKNOWN reques
 FIND_TRIES = 150
 
 
-def _appended_of(entry) -> Appended:
+def _answer_of(entry) -> Appended:
     """The answer a request got, from its commitlog entry (a request is one entry)."""
-    return Appended(entry.first_msg_id, entry.msg_count, entry.offset, entry.end_offset,
-                    entry.log_id, entry.timestamp, [])
+    return answer_of(entry.first_msg_id, entry.msg_count, entry.offset, entry.end_offset)
 
 
 def sync_policy(sync_every: int, sync_timeout_ms: int) -> SyncPolicy:
@@ -248,12 +247,13 @@ class Partition:
         committed = q.committed_end
         since = None
         for entry, ext in await q.marked_requests(q.written_end - SCAN_BYTES, MARKER,
-                                                  SCAN_SECONDS * 1_000_000_000):
+                                                  SCAN_SECONDS * 1_000_000_000,
+                                                  SCAN_REQUESTS):
             mark = mark_of(ext)
             if mark is None:
                 continue
             if entry.end_offset <= committed:
-                table.replayed(*mark, _appended_of(entry), entry.timestamp / 1e9)
+                table.replayed(*mark, _answer_of(entry), entry.timestamp / 1e9)
             else:  # a new leader's tail, not committed yet: answered once it is
                 table.replayed(*mark, UNKNOWN, entry.timestamp / 1e9)
                 since = entry.offset if since is None else since
@@ -278,7 +278,7 @@ class Partition:
                     if entry.end_offset > committed:
                         break
                     if mark is not None:
-                        table.replayed(*mark, _appended_of(entry), entry.timestamp / 1e9)
+                        table.replayed(*mark, _answer_of(entry), entry.timestamp / 1e9)
                 if not table.unknown():
                     return
         except Exception as e:  # a read that failed: the partition opens again to find out

@@ -16,7 +16,8 @@ from diskqueue.queue import DiskQueue
 from nodes import connect
 from nsqclient.conn import NSQError
 from nsqd.errors import BadSequence
-from nsqd.producers import KEPT, MARKER, UNKNOWN, WRITE, ProducerTable, mark_of, marked
+from nsqd.producers import (KEPT, MARKER, UNKNOWN, WRITE, ProducerTable, answer_of, mark_of,
+                            marked)
 from nsqd.stats import partition_stats
 from nsqwire import commands as c
 from test_http import call
@@ -65,7 +66,7 @@ def test_a_failed_write_goes_back_or_stays_unknown():
     t.begin("p", 0, 0.0, w)
     t.settle("p", 0, w, None, maybe_stored=True)
     assert t.check("p", 0, 0.0) is UNKNOWN and t.unknown()
-    t.replayed("p", 0, _answer(3), 0.0)  # found in the log
+    t.replayed("p", 0, answer_of(3, 1, 30, 40), 0.0)  # found in the log
     assert t.check("p", 0, 0.0).first_id == 3 and not t.unknown()
 
 
@@ -83,7 +84,7 @@ def test_producers_are_forgotten_after_expiry_and_beyond_the_bound():
 def test_a_rebuild_from_the_log_keeps_the_last_sequences_in_log_order():
     t = ProducerTable()
     for s in range(3):
-        t.replayed("p", s, _answer(s), 0.0)
+        t.replayed("p", s, answer_of(s, 1, s * 10, s * 10 + 10), 0.0)
     assert t.check("p", 3, 0.0) is WRITE and t.check("p", 1, 0.0).first_id == 1
 
 
@@ -91,6 +92,7 @@ def test_the_mark_round_trips_beside_a_clients_keys():
     ext = marked(b'{"k":1}', ("p-1", 42))
     assert mark_of(ext) == ("p-1", 42) and b'"k":1' in ext
     assert mark_of(b'{"k":1}') is None and mark_of(marked(b"", ("x", 0))) == ("x", 0)
+    assert mark_of(b'{"##producer":["x",]}') is None  # not one `marked` wrote
 
 
 async def test_the_log_is_read_back_by_bytes_or_by_time_whichever_reaches_further(tmp_path):
@@ -104,6 +106,7 @@ async def test_the_log_is_read_back_by_bytes_or_by_time_whichever_reaches_furthe
         assert [mark_of(ext) for _, ext in found] == [("p", 0)]
         assert found[0][0].msg_count == 1 and found[0][0].offset == q.start_offset
         assert len(await q.marked_requests(0, MARKER)) == 1  # the whole log
+        assert await q.marked_requests(0, MARKER, 60 * 10**9, 1) == []  # 1 request back: not it
     finally:
         await q.close()
 
