@@ -173,15 +173,12 @@ class Partition:
     def writable(self) -> bool:
         return self.writer.writable
 
-    def append(self, bodies: list[bytes], trace_id: int = 0, ext: bytes = b"", *,
-               trace_ids=None, exts=None, callback=None, producer: tuple[str, int] | None = None):
-        """The writer's `append` (DiskQueue.append's arguments and answers). With `producer`
-        (id, sequence), a request written once, answered as producers.py says: raises
-        BadSequence, NotCommitted when a try's outcome is not known yet, ProducersLoading
-        before the table is read (`load_producers`)."""
-        if producer is None:
-            return self.writer.append(bodies, trace_id, ext, callback=callback,
-                                      trace_ids=trace_ids, exts=exts)
+    def append_named(self, producer: tuple[str, int], bodies: list[bytes], trace_id: int = 0,
+                     ext: bytes = b"", *, trace_ids=None, exts=None, callback=None):
+        """The writer's `append` (DiskQueue.append's arguments and answers) for an idempotent
+        producer's request, `producer` (id, sequence): written once, answered as
+        producers.py says. Raises BadSequence, NotCommitted when a try's outcome is not
+        known yet, ProducersLoading before the table is read (`load_producers`)."""
         table = self.producers
         if table is None:
             raise ProducersLoading(self)
@@ -539,7 +536,7 @@ class Topic:
         `source`: the publisher's address, for the PUB trace events (nsqd/tracing.py) of a
         publish without `callback`; a caller with one records them itself when it is called
         (`Tracer.published`). `producer`: an idempotent producer's (id, sequence), written
-        once (Partition.append); without a partition it goes to its producer id's
+        once (Partition.append_named); without a partition it goes to its producer id's
         (nsqwire.partitioning, as a key's); with `callback`, ProducersLoading says what to
         await first."""
         if partition is None and producer is not None:  # its retries land where it did
@@ -561,24 +558,27 @@ class Topic:
             if not part.writable:
                 raise PartitionNotWritable(f"topic {self.name} partition {partition} is not "
                                            f"writable: {part.writer.reason}")
+        if producer is not None:
+            if callback is not None:
+                return part.append_named(producer, bodies, trace_id, ext, trace_ids=trace_ids,
+                                         exts=exts, callback=callback)
+            return self._named(part, producer, bodies, trace_id, ext, trace_ids, exts, source)
+        appended = part.writer.append(bodies, trace_id, ext, callback=callback,
+                                      trace_ids=trace_ids, exts=exts)
         if callback is None:
-            if producer is not None and part.producers is None:
-                return self._loaded_first(part, bodies, trace_id, ext, trace_ids, exts, source,
-                                          producer)
-            appended = part.append(bodies, trace_id, ext, trace_ids=trace_ids, exts=exts,
-                                   producer=producer)
             return self._counted(appended, bodies, trace_id, trace_ids, source)
-        part.append(bodies, trace_id, ext, trace_ids=trace_ids, exts=exts, callback=callback,
-                    producer=producer)
 
-    async def _loaded_first(self, part: Partition, bodies, trace_id, ext, trace_ids, exts,
-                            source, producer) -> None:
-        await part.load_producers()
-        if not part.writable:
-            raise PartitionNotWritable(f"topic {self.name} partition {part.number} is not "
-                                       f"writable: {part.writer.reason}")
-        appended = part.append(bodies, trace_id, ext, trace_ids=trace_ids, exts=exts,
-                               producer=producer)
+    async def _named(self, part: Partition, producer, bodies, trace_id, ext, trace_ids, exts,
+                     source) -> None:
+        """`publish` of a named request without `callback`: its partition's producer table
+        read first when it is not yet."""
+        if part.producers is None:
+            await part.load_producers()
+            if not part.writable:
+                raise PartitionNotWritable(f"topic {self.name} partition {part.number} is not "
+                                           f"writable: {part.writer.reason}")
+        appended = part.append_named(producer, bodies, trace_id, ext, trace_ids=trace_ids,
+                                     exts=exts)
         await self._counted(appended, bodies, trace_id, trace_ids, source)
 
     def starting(self, partition: int | None) -> bool:
