@@ -36,8 +36,9 @@ class Message:
     def fin(self) -> None:
         self.conn.send(c.cmd_fin(self.id))
 
-    def req(self, delay_ms: int = 0) -> None:
-        self.conn.send(c.cmd_req(self.id, delay_ms))
+    def req(self, delay_ms: int = 0, error: str = "") -> None:
+        """Requeue; `error` says why (kept with the message if the channel buries it)."""
+        self.conn.send(c.cmd_req(self.id, delay_ms, error))
 
     def touch(self) -> None:
         self.conn.send(c.cmd_touch(self.id))

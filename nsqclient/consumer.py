@@ -8,7 +8,7 @@ are closed, the new leaders are subscribed. A classic topic (no partition map) i
 subscribed without a partition number on each producer. `max_in_flight` is spread as
 RDY over the subscriptions, at least 1 each. Each message runs `handler(message)` (a
 function or a coroutine function) in its own task: FIN when it returns, REQ when it
-raises. `close()` sends RDY 0, waits (up to `drain_timeout`) for the handlers running,
+raises (with the error's repr as the REQ's reason, which a dead letter keeps). `close()` sends RDY 0, waits (up to `drain_timeout`) for the handlers running,
 requeues what still arrives, then CLS and closes.
 
 `ordered=True`: `SUB_ORDERED` (the server has one message of a partition out at a time,
@@ -228,11 +228,14 @@ class Consumer:
                 await result
         except Exception as e:
             log.info("consumer_handler_failed", topic=self.topic, error=repr(e))
-            if not m.conn.closed.is_set():
-                m.req(self.requeue_delay_ms)
+            if not m.conn.closed.is_set():  # the error goes with it (a dead letter keeps it)
+                m.req(self.requeue_delay_ms, repr(e)[:MAX_REASON])
         else:
             if not m.conn.closed.is_set():
                 m.fin()
+
+
+MAX_REASON = 256  # characters of a handler's error sent with its REQ (nsqd keeps 256 bytes)
 
 
 def _order(target: Target):

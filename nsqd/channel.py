@@ -15,7 +15,10 @@ Invariants:
   unfinished messages (see `checkpoint`): after a crash, reading skips the saved ranges
   and a message comes back with its attempts carried on;
 - at most `max_window` messages are taken and unconfirmed: a stuck message
-  stops fresh reads, it never grows memory without bound.
+  stops fresh reads, it never grows memory without bound;
+- with `max_attempts`, a message delivered that many times is never delivered again: it
+  is buried (deadletters.py), and stays unfinished (`burying`) until its dead copy is
+  committed; `##dead` records are skipped, but for the revived copies addressed here.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from nsqwire.ids import PARTITION_SHIFT
 
 from . import tags
 from .cursor import MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64
+from . import deadletters
+from .deadletters import MARKER, DeadLetters
 from .delaying import ChannelDelay
 from .handover import take_over
 from .message import Message, defer_until_ms
@@ -43,6 +48,7 @@ from .ordered import OrderedDispatch
 log = structlog.get_logger("nsqd.channel")
 
 MAX_SAVED_ATTEMPTS = 4096  # attempts of unfinished messages a checkpoint keeps (the highest)
+BURY_RETRY_MS = 1000  # a message whose dead copy was refused waits this long to be buried
 
 
 class Channel:
@@ -52,7 +58,8 @@ class Channel:
                  delay_path: str | None = None, delay_threshold_ms: int = 60_000,
                  max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False,
                  saved: SavedWindow | None = None, ordered: bool = False, confirm_fin=None,
-                 held: bytes | None = None):
+                 held: bytes | None = None, max_attempts: int = 0,
+                 dead_from: int | None = None):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -97,12 +104,32 @@ class Channel:
         self.ordered: OrderedDispatch | None = None
         if ordered:
             self.set_ordered(True)
+        self.max_attempts = max_attempts  # 0: never buried
+        self.burying = 0  # messages whose dead copy is on its way
+        # The dead letters, once the channel ever had `max_attempts` (deadletters.py).
+        self.dead = (DeadLetters(self, dead_from, self._writer) if dead_from is not None
+                     else None)
 
     # ---- lifecycle -------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._pump())
         self.queue.commit_listeners.append(self.wake)
+        if self.dead is not None:
+            self.dead.start()
+
+    def _writer(self):
+        """The partition's writer (its `append`): how dead letters are written."""
+        return self.topic.partitions[self.partition].writer
+
+    def set_max_attempts(self, n: int) -> None:
+        """Bury a message once it was delivered `n` times (0: never); saved with the next
+        checkpoint. Dead letters already kept stay, whatever `n` becomes."""
+        self.max_attempts = n
+        if n and self.dead is None:  # none can be in the log before this point
+            self.dead = DeadLetters(self, self.queue.written_end, self._writer)
+        self.dirty = True
+        self._wake.set()
 
     async def close(self) -> None:
         """Stop delivering; write what the delay store still has pending."""
@@ -112,6 +139,8 @@ class Channel:
             self.ordered.close()
         if self.wake in self.queue.commit_listeners:
             self.queue.commit_listeners.remove(self.wake)
+        if self.dead is not None:
+            self.dead.close()
         if self._task is not None:
             await self._task
         self._reader.close()
@@ -160,7 +189,9 @@ class Channel:
                 "attempts": self._saved_attempts(), "paused": self.paused,
                 "ordered": self.ordered is not None,
                 "delay_store": d is not None and (d.store is not None or d.expected),
-                **({"held": self.held} if self.held is not None else {})}
+                **({"held": self.held} if self.held is not None else {}),
+                **({"max_attempts": self.max_attempts, "dead_from": self.dead.saved_from()}
+                   if self.dead is not None else {})}
 
     def reopen_at(self, state: dict) -> None:
         """Start again from `state` (a checkpoint) before anything was delivered (handover)."""
@@ -211,7 +242,7 @@ class Channel:
                 del client.in_flight[m.wire_id]
         if mine and self.trace is not None:
             self.trace.given_back(self, mine)
-        self._requeue_all(mine)
+        self._requeue_all(mine, "closed")
         self._reroute()
 
     def _reroute(self) -> None:
@@ -364,6 +395,9 @@ class Channel:
                     continue
                 msg = Message(rec)
                 take(msg)
+                if rec.ext and MARKER in rec.ext and self._skipped(msg):
+                    held += 1
+                    continue
                 if self._resume(msg, in_store):
                     held += 1
                 else:
@@ -373,6 +407,9 @@ class Channel:
             take(msg)
             if in_store and msg.msg_id in in_store:  # moved there before a crash
                 cursor.finish(msg)
+                held += 1
+                continue
+            if rec.ext and MARKER in rec.ext and self._skipped(msg):
                 held += 1
                 continue
             if rec.ext and self._defer_if_due_later(msg):
@@ -411,6 +448,14 @@ class Channel:
             due_now: list[Message] = []  # came due since the check above
             await self._take(records[:k], due_now, seeks)
             self.requeued.extend(due_now)
+
+    def _skipped(self, msg: Message) -> bool:
+        """A `##dead` record is finished unsent, but for a revived copy addressed here
+        (deadletters.role). True when it was skipped."""
+        if deadletters.role(msg.ext, self.name) != deadletters.SKIP:
+            return False
+        self.cursor.finish(msg)
+        return True
 
     def _resume(self, msg: Message, in_store) -> bool:
         """A message read again after a restart, not in a saved finished range: give it the
@@ -485,7 +530,10 @@ class Channel:
             heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
 
     def _distribute(self, msgs: list[Message]) -> None:
-        """Hand messages to clients in turn, each up to its free RDY; keep the rest requeued."""
+        """Hand messages to clients in turn, each up to its free RDY; keep the rest requeued.
+        One delivered `max_attempts` times already is buried instead."""
+        if self.max_attempts:
+            msgs = self._bury_spent(msgs, "spent")
         now = time.monotonic()
         clients = self.clients
         n = len(clients)
@@ -534,18 +582,24 @@ class Channel:
         if self.ordered is not None:
             self.ordered.finished()
 
-    def requeue(self, msg: Message, delay_ms: int) -> None:
-        """A consumer's REQ: counted in `requeue_count`, as classic nsqd does."""
+    def requeue(self, msg: Message, delay_ms: int, error: str | None = None) -> None:
+        """A consumer's REQ: counted in `requeue_count`, as classic nsqd does. `error`: the
+        reason it gave, kept with the message while it is in memory (for its dead copy)."""
         self.requeue_count += 1
         if self.trace is not None:
             self.trace.requeued(self, msg, delay_ms)
-        self._put_back(msg, delay_ms)
+        if error:
+            msg.error = error
+        self._put_back(msg, delay_ms, "req")
 
-    def _put_back(self, msg: Message, delay_ms: int) -> None:
-        """Put a message back: at once, or after `delay_ms` (see `_hold`)."""
+    def _put_back(self, msg: Message, delay_ms: int, cause: str = "req") -> None:
+        """Put a message back: at once, or after `delay_ms` (see `_hold`); buried instead
+        when it was delivered `max_attempts` times (`cause`: why it came back)."""
         msg.client = None
         if not msg.delayed:
             self.put_back[msg.offset] = msg  # its attempts go with the next checkpoint
+        if self.max_attempts and not self._bury_spent((msg,), cause):
+            return
         if self.ordered is not None:  # first in line again, whatever the delay
             self.ordered.put_back((msg,))
         elif delay_ms > 0 or msg.attempts >= self.max_attempts_in_memory:
@@ -554,7 +608,9 @@ class Channel:
             self.requeued.append(msg)
             self._wake.set()
 
-    def _requeue_all(self, msgs: list[Message]) -> None:
+    def _requeue_all(self, msgs: list[Message], cause: str) -> None:
+        if self.max_attempts:
+            msgs = self._bury_spent(msgs, cause)
         if self.ordered is not None and len(msgs) > 1:  # back in log order
             for m in msgs:
                 m.client = None
@@ -563,7 +619,52 @@ class Channel:
             self.ordered.put_back(msgs)
             return
         for m in msgs:
-            self._put_back(m, 0)
+            self._put_back(m, 0, cause)
+
+    # ---- dead letters (deadletters.py) ---------------------------------------
+
+    def _bury_spent(self, msgs, cause: str) -> list[Message]:
+        """Bury each of `msgs` delivered `max_attempts` times; the others, to put back or
+        deliver. One the partition cannot bury now (not writable) is among the others."""
+        keep = []
+        limit = self.max_attempts
+        for m in msgs:
+            if m.attempts >= limit and self.dead is not None:
+                m.client = None
+                if not m.delayed:
+                    self.put_back[m.offset] = m
+                self.burying += 1
+                if self.dead.bury(m, cause, m.error,
+                                  lambda buried, m=m: self._bury_done(m, cause, buried)):
+                    continue
+                self.burying -= 1
+            keep.append(m)
+        return keep
+
+    def _bury_done(self, msg: Message, cause: str, buried: bool) -> None:
+        """A dead copy was committed (the message is finished), or refused: then the message
+        waits BURY_RETRY_MS and is buried when it would be delivered."""
+        self.burying -= 1
+        if self._closed:
+            return
+        if not buried:
+            if self.ordered is not None:
+                self.ordered.put_back((msg,))
+            else:
+                heapq.heappush(self.deferred, (self.clock() + BURY_RETRY_MS / 1000,
+                                               msg.msg_id, msg))
+            self._wake.set()
+            return
+        if msg.delayed:
+            self.delay.finish(msg)
+        else:
+            self.cursor.finish(msg)
+        if self.trace is not None:
+            self.trace.buried(self, msg, cause)
+        self.dirty = True
+        self._wake.set()
+        if self.ordered is not None:
+            self.ordered.finished()
 
     def process_timeouts(self, now: float) -> int:
         """Requeue expired in-flight messages and release due deferred ones; return how many."""
@@ -581,7 +682,7 @@ class Channel:
             for m in expired:
                 del client.in_flight[m.wire_id]
             self.timeout_count += len(expired)
-            self._requeue_all(expired)
+            self._requeue_all(expired, "timeout")
             moved += len(expired)
         deferred = self.deferred
         wall = self.clock()
@@ -682,6 +783,20 @@ class Channel:
     def delayed_count(self) -> int:
         """Messages in the delay store (waiting or brought back and not yet finished)."""
         return self.delay.waiting + self.delay.taken if self.delay is not None else 0
+
+    @property
+    def kept_from(self) -> int:
+        """Where retention may drop the log up to: `confirmed`, or the first dead letter
+        before it (deadletters.py), or the log's start while the old leader's held messages
+        are taken over (they are read from the log: handover.py)."""
+        if self.held is not None:
+            return 0
+        confirmed = self.cursor.confirmed
+        return confirmed if self.dead is None else min(confirmed, self.dead.dead_from)
+
+    @property
+    def dead_count(self) -> int:
+        return len(self.dead.index) if self.dead is not None else 0
 
     @property
     def backend_depth(self) -> int:

@@ -108,7 +108,7 @@ async def read_held(queue, held: list[Held]) -> tuple[list[DelayedMessage], Held
     reader = queue.reader(queue.start_offset, read_ahead=4096)
     try:
         for h in held:
-            rec = await _record_at(queue, reader, h.origin)
+            rec = await record_at(queue, reader, h.origin)
             if rec is None or rec.msg_id != h.msg_id:
                 missing = missing or h
                 continue
@@ -119,7 +119,7 @@ async def read_held(queue, held: list[Held]) -> tuple[list[DelayedMessage], Held
     return items, missing
 
 
-async def _record_at(queue, reader, offset: int):
+async def record_at(queue, reader, offset: int):
     """The record that starts at `offset`, or None (gone, not committed, not a record)."""
     if not queue.start_offset <= offset < queue.committed_end:
         return None

@@ -75,6 +75,8 @@ Ours, beyond classic:
   /message/trace/enable|disable are tracehttp.py's, added to ROUTES at start.
 - GET /topic/offsets and /topic/read (a partition's history by time window, raw records
   from the committed part, for spark/) are readhttp.py's, added to ROUTES at start.
+- /channel/config (`max_attempts`) and /channel/dead, /channel/dead/message|requeue|purge
+  (a channel's dead letters) are deadhttp.py's, added to ROUTES at start.
 
 Who may change state (Gate, checked after routing and before any handler, so a refused
 call changes nothing):
@@ -740,9 +742,11 @@ async def start_http(nsqd, tls: ssl.SSLContext | None = None):
     --https-address; the HTTP port. The admin secret is read here, once."""
     from .tracehttp import ROUTES as TRACE_ROUTES  # /trace/search, /message/*: tracehttp.py
     from .readhttp import ROUTES as READ_ROUTES  # /topic/offsets, /topic/read: readhttp.py
+    from .deadhttp import ROUTES as DEAD_ROUTES  # /channel/config, /channel/dead*: deadhttp.py
 
     ROUTES.update(TRACE_ROUTES)
     ROUTES.update(READ_ROUTES)
+    ROUTES.update(DEAD_ROUTES)
     stats.install_gc_timer()
     o = nsqd.options
     gate = Gate(adminkey.read_secret(o.admin_secret_file) if o.admin_secret_file else "",

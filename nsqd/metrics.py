@@ -218,6 +218,9 @@ def render(stats: dict) -> str:
         ("nsqd_channel_clients", "client_count", "Clients subscribed."),
         ("nsqd_channel_paused", "paused", "1 when the channel is paused."),
         ("nsqd_channel_window", "window", "Messages taken and not yet confirmed past."),
+        ("nsqd_channel_dead_letters", "dead_count", "Dead letters the channel keeps."),
+        ("nsqd_channel_max_attempts", "max_attempts",
+         "Deliveries after which a message is buried (0: never)."),
         ("nsqd_channel_confirmed_offset", "confirmed",
          "Offset before which every message is finished."),
     ]
@@ -238,6 +241,8 @@ def render(stats: dict) -> str:
         ("nsqd_channel_finishes_total", "finish_count", "Messages finished."),
         ("nsqd_channel_filtered_total", "filtered_count",
          "Messages auto-finished: no consumer's ext_filter took them."),
+        ("nsqd_channel_buried_total", "buried_count",
+         "Messages moved to the channel's dead letters since it was opened here."),
     ]
     for name, key, help_text in counters:
         out.family(name, "counter", help_text, [(cl(*x), x[2][key]) for x in channels])

@@ -17,7 +17,8 @@ The rule (`OrderedDispatch`, hooked into channel.py):
 - turning the rule on puts what already waits back in log order (requeued and deferred
   messages); messages already in the delay store stay there until due.
 
-Invariant: while `confirming` or a message of the channel is in flight, `room` is 0.
+Invariant: while `confirming`, a message of the channel is in flight, or one is being
+buried (its dead copy on its way: nsqd/deadletters.py), `room` is 0.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class OrderedDispatch:
 
     def room(self, capacity: int) -> int:
         """The messages the channel may hand out now, of the clients' `capacity`: 0 or 1."""
-        if capacity <= 0 or self.confirming or self.channel.in_flight_count:
+        channel = self.channel
+        if capacity <= 0 or self.confirming or channel.in_flight_count or channel.burying:
             return 0
         return 1
 

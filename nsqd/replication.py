@@ -77,7 +77,8 @@ class Replication:
         # for good while etcd still names it): not taken again before a newer epoch
         self.refused: dict[tuple[str, int], int] = {}
         # the confirmed offset of each channel of each followed partition, as its leader
-        # last sent it (never past its first held message): what retention may drop here
+        # last sent it (never past its first held message or dead letter): what retention
+        # may drop here
         self._confirmed: dict[tuple[str, int], dict[str, int]] = {}
         self._outbox: dict = {}  # channel -> its latest checkpoint not yet sent (send_states)
         self._sender: asyncio.Task | None = None
@@ -132,7 +133,9 @@ class Replication:
                 state = state_from_wire(state)
                 checkpoint_of(state)  # raises ValueError on a damaged `held` or `held_cursor`
                 meta.put(channel_key(topic, partition, name), state)
-                confirmed[name] = int(state["confirmed"])
+                # its dead letters are kept too (nsqd/deadletters.py)
+                confirmed[name] = min(int(state["confirmed"]),
+                                      int(state.get("dead_from", state["confirmed"])))
             except (TypeError, ValueError, AttributeError, KeyError) as e:
                 log.warning("channel_state_refused", topic=topic, partition=partition,
                             channel=name, error=str(e))

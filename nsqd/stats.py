@@ -24,7 +24,9 @@ them; ours are additive:
   `depth` (0) and `error`;
 - channel: `partitions` [{partition, depth, backend_depth, in_flight_count,
   deferred_count, requeued_count, message_count, requeue_count, timeout_count,
-  finish_count, filtered_count (auto-finished by an ext_filter), client_count, paused,
+  finish_count, filtered_count (auto-finished by an ext_filter), max_attempts, dead_count
+  (dead letters kept), buried_count (messages buried since the channel opened here:
+  deadletters.py), client_count, paused,
   ordered, confirmed, confirmed_count, next_read, next_count, window, error}].
 
 What the classic numbers mean here (channels are cursors over the partition's log):
@@ -220,6 +222,7 @@ def channel_stats(name: str, channels: list, include_clients: bool, conns: dict)
         "message_count": total("message_count"),
         "requeue_count": total("requeue_count"),
         "timeout_count": total("timeout_count"),
+        "dead_count": total("dead_count"),  # ours: deadletters.py
         "client_count": len({cl for c in channels for cl in c.clients}),
         "clients": clients,
         "paused": any(p["paused"] for p in parts),
@@ -247,6 +250,10 @@ def channel_partition_stats(c) -> dict:
         "timeout_count": c.timeout_count,
         "finish_count": c.finish_count,
         "filtered_count": c.filtered_count,  # ours: auto-finished by ext_filter (tags.py)
+        # ours: dead letters (deadletters.py): the limit, kept now, buried since opened here
+        "max_attempts": c.max_attempts,
+        "dead_count": c.dead_count,
+        "buried_count": c.dead.buried_count if c.dead is not None else 0,
         "client_count": len(c.clients),
         "paused": c.paused,
         "ordered": c.ordered is not None,  # ours: nsqd/ordered.py

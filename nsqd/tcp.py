@@ -32,6 +32,7 @@ from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .forward import PublishRequest
+from .deadletters import reason_of
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
@@ -613,7 +614,7 @@ class ClientConnection(asyncio.Protocol):
         del self.client.in_flight[msg.wire_id]
         self.client.requeue_count += 1
         delay = min(max(cmd.timeout_ms, 0), self.nsqd.options.max_req_timeout_ms)
-        self.client.channel_of(msg).requeue(msg, delay)
+        self.client.channel_of(msg).requeue(msg, delay, reason_of(cmd.reason))
 
     def _touch(self, cmd: p.Touch) -> None:
         msg = self._in_flight("TOUCH", cmd.msg_id, errors.touch_failed)

@@ -312,7 +312,8 @@ class Partition:
                           delay_expected=state.get("delay_store", False),
                           saved=self._saved_window(name, state),
                           ordered=state.get("ordered", False) or self.topic.assignment.ordered,
-                          held=state.get("held"), **settings)
+                          held=state.get("held"), max_attempts=state.get("max_attempts", 0),
+                          dead_from=state.get("dead_from"), **settings)
         if self.topic.tracer is not None:  # nsqd/tracing.py
             channel.trace = self.topic.tracer.for_channel(self.topic.name, name)
         self.channels[name] = channel
@@ -364,8 +365,7 @@ class Partition:
     def retention_floor(self) -> int:
         if not self.channels:
             return self.floor[0]
-        # a channel taking over held messages reads them from the log (handover.py)
-        return min(c.cursor.confirmed if c.held is None else 0 for c in self.channels.values())
+        return min(c.kept_from for c in self.channels.values())
 
     def depth(self) -> int:
         """Messages the emptiest channel has not read (classic nsqd reports the topic's own

@@ -223,6 +223,10 @@ class Tracer:
     def timed_out(self, channel, msgs) -> None:
         self.writer.add_many([self._event(channel, ev.TIMEOUT, m) for m in msgs])
 
+    def buried(self, channel, msg, cause: str) -> None:
+        """Its dead copy committed (deadletters.py): `cause` says why it came back last."""
+        self.writer.add(self._event(channel, ev.BURY, msg, cause))
+
     def delay_in(self, channel, msg, due_ms: int) -> None:
         self.writer.add(self._event(channel, ev.DELAY_IN, msg,
                                     str(max(0, due_ms - int(channel.clock() * 1000)))))

@@ -110,8 +110,13 @@ def cmd_fin(msg_id: bytes) -> bytes:
     return b"FIN " + msg_id + b"\n"
 
 
-def cmd_req(msg_id: bytes, timeout_ms: int) -> bytes:
-    return b"REQ %s %d\n" % (msg_id, timeout_ms)
+def cmd_req(msg_id: bytes, timeout_ms: int, reason: str = "") -> bytes:
+    """REQ; `reason` (ours): the consumer's error, kept with the message if it is buried
+    (one line: a newline in it is sent as a space)."""
+    if not reason:
+        return b"REQ %s %d\n" % (msg_id, timeout_ms)
+    return b"REQ %s %d %s\n" % (msg_id, timeout_ms,
+                                reason.replace("\n", " ").replace("\r", " ").encode())
 
 
 def cmd_touch(msg_id: bytes) -> bytes:

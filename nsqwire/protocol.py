@@ -213,9 +213,11 @@ class Fin:
 
 @dataclass(slots=True)
 class Req:
-    """`timeout_ms` is unclamped; nsqd clamps it to 0..max_req_timeout."""
+    """`timeout_ms` is unclamped; nsqd clamps it to 0..max_req_timeout. `reason`: ours, the
+    rest of the line after the timeout (the client's error, kept with a dead letter)."""
     msg_id: bytes
     timeout_ms: int
+    reason: bytes = b""
 
 
 @dataclass(slots=True)
@@ -672,7 +674,7 @@ class CommandParser:
         timeout_ms = _base10(params[2])
         if timeout_ms is None:
             raise unparsable_number("REQ", "timeout", _raw(params[2]))
-        return Req(msg_id, timeout_ms)
+        return Req(msg_id, timeout_ms, b" ".join(params[3:]))
 
     def _touch(self, params: list[bytes]) -> Touch:
         return Touch(_msg_id("TOUCH", params, 2))

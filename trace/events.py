@@ -6,7 +6,7 @@ event loop, cheap to hand to the writer thread).
 `channel` is "" for topic-level events (PUB, a topic's DROP); `msg_id` is NO_MESSAGE for
 an event about a range rather than one message (a channel emptied, a topic deleted: `detail` says
 what); `detail` is the client's address (PUB, DELIVER), the delay in ms (REQ, DELAY_IN)
-or a reason (DROP). The node is the store's, not the event's (one store per node).
+or a reason (DROP, BURY). The node is the store's, not the event's (one store per node).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ DELAY_IN = "DELAY_IN"
 DELAY_OUT = "DELAY_OUT"
 REPLAY = "REPLAY"
 DROP = "DROP"
+BURY = "BURY"  # moved to its channel's dead letters (nsqd/deadletters.py); detail: the cause
 NO_MESSAGE = (1 << 63) - 1  # never a message id: partition << 50 | sequence, partition <= 1023
-KINDS = (PUB, DELIVER, REQ, TIMEOUT, FIN, DELAY_IN, DELAY_OUT, REPLAY, DROP)
+KINDS = (PUB, DELIVER, REQ, TIMEOUT, FIN, DELAY_IN, DELAY_OUT, REPLAY, DROP, BURY)
 
 FIELDS = ("time_ns", "kind", "topic", "partition", "channel", "msg_id", "trace_id", "offset",
           "attempts", "detail")

@@ -6,8 +6,8 @@ timed out on ch -> ... -> finished on ch"). Pure: no store, no I/O.
 
 from __future__ import annotations
 
-from .events import (DELAY_IN, DELAY_OUT, DELIVER, DROP, FIN, NO_MESSAGE, PUB, REPLAY, REQ,
-                     TIMEOUT, msg_id_hex)
+from .events import (BURY, DELAY_IN, DELAY_OUT, DELIVER, DROP, FIN, NO_MESSAGE, PUB, REPLAY,
+                     REQ, TIMEOUT, msg_id_hex)
 
 
 def describe(e: dict) -> str:
@@ -30,6 +30,8 @@ def describe(e: dict) -> str:
         return f"back from the delay queue{on}"
     if kind == REPLAY:
         return f"replayed{on} ({detail})" if detail else f"replayed{on}"
+    if kind == BURY:
+        return f"moved to the dead letters{on} ({detail})"
     if kind == DROP:
         return f"dropped{on} ({detail})" if detail else f"dropped{on}"
     return kind.lower()
