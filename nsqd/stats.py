@@ -222,7 +222,6 @@ def channel_stats(name: str, channels: list, include_clients: bool, conns: dict)
         "message_count": total("message_count"),
         "requeue_count": total("requeue_count"),
         "timeout_count": total("timeout_count"),
-        "dead_count": total("dead_count"),  # ours: deadletters.py
         "client_count": len({cl for c in channels for cl in c.clients}),
         "clients": clients,
         "paused": any(p["paused"] for p in parts),

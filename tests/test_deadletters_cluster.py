@@ -1,0 +1,153 @@
+"""Dead letters through kills and failover (issue 30, item 3), all real processes
+(tests/cluster.py: etcd, an nsqlookupd, three nsqds; a topic of 3 replicas):
+
+- the dead letters a leader kept (body, attempts, the client's error) are the new leader's
+  after a kill -9, and are requeued and purged there;
+- a leader killed while it buries messages loses none: each is delivered by the new
+  leader or is one of its dead letters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster import LEASE_TTL_S, http_json
+from nsqclient.conn import Connection
+from nsqwire import commands as c
+from test_replication import SLACK_S, cluster, make_topic  # noqa: F401
+
+
+async def _connect(address: str) -> Connection:
+    host, port = address.rsplit(":", 1)
+    return await Connection(host, int(port)).connect()
+
+
+async def _http(node, method: str, path: str, ok=(200,), timeout: float = 20.0) -> dict:
+    """The answer of `path` on `node`, asked again while it answers otherwise (a new
+    leader opening the channel, reading its dead letters back)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status, body = await asyncio.to_thread(http_json, method,
+                                               f"http://{node.http_address}{path}")
+        if status in ok:
+            return body
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{path}: {status} {body}")
+        await asyncio.sleep(0.2)
+
+
+async def _dead(node, topic: str, channel: str) -> list[dict]:
+    """Every dead letter of the channel on `node`, page by page."""
+    out, after = [], ""
+    while True:
+        page = await _http(node, "GET", f"/channel/dead?topic={topic}&channel={channel}"
+                                        f"&limit=1000{after}")
+        if page["loading"]:
+            await asyncio.sleep(0.2)
+            continue
+        out += page["dead_letters"]
+        if len(page["dead_letters"]) < 1000:
+            return out
+        after = f"&after={out[-1]['id']}"
+
+
+async def _consume(address: str, topic: str, channel: str, answer, seconds: float,
+                   rdy: int = 50, pause: float = 0.0) -> list:
+    """Messages taken until none came for `seconds` (or the connection closed), each
+    answered by `answer(message)`, `pause` seconds after it came."""
+    conn = await _connect(address)
+    await conn.command(c.cmd_sub(topic, channel, 0))
+    conn.rdy(rdy)
+    got = []
+    try:
+        while True:
+            m = await asyncio.wait_for(conn.messages.get(), seconds)
+            got.append(m)
+            if pause:
+                await asyncio.sleep(pause)
+            answer(m)
+    except (TimeoutError, ConnectionError):
+        pass
+    finally:
+        await conn.close()
+    return got
+
+
+async def _setup(cl, max_attempts: int):
+    make_topic(cl, "pay", 1)
+    states = await cl.until_states("pay", lambda s: len(s[0].isr) == 3, 10, "3 in sync")
+    leader = cl.nsqd_at(states[0].leader)
+    await _http(leader, "POST", "/channel/create?topic=pay&channel=ledger")
+    await _http(leader, "POST", f"/channel/config?topic=pay&channel=ledger"
+                                f"&max_attempts={max_attempts}")
+    return states, leader
+
+
+async def _new_leader(cl, before):
+    after = await cl.until_states("pay", lambda s: s[0].leader not in (None, before[0].leader),
+                                  LEASE_TTL_S + 1 + SLACK_S, "a new leader")
+    return cl.nsqd_at(after[0].leader)
+
+
+async def test_a_new_leader_keeps_the_dead_letters_and_requeues_them(cluster):
+    cl = cluster
+    before, leader = await _setup(cl, max_attempts=2)
+    conn = await _connect(before[0].leader)
+    await conn.command(c.cmd_mpub("pay", [b"debit-%d" % i for i in range(5)], 0))
+    await conn.close()
+    await _consume(before[0].leader, "pay", "ledger",
+                   lambda m: m.req(0, f"ledger down ({m.attempts})"), 3.0)
+    dead = await _dead(leader, "pay", "ledger")
+    assert sorted(d["body"] for d in dead) == [f"debit-{i}" for i in range(5)]
+    assert {(d["attempts"], d["cause"], d["error"]) for d in dead} == {
+        (2, "req", "ledger down (2)")}
+    purged = dead[0]["id"]
+    await _http(leader, "POST", f"/channel/dead/purge?topic=pay&channel=ledger&id={purged}")
+    await asyncio.sleep(1.0)  # the channel's checkpoint reaches the followers (200 ms)
+    leader.kill()
+
+    new = await _new_leader(cl, before)
+    kept = await _dead(new, "pay", "ledger")
+    assert [(d["id"], d["body"], d["error"]) for d in kept] == [
+        (d["id"], d["body"], d["error"]) for d in dead[1:]]
+    stats = await _http(new, "GET", "/stats?format=json&topic=pay")
+    [part] = stats["topics"][0]["channels"][0]["partitions"]
+    assert (part["max_attempts"], part["dead_count"]) == (2, 4)
+    assert await _http(new, "POST", "/channel/dead/requeue?topic=pay&channel=ledger") == {
+        "count": 4}
+    got = await _consume(new.tcp_address, "pay", "ledger", lambda m: m.fin(), 3.0)
+    assert sorted(m.body for m in got) == [b"debit-%d" % i for i in range(1, 5)]
+    assert {m.attempts for m in got} == {1}  # fresh: a client's own max-tries starts again
+    assert await _dead(new, "pay", "ledger") == []
+
+
+async def test_a_leader_killed_while_it_buries_loses_no_message(cluster):
+    cl = cluster
+    before, leader = await _setup(cl, max_attempts=1)
+    bodies = [b"order-%d" % i for i in range(300)]
+    conn = await _connect(before[0].leader)
+    for i in range(0, 300, 50):
+        await conn.command(c.cmd_mpub("pay", bodies[i:i + 50], 0))
+    await conn.close()
+
+    async def kill_soon():
+        for _ in range(400):
+            page = await _http(leader, "GET", "/channel/dead?topic=pay&channel=ledger&limit=1")
+            if page["count"] >= 150:
+                break
+            await asyncio.sleep(0.05)
+        leader.kill()
+        return page["count"]
+    killer = asyncio.create_task(kill_soon())
+    await _consume(before[0].leader, "pay", "ledger", lambda m: m.req(0, "failing"), 4.0,
+                   rdy=5, pause=0.01)
+    killed_at = await killer
+
+    new = await _new_leader(cl, before)
+    delivered = await _consume(new.tcp_address, "pay", "ledger", lambda m: m.fin(), 4.0)
+    dead = await _dead(new, "pay", "ledger")
+    print(f"buried before the kill: {killed_at}; the new leader delivered {len(delivered)} "
+          f"and keeps {len(dead)} dead letters")
+    seen = {m.body for m in delivered} | {d["body"].encode() for d in dead}
+    assert seen == set(bodies), sorted(set(bodies) - seen)[:10]
+    assert len(dead) >= 150
