@@ -55,6 +55,7 @@ MARKER = b'"##dead"'  # in the ext header of every `##dead` record (checked by p
 MAX_ERROR_BYTES = 256  # a REQ reason longer than this is cut
 CAUSES = ("req", "timeout", "closed", "spent")  # REQ; timed out; client gone; found at delivery
 
+MAX_RECENT = 100_000  # message ids of dead copies known (DeadIndex.recent): ~10 MB
 REQUEUE_CHUNK = 500  # dead copies read and revived at a time
 SKIP, DELIVER = 0, 1  # what a channel does with a `##dead` record (`role`)
 
@@ -134,14 +135,18 @@ def reason_of(raw: bytes) -> str | None:
 
 class DeadIndex:
     """The offsets of a channel's live dead copies, in log order (pure). `apply` folds one
-    `##dead` record in; every change is idempotent, so a record seen twice changes nothing."""
+    `##dead` record in; every change is idempotent, so a record seen twice changes nothing.
+    `recent` maps the message ids of the last MAX_RECENT dead copies to their offsets: a
+    message delivered again after a crash (its channel's progress was not saved yet) that
+    is buried again is known by it (`buried_at`)."""
 
-    __slots__ = ("channel", "offsets", "since")
+    __slots__ = ("channel", "offsets", "since", "recent")
 
     def __init__(self, channel: str, since: int):
         self.channel = channel
         self.since = since  # dead copies before this offset are not this channel's
         self.offsets: list[int] = []
+        self.recent: dict[str, int] = {}  # message id (hex) -> its dead copy's offset
 
     def apply(self, offset: int, control: dict) -> None:
         if control.get("channel") != self.channel:
@@ -152,12 +157,22 @@ class DeadIndex:
                 i = bisect.bisect_left(offsets, offset)
                 if i == len(offsets) or offsets[i] != offset:
                     offsets.insert(i, offset)
+                recent = self.recent
+                recent.pop(control["id"], None)
+                recent[control["id"]] = offset
+                if len(recent) > MAX_RECENT:
+                    del recent[next(iter(recent))]
         elif "revive" in control:
             self.remove([control["revive"]])
         elif "purge" in control:
             self.remove(control["purge"])
         elif "purge_before" in control:
             del offsets[:bisect.bisect_left(offsets, control["purge_before"])]
+
+    def buried_at(self, msg_id: str) -> int | None:
+        """The offset of a live dead copy of message `msg_id` (hex) among the recent ones."""
+        offset = self.recent.get(msg_id)
+        return offset if offset is not None and offset in self else None
 
     def remove(self, gone) -> None:
         offsets = self.offsets
@@ -276,7 +291,12 @@ class DeadLetters:
 
     def bury(self, msg, cause: str, error: str | None, done) -> bool:
         """Write `msg`'s dead copy; `done(buried: bool)` once committed or refused. False
-        (and `done` never called) when the partition takes no write now."""
+        (and `done` never called) when the partition takes no write now. A message with a
+        live dead copy already (buried, then a crash before its channel saved that) is not
+        written again: `done(True)` soon."""
+        if self.index.buried_at(encode_msg_id(msg.msg_id).decode()) is not None:
+            asyncio.get_running_loop().call_soon(done, True)
+            return True
         ext = bury_ext(msg.ext, self.channel.name, msg.msg_id, msg.attempts, cause, error,
                        msg.timestamp)
         def written(offset):

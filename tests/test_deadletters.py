@@ -235,3 +235,13 @@ async def test_bad_arguments_get_a_4xx(node):
     assert (r.status, r.json["message"]) == (400, "INVALID_ARG_LIMIT")
     assert await _json(n, "GET", "/channel/dead?topic=t&channel=ch") == {
         "dead_letters": [], "count": 0, "loading": []}
+
+
+def test_the_index_knows_the_recent_messages_it_holds_a_dead_copy_of():
+    idx = DeadIndex("ch", since=0)
+    idx.apply(10, {"channel": "ch", "id": "00000000000000aa"})
+    idx.apply(20, {"channel": "ch", "id": "00000000000000bb"})
+    assert idx.buried_at("00000000000000aa") == 10
+    idx.apply(30, control_of(purge_ext("ch", [10])))
+    assert idx.buried_at("00000000000000aa") is None  # purged: buried again if it comes back
+    assert idx.buried_at("00000000000000bb") == 20 and idx.buried_at("00000000000000cc") is None
