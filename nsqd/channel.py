@@ -34,12 +34,13 @@ import structlog
 from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
+from nsqwire.ext import DEAD_MARKER
 from nsqwire.ids import PARTITION_SHIFT
 
 from . import tags
 from .cursor import MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64
 from . import deadletters
-from .deadletters import MARKER, DeadLetters
+from .deadletters import DeadLetters
 from .delaying import ChannelDelay
 from .handover import take_over
 from .message import Message, defer_until_ms
@@ -395,7 +396,7 @@ class Channel:
                     continue
                 msg = Message(rec)
                 take(msg)
-                if rec.ext and MARKER in rec.ext and self._skipped(msg):
+                if rec.ext and DEAD_MARKER in rec.ext and self._skipped(msg):
                     held += 1
                     continue
                 if self._resume(msg, in_store):
@@ -409,7 +410,7 @@ class Channel:
                 cursor.finish(msg)
                 held += 1
                 continue
-            if rec.ext and MARKER in rec.ext and self._skipped(msg):
+            if rec.ext and DEAD_MARKER in rec.ext and self._skipped(msg):
                 held += 1
                 continue
             if rec.ext and self._defer_if_due_later(msg):

@@ -32,12 +32,13 @@ import base64
 import json
 
 import structlog
-
-from nsqwire import ext as wire_ext
-from nsqwire.ids import PARTITION_SHIFT, encode_msg_id
 from nsqtrace.events import parse_msg_id
 
-from .deadletters import DeadLettersLoading, control_of
+from nsqwire import ext as wire_ext
+from nsqwire.ext import dead_control
+from nsqwire.ids import PARTITION_SHIFT, encode_msg_id
+
+from .deadletters import DeadLettersLoading
 from .http import HTTPError, _existing_channels, _persist_channels, _topic_channel
 from .httpargs import arg, query
 
@@ -96,7 +97,7 @@ def _body_fields(body: bytes, limit: int | None) -> dict:
 
 def dead_letter(rec, partition: int, preview: int | None = BODY_PREVIEW) -> dict:
     """A dead copy's record as the API shows it."""
-    control = control_of(rec.ext) or {}
+    control = dead_control(rec.ext) or {}
     out = {"id": encode_msg_id(rec.msg_id).decode(), "partition": partition,
            "message_id": control.get("id"), "attempts": control.get("attempts"),
            "cause": control.get("cause"), "error": control.get("error"),

@@ -7,8 +7,10 @@ letters is one record of its own write request in the partition's log, carrying 
 key `##dead` in its ext header (never delivered, and no client may send it):
 
 - a dead copy: the message's body, trace id and header, plus `##dead` {"channel", "id" (the
-  message's), "attempts", "cause", "error" (the client's REQ reason, when it gave one),
-  "published" (ns)}; its record's timestamp is when it was buried;
+  message's), "attempts", "cause" (why it came back the last time: "req", "timeout",
+  "closed" (its client left), or "spent" (found at delivery with its attempts spent)),
+  "error" (the client's last REQ reason, when it gave one), "published" (ns)}; its
+  record's timestamp is when it was buried;
 - a revived copy (a dead letter requeued): the dead copy's body, trace id and header, with
   `##dead` {"channel", "revive": the dead copy's offset}; that channel delivers it as a
   fresh message;
@@ -44,16 +46,14 @@ import json
 
 import structlog
 
+from nsqwire.ext import DEAD_KEY, DEAD_MARKER, dead_control
 from nsqwire.ids import encode_msg_id
 
 from .handover import record_at
 
 log = structlog.get_logger("nsqd.deadletters")
 
-DEAD_KEY = "##dead"
-MARKER = b'"##dead"'  # in the ext header of every `##dead` record (checked by parsing)
 MAX_ERROR_BYTES = 256  # a REQ reason longer than this is cut
-CAUSES = ("req", "timeout", "closed", "spent")  # REQ; timed out; client gone; found at delivery
 
 MAX_RECENT = 100_000  # message ids of dead copies known (DeadIndex.recent): ~10 MB
 REQUEUE_CHUNK = 500  # dead copies read and revived at a time
@@ -64,22 +64,10 @@ class DeadLettersLoading(Exception):
     """The channel's dead letters are being read back from the log: ask again soon."""
 
 
-def control_of(ext: bytes) -> dict | None:
-    """The `##dead` value of a record's ext header, None when it has none."""
-    if not ext or MARKER not in ext:
-        return None
-    try:
-        header = json.loads(ext)
-    except ValueError:
-        return None
-    value = header.get(DEAD_KEY) if isinstance(header, dict) else None
-    return value if isinstance(value, dict) else None
-
-
 def role(ext: bytes, channel: str) -> int | None:
     """None: not a `##dead` record (an ordinary message); else SKIP, or DELIVER for a
     revived copy addressed to `channel`."""
-    control = control_of(ext)
+    control = dead_control(ext)
     if control is None:
         return None
     if control.get("channel") == channel and "revive" in control:
@@ -224,13 +212,13 @@ class DeadLetters:
     async def _load(self) -> None:
         """Read the index back from the log, from `dead_from` to the written end."""
         try:
-            found = await self.queue.marked_requests(self.dead_from, MARKER)
+            found = await self.queue.marked_requests(self.dead_from, DEAD_MARKER)
         except Exception:  # never a channel that does not open: its dead letters unlisted
             log.exception("dead_letters_unread", topic=self.channel.topic_name,
                           partition=self.channel.partition, channel=self.channel.name)
             raise
         for entry, ext in found:
-            control = control_of(ext)
+            control = dead_control(ext)
             if control is not None:
                 self.index.apply(entry.offset, control)
         log.info("dead_letters_read", topic=self.channel.topic_name,
@@ -276,7 +264,7 @@ class DeadLetters:
             if error is not None:
                 done(None)
                 return
-            control = control_of(ext)
+            control = dead_control(ext)
             self.index.apply(appended.offset, control)
             done(appended.offset)
 

@@ -10,6 +10,9 @@ producer sent. An idempotent producer's `##producer_id` and `##sequence` (`produ
 name the request, not a message: `stored` leaves them out, and the server stores them
 on the request's first record as its own `##producer` key. Every other `##` key is the
 server's own (a DPUB's due time `##defer_until_ms`, `##producer`) and is never delivered.
+A record whose header has `##dead` (`dead_control`) is not a message of the topic: it is
+one of a channel's dead letters, or a change to them (nsqd/deadletters.py); a reader of a
+topic's history skips it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ RESERVED_HEADER_KEYS = frozenset({TRACE_ID_KEY, "##partition_key", "##client_dis
 # A producer id: 1 to 64 of these characters.
 _PRODUCER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_SEQUENCE = (1 << 63) - 1
+DEAD_KEY = "##dead"
+DEAD_MARKER = b'"##dead"'  # in the header of every `##dead` record (confirmed by parsing)
 
 # The 1-byte version before an extension header in a message frame sent to an
 # extend_support client, Youzan's numbers (their internal/ext, go-nsq's DecodeMessageWithExt):
@@ -110,3 +115,15 @@ def delivered(ext: bytes, trace_id: int) -> bytes:
     if not header:
         return b""
     return json.dumps(header, separators=(",", ":")).encode()
+
+
+def dead_control(ext: bytes) -> dict | None:
+    """The `##dead` value of a stored header, None when it has none (a message)."""
+    if not ext or DEAD_MARKER not in ext:
+        return None
+    try:
+        header = json.loads(ext)
+    except ValueError:
+        return None
+    value = header.get(DEAD_KEY) if isinstance(header, dict) else None
+    return value if isinstance(value, dict) else None

@@ -25,6 +25,7 @@ import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 
+from nsqwire.ext import dead_control
 from nsqwire.httpapi import parse_time_ns as wire_time_ns
 from nsqwire.ids import PARTITION_SHIFT
 HEAD = struct.Struct(">IIQQQHH")  # crc32, length, msg_id, trace_id, timestamp ns, attempts, ext_len
@@ -385,14 +386,16 @@ def to_batch(topic: str, partition: int, block: bytes, base: int, places: list[i
     chars = np.stack([hexes[ids >> 4], hexes[ids & 15]], axis=2).reshape(-1)
     msg_ids = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(
         np.arange(0, 16 * (n + 1), 16, dtype=np.int32)), pa.py_buffer(chars)])
+    dead = None  # records that are dead letters, not messages (nsqwire.ext.dead_control)
     if ext_len.any():
         starts = p + HEAD_SIZE
-        ext = pa.array([_ext_map(block[s:s + e]) for s, e in zip(starts.tolist(), ext_len.tolist())],
-                       pa.map_(pa.string(), pa.string()))
+        exts = [block[s:s + e] for s, e in zip(starts.tolist(), ext_len.tolist())]
+        ext = pa.array([_ext_map(e) for e in exts], pa.map_(pa.string(), pa.string()))
+        dead = [dead_control(e) is not None for e in exts]
     else:
         ext = pa.MapArray.from_arrays(np.zeros(n + 1, np.int32), pa.array([], pa.string()),
                                       pa.array([], pa.string()))
-    return pa.RecordBatch.from_arrays([
+    batch = pa.RecordBatch.from_arrays([
         pa.repeat(pa.scalar(topic, pa.string()), n),
         pa.repeat(pa.scalar(partition, pa.int32()), n),
         pa.array(p + base, pa.int64()),
@@ -404,6 +407,9 @@ def to_batch(topic: str, partition: int, block: bytes, base: int, places: list[i
         _bodies(block, p, len(block), ext_len),
     ], names=["topic", "partition", "offset", "msg_id", "timestamp", "trace_id", "attempts",
               "ext", "body"])
+    if dead is not None and any(dead):
+        batch = batch.filter(pa.array([not d for d in dead]))
+    return batch
 
 
 def _read_path(split: Split, offset: int) -> str:

@@ -10,18 +10,28 @@ import json
 import types
 
 from nodes import connect
-from nsqd.deadletters import DELIVER, SKIP, DeadIndex, bury_ext, control_of, purge_ext, \
-    revive_ext, role
-from nsqwire import commands as c, protocol as p
 from test_http import call
 from test_tcp_ext import frames_until
+
+from nsqd.deadletters import (
+    DELIVER,
+    SKIP,
+    DeadIndex,
+    bury_ext,
+    purge_ext,
+    revive_ext,
+    role,
+)
+from nsqwire import commands as c
+from nsqwire import protocol as p
+from nsqwire.ext import dead_control
 
 # ---- the records and the index (pure) ----
 
 
 def test_a_dead_copy_keeps_the_header_and_says_why():
     ext = bury_ext(b'{"k":"v"}', "ch", 0x12, 3, "req", "boom", 1000)
-    control = control_of(ext)
+    control = dead_control(ext)
     assert json.loads(ext)["k"] == "v"
     assert control == {"channel": "ch", "id": "0000000000000012", "attempts": 3, "cause": "req",
                        "error": "boom", "published": 1000}
@@ -29,7 +39,7 @@ def test_a_dead_copy_keeps_the_header_and_says_why():
     revived = revive_ext(ext, "ch", 40)
     assert role(revived, "ch") == DELIVER and role(revived, "other") == SKIP
     assert role(b'{"note":"\\"##dead\\""}', "ch") is None  # the marker as a value: a message
-    assert role(b"", "ch") is None and control_of(b"not json") is None
+    assert role(b"", "ch") is None and dead_control(b"not json") is None
 
 
 def test_the_index_is_a_fold_that_takes_a_record_twice_as_once():
@@ -39,11 +49,11 @@ def test_the_index_is_a_fold_that_takes_a_record_twice_as_once():
         idx.apply(offset, bury)
     idx.apply(400, {"channel": "other", "id": "y"})
     assert idx.offsets == [120, 200, 300]
-    idx.apply(500, control_of(revive_ext(b"", "ch", 200)))
-    idx.apply(510, control_of(purge_ext("ch", [300, 999])))
+    idx.apply(500, dead_control(revive_ext(b"", "ch", 200)))
+    idx.apply(510, dead_control(purge_ext("ch", [300, 999])))
     assert idx.offsets == [120]
     idx.apply(600, {"channel": "ch", "id": "z"})
-    idx.apply(700, control_of(purge_ext("ch", before=601)))
+    idx.apply(700, dead_control(purge_ext("ch", before=601)))
     assert idx.offsets == [] and len(idx) == 0
 
 
@@ -242,6 +252,6 @@ def test_the_index_knows_the_recent_messages_it_holds_a_dead_copy_of():
     idx.apply(10, {"channel": "ch", "id": "00000000000000aa"})
     idx.apply(20, {"channel": "ch", "id": "00000000000000bb"})
     assert idx.buried_at("00000000000000aa") == 10
-    idx.apply(30, control_of(purge_ext("ch", [10])))
+    idx.apply(30, dead_control(purge_ext("ch", [10])))
     assert idx.buried_at("00000000000000aa") is None  # purged: buried again if it comes back
     assert idx.buried_at("00000000000000bb") == 20 and idx.buried_at("00000000000000cc") is None

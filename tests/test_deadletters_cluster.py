@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 
 from cluster import LEASE_TTL_S, http_json
+from test_replication import SLACK_S, cluster, make_topic  # noqa: F401
+
 from nsqclient.conn import Connection
 from nsqwire import commands as c
-from test_replication import SLACK_S, cluster, make_topic  # noqa: F401
 
 
 async def _connect(address: str) -> Connection:

@@ -227,6 +227,22 @@ def test_the_endpoints_answer_bad_input_with_4xx_json(node, groups):
     assert 1 < start < 300 <= start + len(data) and w["count"] == 180
 
 
+def test_dead_letter_records_are_not_rows():
+    """Pure: a channel's dead copies and their changes (nsqd/deadletters.py) are records
+    of the log but not messages of the topic: no row."""
+    from diskqueue.record import encode_into
+    from nsqd.deadletters import bury_ext, purge_ext
+
+    buf = bytearray()
+    encode_into(buf, 7, 0, 1, 0, b"", b"a")
+    encode_into(buf, 8, 0, 2, 0, bury_ext(b"", "ch", 7, 3, "req", None, 1), b"a")
+    encode_into(buf, 9, 0, 3, 0, b'{"k":"##dead"}', b"b")  # the marker as a value: a message
+    encode_into(buf, 10, 0, 4, 0, purge_ext("ch", [1]), b"")
+    places, used = client.frame(bytes(buf), 0, 0)
+    rows = client.to_batch("t", 0, bytes(buf), 0, places).to_pylist()
+    assert [(r["msg_id"][-1], r["body"]) for r in rows] == [("7", b"a"), ("9", b"b")]
+
+
 def test_records_to_arrow_fields_ext_and_a_flipped_bit():
     """Pure: every field of the record format lands in its column (a trace id above 2^63 as
     the signed long of its bits, the ext header's JSON as a map); a flipped bit anywhere in
