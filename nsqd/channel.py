@@ -426,9 +426,10 @@ class Channel:
     async def _hold_deferred_ahead(self) -> None:
         """No client has room: still take the deferred publishes (DPUB) at the head of the
         unread log that are not due yet, as classic nsqd defers a DPUB in its channels at
-        once, so they count in `deferred_count`, not in `depth`. It stops at the first
-        other record and leaves it unread (`_undeferred_at`): a message that waits for a
-        client is never held in memory for it."""
+        once, so they count in `deferred_count`, not in `depth`; and skip the `##dead`
+        records there (deadletters.py), which are no message of this channel. It stops at
+        the first other record and leaves it unread (`_undeferred_at`): a message that
+        waits for a client is never held in memory for it."""
         reader = self._reader
         while reader.offset != self._undeferred_at and not self.topic.paused:
             room = min(self.read_batch, self.max_window - self.cursor.window_size)
@@ -441,7 +442,9 @@ class Channel:
                 return
             now_ms = self.clock() * 1000
             k = 0
-            while k < len(records) and records[k].ext and defer_until_ms(records[k].ext) > now_ms:
+            while k < len(records) and records[k].ext and (
+                    defer_until_ms(records[k].ext) > now_ms
+                    or deadletters.role(records[k].ext, self.name) == deadletters.SKIP):
                 k += 1
             if k < len(records):
                 self._undeferred_at = records[k].offset
