@@ -12,8 +12,8 @@ Each section (a `##` or `###` heading) is one scene, run in order in one scratch
   state the cluster reaches moments after the command before (a registration, a leader,
   nsqadmin's next poll).
 Only this is changed in a command before it runs: `/tmp/` is the scratch folder,
-`.venv/bin/` the virtualenv running this test, and each `127.0.0.1:PORT` the port standing
-for that classic one (the launcher's, from its cluster.json; else a free port of the
+`.venv/bin/` the virtualenv running this test, and each `127.0.0.1:PORT` (or bash's
+`/dev/tcp/127.0.0.1/PORT`) the port standing for that classic one (the launcher's, from its cluster.json; else a free port of the
 section). Nothing a command or daemon starts may listen beyond loopback.
 
 A command with neither a check nor an EXCLUDED entry fails the test, as do a check or an
@@ -205,6 +205,18 @@ CHECKS = {  # a regex on the command as the README has it: what its run must sho
         lambda r: r.status == 0 and [(t["message_count"], t["partitions"][0]["producers"],
                                       t["partitions"][0]["producer_duplicates"])
                                      for t in r.json()["topics"]] == [(1, 1, 1)],
+    r"curl -d 'order 7' '\S+/pub\?topic=orders'": lambda r: r.status == 0 and r.out == "OK",
+    r"curl -X POST '\S+/channel/create\?topic=orders&channel=billing'":
+        lambda r: r.status == 0 and r.out == "",
+    r"curl -X POST '\S+/channel/config\?topic=orders&channel=billing&max_attempts=1'":
+        lambda r: r.status == 0 and r.json() == {"max_attempts": 1},
+    r"bash -c 'exec 3<>/dev/tcp/": lambda r: r.status == 0,  # a consumer that dies
+    r"curl '\S+/channel/dead\?topic=orders&channel=billing'":  # buried: its client left
+        lambda r: r.status == 0 and [(d["body"], d["attempts"], d["cause"])
+                                     for d in r.json()["dead_letters"]] == [("order 7", 1,
+                                                                              "closed")],
+    r"curl -X POST '\S+/channel/dead/requeue\?topic=orders&channel=billing'":
+        lambda r: r.status == 0 and r.json() == {"count": 1},
 }
 
 
@@ -243,13 +255,13 @@ class Scene:
         command = command.replace("/tmp/", self.scratch + "/").replace(".venv/bin/", BIN + "/")
 
         def port(m: re.Match) -> str:
-            classic = int(m.group(1))
+            classic = int(m.group(2))
             if classic not in self.ports:
                 assert not self.fixed_ports, f"{command!r}: the launcher has no port {classic}"
                 self.ports[classic] = free_port()
-            return f"127.0.0.1:{self.ports[classic]}"
+            return f"127.0.0.1{m.group(1)}{self.ports[classic]}"
 
-        return re.sub(r"127\.0\.0\.1:(\d+)", port, command)
+        return re.sub(r"127\.0\.0\.1([:/])(\d+)", port, command)
 
     def background(self, argv: list[str], name: str, stop_with: int) -> subprocess.Popen:
         log = os.path.join(self.scratch, f"{name}-{len(self.started)}.log")
