@@ -199,6 +199,7 @@ class DeadLetters:
         self.buried_count = 0  # dead copies committed since the channel opened here
         self.expired_count = 0  # dead letters retention removed since it opened here
         self._loading: asyncio.Task | None = None
+        self._changing = asyncio.Lock()  # one requeue or purge at a time: none revives twice
 
     # ---- rebuild --------------------------------------------------------------
 
@@ -315,6 +316,10 @@ class DeadLetters:
     async def requeue(self, offsets: list[int]) -> int:
         """Revive these dead copies (each a revived copy the channel delivers), REQUEUE_CHUNK
         at a time; how many. Raises DeadLetterWriteFailed when one was not written."""
+        async with self._changing:
+            return await self._requeue(offsets)
+
+    async def _requeue(self, offsets: list[int]) -> int:
         n = 0
         for i in range(0, len(offsets), REQUEUE_CHUNK):
             chunk = offsets[i:i + REQUEUE_CHUNK]
@@ -331,6 +336,10 @@ class DeadLetters:
 
     async def purge(self, offsets: list[int] | None) -> int:
         """Drop these dead copies (None: every one listed now); how many."""
+        async with self._changing:
+            return await self._purge(offsets)
+
+    async def _purge(self, offsets: list[int] | None) -> int:
         if offsets is None:
             if not self.index.offsets:
                 return 0

@@ -9,7 +9,10 @@ import asyncio
 import json
 import types
 
+import pytest
+
 from nodes import connect
+from nsqclient.conn import NSQError
 from test_http import call
 from test_tcp_ext import frames_until
 
@@ -259,3 +262,57 @@ def test_the_index_knows_the_recent_messages_it_holds_a_dead_copy_of():
     idx.apply(30, dead_control(purge_ext("ch", [10])))
     assert idx.buried_at("00000000000000aa") is None  # purged: buried again if it comes back
     assert idx.buried_at("00000000000000bb") == 20 and idx.buried_at("00000000000000cc") is None
+
+
+async def test_no_client_may_send_the_dead_key(node):
+    n = await node()
+    pub = await connect(n)
+    with pytest.raises(NSQError, match="E_INVALID_JSON_HEADER"):
+        await pub.command(c.cmd_pub_ext("t", {"##dead": {"channel": "ch", "revive": 0}}, b"x"))
+
+
+async def test_an_ordered_channel_buries_and_goes_on_in_order(node):
+    n = await node()
+    pub = await connect(n)
+    await _channel(n, "t", "ch", max_attempts=1)
+    await _json(n, "POST", "/channel/setorder?topic=t&channel=ch&order=true")
+    await pub.command(c.cmd_mpub("t", [b"a", b"b", b"c"]))
+    con = await Consumer.open(n, "t", "ch")
+    [(_, first, body)] = await con.take()
+    assert body == b"a"
+    con.send(c.cmd_req(first, 0, "poison"))
+    got = []
+    for _ in range(2):
+        [(attempts, msg_id, body)] = await con.take()
+        got.append((attempts, body))
+        con.send(c.cmd_fin(msg_id))
+    assert got == [(1, b"b"), (1, b"c")]
+    [dead] = (await _json(n, "GET", "/channel/dead?topic=t&channel=ch"))["dead_letters"]
+    assert (dead["body"], dead["error"]) == ("a", "poison")
+    con.close()
+
+
+async def test_two_requeues_of_all_at_once_revive_each_once(node):
+    n = await node()
+    pub = await connect(n)
+    await _channel(n, "t", "ch", max_attempts=1)
+    await pub.command(c.cmd_mpub("t", [b"m%d" % i for i in range(20)]))
+    con = await Consumer.open(n, "t", "ch")
+    for _ in range(2):  # RDY 10
+        for _, msg_id, _ in await con.take(10):
+            con.send(c.cmd_req(msg_id, 0))
+    ch = n.topics["t"].partition(0).channels["ch"]
+    await _until(lambda: ch.dead_count == 20)
+    con.close()
+    counts = await asyncio.gather(*[_json(n, "POST", "/channel/dead/requeue?topic=t&channel=ch")
+                                    for _ in range(2)])
+    assert sorted(x["count"] for x in counts) == [0, 20]
+    con = await Consumer.open(n, "t", "ch")
+    got = []
+    for _ in range(2):
+        got += await con.take(10)
+        for _, msg_id, _ in got[-10:]:
+            con.send(c.cmd_fin(msg_id))
+    assert sorted(b for _, _, b in got) == sorted(b"m%d" % i for i in range(20))
+    await con.nothing()
+    con.close()
