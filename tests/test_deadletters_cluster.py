@@ -1,5 +1,9 @@
-"""Dead letters through kills and failover (issue 30, item 3), all real processes
-(tests/cluster.py: etcd, an nsqlookupd, three nsqds; a topic of 3 replicas):
+"""Dead letters through kills and failover (issue 30, item 3), all real processes:
+a single nsqd killed while it buries, and a cluster (tests/cluster.py: etcd, an
+nsqlookupd, three nsqds; a topic of 3 replicas):
+
+- an nsqd killed (-9) while it buries messages, again and again, and started again:
+  every message is a dead letter once, none lost, none twice;
 
 - the dead letters a leader kept (body, attempts, the client's error) are the new leader's
   after a kill -9, and are requeued and purged there;
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 
 from cluster import LEASE_TTL_S, http_json
+from servers import NsqdProcess
 from test_replication import SLACK_S, cluster, make_topic  # noqa: F401
 
 from nsqclient.conn import Connection
@@ -155,3 +160,36 @@ async def test_a_leader_killed_while_it_buries_loses_none_and_buries_none_twice(
           f"dead letters {len(dead)}")
     assert sorted(d["body"].encode() for d in dead) == sorted(bodies)
     assert len({d["message_id"] for d in dead}) == len(bodies)
+
+
+async def test_a_node_killed_while_it_buries_again_and_again_buries_each_once(tmp_path):
+    node = NsqdProcess(str(tmp_path / "nsqd")).start()
+    try:
+        await _http(node, "POST", "/topic/create?topic=pay")
+        await _http(node, "POST", "/channel/create?topic=pay&channel=ledger")
+        await _http(node, "POST", "/channel/config?topic=pay&channel=ledger&max_attempts=1")
+        bodies = [b"order-%d" % i for i in range(300)]
+        conn = await _connect(node.tcp_address)
+        for i in range(0, 300, 50):
+            await conn.command(c.cmd_mpub("pay", bodies[i:i + 50]))
+        await conn.close()
+        for kill in range(4):  # each round's consumer fails every message; a kill ends it
+            async def kill_soon(at=60 * (kill + 1)):
+                for _ in range(400):
+                    page = await _http(node, "GET", "/channel/dead?topic=pay&channel=ledger"
+                                                    "&limit=1")
+                    if page["count"] >= at:
+                        break
+                    await asyncio.sleep(0.02)
+                node.kill()
+            killer = asyncio.create_task(kill_soon())
+            await _consume(node.tcp_address, "pay", "ledger", lambda m: m.req(0, "no"), 4.0,
+                           rdy=5, pause=0.005)
+            await killer
+            node.start()
+        await _consume(node.tcp_address, "pay", "ledger", lambda m: m.req(0, "no"), 3.0)
+        dead = await _dead(node, "pay", "ledger")
+        assert sorted(d["body"].encode() for d in dead) == sorted(bodies)
+        assert len({d["message_id"] for d in dead}) == len(bodies)
+    finally:
+        node.kill()
