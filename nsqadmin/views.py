@@ -179,7 +179,7 @@ def node_view(source, http: str) -> dict:
             "replication_note": REPLICATION_NOTE.get(snap.mode, "")}
 
 
-def dead_id(raw: str, what: str) -> str:
+def _dead_id(raw: str, what: str) -> str:
     """A dead letter's id as nsqd spells it (16 lowercase hex characters), or BadQuery."""
     text = raw.strip().lower()
     try:
@@ -205,7 +205,7 @@ async def dead_view(source, topic: str, channel: str, params: dict) -> dict:
     `after`, at most `limit`. `next`: the id to ask `after` for the next page (None: this
     is the last). `count` is of them all; `errors`: the holders that did not answer 200."""
     t, c = _channel(source.snapshot, topic, channel)
-    after = dead_id(params["after"], "after") if params.get("after") else None
+    after = _dead_id(params["after"], "after") if params.get("after") else None
     limit = str(params.get("limit") or DEAD_PAGE)
     if not limit.isdigit() or not 1 <= int(limit) <= MAX_DEAD_PAGE:
         raise BadQuery(f"bad limit {limit!r}: 1..{MAX_DEAD_PAGE}")
@@ -235,7 +235,7 @@ async def dead_view(source, topic: str, channel: str, params: dict) -> dict:
 async def dead_letter_view(source, topic: str, channel: str, raw_id: str) -> dict:
     """One dead letter with its whole body and header: the first holder that has it."""
     t, c = _channel(source.snapshot, topic, channel)
-    letter_id = dead_id(raw_id, "dead letter id")
+    letter_id = _dead_id(raw_id, "dead letter id")
     query = {"topic": topic, "channel": channel, "id": letter_id}
     nodes = _holders(c)
     answers = await asyncio.gather(*(source.get(n, "/channel/dead/message", query)
