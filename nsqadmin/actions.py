@@ -9,6 +9,8 @@ Who is asked, by mode (the Snapshot's):
   and, for deletes and channels, to every nsqd holding the topic; the rest to every nsqd
   holding it; tombstone to every lookupd;
 - nsqd: every configured nsqd.
+A channel's dead letters (max_attempts, requeue, purge: one by its id, or all) go to every
+nsqd holding the topic, in every mode: each changes those of the partitions it leads.
 Cluster mode only, to the master: a partition's leader moved within its ISR, a node drained
 (or its drain cancelled), one balancer move now.
 A fan-out succeeds when at least one node did and none failed other than by not having
@@ -23,6 +25,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from nsqwire.ids import decode_msg_id
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
 from .times import BadTime, parse_time
@@ -31,7 +34,8 @@ TOPIC_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "trace_on", "t
                  "tombstone", "move_leader")
 NODE_ACTIONS = ("drain", "drain_cancel")
 CHANNEL_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "setoffset", "trace_on",
-                   "trace_off")
+                   "trace_off", "max_attempts", "dead_requeue", "dead_purge")
+MAX_ATTEMPTS = 0xFFFF  # nsqd's limit: a message's attempts field is 16 bits
 SETTLE_S = 5.0
 
 
@@ -132,6 +136,19 @@ def _int_arg(form: dict, name: str, lo: int, hi: int) -> str | None:
     if not v.isdigit() or not lo <= int(v) <= hi:
         raise ActionError(400, f"INVALID_{name.upper()}", f"{name} must be {lo}..{hi}")
     return v
+
+
+def _dead_id(form: dict) -> dict:
+    """{"id": the dead letter's id} when the form names one (16 hex characters), else {}."""
+    v = str(form.get("id") or "").strip().lower()
+    if not v:
+        return {}
+    try:
+        decode_msg_id(v.encode())
+    except ValueError:
+        raise ActionError(400, "INVALID_ID", f"not a dead letter's id: {v!r} (16 hex "
+                                             "characters)") from None
+    return {"id": v}
 
 
 async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
@@ -289,6 +306,15 @@ async def channel_action(source, action: str, topic: str, channel: str, form: di
             await _master(source, out, "/channel/setoffset", q, body)
         else:
             await _calls(source, out, holders, "/channel/setoffset", q, body)
+    elif action == "max_attempts":
+        n = _int_arg(form, "max_attempts", 0, MAX_ATTEMPTS)
+        if n is None:
+            raise ActionError(400, "MISSING_ARG", "max_attempts needs max_attempts "
+                                                  f"(0..{MAX_ATTEMPTS}; 0: never bury)")
+        await _calls(source, out, holders, "/channel/config", q | {"max_attempts": n})
+    elif action in ("dead_requeue", "dead_purge"):
+        path = "/channel/dead/requeue" if action == "dead_requeue" else "/channel/dead/purge"
+        await _calls(source, out, holders, path, q | _dead_id(form))
     else:
         await _trace(source, out, action, q)
     shows = {"create": lambda c: c is not None, "delete": lambda c: c is None,

@@ -49,6 +49,18 @@ async def channel(request):
                                                 request.match_info["channel"]))
 
 
+async def dead(request):
+    return web.json_response(await views.dead_view(
+        _source(request), request.match_info["topic"], request.match_info["channel"],
+        dict(request.query)))
+
+
+async def dead_letter(request):
+    return web.json_response(await views.dead_letter_view(
+        _source(request), request.match_info["topic"], request.match_info["channel"],
+        request.match_info["id"]))
+
+
 async def node(request):
     return web.json_response(views.node_view(_source(request), request.match_info["node"]))
 
@@ -140,6 +152,8 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/api/topics/{topic}/{action}", topic_act)
     r.add_get("/api/topics/{topic}/{channel}", channel)
     r.add_post("/api/topics/{topic}/{channel}/{action}", channel_act)
+    r.add_get("/api/topics/{topic}/{channel}/dead", dead)
+    r.add_get("/api/topics/{topic}/{channel}/dead/{id}", dead_letter)
     r.add_get("/api/nodes/{node}", node)
     r.add_post("/api/nodes/{node}/{action}", node_act)
     r.add_post("/api/cluster/balance", balance)

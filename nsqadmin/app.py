@@ -147,6 +147,18 @@ async def channel(request):
     return html_page(request, pages.channel_page(v, _ctx(request)))
 
 
+async def dead(request):
+    v = await views.dead_view(_source(request), request.match_info["topic"],
+                              request.match_info["channel"], dict(request.query))
+    return html_page(request, pages.dead_page(v, _ctx(request)), refresh=False)
+
+
+async def dead_letter(request):
+    v = await views.dead_letter_view(_source(request), request.match_info["topic"],
+                                     request.match_info["channel"], request.match_info["id"])
+    return html_page(request, pages.dead_letter_page(v, _ctx(request)), refresh=False)
+
+
 async def node(request):
     v = views.node_view(_source(request), request.match_info["node"])
     return html_page(request, pages.node_page(v, _ctx(request)))
@@ -231,6 +243,8 @@ async def channel_act(request):
     out = await actions.channel_action(_source(request), action, t, c, request["form"])
     if action == "delete" and out.ok:
         _after(request, out, f"/topics/{pages.u(t)}")
+    if action in ("dead_requeue", "dead_purge"):
+        _after(request, out, f"/topics/{pages.u(t)}/{pages.u(c)}/dead")
     _after(request, out, f"/topics/{pages.u(t)}/{pages.u(c)}")
 
 
@@ -276,6 +290,8 @@ def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:
     app.router.add_post("/topics/{topic}/{action}", topic_act)
     app.router.add_get("/topics/{topic}/{channel}", channel)
     app.router.add_post("/topics/{topic}/{channel}/{action}", channel_act)
+    app.router.add_get("/topics/{topic}/{channel}/dead", dead)
+    app.router.add_get("/topics/{topic}/{channel}/dead/{id}", dead_letter)
     app.router.add_get("/nodes/{node}", node)
     app.router.add_post("/nodes/{node}/{action}", node_act)
     app.router.add_post("/cluster/balance", balance)

@@ -15,7 +15,9 @@ Where a number comes from:
   `confirmed_count` (the messages of the partition's history before the channel's first
   unfinished one), which the channel's checkpoint carries to the followers: it survives a
   leader change as the partition's count does (a replay moves it back);
-- the other channel numbers: the sum over the nodes that serve its partitions.
+- a channel's `max_attempts`: the largest of its partitions' (each node reports its own);
+- the other channel numbers (`dead` among them): the sum over the nodes that serve its
+  partitions.
 
 In cluster mode a partition is counted once: when two nodes report leading it (a leader
 change between the two /stats reads of one poll), the one with the higher epoch is kept
@@ -86,6 +88,8 @@ class ChannelPart:
     confirmed: int
     confirmed_count: int
     next_read: int
+    dead: int  # dead letters kept (nsqd's `dead_count`)
+    max_attempts: int  # deliveries after which a message is buried (0: never)
 
 
 @dataclass
@@ -99,6 +103,8 @@ class Channel:
     requeued: int = 0
     timed_out: int = 0
     confirmed_count: int = 0
+    dead: int = 0  # dead letters, summed over its partitions
+    max_attempts: int = 0  # the largest of its partitions' (0: none buries)
     paused: bool = False
     ordered: bool = False
     traced: bool = False
@@ -223,7 +229,8 @@ def _add_channel(topic: Topic, node: Node, c: dict, trace: dict) -> None:
             timed_out=_int(p.get("timeout_count")), paused=bool(p.get("paused")),
             ordered=bool(p.get("ordered")), confirmed=_int(p.get("confirmed")),
             confirmed_count=_int(p.get("confirmed_count")),
-            next_read=_int(p.get("next_read"))))
+            next_read=_int(p.get("next_read")), dead=_int(p.get("dead_count")),
+            max_attempts=_int(p.get("max_attempts"))))
 
 
 def _sum_channel(ch: Channel) -> None:
@@ -236,6 +243,8 @@ def _sum_channel(ch: Channel) -> None:
         ch.requeued += cp.requeued
         ch.timed_out += cp.timed_out
         ch.confirmed_count += cp.confirmed_count
+        ch.dead += cp.dead
+        ch.max_attempts = max(ch.max_attempts, cp.max_attempts)
         ch.paused = ch.paused or cp.paused
         ch.ordered = ch.ordered or cp.ordered
 

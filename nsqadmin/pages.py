@@ -9,6 +9,7 @@ admin.js turns into a confirm() before sending.
 from __future__ import annotations
 
 import html
+import json
 import time
 from urllib.parse import quote
 
@@ -18,6 +19,7 @@ from .times import iso
 esc = html.escape
 LOAD_FIELDS = ("node_load_factor", "leader_load_factor", "cpu", "msgs_per_s", "backlog")
 MAX_ROWS = 200  # rows of a node page's table; the rest are in /api/nodes/<node>
+PREVIEW_CHARS = 60  # of a dead letter's body in its row
 
 
 def u(name: str) -> str:
@@ -238,6 +240,8 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
                         ("deferred", "deferred"), ("delayed", "delayed"),
                         ("requeued", "requeued"), ("timed out", "timed_out"),
                         ("confirmed", "confirmed_count"), ("confirmed/s", "rate")))
+    stats += (f'<div class="stat"><b id="stat-dead-letters"><a href="{base}/dead">'
+              f'{num(v["dead"])}</a></b><span>dead letters</span></div>')
     acts = "".join([
         form(f"{base}/unpause" if v["paused"] else f"{base}/pause",
              "unpause" if v["paused"] else "pause", ctx),
@@ -249,7 +253,10 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
         form(f"{base}/setoffset", "replay from", ctx,
              confirm=f"Move channel {name} to this time? Messages from there are delivered "
                      "again.", fields='<input name="time" class="when" required '
-                                      'placeholder="-1h, 2026-11-26T10:00 or unix s">')])
+                                      'placeholder="-1h, 2026-11-26T10:00 or unix s">'),
+        form(f"{base}/max_attempts", "set max attempts", ctx,
+             fields=f'<input name="max_attempts" type="number" min="0" max="65535" required '
+                    f'value="{v["max_attempts"]}" aria-label="max attempts (0: never bury)">')])
     now = time.time()
     crow = [[esc(c.get("hostname", "")) + f' <small>{esc(c.get("remote_address", ""))}</small>',
              esc(c.get("user_agent", "")), node_link(c.get("node", "")),
@@ -263,10 +270,11 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
     prow = [[num(p["partition"]), node_link(p["node"]), num(p["depth"]), num(p["in_flight"]),
              num(p["deferred"]), num(p["delayed"]), num(p["requeued"]), num(p["timed_out"]),
              yes(p["paused"]), yes(p["ordered"]), num(p["confirmed_count"]),
-             num(p["confirmed"]), num(p["next_read"])] for p in v["partitions"]]
+             num(p["confirmed"]), num(p["next_read"]), num(p["dead"]),
+             num(p["max_attempts"]) if p["max_attempts"] else "—"] for p in v["partitions"]]
     parts = table(["partition", "node", "depth", "in flight", "deferred", "delayed",
                    "requeued", "timed out", "paused", "ordered", "confirmed",
-                   "confirmed offset", "next read offset"],
+                   "confirmed offset", "next read offset", "dead", "max attempts"],
                   prow, cls="channel-partitions")
     return f"Channel {topic}/{name}", (
         f'<h1><a href="/topics/{u(topic)}">{esc(topic)}</a> / <span class="name">'
@@ -278,6 +286,89 @@ def channel_page(v: dict, ctx: dict) -> tuple[str, str]:
         f'{sparkline([float(d) for d in v["depths"]], "depth")}'
         f'<figcaption>depth</figcaption></figure></div><div class="actions">{acts}</div>'
         f'<h2>Clients</h2>{clients}<h2>Partitions</h2>{parts}')
+
+
+def _dead_title(v: dict, what: str) -> str:
+    topic, channel = v["topic"], v["channel"]
+    return (f'<h1><a href="/topics/{u(topic)}">{esc(topic)}</a> / <a href="/topics/{u(topic)}'
+            f'/{u(channel)}">{esc(channel)}</a> / <span class="name">{esc(what)}</span></h1>')
+
+
+def _dead_buttons(base: str, letter_id: str, ctx: dict) -> str:
+    """Requeue and purge of one dead letter."""
+    field = f'<input type="hidden" name="id" value="{esc(letter_id)}">'
+    return (form(f"{base}/dead_requeue", "requeue", ctx, fields=field, cls="inline")
+            + form(f"{base}/dead_purge", "purge", ctx, fields=field, cls="inline",
+                   confirm=f"Purge dead letter {letter_id}? It is gone for good."))
+
+
+def _preview(d: dict) -> str:
+    """The start of a dead letter's body, for a table cell."""
+    if d.get("body") is None:
+        return f'<small>binary, {count(d["body_size"], "byte")}</small>'
+    text = d["body"][:PREVIEW_CHARS]
+    more = "…" if d["body_size"] > len(text.encode()) else ""
+    return f'<code>{esc(text)}</code>{more}'
+
+
+def _iso_ns(ns) -> str:
+    return esc(iso(ns / 1e9)) if isinstance(ns, int) else "—"
+
+
+def dead_page(v: dict, ctx: dict) -> tuple[str, str]:
+    """A channel's dead letters: a page of them, each with its buttons, and the next page."""
+    topic, channel = v["topic"], v["channel"]
+    base = f"/topics/{u(topic)}/{u(channel)}"
+    limit = num(v["max_attempts"]) if v["max_attempts"] else "none (never bury)"
+    out = [_dead_title(v, "dead letters"),
+           f'<p id="dead-count">{count(v["count"], "dead letter")} · max attempts '
+           f'<b>{limit}</b></p>']
+    if v["loading"]:
+        out.append(f'<p class="note">still read back from the log on partitions '
+                   f'{esc(", ".join(str(p) for p in v["loading"]))}: ask again soon</p>')
+    for e in v["errors"]:
+        out.append(f'<p class="bad">{esc(e["node"])}: {esc(str(e["status"] or "no answer"))} '
+                   f'{esc(e["message"])}</p>')
+    if v["count"]:
+        out.append('<div class="actions">' + form(
+            f"{base}/dead_requeue", "requeue all", ctx,
+            confirm=f"Requeue every dead letter of {channel}? Each is delivered again.")
+            + form(f"{base}/dead_purge", "purge all", ctx,
+                   confirm=f"Purge every dead letter of {channel}? They are gone for good.")
+            + "</div>")
+    rows = [[f'<a href="{base}/dead/{u(d["id"])}">{esc(d["id"])}</a>', num(d["partition"]),
+             esc(d["message_id"] or ""), num(d["attempts"]), esc(d["cause"] or ""),
+             esc(d["error"] or ""), _iso_ns(d["buried_ns"]), _preview(d),
+             _dead_buttons(base, d["id"], ctx)] for d in v["dead_letters"]]
+    out.append(table(["id", "partition", "message id", "attempts", "cause", "error", "buried",
+                      "body", ""], rows, cls="dead-letters", empty="no dead letters"))
+    if v["next"]:
+        out.append(f'<p><a id="next-page" href="{base}/dead?after={u(v["next"])}'
+                   f'&amp;limit={v["limit"]}">next page</a></p>')
+    return f"Dead letters {topic}/{channel}", "".join(out)
+
+
+def dead_letter_page(v: dict, ctx: dict) -> tuple[str, str]:
+    """One dead letter: every field, its header and its whole body."""
+    base = f"/topics/{u(v['topic'])}/{u(v['channel'])}"
+    facts = [("id", esc(v["id"])), ("partition", num(v["partition"])),
+             ("node", node_link(v["node"])), ("message id", esc(v["message_id"] or "—")),
+             ("attempts", num(v["attempts"])), ("cause", esc(v["cause"] or "—")),
+             ("error", esc(v["error"] or "—")), ("published", _iso_ns(v["published_ns"])),
+             ("buried", _iso_ns(v["buried_ns"])), ("body size", count(v["body_size"], "byte"))]
+    dl = "".join(f"<dt>{esc(k)}</dt><dd>{val}</dd>" for k, val in facts)
+    ext = (f'<pre class="ext">{esc(json.dumps(v["ext"], indent=2, ensure_ascii=False))}</pre>'
+           if v.get("ext") is not None else '<p class="note">no header</p>')
+    if v.get("body") is not None:
+        body = f'<pre class="body text">{esc(v["body"])}</pre>'
+    else:
+        body = (f'<pre class="body base64">{esc(v["body_base64"])}</pre>'
+                '<small>not UTF-8: base64</small>')
+    return f"Dead letter {v['id']}", (
+        _dead_title(v, f"dead letter {v['id']}")
+        + f'<p><a href="{base}/dead">all dead letters</a></p><dl>{dl}</dl>'
+        + f'<div class="actions">{_dead_buttons(base, v["id"], ctx)}</div>'
+        + f"<h2>Header</h2>{ext}<h2>Body</h2>{body}")
 
 
 def _move_leader_form(base: str, p: dict, ctx: dict) -> str:

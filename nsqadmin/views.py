@@ -2,7 +2,7 @@
 pages.py renders the same dicts as HTML, so the page and the API never disagree.
 
 Every function reads the Source's current Snapshot and History (no I/O) except
-trace_view, which asks the nodes (a search is never cached).
+trace_view, dead_view and dead_letter_view, which ask the nodes (never cached).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import base64
 import re
 import string
 import time
+
+from nsqwire.ids import decode_msg_id
 
 from .history import channel_key, partition_key, topic_key
 from .model import Snapshot
@@ -29,6 +31,8 @@ TOMBSTONE_NOTE = {
     "nsqd": "tombstones need an nsqlookupd (--lookupd-http-address)",
 }
 TRACE_BODIES = 20  # bodies fetched for one search (one /message/get each)
+DEAD_PAGE = 100  # dead letters on one page unless `limit` says otherwise
+MAX_DEAD_PAGE = 500
 
 
 class NotFound(Exception):
@@ -128,12 +132,17 @@ def topic_view(source, name: str) -> dict:
             "or its leaders did not answer the last poll)"}
 
 
-def channel_view(source, topic: str, channel: str) -> dict:
-    snap, hist = source.snapshot, source.history
+def _channel(snap: Snapshot, topic: str, channel: str):
     t = _topic(snap, topic)
     c = t.channels.get(channel)
     if c is None:
         raise NotFound("CHANNEL_NOT_FOUND", f"no channel {channel!r} in topic {topic!r}")
+    return t, c
+
+
+def channel_view(source, topic: str, channel: str) -> dict:
+    snap, hist = source.snapshot, source.history
+    t, c = _channel(snap, topic, channel)
     keep = ("client_id", "hostname", "remote_address", "user_agent", "state", "ready_count",
             "in_flight_count", "message_count", "finish_count", "requeue_count",
             "connect_ts", "node", "desired_tag")
@@ -141,7 +150,8 @@ def channel_view(source, topic: str, channel: str) -> dict:
     return {"mode": snap.mode, "age_s": _age(snap), "topic": t.name, "name": c.name,
             "depth": c.depth, "in_flight": c.in_flight, "deferred": c.deferred,
             "delayed": c.delayed, "requeued": c.requeued, "timed_out": c.timed_out,
-            "confirmed_count": c.confirmed_count, "paused": c.paused, "ordered": c.ordered,
+            "confirmed_count": c.confirmed_count, "dead": c.dead,
+            "max_attempts": c.max_attempts, "paused": c.paused, "ordered": c.ordered,
             "traced": c.traced, "topic_traced": t.traced,
             "rate": round(hist.rate(channel_key(t.name, c.name)), 2),
             "rates": [round(r, 2) for r in hist.rates(channel_key(t.name, c.name))],
@@ -167,6 +177,76 @@ def node_view(source, http: str) -> dict:
             "led": led, "following": following, "client_list": clients,
             "tombstone_note": TOMBSTONE_NOTE.get(snap.mode, ""),
             "replication_note": REPLICATION_NOTE.get(snap.mode, "")}
+
+
+def _dead_id(raw: str, what: str) -> str:
+    """A dead letter's id as nsqd spells it (16 lowercase hex characters), or BadQuery."""
+    text = raw.strip().lower()
+    try:
+        decode_msg_id(text.encode())
+    except ValueError:
+        raise BadQuery(f"bad {what} {raw!r}: a dead letter's id, 16 hex characters") from None
+    return text
+
+
+def _holders(c) -> list[str]:
+    """The nodes serving the channel's partitions (each leads those it reports)."""
+    return sorted({cp.node for cp in c.parts})
+
+
+def _failure(node: str, status: int, answer) -> dict:
+    message = answer.get("message", "") if isinstance(answer, dict) else str(answer or "")
+    return {"node": node, "status": status, "message": message}
+
+
+async def dead_view(source, topic: str, channel: str, params: dict) -> dict:
+    """A page of the channel's dead letters: every holder's /channel/dead, merged in
+    partition order (each partition is one node's, in its log order), from the one after
+    `after`, at most `limit`. `next`: the id to ask `after` for the next page (None: this
+    is the last). `count` is of them all; `errors`: the holders that did not answer 200."""
+    t, c = _channel(source.snapshot, topic, channel)
+    after = _dead_id(params["after"], "after") if params.get("after") else None
+    limit = str(params.get("limit") or DEAD_PAGE)
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_DEAD_PAGE:
+        raise BadQuery(f"bad limit {limit!r}: 1..{MAX_DEAD_PAGE}")
+    limit = int(limit)
+    query = {"topic": topic, "channel": channel, "limit": str(limit + 1)}
+    if after:
+        query["after"] = after
+    nodes = _holders(c)
+    answers = await asyncio.gather(*(source.get(n, "/channel/dead", query) for n in nodes))
+    letters, count, loading, errors = {}, 0, [], []
+    for node, (status, answer) in zip(nodes, answers):
+        if status != 200 or not isinstance(answer, dict):
+            errors.append(_failure(node, status, answer))
+            continue
+        count += answer.get("count", 0)
+        loading += answer.get("loading") or []
+        for d in answer.get("dead_letters") or ():
+            letters.setdefault(d["id"], {**d, "node": node})
+    merged = sorted(letters.values(), key=lambda d: d["partition"])  # stable: log order
+    shown = merged[:limit]
+    return {"mode": source.snapshot.mode, "topic": t.name, "channel": c.name,
+            "max_attempts": c.max_attempts, "after": after, "limit": limit, "count": count,
+            "dead_letters": shown, "next": shown[-1]["id"] if len(merged) > limit else None,
+            "loading": sorted(loading), "errors": errors}
+
+
+async def dead_letter_view(source, topic: str, channel: str, raw_id: str) -> dict:
+    """One dead letter with its whole body and header: the first holder that has it."""
+    t, c = _channel(source.snapshot, topic, channel)
+    letter_id = _dead_id(raw_id, "dead letter id")
+    query = {"topic": topic, "channel": channel, "id": letter_id}
+    nodes = _holders(c)
+    answers = await asyncio.gather(*(source.get(n, "/channel/dead/message", query)
+                                     for n in nodes))
+    for node, (status, answer) in zip(nodes, answers):
+        if status == 200 and isinstance(answer, dict):
+            return {"topic": t.name, "channel": c.name, "node": node, **answer}
+    why = "; ".join(f"{f['node']}: {f['status'] or 'no answer'} {f['message']}".strip()
+                    for f in (_failure(n, s, a) for n, (s, a) in zip(nodes, answers)))
+    raise NotFound("DEAD_LETTER_NOT_FOUND", f"no dead letter {letter_id} in {topic}/{channel}"
+                                            + (f" ({why})" if why else ""))
 
 
 _HEX_ID = re.compile(r"[0-9a-fA-F]{16}")

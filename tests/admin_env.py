@@ -1,6 +1,7 @@
 """What the nsqadmin tests share: an nsqadmin process, a classic pair (nsqlookupd without
-etcd + one nsqd registered with it), an HTTP client with cookies (CSRF, sessions), and a
-consumer running in a thread (the browser test is synchronous: Playwright's sync API)."""
+etcd + one nsqd registered with it), an HTTP client with cookies (CSRF, sessions), a
+consumer running in a thread (the browser test is synchronous: Playwright's sync API), and
+a raw consumer that answers each message itself (FIN or REQ)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ from http.cookiejar import CookieJar
 
 from cluster import wait_until
 from nsqclient.conn import Connection
+from nsqwire import commands, protocol
 from servers import ROOT, NsqdProcess, NsqlookupdProcess, free_port
 
 PASSWORD = "s3cret-pass"
@@ -189,6 +192,47 @@ class ThreadConsumer:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(5)
+
+
+class RawConsumer:
+    """A raw consumer over a blocking socket (IDENTIFY, SUB, RDY 10) that answers each
+    message itself: `take` a message, then `send` its FIN or REQ (nsqwire.commands)."""
+
+    def __init__(self, tcp_address: str, topic: str, channel: str):
+        host, port = tcp_address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.parser = commands.FrameParser()
+        self.pending: list[tuple[int, bytes]] = []
+        self.sock.sendall(protocol.MAGIC_V2 + commands.cmd_identify({})
+                          + commands.cmd_sub(topic, channel) + commands.cmd_rdy(10))
+        assert [self._frame(10), self._frame(10)] == [(protocol.FRAME_RESPONSE, b"OK")] * 2
+
+    def _frame(self, timeout: float) -> tuple[int, bytes]:
+        """The next frame but heartbeats (a heartbeat is answered with a NOP)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.pending:
+                frame = self.pending.pop(0)
+                if frame != (protocol.FRAME_RESPONSE, b"_heartbeat_"):
+                    return frame
+                self.sock.sendall(commands.cmd_nop())
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            data = self.sock.recv(65536)
+            assert data, "the node closed the connection"
+            self.parser.feed(data)
+            self.pending += list(self.parser.frames())
+
+    def take(self, timeout: float = 10) -> tuple[int, bytes, bytes]:
+        """(attempts, id, body) of the next message."""
+        kind, data = self._frame(timeout)
+        assert kind == protocol.FRAME_MESSAGE, (kind, data)
+        return commands.parse_message(data)[1:]
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def until(predicate, timeout: float, what: str, interval: float = 0.1, detail=None):

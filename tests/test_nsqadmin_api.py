@@ -3,8 +3,9 @@
 four nsqadmin processes: open on the cluster, logins for actions on the cluster, logins
 for everything on the single nsqd (--nsqd-http-address), open on the classic lookupd.
 
-Every /api/ endpoint, each action and its effect as the nodes report it, bad input (400,
-403, 404 with a JSON body), login refusal, the 404 page and the bad-time message."""
+Every /api/ endpoint, each action and its effect as the nodes report it (a channel's dead
+letters with a raw consumer that REQs), bad input (400, 403, 404 with a JSON body), login
+refusal, the 404 page and the bad-time message."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import time
 
 import pytest
 
-from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, ThreadConsumer,
-                       password_file, publish, until)
+from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, RawConsumer,
+                       ThreadConsumer, password_file, publish, until)
 from cluster import Cluster, http_json, wait_until
 
 
@@ -208,6 +209,98 @@ def test_trace_search_api(env):
         status, body, _ = api.get(f"/api/trace?{query}")
         assert status == 400 and body["message"] == "BAD_QUERY" and words in body["detail"], \
             (query, body)
+
+
+def test_dead_letters(env):
+    """A channel's dead letters through nsqadmin: max_attempts set on every partition, two
+    messages REQed once (one per partition) listed page by page across their leaders, one
+    shown, requeued (delivered again), buried again, then purged one and all."""
+    from nsqwire import commands
+
+    c, api = env["cluster"], Client(env["open"].url)
+    assert api.post("/api/topics", {"topic": "dead", "partitions": 2, "replicas": 2})[0] == 200
+    assert api.post("/api/topics/dead/channel_create", {"channel": "ch"})[0] == 200
+    leaders = wait_until(lambda: len(c.leaders("dead")) == 2 and c.leaders("dead"), 15,
+                         "two leaders")
+    until(lambda: len(api.get("/api/topics/dead/ch")[1]["partitions"]) == 2, 10,
+          "both partitions of the channel shown")
+    for args, code in (({"max_attempts": "70000"}, "INVALID_MAX_ATTEMPTS"),
+                       ({}, "MISSING_ARG")):
+        status, out, _ = api.post("/api/topics/dead/ch/max_attempts", args)
+        assert (status, out["message"]) == (400, code), out
+    status, out, _ = api.post("/api/topics/dead/ch/max_attempts", {"max_attempts": 1})
+    assert status == 200 and out["ok"], out
+    ch = api.get("/api/topics/dead/ch")[1]
+    assert ch["max_attempts"] == 1 and [p["max_attempts"] for p in ch["partitions"]] == [1, 1]
+    status, out, _ = api.post("/api/topics/dead/ch/dead_purge", {"id": "xyz"})
+    assert (status, out["message"]) == (400, "INVALID_ID")
+
+    consumers = {tcp: RawConsumer(tcp, "dead", "ch") for tcp in set(leaders.values())}
+    try:
+        for n, tcp in leaders.items():
+            assert publish(c.nsqd_at(tcp).http_address, f"/pub?topic=dead&partition={n}",
+                           b"<poison %d>" % n) == 200
+        for tcp, consumer in consumers.items():
+            for _ in [n for n in leaders if leaders[n] == tcp]:
+                attempts, msg_id, body = consumer.take()
+                assert attempts == 1 and body.startswith(b"<poison")
+                consumer.send(commands.cmd_req(msg_id, 0, "why"))
+
+        def listed(query=""):
+            status, v, _ = api.get(f"/api/topics/dead/ch/dead{query}")
+            assert status == 200, v
+            return v
+        v = until(lambda: listed()["count"] == 2 and listed(), 10, "two dead letters listed",
+                  detail=listed)
+        assert [d["body"] for d in v["dead_letters"]] == ["<poison 0>", "<poison 1>"]
+        assert all((d["cause"], d["error"], d["attempts"]) == ("req", "why", 1)
+                   for d in v["dead_letters"])
+        assert v["next"] is None and v["errors"] == [] and v["loading"] == []
+        until(lambda: api.get("/api/topics/dead/ch")[1]["dead"] == 2, 10, "dead: 2 in stats")
+
+        first = listed("?limit=1")
+        assert [d["partition"] for d in first["dead_letters"]] == [0] and first["count"] == 2
+        second = listed(f"?limit=1&after={first['next']}")
+        assert [d["partition"] for d in second["dead_letters"]] == [1]
+        assert second["next"] is None
+        status, body, _ = api.get("/api/topics/dead/ch/dead?after=nope")
+        assert (status, body["message"]) == (400, "BAD_QUERY")
+
+        letter = v["dead_letters"][0]
+        status, one, _ = api.get(f"/api/topics/dead/ch/dead/{letter['id']}")
+        assert status == 200 and one["body"] == "<poison 0>" and one["ext"] is None
+        assert one["message_id"] == letter["message_id"] and one["node"] == letter["node"]
+        status, body, _ = api.get("/api/topics/dead/ch/dead/0000000000000fff")
+        assert (status, body["message"]) == (404, "DEAD_LETTER_NOT_FOUND")
+        status, page, _ = api.get("/topics/dead/ch/dead")
+        assert status == 200 and "&lt;poison 0&gt;" in page and "<poison" not in page
+        assert f'href="/topics/dead/ch/dead/{letter["id"]}"' in page
+        status, page, _ = api.get(f"/topics/dead/ch/dead/{letter['id']}")
+        assert status == 200 and '<pre class="body text">&lt;poison 0&gt;</pre>' in page
+
+        status, out, _ = api.post("/api/topics/dead/ch/dead_requeue", {"id": letter["id"]})
+        assert status == 200 and out["ok"], out
+        again = consumers[leaders[0]]
+        attempts, msg_id, body = again.take()  # a fresh message: its first attempt
+        assert (attempts, body) == (1, b"<poison 0>")
+        assert [d["partition"] for d in listed()["dead_letters"]] == [1]
+        again.send(commands.cmd_req(msg_id, 0, "still no"))
+        v = until(lambda: listed()["count"] == 2 and listed(), 10, "buried again")
+        reburied = next(d for d in v["dead_letters"] if d["partition"] == 0)
+        assert reburied["id"] != letter["id"] and reburied["error"] == "still no"
+
+        status, out, _ = api.post("/api/topics/dead/ch/dead_purge", {"id": reburied["id"]})
+        assert status == 200 and out["ok"], out
+        assert [d["partition"] for d in listed()["dead_letters"]] == [1]
+        status, out, _ = api.post("/api/topics/dead/ch/dead_purge")
+        assert status == 200 and out["ok"], out
+        assert listed()["count"] == 0 and api.get("/api/topics/dead/ch")[1]["dead"] == 0
+        for consumer in consumers.values():  # purged: never delivered again
+            with pytest.raises(TimeoutError):
+                consumer.take(0.5)
+    finally:
+        for consumer in consumers.values():
+            consumer.close()
 
 
 def test_bad_input(env):

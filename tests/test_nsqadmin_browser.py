@@ -6,8 +6,9 @@ and with --admin-user), the classic lookupd.
 
 Every page renders with real data; every action is clicked (confirm() dialogs accepted,
 and one dismissed) and its effect shows on the page; a paused channel stops delivering to
-a real consumer until unpaused; a trace search finds a message published here; with
---admin-user an action sends the browser to the login form and back.
+a real consumer until unpaused; a message a raw consumer REQs is buried, shown on the dead
+letters page and requeued by its button; a trace search finds a message published here;
+with --admin-user an action sends the browser to the login form and back.
 
 Screenshots of every page (laptop 1280 px wide, and the topic and channel pages at 390 px,
 a phone) go to a tmp folder kept after the run: `<basetemp>/nsqadmin-shots0/*.png` (the
@@ -23,8 +24,8 @@ import time
 
 import pytest
 
-from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, ThreadConsumer, password_file,
-                       post_nsqd, publish, until)
+from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, RawConsumer, ThreadConsumer,
+                       password_file, post_nsqd, publish, until)
 from cluster import Cluster, wait_until
 
 pw = pytest.importorskip("playwright.sync_api")
@@ -272,6 +273,53 @@ def test_every_action_shows_its_effect(env, page):
     assert page.url.endswith("/topics")
     until(lambda: page.locator("table.topics tr", has_text="acts").count() == 0
           or page.reload() and False, 10, "the topic gone from the list")
+
+
+def test_dead_letters_page(env, page):
+    """Max attempts set on the channel page; a message REQed once by a raw consumer shows on
+    the dead letters page and on its own page; its requeue button delivers it again."""
+    from nsqwire import commands
+
+    c, base = env["cluster"], env["admin"].url
+    api = Client(base)
+    assert api.post("/api/topics", {"topic": "graves", "partitions": 1})[0] == 200
+    assert api.post("/api/topics/graves/channel_create", {"channel": "ch"})[0] == 200
+    leader = c.nsqd_at(wait_until(lambda: c.leaders("graves").get(0), 15, "a leader"))
+    until(lambda: api.get("/api/topics/graves/ch")[1].get("partitions"), 10,
+          "the channel's partition shown")
+    page.goto(base + "/topics/graves/ch")
+    page.fill("input[name=max_attempts]", "1")
+    click(page, "set max attempts")
+    assert page.url.endswith("/topics/graves/ch") and "done" in text(page, ".flash")
+    assert page.input_value("input[name=max_attempts]") == "1"
+
+    consumer = RawConsumer(leader.tcp_address, "graves", "ch")
+    try:
+        assert publish(leader.http_address, "/pub?topic=graves", b"<b>bad</b> order") == 200
+        _, msg_id, _ = consumer.take()
+        consumer.send(commands.cmd_req(msg_id, 0, "no stock"))
+        until(lambda: api.get("/api/topics/graves/ch/dead")[1]["count"] == 1, 10, "buried")
+
+        visit(env, page, base, "/topics/graves/ch/dead", "dead-letters")
+        row = page.locator("table.dead-letters tbody tr")
+        assert row.count() == 1 and "1 dead letter" in text(page, "#dead-count")
+        cells = [td.inner_text() for td in row.first.locator("td").all()]
+        assert cells[2:6] == [msg_id.decode(), "1", "req", "no stock"]
+        assert cells[7] == "<b>bad</b> order"  # shown as text, never as markup
+        row.first.locator("td a").first.click()
+        page.wait_for_load_state()
+        assert text(page, "pre.body.text") == "<b>bad</b> order"
+        page.screenshot(path=os.path.join(env["shots"], "dead-letter.png"), full_page=True)
+
+        page.goto(base + "/topics/graves/ch/dead")
+        row.first.locator("button", has_text="requeue").click()
+        page.wait_for_load_state()
+        assert page.url.endswith("/topics/graves/ch/dead") and "done" in text(page, ".flash")
+        assert "0 dead letters" in text(page, "#dead-count")
+        attempts, _, body = consumer.take()  # delivered again, a fresh message
+        assert (attempts, body) == (1, b"<b>bad</b> order")
+    finally:
+        consumer.close()
 
 
 def test_trace_search_finds_a_published_message(env, page):
