@@ -43,9 +43,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+from array import array
 
 import structlog
 
+from diskqueue.record import MAX_EXT
 from nsqwire.ext import DEAD_KEY, DEAD_MARKER, dead_control
 from nsqwire.ids import encode_msg_id
 
@@ -55,7 +57,9 @@ log = structlog.get_logger("nsqd.deadletters")
 
 MAX_ERROR_BYTES = 256  # a REQ reason longer than this is cut
 
-MAX_RECENT = 100_000  # message ids of dead copies known (DeadIndex.recent): ~10 MB
+# Message ids of dead copies known (DeadIndex.recent), ~100 bytes each: 10 s of burials at
+# the most a node buries (bench/deadletters.py), ten times the checkpoint interval.
+MAX_RECENT = 10_000
 REQUEUE_CHUNK = 500  # dead copies read and revived at a time
 SKIP, DELIVER = 0, 1  # what a channel does with a `##dead` record (`role`)
 
@@ -121,6 +125,14 @@ def reason_of(raw: bytes) -> str | None:
     return raw[:MAX_ERROR_BYTES].decode("utf-8", "replace")
 
 
+def _id_of(text) -> int:
+    """A dead copy's `id` (16 hex characters) as a number; -1 when it is not one."""
+    try:
+        return int(text, 16)
+    except (TypeError, ValueError):
+        return -1
+
+
 class DeadIndex:
     """The offsets of a channel's live dead copies, in log order (pure). `apply` folds one
     `##dead` record in; every change is idempotent, so a record seen twice changes nothing.
@@ -133,8 +145,8 @@ class DeadIndex:
     def __init__(self, channel: str, since: int):
         self.channel = channel
         self.since = since  # dead copies before this offset are not this channel's
-        self.offsets: list[int] = []
-        self.recent: dict[str, int] = {}  # message id (hex) -> its dead copy's offset
+        self.offsets = array("q")  # 8 bytes a dead letter
+        self.recent: dict[int, int] = {}  # message id -> its dead copy's offset
 
     def apply(self, offset: int, control: dict) -> None:
         if control.get("channel") != self.channel:
@@ -146,8 +158,9 @@ class DeadIndex:
                 if i == len(offsets) or offsets[i] != offset:
                     offsets.insert(i, offset)
                 recent = self.recent
-                recent.pop(control["id"], None)
-                recent[control["id"]] = offset
+                msg_id = _id_of(control["id"])
+                recent.pop(msg_id, None)
+                recent[msg_id] = offset
                 if len(recent) > MAX_RECENT:
                     del recent[next(iter(recent))]
         elif "revive" in control:
@@ -157,8 +170,8 @@ class DeadIndex:
         elif "purge_before" in control:
             del offsets[:bisect.bisect_left(offsets, control["purge_before"])]
 
-    def buried_at(self, msg_id: str) -> int | None:
-        """The offset of a live dead copy of message `msg_id` (hex) among the recent ones."""
+    def buried_at(self, msg_id: int) -> int | None:
+        """The offset of a live dead copy of message `msg_id` among the recent ones."""
         offset = self.recent.get(msg_id)
         return offset if offset is not None and offset in self else None
 
@@ -283,11 +296,14 @@ class DeadLetters:
         (and `done` never called) when the partition takes no write now. A message with a
         live dead copy already (buried, then a crash before its channel saved that) is not
         written again: `done(True)` soon."""
-        if self.index.buried_at(encode_msg_id(msg.msg_id).decode()) is not None:
+        if self.index.buried_at(msg.msg_id) is not None:
             asyncio.get_running_loop().call_soon(done, True)
             return True
         ext = bury_ext(msg.ext, self.channel.name, msg.msg_id, msg.attempts, cause, error,
                        msg.timestamp)
+        if len(ext) > MAX_EXT:  # no room for `##dead` beside the message's own header
+            ext = bury_ext(b"", self.channel.name, msg.msg_id, msg.attempts, cause, error,
+                           msg.timestamp)
         def written(offset):
             if offset is not None:
                 self.buried_count += 1
