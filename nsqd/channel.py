@@ -50,6 +50,7 @@ log = structlog.get_logger("nsqd.channel")
 
 MAX_SAVED_ATTEMPTS = 4096  # attempts of unfinished messages a checkpoint keeps (the highest)
 BURY_RETRY_MS = 1000  # a message whose dead copy was refused waits this long to be buried
+MAX_ERRORS = 10_000  # REQ reasons a channel keeps for its dead copies (the oldest dropped)
 
 
 class Channel:
@@ -107,6 +108,9 @@ class Channel:
             self.set_ordered(True)
         self.max_attempts = max_attempts  # 0: never buried
         self.burying = 0  # messages whose dead copy is on its way
+        # msg_id -> the reason of the last REQ of it that gave one, for its dead copy; kept
+        # apart from the message so that a message costs nothing more without one
+        self.errors: dict[int, str] = {}
         # The dead letters, once the channel ever had `max_attempts` (deadletters.py).
         self.dead = (DeadLetters(self, dead_from, self._writer) if dead_from is not None
                      else None)
@@ -588,12 +592,16 @@ class Channel:
 
     def requeue(self, msg: Message, delay_ms: int, error: str | None = None) -> None:
         """A consumer's REQ: counted in `requeue_count`, as classic nsqd does. `error`: the
-        reason it gave, kept with the message while it is in memory (for its dead copy)."""
+        reason it gave, kept for its dead copy (the last MAX_ERRORS reasons)."""
         self.requeue_count += 1
         if self.trace is not None:
             self.trace.requeued(self, msg, delay_ms)
         if error:
-            msg.error = error
+            errors = self.errors
+            errors.pop(msg.msg_id, None)
+            errors[msg.msg_id] = error
+            if len(errors) > MAX_ERRORS:
+                del errors[next(iter(errors))]
         self._put_back(msg, delay_ms, "req")
 
     def _put_back(self, msg: Message, delay_ms: int, cause: str = "req") -> None:
@@ -638,7 +646,7 @@ class Channel:
                 if not m.delayed:
                     self.put_back[m.offset] = m
                 self.burying += 1
-                if self.dead.bury(m, cause, m.error,
+                if self.dead.bury(m, cause, self.errors.get(m.msg_id),
                                   lambda buried, m=m: self._bury_done(m, cause, buried)):
                     continue
                 self.burying -= 1
@@ -659,6 +667,7 @@ class Channel:
                                                msg.msg_id, msg))
             self._wake.set()
             return
+        self.errors.pop(msg.msg_id, None)
         if msg.delayed:
             self.delay.finish(msg)
         else:

@@ -20,8 +20,7 @@ class Message:
     (offset, end, count, done), so taking a message costs one object."""
 
     __slots__ = ("offset", "end", "count", "done", "msg_id", "trace_id", "timestamp", "attempts",
-                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id", "route",
-                 "error")
+                 "body", "ext", "deadline", "client", "delivered_at", "delayed", "wire_id", "route")
 
     def __init__(self, rec):
         self.offset = rec.offset
@@ -40,7 +39,6 @@ class Message:
         self.wire_id = b""  # the id as sent (16 hex characters), set at delivery
         self.delayed = False  # True: it lives in the delay store, not in the cursor's window
         self.route = None  # (tag, header) once a routed channel looked (tags.py)
-        self.error = None  # the reason of the last REQ that gave one (deadletters.py)
 
     @classmethod
     def from_store(cls, d) -> "Message":
@@ -57,7 +55,6 @@ class Message:
         msg.delayed = True
         msg.wire_id = b""
         msg.route = None
-        msg.error = None
         return msg
 
 
