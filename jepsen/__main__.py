@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ordered", action="store_true",
                     help="an ordered topic, ordered consumers (and no pynsq producer: a PUB "
                          "without a partition is E_BAD_PARTITION there)")
+    ap.add_argument("--poison", type=int, default=0, metavar="N",
+                    help="every Nth message of an nsqclient producer always fails its "
+                         "consumer: the channel buries it (dead letters), checked at the end")
+    ap.add_argument("--max-attempts", type=int, default=3,
+                    help="the channel's max_attempts with --poison")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=90.0)
     ap.add_argument("--drain-quiet", type=float, default=10.0,
@@ -72,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                       drain_quiet=args.drain_quiet, keep_data=args.keep_data,
                       classic=not args.no_classic, pause_s=args.pause,
                       unkeyed=args.unkeyed, disk_mb=args.disk_mb, ordered=args.ordered,
-                      sync_every=args.sync_every)
+                      sync_every=args.sync_every, poison=args.poison,
+                      max_attempts=args.max_attempts)
     try:
         summary = run(opts)
     except ValueError as e:
@@ -87,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                       "attempted": tq["attempted"], "duplicated": tq["duplicated"],
                       "stored_twice": tq["stored_twice"],
                       "named_stored_twice": tq["named_stored_twice"],
+                      "poison_acknowledged": tq["poison_acknowledged"], "dead": tq["dead"],
+                      "dead_twice": tq["dead_twice"], "dead_not_poison": tq["dead_not_poison"],
                       "duplicate_rate": tq["duplicate_rate"],
                       "order": summary["order"]["valid"],
                       "divergent": rp.get("divergent"), "missing": rp.get("missing"),

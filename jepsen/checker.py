@@ -7,7 +7,11 @@ with `valid` (True, False, or "skipped") and its figures, named plainly.
   dequeued anyway is `recovered` (an indeterminate one may have happened; a `fail`
   one must not: it counts as `unexpected`). `stored_twice`: values delivered under two
   or more message ids (a retried publish written again); those of idempotent producers
-  (the enqueue's `named`, nsqclient's) must be none (`named_stored_twice` 0).
+  (the enqueue's `named`, nsqclient's) must be none (`named_stored_twice` 0). With
+  poison messages (`--poison`), an acknowledged one is not lost when it is among the
+  channel's dead letters (`dead` operations); `dead_twice` counts values buried twice,
+  `dead_not_poison` ones buried that a consumer never failed (delivered max_attempts
+  times without a FIN through faults): figures, not failures.
 - order: per key, the first deliveries of its messages have increasing `seq`
   (a redelivery of an earlier message is a duplicate, not a reordering). Only for an
   ordered topic; "skipped" otherwise.
@@ -53,8 +57,12 @@ def total_queue(history: list[dict]) -> dict:
     deliveries = Counter(op["value"].get("id") for op in history
                          if op["f"] == "dequeue" and op["type"] == "ok")
     dequeued = set(deliveries)
-    lost = sorted(acknowledged - dequeued)
-    unexpected = sorted((dequeued - attempted) | (dequeued & failed))
+    buried = Counter(op["value"].get("id") for op in history if op["f"] == "dead")
+    dead = set(buried)
+    poison = {inv["value"]["id"] for inv, _ in pairs(history) if inv["value"].get("poison")}
+    lost = sorted(acknowledged - dequeued - dead)
+    unexpected = sorted((dequeued - attempted) | (dequeued & failed) | (dead - attempted)
+                        | (dead & failed))
     duplicated = sorted(i for i, n in deliveries.items() if n > 1)
     extra = sum(n - 1 for n in deliveries.values())
     copies: dict = defaultdict(set)  # value id -> the message ids it was delivered under
@@ -75,6 +83,9 @@ def total_queue(history: list[dict]) -> dict:
         "recovered": len(dequeued & indeterminate),
         "stored_twice": len(stored_twice), "named_stored_twice": len(named_twice),
         "named_stored_twice_ids": named_twice[:50],
+        "poison_acknowledged": len(poison & acknowledged), "dead": len(dead),
+        "dead_twice": sum(1 for n in buried.values() if n > 1),
+        "dead_not_poison": len(dead - poison),
     }
 
 

@@ -6,6 +6,11 @@ Each producer process does one operation at a time (as a Jepsen process does): i
 then ok, fail (refused: certainly not stored) or info (anything else: it may be stored).
 A keyed process owns one key and numbers its messages 0, 1, 2, ... (`seq`), so the
 order checker can see reorderings per key.
+
+With `poison` N, every Nth message of each nsqclient producer is poison: every consumer
+that gets it records a `reject` and fails it (nsqclient REQs it with the error), so the
+channel, given `max_attempts` (dead_letters.setup), buries it among its dead letters,
+which the runner collects at the end as `dead` operations (dead_letters.collect).
 """
 
 from __future__ import annotations
@@ -46,17 +51,19 @@ class Workload:
     def __init__(self, history: History, topic: str, partitions: int,
                  lookupds: list[str], nsqds: list[str], unkeyed: int = 2,
                  pause_s: float = 0.05, consumers: int = 2, classic: bool = True,
-                 ordered: bool = False):
+                 ordered: bool = False, poison: int = 0):
         self.history, self.topic, self.partitions = history, topic, partitions
         self.lookupds, self.nsqds = lookupds, nsqds
         self.keys = keys_for(partitions)
         self.unkeyed, self.pause_s, self.consumers_n = unkeyed, pause_s, consumers
         self.classic = classic
         self.ordered = ordered  # consumers SUB_ORDERED: one message of a partition at a time
+        self.poison = poison  # every poison-th message of an nsqclient producer always fails
         self.producing = True
         self.tasks: list[asyncio.Task] = []
         self.consumers: list[Consumer] = []
         self.acknowledged: set[str] = set()  # enqueue ids answered OK, for the drain
+        self.poisoned: set[str] = set()  # the acknowledged ones that are poison: not awaited
         # partition -> invoke time (history clock) of its latest acknowledged keyed publish
         self.last_ok_invoke: dict[int, float] = {}
         self.dequeued: set[str] = set()
@@ -110,6 +117,8 @@ class Workload:
             while self.producing:
                 value = {"id": f"{process}-{seq}", "key": key, "seq": seq,
                          "partition": partition, "named": True}  # idempotent: nsqclient's
+                if self.poison and seq % self.poison == self.poison - 1:
+                    value["poison"] = True
                 invoked = self.history.now()
                 self.history.record("invoke", "enqueue", process, value)
                 try:
@@ -117,6 +126,8 @@ class Workload:
                         await producer.publish(self.topic, json.dumps(value).encode(), key=key)
                     self.history.record("ok", "enqueue", process, value)
                     self.acknowledged.add(value["id"])
+                    if value.get("poison"):
+                        self.poisoned.add(value["id"])
                     if partition is not None:
                         self.last_ok_invoke[partition] = invoked
                 except PublishError as e:
@@ -203,9 +214,17 @@ class Workload:
         conn = message.conn
         node = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
         value["msg_id"] = message.id.decode()  # the stored copy delivered: write duplicates
+        if value.get("poison"):
+            self.history.record("ok", "reject", process, dict(value, attempts=message.attempts),
+                                node)
+            raise Poison(value["id"])
         self.history.record("ok", "dequeue", process, value, node)
         self.dequeued.add(value.get("id"))
 
     def missing(self) -> int:
-        """Acknowledged enqueues not dequeued yet (the drain waits for 0)."""
-        return len(self.acknowledged - self.dequeued)
+        """Acknowledged enqueues not dequeued yet but poison ones (the drain waits for 0)."""
+        return len(self.acknowledged - self.dequeued - self.poisoned)
+
+
+class Poison(Exception):
+    """A poison message: its consumer fails it, always."""

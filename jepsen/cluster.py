@@ -163,6 +163,10 @@ class Host:
         return f"{self.ip}:{self.ports['nsqd_tcp']}"
 
     @property
+    def nsqd_http(self) -> str:
+        return f"{self.ip}:{self.ports['nsqd_http']}"
+
+    @property
     def lookupd_http(self) -> str:
         return f"{self.ip}:{self.ports['lookupd_http']}"
 

@@ -97,6 +97,10 @@ def write(folder: str, history: list[dict], results: dict, run: dict) -> str:
             ("indeterminate (info)", tq["indeterminate"]), ("failed", tq["failed"]),
             ("dequeued (distinct)", tq["dequeued"]), ("duplicated", tq["duplicated"]),
             ("duplicate rate", tq["duplicate_rate"]),
+            ("poison acknowledged; dead letters (--poison)",
+             f'{tq["poison_acknowledged"]}; {tq["dead"]}'),
+            ("dead letters buried twice; not poison", f'{tq["dead_twice"]}; '
+                                                       f'{tq["dead_not_poison"]}'),
             ("order", results["order"]["valid"]),
             ("enqueue success rate", av["success_rate"]),
             ("latency p50 / p99 / max (ms)", " / ".join(str(v) for v in

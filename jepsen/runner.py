@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 
 import structlog
 
-from jepsen import checker, replicas, report
+from jepsen import checker, dead_letters, replicas, report
 from jepsen.cluster import make_cluster
-from jepsen.clients import Workload
+from jepsen.clients import CHANNEL, Workload
 from jepsen.history import History, read
 from jepsen.nemesis import Nemesis
 
@@ -49,6 +49,8 @@ class RunOptions:
     disk_mb: int = 64  # each nsqd's tmpfs (network namespaces only)
     ordered: bool = False  # an ordered topic, ordered consumers (no classic producer then)
     sync_every: int = 1  # the topic's syncdisk: 1 syncs every batch before its OK
+    poison: int = 0  # every poison-th nsqclient message always fails: a dead letter (0: none)
+    max_attempts: int = 3  # the channel's, with poison
 
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
@@ -128,9 +130,13 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
     nsqds = [h.nsqd_tcp for h in cluster.hosts]
     workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
                         unkeyed=opts.unkeyed, pause_s=opts.pause_s,
-                        classic=opts.classic and not opts.ordered, ordered=opts.ordered)
+                        classic=opts.classic and not opts.ordered, ordered=opts.ordered,
+                        poison=opts.poison)
     await workload.start()
     try:
+        if opts.poison:
+            await asyncio.to_thread(dead_letters.setup, cluster, TOPIC, CHANNEL,
+                                    opts.max_attempts, opts.partitions)
         deadline = time.monotonic() + opts.time_limit
         while opts.nemesis and time.monotonic() + 2 * opts.interval <= deadline:
             await asyncio.sleep(opts.interval)
@@ -151,6 +157,9 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
         await workload.stop_producing()
         history.record("info", "drain", "nemesis", {"acknowledged": len(workload.acknowledged)})
         info["drain_s"] = await _drain(workload, opts.drain_timeout, opts.drain_quiet)
+        if opts.poison:
+            info["dead_letters"] = await asyncio.to_thread(dead_letters.collect, cluster,
+                                                           TOPIC, CHANNEL, history)
     finally:
         await workload.close()
 

@@ -86,6 +86,25 @@ def test_a_value_stored_twice_fails_only_an_idempotent_producers_run():
     assert r["valid"] is False and r["named_stored_twice_ids"] == ["a"]
 
 
+def test_a_poison_message_among_the_dead_letters_is_not_lost():
+    def op(f, t, process, value):
+        return {"f": f, "type": t, "process": process, "value": value, "time": 0.0}
+    h = []
+    for i, poison in ((1, False), (2, True), (3, True)):
+        v = {"id": f"p-{i}", **({"poison": True} if poison else {})}
+        h += [op("enqueue", "invoke", "p", v), op("enqueue", "ok", "p", v)]
+    h += [op("dequeue", "ok", "c1", {"id": "p-1"}), op("reject", "ok", "c1", {"id": "p-2"}),
+          op("dead", "ok", "collector", {"id": "p-2"}), op("dead", "ok", "collector",
+                                                           {"id": "p-2"})]
+    tq = checker.total_queue(h)
+    assert (tq["valid"], tq["lost_ids"], tq["poison_acknowledged"], tq["dead"],
+            tq["dead_twice"], tq["dead_not_poison"]) == (False, ["p-3"], 2, 1, 1, 0)
+    h.append(op("dead", "ok", "collector", {"id": "p-3"}))
+    assert checker.total_queue(h)["valid"] is True
+    h.append(op("dead", "ok", "collector", {"id": "never-sent"}))
+    assert checker.total_queue(h)["unexpected"] == 1
+
+
 def test_order_reorderings_per_key_and_skipped_without_ordered_topic():
     h = [deq(1, "k-0", "k", 0), deq(2, "k-2", "k", 2), deq(3, "k-1", "k", 1),
          deq(4, "k-0", "k", 0),  # a redelivery: a duplicate, not a reordering
@@ -233,6 +252,21 @@ def test_kill_and_pause_r1_for_25_s_lose_nothing(tmp_path):
     for name in ("index.html", "latency.png", "throughput.png", "history.jsonl",
                  "logs/n1-nsqd.log", "logs/clients.log"):
         assert (store / name).exists(), name
+    assert leftovers() == []
+
+
+def test_poison_messages_become_dead_letters_through_leader_kills_r3(tmp_path):
+    """R=3, every 10th message of an nsqclient producer fails its consumer always: the
+    channel (max_attempts 3) buries it, through leader kills; at the end every
+    acknowledged poison message is among the dead letters, once, and every other one was
+    delivered: nothing lost (dead letters count as not lost only for what they hold)."""
+    status, s = jepsen(tmp_path / "run", "--nemesis", "kill", "--time-limit", "24",
+                       "--nodes", "3", "--replicas", "3", "--interval", "6", "--seed", "5",
+                       "--poison", "10", "--drain-quiet", "5", timeout=300)
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, s
+    assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["poison_acknowledged"] > 50
+    assert tq["dead"] >= tq["poison_acknowledged"] and tq["dead_twice"] == 0, tq
     assert leftovers() == []
 
 
