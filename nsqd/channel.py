@@ -351,7 +351,8 @@ class Channel:
                and not self._closed):
             for waiting in (self.requeued, self.from_delay):
                 if waiting:
-                    router.add(waiting)
+                    router.add(self._bury_spent(waiting, "spent") if self.max_attempts
+                               else waiting)
                     waiting.clear()
             tags.deliver_routed(self, router)
             room = sum(max(0, tags.room_of(self, c)) for c in self.clients)
@@ -373,7 +374,7 @@ class Channel:
                 continue
             if not fresh and not held:
                 return
-            router.add(fresh)
+            router.add(self._bury_spent(fresh, "spent") if self.max_attempts else fresh)
 
     async def _take(self, records, out: list, seeks: int) -> int:
         """Take records read from the log: to `out` the ones to deliver now; the rest are

@@ -333,3 +333,24 @@ async def test_a_message_whose_header_leaves_no_room_is_buried_without_it(node):
     assert (shown["body"], shown["error"], shown["ext"]) == ("big header", "no", None)
     await con.nothing()
     con.close()
+
+
+@pytest.mark.parametrize("tagged", [False, True])
+async def test_a_lower_max_attempts_buries_what_comes_back_spent(node, tagged):
+    """A message REQed twice with a delay, then max_attempts lowered to 2: when it is due
+    it is buried ("spent"), not delivered a third time; on a tag-routed channel too."""
+    n = await node()
+    pub = await connect(n)
+    await _channel(n, "t", "ch", max_attempts=5)
+    header = {"##client_dispatch_tag": "vip"} if tagged else {}
+    await pub.command(c.cmd_pub_ext("t", header, b"m"))
+    con = await Consumer.open(n, "t", "ch", {"desired_tag": "vip"} if tagged else None)
+    for attempt in (1, 2):
+        [(attempts, msg_id, _)] = await con.take()
+        assert attempts == attempt
+        con.send(c.cmd_req(msg_id, 300 if attempt == 2 else 0, f"fail {attempt}"))
+    await _json(n, "POST", "/channel/config?topic=t&channel=ch&max_attempts=2")
+    await con.nothing(0.8)
+    [dead] = (await _json(n, "GET", "/channel/dead?topic=t&channel=ch"))["dead_letters"]
+    assert (dead["cause"], dead["attempts"], dead["error"]) == ("spent", 2, "fail 2")
+    con.close()
