@@ -593,11 +593,12 @@ class Channel:
 
     def requeue(self, msg: Message, delay_ms: int, error: str | None = None) -> None:
         """A consumer's REQ: counted in `requeue_count`, as classic nsqd does. `error`: the
-        reason it gave, kept for its dead copy (the last MAX_ERRORS reasons)."""
+        reason it gave, kept for its dead copy while the channel has `max_attempts` (the
+        last MAX_ERRORS reasons)."""
         self.requeue_count += 1
         if self.trace is not None:
             self.trace.requeued(self, msg, delay_ms)
-        if error:
+        if error and self.max_attempts:
             errors = self.errors
             errors.pop(msg.msg_id, None)
             errors[msg.msg_id] = error
@@ -605,7 +606,7 @@ class Channel:
                 del errors[next(iter(errors))]
         self._put_back(msg, delay_ms, "req")
 
-    def _put_back(self, msg: Message, delay_ms: int, cause: str = "req") -> None:
+    def _put_back(self, msg: Message, delay_ms: int, cause: str) -> None:
         """Put a message back: at once, or after `delay_ms` (see `_hold`); buried instead
         when it was delivered `max_attempts` times (`cause`: why it came back)."""
         msg.client = None
