@@ -1,0 +1,76 @@
+"""Half messages (issue 30, item 2), the pure table (nsqd/halves.py): records folded in,
+check-backs scheduled with backoff, roll-calls that let a new leader find every undecided
+half from the log's tail."""
+
+from __future__ import annotations
+
+from nsqd.halves import (BACKOFF_S, COMMITTED, ROLL_EVERY_REQUESTS, ROLL_EVERY_S, ROLLED_BACK,
+                         WAITING, HalfTable)
+
+
+def _half(t: HalfTable, offset: int, at: float = 0.0, url: str = "http://app/check"):
+    t.apply(offset, 1000 + offset, at, {"check": url})
+
+
+def test_a_half_is_decided_once_by_the_first_commit_or_rollback():
+    t = HalfTable()
+    _half(t, 10)
+    _half(t, 20)
+    assert t.state_of(1010) == WAITING
+    t.apply(30, 1030, 1.0, {"commit": 10})
+    t.apply(40, 1040, 1.0, {"rollback": 10})  # too late: it was committed
+    t.apply(50, 1050, 1.0, {"rollback": 20})
+    t.apply(60, 1060, 1.0, {"commit": 99})  # no such half: nothing
+    assert (t.state_of(1010), t.state_of(1020)) == (COMMITTED, ROLLED_BACK)
+    assert (t.committed, t.rolled_back, t.waiting()) == (1, 1, [])
+
+
+def test_check_backs_come_after_the_timeout_then_back_off_then_give_up():
+    t = HalfTable(check_after_s=6.0, max_checks=3)
+    _half(t, 10, at=100.0)
+    assert t.due(105.9) == [] and [h.offset for h in t.due(106.0)] == [10]
+    [h] = t.due(106.0)
+    assert t.checked(h, 106.0) and h.next_check_s == 106.0 + BACKOFF_S[0]
+    assert t.due(106.5) == []
+    assert t.checked(h, 107.0) and h.next_check_s == 107.0 + BACKOFF_S[1]
+    assert not t.checked(h, 109.0)  # the third without a decision: roll it back
+
+
+def test_a_roll_call_read_back_gives_the_same_undecided_halves():
+    old = HalfTable()
+    for offset in (10, 20, 30):
+        _half(old, offset, at=1.0)
+    old.apply(40, 1040, 2.0, {"commit": 20})
+    [h10, _] = old.waiting()
+    old.checked(h10, 8.0)
+    call = old.roll_call()
+    new = HalfTable()  # a new leader reads back: the roll-call, then what came after it
+    new.apply(50, 1050, 9.0, call)
+    _half(new, 60, at=9.5)
+    new.apply(70, 1070, 10.0, {"rollback": 30})
+    assert [(h.offset, h.msg_id, h.checks, h.url) for h in new.waiting()] == [
+        (10, 1010, 1, "http://app/check"), (60, 1060, 0, "http://app/check")]
+    assert new.state_of(1030) == ROLLED_BACK
+    assert new.state_of(1020) is None  # decided before the roll-call: not named by it
+
+
+def test_a_roll_call_is_due_by_time_or_by_requests_while_a_half_waits():
+    t = HalfTable()
+    assert not t.roll_call_due(1000.0, 10**9)  # nothing undecided: none
+    _half(t, 10, at=0.0)
+    t.rolled_call(100.0, 500)
+    assert not t.roll_call_due(100.0 + ROLL_EVERY_S - 1, 500 + ROLL_EVERY_REQUESTS - 1)
+    assert t.roll_call_due(100.0 + ROLL_EVERY_S, 500)
+    assert t.roll_call_due(100.0, 500 + ROLL_EVERY_REQUESTS)
+    t.apply(20, 1020, 101.0, {"commit": 10})
+    assert not t.roll_call_due(10**6, 10**9)
+
+
+def test_decided_halves_are_forgotten_below_an_offset_and_undecided_ones_kept():
+    t = HalfTable()
+    for offset in (10, 20, 30):
+        _half(t, offset)
+    t.apply(40, 1040, 1.0, {"commit": 10})
+    t.apply(50, 1050, 1.0, {"commit": 30})
+    t.forget_decided(25)
+    assert sorted(t.by_offset) == [20, 30] and t.state_of(1010) is None
