@@ -50,7 +50,6 @@ log = structlog.get_logger("nsqd.channel")
 
 MAX_SAVED_ATTEMPTS = 4096  # attempts of unfinished messages a checkpoint keeps (the highest)
 BURY_RETRY_MS = 1000  # a message whose dead copy was refused waits this long to be buried
-MAX_ERRORS = 10_000  # REQ reasons a channel keeps for its dead copies (the oldest dropped)
 
 
 class Channel:
@@ -108,9 +107,6 @@ class Channel:
             self.set_ordered(True)
         self.max_attempts = max_attempts  # 0: never buried
         self.burying = 0  # messages whose dead copy is on its way
-        # msg_id -> the reason of the last REQ of it that gave one, for its dead copy; kept
-        # apart from the message so that a message costs nothing more without one
-        self.errors: dict[int, str] = {}
         # The dead letters, once the channel ever had `max_attempts` (deadletters.py).
         self.dead = (DeadLetters(self, dead_from, self._writer) if dead_from is not None
                      else None)
@@ -593,17 +589,13 @@ class Channel:
 
     def requeue(self, msg: Message, delay_ms: int, error: str | None = None) -> None:
         """A consumer's REQ: counted in `requeue_count`, as classic nsqd does. `error`: the
-        reason it gave, kept for its dead copy while the channel has `max_attempts` (the
-        last MAX_ERRORS reasons)."""
+        reason it gave, kept for its dead copy while the channel has `max_attempts`
+        (DeadLetters.remember_error)."""
         self.requeue_count += 1
         if self.trace is not None:
             self.trace.requeued(self, msg, delay_ms)
-        if error and self.max_attempts:
-            errors = self.errors
-            errors.pop(msg.msg_id, None)
-            errors[msg.msg_id] = error
-            if len(errors) > MAX_ERRORS:
-                del errors[next(iter(errors))]
+        if error and self.max_attempts:  # kept apart: a message pays nothing without one
+            self.dead.remember_error(msg.msg_id, error)
         self._put_back(msg, delay_ms, "req")
 
     def _put_back(self, msg: Message, delay_ms: int, cause: str) -> None:
@@ -648,8 +640,7 @@ class Channel:
                 if not m.delayed:
                     self.put_back[m.offset] = m
                 self.burying += 1
-                if self.dead.bury(m, cause, self.errors.get(m.msg_id),
-                                  lambda buried, m=m: self._bury_done(m, cause, buried)):
+                if self.dead.bury(m, cause, lambda ok, m=m: self._bury_done(m, cause, ok)):
                     continue
                 self.burying -= 1
             keep.append(m)
@@ -669,7 +660,6 @@ class Channel:
                                                msg.msg_id, msg))
             self._wake.set()
             return
-        self.errors.pop(msg.msg_id, None)
         if msg.delayed:
             self.delay.finish(msg)
         else:

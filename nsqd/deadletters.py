@@ -56,6 +56,7 @@ from .handover import record_at
 log = structlog.get_logger("nsqd.deadletters")
 
 MAX_ERROR_BYTES = 256  # a REQ reason longer than this is cut
+MAX_ERRORS = 10_000  # REQ reasons a channel keeps for its dead copies
 
 # Message ids of dead copies known (DeadIndex.recent), ~100 bytes each: 10 s of burials at
 # the most a node buries (bench/deadletters.py), ten times the checkpoint interval.
@@ -212,7 +213,10 @@ class DeadLetters:
         self.buried_count = 0  # dead copies committed since the channel opened here
         self.expired_count = 0  # dead letters retention removed since it opened here
         self._loading: asyncio.Task | None = None
+        self._unread = False  # the index could not be read back (until the channel reopens)
         self._changing = asyncio.Lock()  # one requeue or purge at a time: none revives twice
+        # msg_id -> the reason of its last REQ that gave one (MAX_ERRORS, the oldest dropped)
+        self.errors: dict[int, str] = {}
 
     # ---- rebuild --------------------------------------------------------------
 
@@ -230,7 +234,8 @@ class DeadLetters:
         except Exception:  # never a channel that does not open: its dead letters unlisted
             log.exception("dead_letters_unread", topic=self.channel.topic_name,
                           partition=self.channel.partition, channel=self.channel.name)
-            raise
+            self._unread = True
+            return
         for entry, ext in found:
             control = dead_control(ext)
             if control is not None:
@@ -241,19 +246,16 @@ class DeadLetters:
 
     async def ready(self) -> None:
         """Return once the index is read back; DeadLettersLoading if it could not be."""
-        if self._loading is None:
-            return
-        if not self._loading.done():
+        if self._loading is not None and not self._loading.done():
             await asyncio.shield(self._loading)
-        if self._loading.cancelled() or self._loading.exception() is not None:
+        if self._unread:
             raise DeadLettersLoading("the channel's dead letters could not be read back from "
                                      "its log (see the node's log)")
 
     def saved_from(self) -> int:
         """The checkpoint's `dead_from` (see the module invariants). It stays where it was
         while the index is read back, or when it could not be."""
-        if self._loading is not None and (not self._loading.done() or self._loading.cancelled()
-                                          or self._loading.exception() is not None):
+        if self.loading or self._unread:
             return self.dead_from
         self.expired_count += self.index.drop_before(self.queue.start_offset)
         if self.index.offsets:
@@ -265,6 +267,14 @@ class DeadLetters:
     def close(self) -> None:
         if self._loading is not None:
             self._loading.cancel()
+
+    def remember_error(self, msg_id: int, error: str) -> None:
+        """A REQ's reason, for the message's dead copy."""
+        errors = self.errors
+        errors.pop(msg_id, None)
+        errors[msg_id] = error
+        if len(errors) > MAX_ERRORS:
+            del errors[next(iter(errors))]
 
     # ---- writing ----------------------------------------------------------------
 
@@ -291,22 +301,27 @@ class DeadLetters:
             self.pending -= 1
             raise
 
-    def bury(self, msg, cause: str, error: str | None, done) -> bool:
-        """Write `msg`'s dead copy; `done(buried: bool)` once committed or refused. False
+    def bury(self, msg, cause: str, done) -> bool:
+        """Write `msg`'s dead copy, with the reason of its last REQ that gave one;
+        `done(buried: bool)` once committed or refused. False
         (and `done` never called) when the partition takes no write now. A message with a
         live dead copy already (buried, then a crash before its channel saved that) is not
         written again: `done(True)` soon."""
         if self.index.buried_at(msg.msg_id) is not None:
+            self.errors.pop(msg.msg_id, None)
             asyncio.get_running_loop().call_soon(done, True)
             return True
+        error = self.errors.get(msg.msg_id)
         ext = bury_ext(msg.ext, self.channel.name, msg.msg_id, msg.attempts, cause, error,
                        msg.timestamp)
         if len(ext) > MAX_EXT:  # no room for `##dead` beside the message's own header
             ext = bury_ext(b"", self.channel.name, msg.msg_id, msg.attempts, cause, error,
                            msg.timestamp)
+
         def written(offset):
             if offset is not None:
                 self.buried_count += 1
+                self.errors.pop(msg.msg_id, None)
             done(offset is not None)
         try:
             self._append(msg.body, msg.trace_id, ext, written)
