@@ -27,9 +27,17 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from dataclasses import dataclass
 
-HALF_KEY = "##half"
+import structlog
+
+from nsqwire.ext import HALF_KEY, HALF_MARKER, half_control
+
+log = structlog.get_logger("nsqd.halves")
+
 ROLL_EVERY_REQUESTS = 100_000
 ROLL_EVERY_S = 30.0
 CHECK_AFTER_S = 6.0  # a half's first check-back, after it was written
@@ -37,6 +45,7 @@ MAX_CHECKS = 10
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # between check-backs, the last repeated
 
 WAITING, COMMITTED, ROLLED_BACK = "waiting", "committed", "rolled_back"
+SKIP, DELIVER = 0, 1  # what a channel does with a `##half` record (`role`)
 
 
 @dataclass
@@ -155,3 +164,189 @@ class HalfTable:
                        if o < before_offset and h.state != WAITING]:
             half = self.by_offset.pop(offset)
             self.by_id.pop(half.msg_id, None)
+
+
+# ---- the driver (I/O at the edges) ------------------------------------------------------
+
+CHECK_DEADLINE_S = 5.0  # a check-back that has not answered by then got no decision
+LOOP_S = 1.0  # how often the driver looks for check-backs due and roll-calls to write
+
+
+def with_half(ext: bytes, value: dict) -> bytes:
+    """A stored header (JSON or empty) with `##half` set to `value`."""
+    header = json.loads(ext) if ext else {}
+    if not isinstance(header, dict):
+        header = {}
+    header[HALF_KEY] = value
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def role(ext: bytes) -> int | None:
+    """None: no `##half` record; DELIVER for a commit (the message itself), else SKIP."""
+    control = half_control(ext)
+    if control is None:
+        return None
+    return DELIVER if "commit" in control else SKIP
+
+
+class HalfNotFound(Exception):
+    """No half message of that id is known to the partition (never one, or forgotten)."""
+
+
+class HalfDecided(Exception):
+    """The half message was decided the other way already."""
+
+
+class Halves:
+    """A partition's half messages while it is led here (see the module docstring).
+    `writer()` gives the partition's writer; `check(url, payload)` asks a producer's
+    check-back URL and returns "commit", "rollback" or None (no decision), within
+    CHECK_DEADLINE_S."""
+
+    def __init__(self, queue, writer, check, clock=time.time,
+                 check_after_s: float = CHECK_AFTER_S, max_checks: int = MAX_CHECKS):
+        self.queue = queue
+        self.writer = writer
+        self.check = check
+        self.clock = clock
+        self.table = HalfTable(check_after_s, max_checks)
+        self.checks = 0  # check-backs made here
+        self.expired = 0  # halves rolled back after MAX_CHECKS check-backs without a decision
+        self._loading: asyncio.Task | None = None
+        self._loop: asyncio.Task | None = None
+        self._deciding: dict[int, asyncio.Future] = {}  # half offset -> its decision written
+
+    def start(self) -> None:
+        self._loading = asyncio.get_running_loop().create_task(self._load())
+        self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        for task in (self._loading, self._loop):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._loading, self._loop) if t is not None),
+                             return_exceptions=True)
+
+    async def ready(self) -> None:
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
+
+    async def _load(self) -> None:
+        """The table from the log's last 2 * ROLL_EVERY_REQUESTS requests (the module's
+        invariants: the last roll-call is among them)."""
+        found = await self.queue.marked_requests(0, HALF_MARKER, 0, 2 * ROLL_EVERY_REQUESTS)
+        for entry, ext in found:
+            control = half_control(ext)
+            if control is not None:
+                self.table.apply(entry.offset, entry.first_msg_id, entry.timestamp / 1e9,
+                                 control)
+
+    # ---- writing --------------------------------------------------------------------
+
+    async def _write(self, body: bytes, trace_id: int, ext: bytes):
+        """One `##half` record as its own request, committed and applied: its Appended."""
+        writer = self.writer()
+        if not writer.writable:
+            raise HalfWriteFailed(f"the partition takes no write: {writer.reason}")
+        appended = await writer.append([body], trace_id, ext)
+        self.table.apply(appended.offset, appended.first_id, appended.timestamp / 1e9,
+                         half_control(ext))
+        return appended
+
+    async def publish(self, body: bytes, trace_id: int, ext: bytes, url: str):
+        """A half message: written, committed, waiting for its decision."""
+        await self.ready()
+        return await self._write(body, trace_id, with_half(ext, {"check": url}))
+
+    async def decide(self, msg_id: int, commit: bool) -> str:
+        """Commit (the message is written again, deliverable) or roll back the half message
+        `msg_id`; its state after. A decision sent again is answered as the first was;
+        HalfDecided when it went the other way, HalfNotFound when the table does not know
+        it."""
+        await self.ready()
+        half = self.table.by_id.get(msg_id)
+        if half is None:
+            raise HalfNotFound(f"no half message {msg_id:016x} in this partition")
+        want = COMMITTED if commit else ROLLED_BACK
+        while half.state == WAITING:
+            pending = self._deciding.get(half.offset)
+            if pending is not None:  # another decision on its way: its outcome first
+                await asyncio.shield(pending)
+                continue
+            self._deciding[half.offset] = done = asyncio.get_running_loop().create_future()
+            try:
+                if commit:
+                    rec = await self._record(half.offset)
+                    await self._write(rec.body, rec.trace_id,
+                                      with_half(_client_header(rec.ext), {"commit": half.offset}))
+                else:
+                    await self._write(b"", 0, with_half(b"", {"rollback": half.offset}))
+            finally:
+                del self._deciding[half.offset]
+                done.set_result(None)
+        if half.state != want:
+            raise HalfDecided(f"half message {msg_id:016x} was {half.state} already")
+        return half.state
+
+    async def _record(self, offset: int):
+        from .handover import record_at
+
+        reader = self.queue.reader(offset, read_ahead=4096)
+        try:
+            rec = await record_at(self.queue, reader, offset)
+        finally:
+            reader.close()
+        if rec is None:
+            raise HalfNotFound(f"the half message at offset {offset} is gone from the log")
+        return rec
+
+    # ---- check-backs and roll-calls ----------------------------------------------------
+
+    async def _run(self) -> None:
+        await self.ready()
+        while True:
+            await asyncio.sleep(LOOP_S)
+            try:
+                await self._turn()
+            except Exception:  # the next turn tries again; nothing is decided by a failure
+                log.exception("halves_turn_failed", path=self.queue.path)
+
+    async def _turn(self) -> None:
+        now = self.clock()
+        if not self.writer().writable:
+            return
+        requests = self.queue.commitlog.next_log_id
+        if self.table.roll_call_due(now, requests):
+            await self._write(b"", 0, json.dumps({HALF_KEY: self.table.roll_call()},
+                                                 separators=(",", ":")).encode())
+            self.table.rolled_call(now, requests)
+        for half in self.table.due(now):
+            self.checks += 1
+            decision = await self._ask(half)
+            if half.state != WAITING:  # decided meanwhile by its producer
+                continue
+            if decision in ("commit", "rollback"):
+                await self.decide(half.msg_id, decision == "commit")
+            elif not self.table.checked(half, self.clock()):
+                self.expired += 1
+                await self.decide(half.msg_id, False)
+
+    async def _ask(self, half: Half) -> str | None:
+        payload = {"partition": self.queue.partition, "id": f"{half.msg_id:016x}",
+                   "checks": half.checks}
+        try:
+            return await asyncio.wait_for(self.check(half.url, payload), CHECK_DEADLINE_S)
+        except Exception as e:  # no answer, a refusal, a bad answer: no decision
+            log.info("half_check_failed", url=half.url, id=payload["id"], error=repr(e)[:200])
+            return None
+
+
+def _client_header(ext: bytes) -> bytes:
+    """A half record's header without its `##half` key (a commit sets its own)."""
+    header = json.loads(ext) if ext else {}
+    header.pop(HALF_KEY, None)
+    return json.dumps(header, separators=(",", ":")).encode() if header else b""
+
+
+class HalfWriteFailed(Exception):
+    """A `##half` record was not written (the partition is not writable here)."""

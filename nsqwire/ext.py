@@ -32,6 +32,8 @@ _PRODUCER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_SEQUENCE = (1 << 63) - 1
 DEAD_KEY = "##dead"
 DEAD_MARKER = b'"##dead"'  # in the header of every `##dead` record (confirmed by parsing)
+HALF_KEY = "##half"
+HALF_MARKER = b'"##half"'  # in the header of every `##half` record (nsqd/halves.py)
 
 # The 1-byte version before an extension header in a message frame sent to an
 # extend_support client, Youzan's numbers (their internal/ext, go-nsq's DecodeMessageWithExt):
@@ -119,11 +121,20 @@ def delivered(ext: bytes, trace_id: int) -> bytes:
 
 def dead_control(ext: bytes) -> dict | None:
     """The `##dead` value of a stored header, None when it has none (a message)."""
-    if not ext or DEAD_MARKER not in ext:
+    return _control(ext, DEAD_KEY, DEAD_MARKER)
+
+
+def half_control(ext: bytes) -> dict | None:
+    """The `##half` value of a stored header, None when it has none."""
+    return _control(ext, HALF_KEY, HALF_MARKER)
+
+
+def _control(ext: bytes, key: str, marker: bytes) -> dict | None:
+    if not ext or marker not in ext:
         return None
     try:
         header = json.loads(ext)
     except ValueError:
         return None
-    value = header.get(DEAD_KEY) if isinstance(header, dict) else None
+    value = header.get(key) if isinstance(header, dict) else None
     return value if isinstance(value, dict) else None

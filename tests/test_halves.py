@@ -74,3 +74,79 @@ def test_decided_halves_are_forgotten_below_an_offset_and_undecided_ones_kept():
     t.apply(50, 1050, 1.0, {"commit": 30})
     t.forget_decided(25)
     assert sorted(t.by_offset) == [20, 30] and t.state_of(1010) is None
+
+
+# ---- the driver on a real log ----
+
+import asyncio  # noqa: E402
+
+from diskqueue.queue import DiskQueue  # noqa: E402
+from nsqd.halves import HalfDecided, Halves, half_control, role, DELIVER, SKIP  # noqa: E402
+from nsqd.topic import Solo  # noqa: E402
+
+
+async def _records(q: DiskQueue) -> list:
+    reader = q.reader(q.start_offset)
+    try:
+        return await reader.read(1000)
+    finally:
+        reader.close()
+
+
+async def test_a_commit_writes_the_message_once_and_a_rollback_after_it_is_refused(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"))
+    asked = []
+
+    async def check(url, payload):
+        asked.append(payload)
+        return None
+    h = Halves(q, lambda: Solo(q), check)
+    h.start()
+    try:
+        half = await h.publish(b"debit 42", 7, b'{"k":"v"}', "http://app/check")
+        assert await h.decide(half.first_id, True) == COMMITTED
+        assert await h.decide(half.first_id, True) == COMMITTED  # sent again: answered
+        try:
+            await h.decide(half.first_id, False)
+            raise AssertionError("a rollback after the commit was taken")
+        except HalfDecided:
+            pass
+        recs = await _records(q)
+        assert [role(r.ext) for r in recs] == [SKIP, DELIVER]  # the half, then its commit
+        assert (recs[1].body, recs[1].trace_id) == (b"debit 42", 7)
+        assert half_control(recs[1].ext) == {"commit": recs[0].offset}
+        assert b'"k":"v"' in recs[1].ext and asked == []
+    finally:
+        await h.close()
+        await q.close()
+
+
+async def test_an_undecided_half_is_checked_back_then_committed_or_rolled_back(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"))
+    answers = {"http://a/": "commit", "http://b/": None}
+
+    async def check(url, payload):
+        return answers[url]
+    h = Halves(q, lambda: Solo(q), check, check_after_s=0.1, max_checks=2)
+    h.start()
+    try:
+        a = await h.publish(b"a", 0, b"", "http://a/")
+        b = await h.publish(b"b", 0, b"", "http://b/")
+        for _ in range(100):
+            if h.table.state_of(b.first_id) != WAITING:
+                break
+            await asyncio.sleep(0.1)
+        assert (h.table.state_of(a.first_id), h.table.state_of(b.first_id)) == (
+            COMMITTED, ROLLED_BACK)
+        assert h.expired == 1 and h.checks >= 3
+    finally:
+        await h.close()
+    again = Halves(q, lambda: Solo(q), check)  # a new leader reads the table back
+    again.start()
+    try:
+        await again.ready()
+        assert (again.table.state_of(a.first_id), again.table.state_of(b.first_id)) == (
+            COMMITTED, ROLLED_BACK)
+    finally:
+        await again.close()
+        await q.close()
