@@ -34,12 +34,12 @@ import structlog
 from diskqueue.queue import DiskQueue
 from diskqueue.record import CorruptRecordError
 from diskqueue.segments import MissingSegmentError
-from nsqwire.ext import DEAD_MARKER
+from nsqwire.ext import DEAD_MARKER, HALF_MARKER
 from nsqwire.ids import PARTITION_SHIFT
 
 from . import tags
 from .cursor import MAX_SAVED_RANGES, Cursor, SavedWindow, joined_ranges, pack_u64
-from . import deadletters
+from . import deadletters, halves
 from .deadletters import DeadLetters
 from .delaying import ChannelDelay
 from .handover import take_over
@@ -397,7 +397,7 @@ class Channel:
                     continue
                 msg = Message(rec)
                 take(msg)
-                if rec.ext and DEAD_MARKER in rec.ext and self._skipped(msg):
+                if rec.ext and self._skipped(msg):
                     held += 1
                     continue
                 if self._resume(msg, in_store):
@@ -411,7 +411,7 @@ class Channel:
                 cursor.finish(msg)
                 held += 1
                 continue
-            if rec.ext and DEAD_MARKER in rec.ext and self._skipped(msg):
+            if rec.ext and self._skipped(msg):
                 held += 1
                 continue
             if rec.ext and self._defer_if_due_later(msg):
@@ -444,8 +444,7 @@ class Channel:
             now_ms = self.clock() * 1000
             k = 0
             while k < len(records) and records[k].ext and (
-                    defer_until_ms(records[k].ext) > now_ms
-                    or deadletters.role(records[k].ext, self.name) == deadletters.SKIP):
+                    defer_until_ms(records[k].ext) > now_ms or self._no_message(records[k].ext)):
                 k += 1
             if k < len(records):
                 self._undeferred_at = records[k].offset
@@ -455,12 +454,17 @@ class Channel:
             self.requeued.extend(due_now)
 
     def _skipped(self, msg: Message) -> bool:
-        """A `##dead` record is finished unsent, but for a revived copy addressed here
-        (deadletters.role). True when it was skipped."""
-        if deadletters.role(msg.ext, self.name) != deadletters.SKIP:
+        """A record with an ext header that is no message of this channel is finished
+        unsent: a `##dead` record but a revived copy addressed here (deadletters.role), a
+        `##half` record but a commit (halves.role). True when it was skipped."""
+        if not self._no_message(msg.ext):
             return False
         self.cursor.finish(msg)
         return True
+
+    def _no_message(self, ext: bytes) -> bool:
+        return ((DEAD_MARKER in ext and deadletters.role(ext, self.name) == deadletters.SKIP)
+                or (HALF_MARKER in ext and halves.role(ext) == halves.SKIP))
 
     def _resume(self, msg: Message, in_store) -> bool:
         """A message read again after a restart, not in a saved finished range: give it the

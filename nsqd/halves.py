@@ -204,12 +204,13 @@ class Halves:
     CHECK_DEADLINE_S."""
 
     def __init__(self, queue, writer, check, clock=time.time,
-                 check_after_s: float = CHECK_AFTER_S, max_checks: int = MAX_CHECKS):
+                 check_after_s: float | None = None, max_checks: int | None = None):
         self.queue = queue
         self.writer = writer
         self.check = check
         self.clock = clock
-        self.table = HalfTable(check_after_s, max_checks)
+        self.table = HalfTable(CHECK_AFTER_S if check_after_s is None else check_after_s,
+                               MAX_CHECKS if max_checks is None else max_checks)
         self.checks = 0  # check-backs made here
         self.expired = 0  # halves rolled back after MAX_CHECKS check-backs without a decision
         self._loading: asyncio.Task | None = None
@@ -339,6 +340,20 @@ class Halves:
         except Exception as e:  # no answer, a refusal, a bad answer: no decision
             log.info("half_check_failed", url=half.url, id=payload["id"], error=repr(e)[:200])
             return None
+
+
+async def check_back(url: str, payload: dict) -> str | None:
+    """Ask a producer's check-back URL what became of a half message: a POST of `payload`
+    as JSON, answered `{"decision": "commit" | "rollback"}` (anything else: no decision)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=payload) as r:
+            if r.status != 200:
+                return None
+            answer = await r.json(content_type=None)
+    decision = answer.get("decision") if isinstance(answer, dict) else None
+    return decision if decision in ("commit", "rollback") else None
 
 
 def _client_header(ext: bytes) -> bytes:

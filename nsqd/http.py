@@ -653,7 +653,8 @@ ROUTES = {
     "/metrics": {"GET": do_metrics},
 }
 _CONFIG_METHODS = ("GET", "PUT")
-PUBLISH = frozenset({"/pub", "/mpub"})  # state-changing calls that need no admin key: data
+# state-changing calls that need no admin key: data (a half message and its decision too)
+PUBLISH = frozenset({"/pub", "/mpub", "/half", "/half/commit", "/half/rollback"})
 
 
 @dataclasses.dataclass
@@ -743,10 +744,12 @@ async def start_http(nsqd, tls: ssl.SSLContext | None = None):
     from .tracehttp import ROUTES as TRACE_ROUTES  # /trace/search, /message/*: tracehttp.py
     from .readhttp import ROUTES as READ_ROUTES  # /topic/offsets, /topic/read: readhttp.py
     from .deadhttp import ROUTES as DEAD_ROUTES  # /channel/config, /channel/dead*: deadhttp.py
+    from .halfhttp import ROUTES as HALF_ROUTES  # /half, /half/commit|rollback: halfhttp.py
 
     ROUTES.update(TRACE_ROUTES)
     ROUTES.update(READ_ROUTES)
     ROUTES.update(DEAD_ROUTES)
+    ROUTES.update(HALF_ROUTES)
     stats.install_gc_timer()
     o = nsqd.options
     gate = Gate(adminkey.read_secret(o.admin_secret_file) if o.admin_secret_file else "",

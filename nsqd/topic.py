@@ -46,6 +46,7 @@ from .cursor import SavedWindow
 from .errors import (PartitionNotFound, PartitionNotLed, PartitionNotWritable,
                      ProducersLoading, StorageError)
 from .handover import opening_state
+from .halves import Halves, check_back
 from .producers import (MARKER, SCAN_BYTES, SCAN_REQUESTS, SCAN_SECONDS, UNKNOWN, WRITE,
                         ProducerTable, answer_of, mark_of, marked)
 
@@ -168,6 +169,7 @@ class Partition:
         self._producers_loading: asyncio.Future | None = None
         self._finding: asyncio.Task | None = None  # what UNKNOWN requests became
         self._unknown_since = 0  # the log's written end before the first UNKNOWN request
+        self.halves: Halves | None = None  # its half messages, once one was asked for here
 
     @property
     def writable(self) -> bool:
@@ -329,9 +331,18 @@ class Partition:
                         channel=name, reason=str(e))
             return None
 
+    def half_driver(self) -> Halves:
+        """The partition's half messages (halves.py), started on first use."""
+        if self.halves is None:
+            self.halves = Halves(self.queue, lambda: self.writer, check_back)
+            self.halves.start()
+        return self.halves
+
     async def close(self) -> None:
         """Close the channels, then the log. What fails is logged, never raised: the node
         is stopping, or the partition is about to be opened again."""
+        if self.halves is not None:
+            await self.halves.close()
         for c in list(self.channels.values()):
             try:
                 await c.close()

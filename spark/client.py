@@ -25,7 +25,7 @@ import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 
-from nsqwire.ext import dead_control
+from nsqwire.ext import dead_control, half_control
 from nsqwire.httpapi import parse_time_ns as wire_time_ns
 from nsqwire.ids import PARTITION_SHIFT
 HEAD = struct.Struct(">IIQQQHH")  # crc32, length, msg_id, trace_id, timestamp ns, attempts, ext_len
@@ -391,7 +391,10 @@ def to_batch(topic: str, partition: int, block: bytes, base: int, places: list[i
         starts = p + HEAD_SIZE
         exts = [block[s:s + e] for s, e in zip(starts.tolist(), ext_len.tolist())]
         ext = pa.array([_ext_map(e) for e in exts], pa.map_(pa.string(), pa.string()))
-        dead = [dead_control(e) is not None for e in exts]
+        # no row: dead letters (nsqd/deadletters.py), halves and their decisions but the
+        # commits, which are the messages (nsqd/halves.py)
+        dead = [dead_control(e) is not None
+                or ((c := half_control(e)) is not None and "commit" not in c) for e in exts]
     else:
         ext = pa.MapArray.from_arrays(np.zeros(n + 1, np.int32), pa.array([], pa.string()),
                                       pa.array([], pa.string()))

@@ -81,7 +81,7 @@ def test_decided_halves_are_forgotten_below_an_offset_and_undecided_ones_kept():
 import asyncio  # noqa: E402
 
 from diskqueue.queue import DiskQueue  # noqa: E402
-from nsqd.halves import HalfDecided, Halves, half_control, role, DELIVER, SKIP  # noqa: E402
+from nsqd.halves import DELIVER, SKIP, HalfDecided, Halves, half_control, role  # noqa: E402
 from nsqd.topic import Solo  # noqa: E402
 
 
