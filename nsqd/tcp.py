@@ -30,9 +30,11 @@ import structlog
 from diskqueue.errors import NotCommitted
 from isr.leader import NotWritable
 from nsqwire import errors, ext, protocol as p
+from nsqwire.frames import encode_response
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .forward import PublishRequest
 from .deadletters import reason_of
+from .halves import HalfDecided, HalfNotFound
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
@@ -752,8 +754,50 @@ class ClientConnection(asyncio.Protocol):
         apply_assignment took it out of the client): E_FAILED_ON_NOT_LEADER, then close."""
         self._fail(errors.not_leader("SUB"))
 
+    # ---- commands: half messages (awaited; nsqd/halves.py) ----------------------
+
+    async def _half(self, cmd: p.Half) -> None:
+        """HALF topic partition check_url + body: answered `OK <16 hex id>`."""
+        part = await self._half_partition("HALF", cmd.topic, cmd.partition)
+        try:
+            appended = await part.half_driver().publish(cmd.body, 0, b"", cmd.check_url)
+        except Exception as e:  # not written: the producer may send it again
+            raise errors.half_failed("HALF", "E_HALF_FAILED", str(e)[:200]) from None
+        self.client.write(encode_response(b"OK %016x" % appended.first_id))
+
+    async def _decide(self, cmd: p.Decide) -> None:
+        """COMMIT topic id / ROLLBACK topic id: answered `OK` once the decision is written
+        (or was)."""
+        name = "COMMIT" if cmd.commit else "ROLLBACK"
+        try:
+            msg_id = decode_msg_id(cmd.msg_id)
+        except ValueError:
+            raise errors.invalid_msg_id() from None
+        part = await self._half_partition(name, cmd.topic, msg_id_partition(msg_id))
+        try:
+            await part.half_driver().decide(msg_id, cmd.commit)
+        except HalfNotFound as e:
+            raise errors.half_failed(name, "E_HALF_NOT_FOUND", str(e)) from None
+        except HalfDecided as e:
+            raise errors.half_failed(name, "E_HALF_DECIDED", str(e)) from None
+        except Exception as e:
+            raise errors.half_failed(name, "E_HALF_FAILED", str(e)[:200]) from None
+        self.client.write(p.OK)
+
+    async def _half_partition(self, command: str, topic_name: str, number: int):
+        """The partition led here that a half command names."""
+        if self.nsqd.options.tls_required and not self.client.tls:
+            raise errors.tls_required(command)
+        topic = self.nsqd.topics.get(topic_name)
+        part = topic.partitions.get(number) if topic is not None else None
+        if part is not None and part.writable:
+            return part
+        raise errors.half_failed(command, "E_HALF_FAILED", f"partition {number} is not led "
+                                                           "here")
+
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
-                       p.SubOrdered: _sub, p.SubAdvanced: _sub}
+                       p.SubOrdered: _sub, p.SubAdvanced: _sub, p.Half: _half,
+                       p.Decide: _decide}
 
 
 async def start_tcp(nsqd, tls: ssl.SSLContext | None = None):

@@ -263,6 +263,12 @@ def not_writable(command: str, reason: str = "") -> ProtocolError:
                          fatal=command not in _PUBLISHING)
 
 
+def half_failed(command: str, code: str, reason: str) -> ProtocolError:
+    """Ours, half messages (non-fatal): E_HALF_NOT_FOUND (no such half message in the
+    partition), E_HALF_DECIDED (decided the other way), E_HALF_FAILED (not written)."""
+    return ProtocolError(code, f"{command} failed: {reason}", fatal=False)
+
+
 def bad_sequence(command: str, reason: str) -> ProtocolError:
     """An idempotent producer's request refused, nothing of it written: its sequence leaves
     a gap after the last one the partition took, or is older than the ones it keeps."""

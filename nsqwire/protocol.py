@@ -147,6 +147,24 @@ class Pub:
 
 
 @dataclass(slots=True)
+class Half:
+    """Ours: a half message (nsqd/halves.py), held until COMMIT or ROLLBACK, its producer
+    asked at `check_url` when neither comes."""
+    topic: str
+    partition: int
+    check_url: str
+    body: bytes
+
+
+@dataclass(slots=True)
+class Decide:
+    """Ours: `COMMIT topic id` (commit True) or `ROLLBACK topic id` of a half message."""
+    topic: str
+    msg_id: bytes
+    commit: bool
+
+
+@dataclass(slots=True)
 class Mpub:
     topic: str
     bodies: list[bytes]
@@ -236,7 +254,7 @@ class Nop:
 
 
 Command = (Identify | Auth | Sub | SubOrdered | SubAdvanced | Pub | Mpub | Dpub | PubExt | MpubExt
-           | PubTrace | MpubTrace | Rdy | Fin | Req | Touch | Cls | Nop)
+           | PubTrace | MpubTrace | Half | Decide | Rdy | Fin | Req | Touch | Cls | Nop)
 
 _CLS = Cls()
 _NOP = Nop()
@@ -245,6 +263,13 @@ _NOP = Nop()
 # ---------------------------------------------------------------- server-side parser
 
 _MAGIC, _LINE, _SIZE, _BODY, _MPUB = range(5)
+
+
+def _decide(command: str, params: list[bytes], commit: bool) -> "Decide":
+    topic = _topic(command, params, 3)
+    if len(params[2]) != MSG_ID_LENGTH:
+        raise invalid_msg_id()
+    return Decide(topic, params[2], commit)
 
 
 def _topic(command: str, params: list[bytes], needed: int) -> str:
@@ -648,6 +673,21 @@ class CommandParser:
 
         self._expect_body("MPUB_TRACE", self._check_mpub_size, build)
 
+    def _half(self, params: list[bytes]) -> None:
+        topic = _topic("HALF", params, 4)
+        partition = _partition("HALF", params, 2)
+        url = params[3].decode("utf-8", "replace")
+        if partition is None or not url.startswith(("http://", "https://")):
+            raise insufficient_parameters("HALF")
+        self._expect_body("HALF", self._check_message_size,
+                          lambda body: Half(topic, partition, url, body))
+
+    def _commit(self, params: list[bytes]) -> Decide:
+        return _decide("COMMIT", params, True)
+
+    def _rollback(self, params: list[bytes]) -> Decide:
+        return _decide("ROLLBACK", params, False)
+
     def _dpub(self, params: list[bytes]) -> None:
         topic = _topic("DPUB", params, 3)
         defer_ms = _base10(params[2])
@@ -699,6 +739,9 @@ _HANDLERS: dict[str, Callable[[CommandParser, list[bytes]], Command | None]] = {
     "MPUB_EXT": CommandParser._mpub_ext,
     "MPUB_TRACE": CommandParser._mpub_trace,
     "DPUB": CommandParser._dpub,
+    "HALF": CommandParser._half,
+    "COMMIT": CommandParser._commit,
+    "ROLLBACK": CommandParser._rollback,
     "RDY": CommandParser._rdy,
     "FIN": CommandParser._fin,
     "REQ": CommandParser._req,

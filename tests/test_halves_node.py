@@ -68,3 +68,35 @@ async def test_commit_rollback_and_a_check_back(node, monkeypatch):
         con.close()
     finally:
         await runner.cleanup()
+
+
+async def test_half_commit_and_rollback_over_tcp(node):
+    from nodes import connect
+    from nsqclient.conn import NSQError
+    from nsqwire.commands import encode_command
+
+    n = await node()
+    await _channel(n, "t", "ch")
+    pub = await connect(n)
+    url = "http://127.0.0.1:9/never"  # nobody answers: only the producer's decisions count
+    ids = []
+    for body in (b"a", b"b"):
+        answer = await pub.command(encode_command(b"HALF", "t", 0, url, body=body))
+        assert answer.startswith(b"OK ") and len(answer) == 19, answer
+        ids.append(answer[3:])
+    await pub.command(encode_command(b"COMMIT", "t", ids[0]))
+    await pub.command(encode_command(b"COMMIT", "t", ids[0]))  # again: OK
+    await pub.command(encode_command(b"ROLLBACK", "t", ids[1]))
+    for command, msg_id, code in ((b"ROLLBACK", ids[0], "E_HALF_DECIDED"),
+                                  (b"COMMIT", b"00000000000000ff", "E_HALF_NOT_FOUND")):
+        try:
+            await pub.command(encode_command(command, "t", msg_id))
+            raise AssertionError(f"{command} {msg_id} was taken")
+        except NSQError as e:
+            assert str(e).startswith(code), e
+    await pub.command(encode_command(b"COMMIT", "t", ids[0]))  # non-fatal: it goes on
+    con = await Consumer.open(n, "t", "ch")
+    [(_, _, body)] = await con.take()
+    assert body == b"a"
+    await con.nothing()
+    con.close()
