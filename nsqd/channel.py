@@ -192,7 +192,15 @@ class Channel:
                 "delay_store": d is not None and (d.store is not None or d.expected),
                 **({"held": self.held} if self.held is not None else {}),
                 **({"max_attempts": self.max_attempts, "dead_from": self.dead.saved_from()}
-                   if self.dead is not None else {})}
+                   if self.dead is not None else {}),
+                **self._halves_from()}
+
+    def _halves_from(self) -> dict:
+        """{"halves_from": the partition's first undecided half message}, while one waits:
+        its replicas keep the log from there (halves.py)."""
+        part = self.topic.partitions.get(self.partition)
+        kept = part.halves.kept_from() if part is not None else None
+        return {} if kept is None else {"halves_from": kept}
 
     def reopen_at(self, state: dict) -> None:
         """Start again from `state` (a checkpoint) before anything was delivered (handover)."""

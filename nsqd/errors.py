@@ -70,6 +70,20 @@ class ProducersLoading(Exception):
         self.partition = partition
 
 
+class HalfNotFound(LookupError):
+    """No half message of that id is known to the partition (never one, or forgotten:
+    nsqd/halves.py)."""
+
+
+class HalfDecided(ValueError):
+    """A half message's decision sent after the other one was taken."""
+
+
+class HalfFailed(Exception):
+    """A half command that wrote nothing: the partition's half messages are being read
+    back, or too many wait; the producer may send it again."""
+
+
 class StorageError(Exception):
     """The node's storage refused: a partition does not serve (see topic.py's
     invariants), or a topic or channel could not be made (a full disk). The text says
@@ -113,6 +127,15 @@ ANSWERS: dict[type[Exception], Answer] = {
     BadSequence: Answer(
         tcp=lambda command, e, partition: wire.bad_sequence(command, str(e)),
         http=(400, "BAD_SEQUENCE")),
+    HalfNotFound: Answer(
+        tcp=lambda command, e, partition: wire.half_failed(command, "E_HALF_NOT_FOUND", str(e)),
+        http=(404, "HALF_NOT_FOUND")),
+    HalfDecided: Answer(
+        tcp=lambda command, e, partition: wire.half_failed(command, "E_HALF_DECIDED", str(e)),
+        http=(409, "HALF_DECIDED")),
+    HalfFailed: Answer(
+        tcp=lambda command, e, partition: wire.half_failed(command, "E_HALF_FAILED", str(e)),
+        http=(503, "HALF_FAILED")),
     TopicConflict: Answer(tcp=None, http=(409, "TOPIC_PARTITION_NUM_CONFLICT")),
     # TCP: a publish's topic etcd could not make is E_TOPIC_NOT_EXIST, a SUB's E_SUB_FAILED
     ClusterUnavailable: Answer(tcp=None, http=(503, "CLUSTER_UNAVAILABLE")),

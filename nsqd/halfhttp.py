@@ -17,21 +17,26 @@ was taken); 503 NOT_WRITABLE.
 
 from __future__ import annotations
 
+import random
+
+from diskqueue.errors import NotCommitted
+from isr.leader import NotWritable
 from nsqtrace.events import parse_msg_id
+from nsqwire.ext import check_url_ok
 from nsqwire.ids import PARTITION_SHIFT
 
-from .halves import HalfDecided, HalfNotFound
+from .errors import HalfDecided, HalfFailed, HalfNotFound, PartitionNotFound, http_error
 from .http import HTTPError, _existing_topic, _partitions, read_body
 from .httpargs import arg, query, topic_arg
 
-MAX_BODY = 1 << 20
+REFUSALS = (HalfNotFound, HalfDecided, HalfFailed, PartitionNotFound, NotWritable, NotCommitted)
 
 
 def _url(params) -> str:
     url = arg(params, "check_url")
     if not url:
         raise HTTPError(400, "MISSING_ARG_CHECK_URL")
-    if not url.startswith(("http://", "https://")) or len(url) > 2048:
+    if not check_url_ok(url):
         raise HTTPError(400, "INVALID_CHECK_URL")
     return url
 
@@ -43,6 +48,11 @@ def _id(params) -> int:
         raise HTTPError(400, "INVALID_ID") from None
 
 
+def _refused(e: Exception) -> HTTPError:
+    """The HTTP answer of a half command that raised `e` (the table's, nsqd/errors.py)."""
+    return HTTPError(*http_error(e))
+
+
 async def do_half(nsqd, request):
     params = query(request)
     topic = await _existing_topic(nsqd, topic_arg(params))
@@ -50,14 +60,14 @@ async def do_half(nsqd, request):
     parts = [p for p in _partitions(topic, params) if p.writable]
     if not parts:
         raise HTTPError(503, "NOT_WRITABLE")
-    part = parts[0]
-    body = await read_body(request, MAX_BODY)
+    part = random.choice(parts)
+    body = await read_body(request, nsqd.options.max_msg_size)
     if body is None:
         raise HTTPError(413, "MSG_TOO_BIG")
     try:
-        appended = await part.half_driver().publish(body, 0, b"", url)
-    except Exception:
-        raise HTTPError(503, "NOT_WRITABLE") from None
+        appended = await part.halves.publish(body, url)
+    except REFUSALS as e:
+        raise _refused(e) from None
     return {"id": f"{appended.first_id:016x}", "partition": part.number}
 
 
@@ -69,14 +79,9 @@ async def _decide(nsqd, request, commit: bool):
     if part is None:
         raise HTTPError(404, "PARTITION_NOT_HERE")
     try:
-        state = await part.half_driver().decide(msg_id, commit)
-    except HalfNotFound:
-        raise HTTPError(404, "HALF_NOT_FOUND") from None
-    except HalfDecided:
-        raise HTTPError(409, "HALF_DECIDED") from None
-    except Exception:
-        raise HTTPError(503, "NOT_WRITABLE") from None
-    return {"state": state}
+        return {"state": await part.halves.decide(msg_id, commit)}
+    except REFUSALS as e:
+        raise _refused(e) from None
 
 
 async def do_half_commit(nsqd, request):
@@ -92,12 +97,15 @@ async def do_half_list(nsqd, request):
     topic = await _existing_topic(nsqd, topic_arg(params))
     out = []
     for part in _partitions(topic, params):
-        h = part.half_driver()
-        await h.ready()
+        h = part.halves
+        try:
+            await h.ready()
+        except HalfFailed as e:
+            raise _refused(e) from None
         out.append({"partition": part.number,
                     "waiting": [{"id": f"{w.msg_id:016x}", "checks": w.checks,
-                                 "written_ms": int(w.written_s * 1000)}
-                                for w in sorted(h.table.waiting(), key=lambda w: w.offset)],
+                                 "written_ms": int(w.written_s * 1000), "check_url": w.url}
+                                for w in h.table.waiting()],
                     "committed": h.table.committed, "rolled_back": h.table.rolled_back,
                     "checks": h.checks, "expired": h.expired})
     return {"partitions": out}

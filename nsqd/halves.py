@@ -1,48 +1,60 @@
-"""Half messages (transactional publishing, RocketMQ's and CMQ's): the pure core of one
-partition's table of them. No I/O: the partition's driver writes the records, feeds each
-one committed to `apply`, asks `due` for the check-backs to make, and `roll_call_due` for
-when the table must be written into the log again.
+"""Half messages (transactional publishing, RocketMQ's and CMQ's two-phase messages) of one
+partition: the pure table (`HalfTable`) and its driver (`Halves`, I/O at the edges).
 
 Every change is a record of the partition's log with the server key `##half` in its
-header, the only record of its write request:
+header, the only record of its write request, written by the partition's leader:
 
-- a half message: its body and header, `##half` {"check": the producer's check-back URL};
-  no channel delivers it;
+- a half message: its body and the client's header, `##half` {"check": the producer's
+  check-back URL}; no channel delivers it;
 - a commit: the half's body and header again, `##half` {"commit": the half's offset}:
   what channels deliver, at the commit's place in the log (RocketMQ rewrites a committed
   half into the real topic the same way);
 - a rollback: an empty body, `##half` {"rollback": the half's offset};
-- a roll-call: `##half` {"waiting": [[offset, msg_id, written_ms, checks, url], ...]}, the
-  halves still undecided when it was written.
+- a roll-call: `##half` {"roll_call": n}, its body the JSON {"urls": [...], "waiting":
+  [[offset, id hex, written_ms, checks, url index], ...]} of the n halves undecided when
+  it was written.
 
 Invariants:
 - a half is decided once, by the first commit or rollback record after it; a later one
-  for it changes nothing (a commit sent twice is answered as the first was);
-- while any half is undecided, a roll-call is written at least every ROLL_EVERY_REQUESTS
-  write requests and every ROLL_EVERY_S seconds, so a new leader finds every undecided
-  half by reading back the last 2 * ROLL_EVERY_REQUESTS requests (`rebuild`): the last
-  roll-call, then what came after it;
-- a half that is checked back MAX_CHECKS times without a decision is rolled back.
+  for it changes nothing (a decision sent again is answered as the first was);
+- while any half is undecided, the leader writes a roll-call at least every
+  ROLL_EVERY_REQUESTS write requests and every ROLL_EVERY_S seconds (monotonic time), so
+  the log's last READ_BACK_REQUESTS requests, and the ones written within READ_BACK_S of
+  its last, hold the last roll-call of every undecided half: a new leader reads back
+  those (`Halves._load`), the last roll-call first, then what came after it;
+- a half is waiting at most MAX_WAITING at a time a partition; one checked back
+  MAX_CHECKS times without a decision is rolled back (`expired`);
+- retention keeps the log from the first undecided half (`kept_from`): on the leader
+  (`Partition.retention_floor`) and on its replicas (a channel state's `halves_from`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import structlog
 
 from nsqwire.ext import HALF_KEY, HALF_MARKER, half_control
 
+from .errors import HalfDecided, HalfFailed, HalfNotFound
+
 log = structlog.get_logger("nsqd.halves")
 
 ROLL_EVERY_REQUESTS = 100_000
 ROLL_EVERY_S = 30.0
+READ_BACK_REQUESTS = 2 * ROLL_EVERY_REQUESTS
+READ_BACK_S = 4 * ROLL_EVERY_S  # slack for record times of leaders whose clocks differ
 CHECK_AFTER_S = 6.0  # a half's first check-back, after it was written
 MAX_CHECKS = 10
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # between check-backs, the last repeated
+MAX_WAITING = 10_000  # undecided halves a partition holds; HALF is refused beyond
+KEEP_DECIDED = 10_000  # decided halves remembered (a decision sent again is answered) ...
+KEEP_DECIDED_S = 600.0  # ... for at most this long after the decision
 
 WAITING, COMMITTED, ROLLED_BACK = "waiting", "committed", "rolled_back"
 SKIP, DELIVER = 0, 1  # what a channel does with a `##half` record (`role`)
@@ -67,54 +79,61 @@ class HalfTable:
     def __init__(self, check_after_s: float = CHECK_AFTER_S, max_checks: int = MAX_CHECKS):
         self.check_after_s = check_after_s
         self.max_checks = max_checks
-        self.by_offset: dict[int, Half] = {}
+        self.by_offset: dict[int, Half] = {}  # in log order
         self.by_id: dict[int, Half] = {}
+        self.waiting_count = 0
         self.committed = 0  # decided since the table was made
         self.rolled_back = 0
-        self.last_roll_call = (0.0, -1)  # (time, requests count) of the last roll-call
+        self._decided: deque[tuple[float, Half]] = deque()  # (decided at, half), in order
+        self.last_roll_call = (float("-inf"), -1)  # (monotonic time, requests) of the last
 
     # ---- the records --------------------------------------------------------------
 
-    def apply(self, offset: int, msg_id: int, written_s: float, control: dict) -> None:
-        """Fold one `##half` record in (its offset, message id and write time)."""
+    def apply(self, offset: int, msg_id: int, written_s: float, control: dict,
+              now_s: float = 0.0) -> None:
+        """Fold one half, commit or rollback record in (its offset, message id, write
+        time); `now_s` dates a decision for forgetting it (`forget_decided`)."""
         if "check" in control:
             self._add(Half(offset, msg_id, written_s, str(control["check"]),
                            next_check_s=written_s + self.check_after_s))
         elif "commit" in control:
-            self._decide(control["commit"], COMMITTED)
+            self._decide(control["commit"], COMMITTED, now_s)
         elif "rollback" in control:
-            self._decide(control["rollback"], ROLLED_BACK)
-        elif "waiting" in control:
-            self._roll_call(control["waiting"], written_s)
+            self._decide(control["rollback"], ROLLED_BACK, now_s)
+
+    def read_roll_call(self, written_s: float, body: bytes) -> None:
+        """A roll-call read back: its halves are undecided (one it does not name was
+        decided before it). Their check-backs go on where they were, none before
+        `written_s`. A damaged entry is skipped (ValueError for a damaged body)."""
+        call = json.loads(body)
+        urls = call["urls"]
+        for item in call["waiting"]:
+            try:
+                offset, msg_id, written_ms, checks, url = item
+                half = Half(int(offset), int(msg_id, 16), written_ms / 1000, str(urls[url]),
+                            int(checks))
+            except (TypeError, ValueError, IndexError):
+                continue
+            half.next_check_s = max(written_s, half.written_s + self.check_after_s)
+            self._add(half)
 
     def _add(self, half: Half) -> None:
         if half.offset not in self.by_offset:
             self.by_offset[half.offset] = half
             self.by_id[half.msg_id] = half
+            self.waiting_count += 1
 
-    def _decide(self, offset, state: str) -> None:
+    def _decide(self, offset, state: str, now_s: float) -> None:
         half = self.by_offset.get(offset) if isinstance(offset, int) else None
         if half is None or half.state != WAITING:
             return
         half.state = state
+        self.waiting_count -= 1
+        self._decided.append((now_s, half))
         if state == COMMITTED:
             self.committed += 1
         else:
             self.rolled_back += 1
-
-    def _roll_call(self, waiting, written_s: float) -> None:
-        """A roll-call read back: its halves are undecided (a half it does not name was
-        decided before it); the ones known already keep what the table knows of them."""
-        for item in waiting:
-            try:
-                offset, msg_id, written_ms, checks, url = item
-                half = Half(int(offset), int(msg_id, 16), written_ms / 1000, str(url),
-                            int(checks))
-            except (TypeError, ValueError):
-                continue
-            half.next_check_s = max(written_s, half.written_s + self.check_after_s)
-            self._add(half)
-        self.last_roll_call = (written_s, self.last_roll_call[1])
 
     # ---- asked by the driver -------------------------------------------------------
 
@@ -123,12 +142,19 @@ class HalfTable:
         return half.state if half is not None else None
 
     def waiting(self) -> list[Half]:
+        """The undecided halves, in log order."""
         return [h for h in self.by_offset.values() if h.state == WAITING]
 
+    def kept_from(self) -> int | None:
+        """The offset of the first undecided half (retention keeps the log from it)."""
+        for h in self.by_offset.values():
+            if h.state == WAITING:
+                return h.offset
+        return None
+
     def due(self, now_s: float) -> list[Half]:
-        """The undecided halves whose next check-back is due, oldest first."""
-        return sorted((h for h in self.waiting() if h.next_check_s <= now_s),
-                      key=lambda h: h.offset)
+        """The undecided halves whose next check-back is due, in log order."""
+        return [h for h in self.waiting() if h.next_check_s <= now_s]
 
     def checked(self, half: Half, now_s: float) -> bool:
         """A check-back of `half` got no decision: the next is scheduled. False when it
@@ -140,10 +166,10 @@ class HalfTable:
         return True
 
     def roll_call_due(self, now_s: float, requests: int) -> bool:
-        """Whether a roll-call must be written now: halves are undecided, and the last one
-        is ROLL_EVERY_S old or ROLL_EVERY_REQUESTS requests back (`requests`: the log's
-        write requests so far)."""
-        if not any(h.state == WAITING for h in self.by_offset.values()):
+        """Whether a roll-call must be written now (`now_s` monotonic; `requests`: the log's
+        write requests so far): halves wait, and the last roll-call is ROLL_EVERY_S old
+        or ROLL_EVERY_REQUESTS requests back."""
+        if not self.waiting_count:
             return False
         at_s, at_requests = self.last_roll_call
         return (now_s - at_s >= ROLL_EVERY_S
@@ -152,24 +178,38 @@ class HalfTable:
     def rolled_call(self, now_s: float, requests: int) -> None:
         self.last_roll_call = (now_s, requests)
 
-    def roll_call(self) -> dict:
-        """The `##half` value of a roll-call of the undecided halves."""
-        return {"waiting": [[h.offset, f"{h.msg_id:016x}", int(h.written_s * 1000), h.checks,
-                             h.url] for h in sorted(self.waiting(), key=lambda h: h.offset)]}
+    def roll_call(self) -> bytes:
+        """The body of a roll-call of the undecided halves."""
+        urls: dict[str, int] = {}
+        waiting = [[h.offset, f"{h.msg_id:016x}", int(h.written_s * 1000), h.checks,
+                    urls.setdefault(h.url, len(urls))] for h in self.waiting()]
+        return json.dumps({"urls": list(urls), "waiting": waiting},
+                          separators=(",", ":")).encode()
 
-    def forget_decided(self, before_offset: int) -> None:
-        """Drop decided halves written before `before_offset` (kept for answering a commit
-        sent again, as long as the rebuild window would still show them)."""
-        for offset in [o for o, h in self.by_offset.items()
-                       if o < before_offset and h.state != WAITING]:
-            half = self.by_offset.pop(offset)
+    def forget_decided(self, now_s: float) -> None:
+        """Forget decided halves beyond the last KEEP_DECIDED, or decided KEEP_DECIDED_S
+        before `now_s`."""
+        decided = self._decided
+        while decided and (len(decided) > KEEP_DECIDED or decided[0][0] <= now_s - KEEP_DECIDED_S):
+            half = decided.popleft()[1]
+            self.by_offset.pop(half.offset, None)
             self.by_id.pop(half.msg_id, None)
+
+
+def role(ext: bytes) -> int | None:
+    """None: no `##half` record; DELIVER for a commit (the message itself), else SKIP."""
+    control = half_control(ext)
+    if control is None:
+        return None
+    return DELIVER if "commit" in control else SKIP
 
 
 # ---- the driver (I/O at the edges) ------------------------------------------------------
 
 CHECK_DEADLINE_S = 5.0  # a check-back that has not answered by then got no decision
+MAX_CHECKING = 16  # check-backs in flight a partition
 LOOP_S = 1.0  # how often the driver looks for check-backs due and roll-calls to write
+READY_WAIT_S = 5.0  # a command waits this long for the read-back, then is refused
 
 
 def with_half(ext: bytes, value: dict) -> bytes:
@@ -181,83 +221,140 @@ def with_half(ext: bytes, value: dict) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
-def role(ext: bytes) -> int | None:
-    """None: no `##half` record; DELIVER for a commit (the message itself), else SKIP."""
-    control = half_control(ext)
-    if control is None:
-        return None
-    return DELIVER if "commit" in control else SKIP
-
-
-class HalfNotFound(Exception):
-    """No half message of that id is known to the partition (never one, or forgotten)."""
-
-
-class HalfDecided(Exception):
-    """The half message was decided the other way already."""
+def client_header(ext: bytes) -> bytes:
+    """A half record's header without its `##half` key: the client's."""
+    header = json.loads(ext) if ext else {}
+    header.pop(HALF_KEY, None)
+    return json.dumps(header, separators=(",", ":")).encode() if header else b""
 
 
 class Halves:
     """A partition's half messages while it is led here (see the module docstring).
     `writer()` gives the partition's writer; `check(url, payload)` asks a producer's
-    check-back URL and returns "commit", "rollback" or None (no decision), within
-    CHECK_DEADLINE_S."""
+    check-back URL and returns "commit", "rollback" or None (no decision).
 
-    def __init__(self, queue, writer, check, clock=time.time,
-                 check_after_s: float | None = None, max_checks: int | None = None):
+    Lifecycle: `start` reads the table back from the log's tail, then runs check-backs
+    and roll-calls while halves wait (an idle partition's driver only waits for a half);
+    `close` stops it. Commands wait READY_WAIT_S at most for the read-back."""
+
+    def __init__(self, queue, topic: str, writer, check, clock=time.time,
+                 monotonic=time.monotonic, check_after_s: float | None = None,
+                 max_checks: int | None = None):
         self.queue = queue
+        self.topic = topic
         self.writer = writer
         self.check = check
         self.clock = clock
+        self.monotonic = monotonic
         self.table = HalfTable(CHECK_AFTER_S if check_after_s is None else check_after_s,
                                MAX_CHECKS if max_checks is None else max_checks)
         self.checks = 0  # check-backs made here
         self.expired = 0  # halves rolled back after MAX_CHECKS check-backs without a decision
-        self._loading: asyncio.Task | None = None
-        self._loop: asyncio.Task | None = None
+        self.error: str | None = None  # why the read-back failed (every command says it)
+        self._ready = asyncio.Event()
+        self._wake = asyncio.Event()  # a half was written
+        self._task: asyncio.Task | None = None
+        self._checking: dict[int, asyncio.Task] = {}  # half offset -> its check-back
         self._deciding: dict[int, asyncio.Future] = {}  # half offset -> its decision written
+        self._writing_from: int | None = None  # written end before a half on its way
 
     def start(self) -> None:
-        self._loading = asyncio.get_running_loop().create_task(self._load())
-        self._loop = asyncio.get_running_loop().create_task(self._run())
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        for task in (self._loading, self._loop):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._loading, self._loop) if t is not None),
-                             return_exceptions=True)
+        tasks = [t for t in (self._task, *self._checking.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def ready(self) -> None:
-        if self._loading is not None:
-            await asyncio.shield(self._loading)
+        """Wait for the read-back (at most READY_WAIT_S); HalfFailed when it failed or has
+        not ended by then."""
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+            except TimeoutError:
+                raise HalfFailed("the partition's half messages are being read back") from None
+        if self.error is not None:
+            raise HalfFailed(self.error)
+
+    def kept_from(self) -> int | None:
+        """Where retention must keep the log from for the halves (None: anywhere)."""
+        first = self.table.kept_from()
+        if self._writing_from is not None:
+            return self._writing_from if first is None else min(first, self._writing_from)
+        return first
+
+    async def _run(self) -> None:
+        try:
+            await self._load()
+        except Exception as e:  # the partition's log failed: every command says so
+            self.error = f"reading the half messages back failed: {type(e).__name__}: {e}"
+            log.error("halves_load_failed", path=self.queue.path, error=self.error)
+            return
+        finally:
+            self._ready.set()
+        while True:
+            if not self.table.waiting_count:
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.sleep(LOOP_S)
+            try:
+                await self._turn()
+            except Exception:  # the next turn tries again; nothing is decided by a failure
+                log.exception("halves_turn_failed", path=self.queue.path)
 
     async def _load(self) -> None:
-        """The table from the log's last 2 * ROLL_EVERY_REQUESTS requests (the module's
-        invariants: the last roll-call is among them)."""
-        found = await self.queue.marked_requests(0, HALF_MARKER, 0, 2 * ROLL_EVERY_REQUESTS)
-        for entry, ext in found:
-            control = half_control(ext)
-            if control is not None:
-                self.table.apply(entry.offset, entry.first_msg_id, entry.timestamp / 1e9,
-                                 control)
+        """The table from the log's tail (the module's invariants): the last roll-call,
+        then the records after it."""
+        q = self.queue
+        found = await q.marked_requests(max(q.start_offset, q.written_end - 1), HALF_MARKER,
+                                        int(READ_BACK_S * 1e9), READ_BACK_REQUESTS)
+        records = [(entry, control) for entry, ext in found
+                   if (control := half_control(ext)) is not None]
+        start = 0
+        for i in range(len(records) - 1, -1, -1):
+            entry, control = records[i]
+            if "roll_call" in control:
+                rec = await self._record(entry.offset)
+                self.table.read_roll_call(entry.timestamp / 1e9, rec.body)
+                start = i + 1
+                break
+        now = self.clock()
+        for entry, control in records[start:]:
+            self.table.apply(entry.offset, entry.first_msg_id, entry.timestamp / 1e9, control,
+                             now)
+        log.info("halves_read_back", path=q.path, requests=len(found),
+                 waiting=self.table.waiting_count)
 
     # ---- writing --------------------------------------------------------------------
 
     async def _write(self, body: bytes, trace_id: int, ext: bytes):
-        """One `##half` record as its own request, committed and applied: its Appended."""
+        """One `##half` record as its own request, committed, then folded in: its
+        Appended."""
         writer = self.writer()
         if not writer.writable:
-            raise HalfWriteFailed(f"the partition takes no write: {writer.reason}")
+            raise HalfFailed(f"the partition takes no write: {writer.reason}")
         appended = await writer.append([body], trace_id, ext)
         self.table.apply(appended.offset, appended.first_id, appended.timestamp / 1e9,
-                         half_control(ext))
+                         half_control(ext), self.clock())
         return appended
 
-    async def publish(self, body: bytes, trace_id: int, ext: bytes, url: str):
+    async def publish(self, body: bytes, url: str, trace_id: int = 0, ext: bytes = b""):
         """A half message: written, committed, waiting for its decision."""
         await self.ready()
-        return await self._write(body, trace_id, with_half(ext, {"check": url}))
+        if self.table.waiting_count >= MAX_WAITING:
+            raise HalfFailed(f"{MAX_WAITING} half messages wait for a decision already")
+        first_write = self._writing_from is None
+        if first_write:
+            self._writing_from = self.queue.written_end
+        try:
+            appended = await self._write(body, trace_id, with_half(ext, {"check": url}))
+        finally:
+            if first_write:
+                self._writing_from = None
+        self._wake.set()
+        return appended
 
     async def decide(self, msg_id: int, commit: bool) -> str:
         """Commit (the message is written again, deliverable) or roll back the half message
@@ -279,7 +376,7 @@ class Halves:
                 if commit:
                     rec = await self._record(half.offset)
                     await self._write(rec.body, rec.trace_id,
-                                      with_half(_client_header(rec.ext), {"commit": half.offset}))
+                                      with_half(client_header(rec.ext), {"commit": half.offset}))
                 else:
                     await self._write(b"", 0, with_half(b"", {"rollback": half.offset}))
             finally:
@@ -298,43 +395,58 @@ class Halves:
         finally:
             reader.close()
         if rec is None:
-            raise HalfNotFound(f"the half message at offset {offset} is gone from the log")
+            raise HalfNotFound(f"the record at offset {offset} is gone from the log")
         return rec
 
     # ---- check-backs and roll-calls ----------------------------------------------------
 
-    async def _run(self) -> None:
-        await self.ready()
-        while True:
-            await asyncio.sleep(LOOP_S)
-            try:
-                await self._turn()
-            except Exception:  # the next turn tries again; nothing is decided by a failure
-                log.exception("halves_turn_failed", path=self.queue.path)
-
     async def _turn(self) -> None:
-        now = self.clock()
+        self.table.forget_decided(self.clock())
         if not self.writer().writable:
             return
-        requests = self.queue.commitlog.next_log_id
+        now, requests = self.monotonic(), self.queue.commitlog.next_log_id
         if self.table.roll_call_due(now, requests):
-            await self._write(b"", 0, json.dumps({HALF_KEY: self.table.roll_call()},
-                                                 separators=(",", ":")).encode())
+            await self._write(self.table.roll_call(), 0, json.dumps(
+                {HALF_KEY: {"roll_call": self.table.waiting_count}}).encode())
             self.table.rolled_call(now, requests)
-        for half in self.table.due(now):
+        for half in self.table.due(self.clock()):
+            if len(self._checking) >= MAX_CHECKING:
+                break
+            if half.offset not in self._checking:
+                self._checking[half.offset] = asyncio.get_running_loop().create_task(
+                    self._check_back(half))
+
+    async def _check_back(self, half: Half) -> None:
+        """Ask the half's producer; decide as it says, or roll it back after MAX_CHECKS."""
+        try:
             self.checks += 1
             decision = await self._ask(half)
             if half.state != WAITING:  # decided meanwhile by its producer
-                continue
+                return
             if decision in ("commit", "rollback"):
                 await self.decide(half.msg_id, decision == "commit")
             elif not self.table.checked(half, self.clock()):
                 self.expired += 1
+                log.warning("half_expired", path=self.queue.path, id=f"{half.msg_id:016x}",
+                            url=half.url, checks=half.checks)
                 await self.decide(half.msg_id, False)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # not written: the next turn asks again
+            log.warning("half_check_back_failed", path=self.queue.path,
+                        id=f"{half.msg_id:016x}", error=repr(e)[:200])
+        finally:
+            self._checking.pop(half.offset, None)
 
     async def _ask(self, half: Half) -> str | None:
-        payload = {"partition": self.queue.partition, "id": f"{half.msg_id:016x}",
-                   "checks": half.checks}
+        try:
+            rec = await self._record(half.offset)
+        except HalfNotFound as e:  # retention passed it (kept_from says it must not)
+            log.error("half_record_missing", path=self.queue.path, error=str(e))
+            return None
+        payload = {"topic": self.topic, "partition": self.queue.partition,
+                   "id": f"{half.msg_id:016x}", "checks": half.checks,
+                   "body": base64.b64encode(rec.body).decode()}
         try:
             return await asyncio.wait_for(self.check(half.url, payload), CHECK_DEADLINE_S)
         except Exception as e:  # no answer, a refusal, a bad answer: no decision
@@ -348,20 +460,9 @@ async def check_back(url: str, payload: dict) -> str | None:
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
-        async with session.post(url, json=payload) as r:
+        async with session.post(url, json=payload, allow_redirects=False) as r:
             if r.status != 200:
                 return None
             answer = await r.json(content_type=None)
     decision = answer.get("decision") if isinstance(answer, dict) else None
     return decision if decision in ("commit", "rollback") else None
-
-
-def _client_header(ext: bytes) -> bytes:
-    """A half record's header without its `##half` key (a commit sets its own)."""
-    header = json.loads(ext) if ext else {}
-    header.pop(HALF_KEY, None)
-    return json.dumps(header, separators=(",", ":")).encode() if header else b""
-
-
-class HalfWriteFailed(Exception):
-    """A `##half` record was not written (the partition is not writable here)."""

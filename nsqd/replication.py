@@ -77,8 +77,8 @@ class Replication:
         # for good while etcd still names it): not taken again before a newer epoch
         self.refused: dict[tuple[str, int], int] = {}
         # the confirmed offset of each channel of each followed partition, as its leader
-        # last sent it (never past its first held message or dead letter): what retention
-        # may drop here
+        # last sent it (never past its first held message, dead letter or undecided half
+        # message): what retention may drop here
         self._confirmed: dict[tuple[str, int], dict[str, int]] = {}
         self._outbox: dict = {}  # channel -> its latest checkpoint not yet sent (send_states)
         self._sender: asyncio.Task | None = None
@@ -133,9 +133,11 @@ class Replication:
                 state = state_from_wire(state)
                 checkpoint_of(state)  # raises ValueError on a damaged `held` or `held_cursor`
                 meta.put(channel_key(topic, partition, name), state)
-                # its dead letters are kept too (nsqd/deadletters.py)
+                # its dead letters and the undecided half messages are kept too
+                # (nsqd/deadletters.py, nsqd/halves.py)
                 confirmed[name] = min(int(state["confirmed"]),
-                                      int(state.get("dead_from", state["confirmed"])))
+                                      int(state.get("dead_from", state["confirmed"])),
+                                      int(state.get("halves_from", state["confirmed"])))
             except (TypeError, ValueError, AttributeError, KeyError) as e:
                 log.warning("channel_state_refused", topic=topic, partition=partition,
                             channel=name, error=str(e))

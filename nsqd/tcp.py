@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import random
 import ssl
 import time
 import zlib
@@ -34,12 +35,12 @@ from nsqwire.frames import encode_response
 from nsqwire.ids import decode_msg_id, msg_id_partition
 from .forward import PublishRequest
 from .deadletters import reason_of
-from .halves import HalfDecided, HalfNotFound
 from .message import defer_ext
 from .client import Client, TurnFlush
 from . import replay
-from .errors import (BadSequence, ClusterUnavailable, PartitionNotFound, PartitionNotLed,
-                     ProducersLoading, StorageError, TopicNotFound, tcp_error)
+from .errors import (BadSequence, ClusterUnavailable, HalfFailed, PartitionNotFound,
+                     PartitionNotLed, ProducersLoading, StorageError, TopicNotFound, answer,
+                     tcp_error)
 from .identify import IdentifyLimits, initial_settings, negotiate
 
 log = structlog.get_logger("nsqd.tcp")
@@ -757,12 +758,12 @@ class ClientConnection(asyncio.Protocol):
     # ---- commands: half messages (awaited; nsqd/halves.py) ----------------------
 
     async def _half(self, cmd: p.Half) -> None:
-        """HALF topic partition check_url + body: answered `OK <16 hex id>`."""
-        part = await self._half_partition("HALF", cmd.topic, cmd.partition)
+        """HALF topic partition check_url + body: answered `OK <16 hex id>` once written."""
+        part = self._half_partition("HALF", cmd.topic, cmd.partition)
         try:
-            appended = await part.half_driver().publish(cmd.body, 0, b"", cmd.check_url)
-        except Exception as e:  # not written: the producer may send it again
-            raise errors.half_failed("HALF", "E_HALF_FAILED", str(e)[:200]) from None
+            appended = await part.halves.publish(cmd.body, cmd.check_url)
+        except Exception as e:  # not written, or its outcome unknown: the producer may retry
+            raise _half_error("HALF", e, part.number) from None
         self.client.write(encode_response(b"OK %016x" % appended.first_id))
 
     async def _decide(self, cmd: p.Decide) -> None:
@@ -773,31 +774,37 @@ class ClientConnection(asyncio.Protocol):
             msg_id = decode_msg_id(cmd.msg_id)
         except ValueError:
             raise errors.invalid_msg_id() from None
-        part = await self._half_partition(name, cmd.topic, msg_id_partition(msg_id))
+        part = self._half_partition(name, cmd.topic, msg_id_partition(msg_id))
         try:
-            await part.half_driver().decide(msg_id, cmd.commit)
-        except HalfNotFound as e:
-            raise errors.half_failed(name, "E_HALF_NOT_FOUND", str(e)) from None
-        except HalfDecided as e:
-            raise errors.half_failed(name, "E_HALF_DECIDED", str(e)) from None
+            await part.halves.decide(msg_id, cmd.commit)
         except Exception as e:
-            raise errors.half_failed(name, "E_HALF_FAILED", str(e)[:200]) from None
+            raise _half_error(name, e, part.number) from None
         self.client.write(p.OK)
 
-    async def _half_partition(self, command: str, topic_name: str, number: int):
-        """The partition led here that a half command names."""
+    def _half_partition(self, command: str, topic_name: str, number: int | None):
+        """The writable partition led here that a half command names (None: any);
+        E_FAILED_ON_NOT_LEADER (non-fatal) when there is none."""
         if self.nsqd.options.tls_required and not self.client.tls:
             raise errors.tls_required(command)
         topic = self.nsqd.topics.get(topic_name)
-        part = topic.partitions.get(number) if topic is not None else None
-        if part is not None and part.writable:
-            return part
-        raise errors.half_failed(command, "E_HALF_FAILED", f"partition {number} is not led "
-                                                           "here")
+        led = [] if topic is None else [
+            part for n, part in topic.partitions.items()
+            if part.writable and number in (None, n)]
+        if led:
+            return random.choice(led)
+        raise tcp_error(command, PartitionNotLed(number), number)
 
     _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
                        p.SubOrdered: _sub, p.SubAdvanced: _sub, p.Half: _half,
                        p.Decide: _decide}
+
+
+def _half_error(command: str, e: Exception, partition: int) -> errors.ProtocolError:
+    """The error frame of a half command that raised `e`: the table's (nsqd/errors.py),
+    else E_HALF_FAILED with its text."""
+    if answer(e) is None:
+        e = HalfFailed((str(e) or type(e).__name__)[:200])
+    return tcp_error(command, e, partition)
 
 
 async def start_tcp(nsqd, tls: ssl.SSLContext | None = None):

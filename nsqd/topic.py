@@ -169,7 +169,8 @@ class Partition:
         self._producers_loading: asyncio.Future | None = None
         self._finding: asyncio.Task | None = None  # what UNKNOWN requests became
         self._unknown_since = 0  # the log's written end before the first UNKNOWN request
-        self.halves: Halves | None = None  # its half messages, once one was asked for here
+        # Its half messages (halves.py): read back from the log's tail at `start`.
+        self.halves = Halves(queue, topic.name, lambda: self.writer, check_back)
 
     @property
     def writable(self) -> bool:
@@ -331,18 +332,13 @@ class Partition:
                         channel=name, reason=str(e))
             return None
 
-    def half_driver(self) -> Halves:
-        """The partition's half messages (halves.py), started on first use."""
-        if self.halves is None:
-            self.halves = Halves(self.queue, lambda: self.writer, check_back)
-            self.halves.start()
-        return self.halves
+    def start(self) -> None:
+        self.halves.start()
 
     async def close(self) -> None:
-        """Close the channels, then the log. What fails is logged, never raised: the node
-        is stopping, or the partition is about to be opened again."""
-        if self.halves is not None:
-            await self.halves.close()
+        """Close the half messages and the channels, then the log. What fails is logged,
+        never raised: the node is stopping, or the partition is about to be opened again."""
+        await self.halves.close()
         for c in list(self.channels.values()):
             try:
                 await c.close()
@@ -374,9 +370,12 @@ class Partition:
         self._floor = (self.queue.start_offset, self.queue.start_count)
 
     def retention_floor(self) -> int:
-        if not self.channels:
-            return self.floor[0]
-        return min(c.kept_from for c in self.channels.values())
+        """Where retention may drop the log up to: what every channel has confirmed (or
+        the floor, without one), and never past an undecided half message."""
+        floor = (min(c.kept_from for c in self.channels.values()) if self.channels
+                 else self.floor[0])
+        halves_from = self.halves.kept_from()
+        return floor if halves_from is None else min(floor, halves_from)
 
     def depth(self) -> int:
         """Messages the emptiest channel has not read (classic nsqd reports the topic's own
@@ -440,7 +439,8 @@ class Topic:
         floor = floor or self._floors.pop(number, None) or (queue.start_offset,
                                                             queue.start_count)
         self._floors.pop(number, None)
-        self.partitions[number] = Partition(self, number, queue, tuple(floor))
+        self.partitions[number] = part = Partition(self, number, queue, tuple(floor))
+        part.start()
         self._refresh()
         return None
 

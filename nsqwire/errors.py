@@ -240,7 +240,8 @@ def identify_failed(reason: str) -> ProtocolError:
 # Partition extension errors. Publishing commands get the non-fatal form
 # (the producer looks the leader up again and retries), the others the fatal one.
 
-_PUBLISHING = frozenset({"PUB", "MPUB", "DPUB", "PUB_EXT", "MPUB_EXT", "PUB_TRACE", "MPUB_TRACE"})
+_PUBLISHING = frozenset({"PUB", "MPUB", "DPUB", "PUB_EXT", "MPUB_EXT", "PUB_TRACE", "MPUB_TRACE",
+                         "HALF", "COMMIT", "ROLLBACK"})
 
 
 def topic_not_exist(topic: str, command: str = "SUB") -> ProtocolError:
@@ -261,6 +262,11 @@ def not_writable(command: str, reason: str = "") -> ProtocolError:
     return ProtocolError("E_FAILED_ON_NOT_WRITABLE",
                          f"{command} failed: partition not writable{detail}",
                          fatal=command not in _PUBLISHING)
+
+
+def invalid_check_url(command: str) -> ProtocolError:
+    """Ours: a half message's check-back URL that is not http(s), too long, or has space."""
+    return ProtocolError("E_INVALID", f"{command} invalid check_url")
 
 
 def half_failed(command: str, code: str, reason: str) -> ProtocolError:

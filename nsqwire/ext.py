@@ -34,6 +34,7 @@ DEAD_KEY = "##dead"
 DEAD_MARKER = b'"##dead"'  # in the header of every `##dead` record (confirmed by parsing)
 HALF_KEY = "##half"
 HALF_MARKER = b'"##half"'  # in the header of every `##half` record (nsqd/halves.py)
+MAX_CHECK_URL = 1024  # a half message's check-back URL, in bytes
 
 # The 1-byte version before an extension header in a message frame sent to an
 # extend_support client, Youzan's numbers (their internal/ext, go-nsq's DecodeMessageWithExt):
@@ -127,6 +128,13 @@ def dead_control(ext: bytes) -> dict | None:
 def half_control(ext: bytes) -> dict | None:
     """The `##half` value of a stored header, None when it has none."""
     return _control(ext, HALF_KEY, HALF_MARKER)
+
+
+def check_url_ok(url: str) -> bool:
+    """Whether `url` may be a half message's check-back URL: http or https, at most
+    MAX_CHECK_URL bytes, no whitespace."""
+    return (url.startswith(("http://", "https://")) and len(url.encode()) <= MAX_CHECK_URL
+            and not any(c.isspace() for c in url))
 
 
 def _control(ext: bytes, key: str, marker: bytes) -> dict | None:

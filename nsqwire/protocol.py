@@ -20,14 +20,14 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .ext import RESERVED_HEADER_KEYS, producer_of, trace_id_of  # noqa: F401
+from .ext import RESERVED_HEADER_KEYS, check_url_ok, producer_of, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
                      MAGIC_V2, OK, encode_error, encode_messages, encode_response, pub_trace_reply)
 from .ids import (MAX_PARTITION, MAX_SEQUENCE, MSG_ID_LENGTH, PARTITION_SHIFT,  # noqa: F401
                   decode_msg_id, encode_msg_id, make_msg_id, msg_id_partition, msg_id_sequence)
 from .errors import (ProtocolError, _go_quote, _raw, bad_channel, bad_partition, bad_protocol, bad_topic,
                      body_too_big, dpub_timeout_out_of_range, insufficient_parameters, invalid_body_size,
-                     invalid_command, invalid_ext_body, invalid_json_header, invalid_message_count,
+                     invalid_check_url, invalid_command, invalid_ext_body, invalid_json_header, invalid_message_count,
                      invalid_message_size, invalid_mpub_message_size, invalid_msg_id, invalid_parameter_count,
                      invalid_start, line_too_long, message_too_big, unparsable_number)
 
@@ -149,9 +149,9 @@ class Pub:
 @dataclass(slots=True)
 class Half:
     """Ours: a half message (nsqd/halves.py), held until COMMIT or ROLLBACK, its producer
-    asked at `check_url` when neither comes."""
+    asked at `check_url` when neither comes; `partition` None: any led here."""
     topic: str
-    partition: int
+    partition: int | None
     check_url: str
     body: bytes
 
@@ -677,8 +677,8 @@ class CommandParser:
         topic = _topic("HALF", params, 4)
         partition = _partition("HALF", params, 2)
         url = params[3].decode("utf-8", "replace")
-        if partition is None or not url.startswith(("http://", "https://")):
-            raise insufficient_parameters("HALF")
+        if not check_url_ok(url):
+            raise invalid_check_url("HALF")
         self._expect_body("HALF", self._check_message_size,
                           lambda body: Half(topic, partition, url, body))
 

@@ -4,8 +4,11 @@ half from the log's tail."""
 
 from __future__ import annotations
 
-from nsqd.halves import (BACKOFF_S, COMMITTED, ROLL_EVERY_REQUESTS, ROLL_EVERY_S, ROLLED_BACK,
-                         WAITING, HalfTable)
+import json
+
+import nsqd.halves
+from nsqd.halves import (BACKOFF_S, COMMITTED, KEEP_DECIDED_S, ROLL_EVERY_REQUESTS, ROLL_EVERY_S,
+                         ROLLED_BACK, WAITING, HalfTable)
 
 
 def _half(t: HalfTable, offset: int, at: float = 0.0, url: str = "http://app/check"):
@@ -45,7 +48,7 @@ def test_a_roll_call_read_back_gives_the_same_undecided_halves():
     old.checked(h10, 8.0)
     call = old.roll_call()
     new = HalfTable()  # a new leader reads back: the roll-call, then what came after it
-    new.apply(50, 1050, 9.0, call)
+    new.read_roll_call(9.0, call)
     _half(new, 60, at=9.5)
     new.apply(70, 1070, 10.0, {"rollback": 30})
     assert [(h.offset, h.msg_id, h.checks, h.url) for h in new.waiting()] == [
@@ -66,14 +69,33 @@ def test_a_roll_call_is_due_by_time_or_by_requests_while_a_half_waits():
     assert not t.roll_call_due(10**6, 10**9)
 
 
-def test_decided_halves_are_forgotten_below_an_offset_and_undecided_ones_kept():
+def test_decided_halves_are_forgotten_by_age_and_by_count_and_undecided_ones_kept(
+        monkeypatch):
     t = HalfTable()
     for offset in (10, 20, 30):
         _half(t, offset)
-    t.apply(40, 1040, 1.0, {"commit": 10})
-    t.apply(50, 1050, 1.0, {"commit": 30})
-    t.forget_decided(25)
+    t.apply(40, 1040, 1.0, {"commit": 10}, now_s=100.0)
+    t.apply(50, 1050, 1.0, {"commit": 30}, now_s=200.0)
+    t.forget_decided(100.0 + KEEP_DECIDED_S)
     assert sorted(t.by_offset) == [20, 30] and t.state_of(1010) is None
+    assert t.kept_from() == 20 and t.state_of(1030) == COMMITTED
+    monkeypatch.setattr(nsqd.halves, "KEEP_DECIDED", 0)
+    t.forget_decided(0.0)
+    assert sorted(t.by_offset) == [20] and t.waiting_count == 1
+
+
+def test_a_roll_call_names_each_url_once_and_skips_a_damaged_entry():
+    t = HalfTable()
+    for offset in (10, 20, 30):
+        _half(t, offset, url="http://a/" if offset != 20 else "http://b/")
+    body = t.roll_call()
+    call = json.loads(body)
+    assert call["urls"] == ["http://a/", "http://b/"]
+    assert [w[4] for w in call["waiting"]] == [0, 1, 0]
+    call["waiting"][1][4] = 7  # no such url
+    new = HalfTable()
+    new.read_roll_call(5.0, json.dumps(call).encode())
+    assert [(h.offset, h.url) for h in new.waiting()] == [(10, "http://a/"), (30, "http://a/")]
 
 
 # ---- the driver on a real log ----
@@ -81,7 +103,8 @@ def test_decided_halves_are_forgotten_below_an_offset_and_undecided_ones_kept():
 import asyncio  # noqa: E402
 
 from diskqueue.queue import DiskQueue  # noqa: E402
-from nsqd.halves import DELIVER, SKIP, HalfDecided, Halves, half_control, role  # noqa: E402
+from nsqd.errors import HalfDecided  # noqa: E402
+from nsqd.halves import DELIVER, SKIP, Halves, half_control, role  # noqa: E402
 from nsqd.topic import Solo  # noqa: E402
 
 
@@ -100,10 +123,10 @@ async def test_a_commit_writes_the_message_once_and_a_rollback_after_it_is_refus
     async def check(url, payload):
         asked.append(payload)
         return None
-    h = Halves(q, lambda: Solo(q), check)
+    h = Halves(q, "t", lambda: Solo(q), check)
     h.start()
     try:
-        half = await h.publish(b"debit 42", 7, b'{"k":"v"}', "http://app/check")
+        half = await h.publish(b"debit 42", "http://app/check", 7, b'{"k":"v"}')
         assert await h.decide(half.first_id, True) == COMMITTED
         assert await h.decide(half.first_id, True) == COMMITTED  # sent again: answered
         try:
@@ -127,11 +150,11 @@ async def test_an_undecided_half_is_checked_back_then_committed_or_rolled_back(t
 
     async def check(url, payload):
         return answers[url]
-    h = Halves(q, lambda: Solo(q), check, check_after_s=0.1, max_checks=2)
+    h = Halves(q, "t", lambda: Solo(q), check, check_after_s=0.1, max_checks=2)
     h.start()
     try:
-        a = await h.publish(b"a", 0, b"", "http://a/")
-        b = await h.publish(b"b", 0, b"", "http://b/")
+        a = await h.publish(b"a", "http://a/")
+        b = await h.publish(b"b", "http://b/")
         for _ in range(100):
             if h.table.state_of(b.first_id) != WAITING:
                 break
@@ -141,7 +164,7 @@ async def test_an_undecided_half_is_checked_back_then_committed_or_rolled_back(t
         assert h.expired == 1 and h.checks >= 3
     finally:
         await h.close()
-    again = Halves(q, lambda: Solo(q), check)  # a new leader reads the table back
+    again = Halves(q, "t", lambda: Solo(q), check)  # a new leader reads the table back
     again.start()
     try:
         await again.ready()
@@ -149,4 +172,88 @@ async def test_an_undecided_half_is_checked_back_then_committed_or_rolled_back(t
             COMMITTED, ROLLED_BACK)
     finally:
         await again.close()
+        await q.close()
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("not in time")
+
+
+async def _read_back(q: DiskQueue) -> Halves:
+    h = Halves(q, "t", lambda: Solo(q), _no_answer)
+    h.start()
+    await h.ready()
+    return h
+
+
+async def _no_answer(url, payload):
+    return None
+
+
+async def test_a_new_leader_finds_an_old_half_by_the_roll_calls_and_misses_it_without(
+        tmp_path, monkeypatch):
+    """A half older than the read-back window (READ_BACK_REQUESTS) is found by a new driver
+    because roll-calls name it; with roll-calls off it is not (the invariant is what finds
+    it)."""
+    monkeypatch.setattr(nsqd.halves, "LOOP_S", 0.02)
+    monkeypatch.setattr(nsqd.halves, "CHECK_AFTER_S", 1000.0)
+    monkeypatch.setattr(nsqd.halves, "READ_BACK_REQUESTS", 20)
+    for roll_every, found in ((10, True), (10**9, False)):
+        monkeypatch.setattr(nsqd.halves, "ROLL_EVERY_REQUESTS", roll_every)
+        monkeypatch.setattr(nsqd.halves, "ROLL_EVERY_S", 1000.0 if roll_every > 10 else 0.5)
+        q = await DiskQueue.open(str(tmp_path / f"q{roll_every}"))
+        h = await _read_back(q)
+        try:
+            old = await h.publish(b"old", "http://app/check")
+            decided = await h.publish(b"decided", "http://app/check")
+            await h.decide(decided.first_id, True)
+            for i in range(60):  # plain publishes push the half out of the window
+                await Solo(q).append([b"x%d" % i])
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+        finally:
+            await h.close()
+        again = await _read_back(q)
+        try:
+            got = [w.msg_id for w in again.table.waiting()]
+            assert got == ([old.first_id] if found else []), (roll_every, got)
+            if found:  # and it can be committed there
+                assert await again.decide(old.first_id, True) == COMMITTED
+                recs = await _records(q)
+                assert recs[-1].body == b"old" and role(recs[-1].ext) == DELIVER
+        finally:
+            await again.close()
+            await q.close()
+
+
+async def test_a_partition_holds_max_waiting_halves_and_keeps_the_log_from_the_first(
+        tmp_path, monkeypatch):
+    from nsqd.errors import HalfFailed
+
+    monkeypatch.setattr(nsqd.halves, "MAX_WAITING", 3)
+    q = await DiskQueue.open(str(tmp_path / "q"))
+    await Solo(q).append([b"before"])
+    h = await _read_back(q)
+    try:
+        assert h.kept_from() is None
+        ids = [(await h.publish(b"h%d" % i, "http://app/")).first_id for i in range(3)]
+        first = h.table.by_id[ids[0]].offset
+        assert h.kept_from() == first > q.start_offset
+        try:
+            await h.publish(b"one too many", "http://app/")
+            raise AssertionError("a fourth half was taken")
+        except HalfFailed:
+            pass
+        await h.decide(ids[0], False)
+        assert h.kept_from() == h.table.by_id[ids[1]].offset
+        await h.publish(b"room again", "http://app/")
+        for msg_id in ids[1:]:
+            await h.decide(msg_id, True)
+        assert h.table.waiting_count == 1
+    finally:
+        await h.close()
         await q.close()
