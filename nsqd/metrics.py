@@ -197,6 +197,19 @@ def render(stats: dict) -> str:
     out.family("nsqd_partition_producer_duplicates_total", "counter",
                "Idempotent producers' requests answered again, not written.",
                [(pl(t, p), p["producer_duplicates"]) for t, p in partitions])
+    out.family("nsqd_partition_half_waiting", "gauge",
+               "Half messages of the partition waiting for their commit or rollback.",
+               [(pl(t, p), p["half_waiting"]) for t, p in partitions])
+    out.family("nsqd_partition_half_decided_total", "counter",
+               "Half messages decided since the partition opened here.",
+               [({**pl(t, p), "decision": d}, p[f"half_{d}"]) for t, p in partitions
+                for d in ("committed", "rolled_back")])
+    out.family("nsqd_partition_half_checks_total", "counter",
+               "Check-backs made to half messages' producers.",
+               [(pl(t, p), p["half_checks"]) for t, p in partitions])
+    out.family("nsqd_partition_half_expired_total", "counter",
+               "Half messages rolled back after their last check-back got no decision.",
+               [(pl(t, p), p["half_expired"]) for t, p in partitions])
     gc_of = [(t, p, p["group_commit"]) for t, p in partitions if "group_commit" in p]
     out.histogram("nsqd_group_commit_batch_messages",
                   "Messages per batch written by the partition's group commit.",

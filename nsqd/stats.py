@@ -18,7 +18,10 @@ them; ours are additive:
   committed_count, written_offset, written_count, group_commit{batches, syncs,
   batch_messages_total, sync_seconds_total, batch_messages_histogram,
   sync_seconds_histogram}, producers (idempotent producers it knows: producers.py),
-  producer_duplicates (their requests answered again, not written), error}]: `error` is
+  producer_duplicates (their requests answered again, not written), half_waiting (half
+  messages waiting for their decision: halves.py), half_committed, half_rolled_back,
+  half_checks (check-backs made), half_expired (rolled back after their last check-back):
+  since the partition opened here, error}]: `error` is
   null while the partition serves, else why
   it does not (its log failed); a partition that failed to open has only `partition`,
   `depth` (0) and `error`;
@@ -186,8 +189,17 @@ def partition_stats(partition) -> dict:
         "producers": len(partition.producers) if partition.producers is not None else 0,
         "producer_duplicates": (partition.producers.duplicates
                                 if partition.producers is not None else 0),
+        **half_stats(partition.halves),
         "error": str(q.failed) if q.failed is not None else None,
     }
+
+
+def half_stats(halves) -> dict:
+    """A partition's half messages (halves.py): waiting now, and since it opened here."""
+    t = halves.table
+    return {"half_waiting": t.waiting_count, "half_committed": t.committed,
+            "half_rolled_back": t.rolled_back, "half_checks": halves.checks,
+            "half_expired": halves.expired}
 
 
 def _histogram(bounds, counts) -> dict:

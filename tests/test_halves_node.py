@@ -65,6 +65,15 @@ async def test_commit_rollback_and_a_check_back(node, monkeypatch):
         listed = await _json(n, "GET", "/half?topic=t")
         [p] = listed["partitions"]
         assert (p["waiting"], p["committed"], p["rolled_back"], p["checks"]) == ([], 2, 1, 1)
+        [sp] = (await _json(n, "GET", "/stats?format=json&topic=t"))["topics"][0]["partitions"]
+        assert {k: v for k, v in sp.items() if k.startswith("half_")} == {
+            "half_waiting": 0, "half_committed": 2, "half_rolled_back": 1, "half_checks": 1,
+            "half_expired": 0}
+        r = await call(_at(n), "GET", "/metrics")
+        text = r.body.decode()
+        assert 'nsqd_partition_half_decided_total{topic="t",partition="0",decision="committed"} 2' \
+            in text, text[:2000]
+        assert 'nsqd_partition_half_checks_total{topic="t",partition="0"} 1' in text
         con.close()
     finally:
         await runner.cleanup()
