@@ -17,6 +17,13 @@ kills. What callers publish while a request is in flight goes as the next one, i
 MPUB_EXT, in call order (so a key's order holds). A request refused as a gap (nothing
 of it written) is sent again under a new id; one given up leaves the lane a new id too.
 
+Half messages (`half`, `commit`, `rollback`: nsqd/halves.py): a half goes to one
+partition's leader like a publish and is retried the same way, so a retry after a lost
+answer may leave a second half: the check-back decides it (answer it by the body's
+business key). A decision goes to the leader of the half's partition (the node that took
+it, on a topic without partitions) and is retried as a publish, and on E_HALF_FAILED;
+the server answers one sent again as it answered the first.
+
 Not idempotent (`idempotent=False`, or a classic topic without partitions): PUB and MPUB;
 messages of one key are sent one at a time, in call order, each after the previous one's
 answer (so retries never reorder a key); other keys and keyless messages proceed
@@ -29,11 +36,14 @@ import asyncio
 import socket
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import structlog
 
 from nsqclient.conn import Connection, NSQError
 from nsqclient.lookup import LookupFailed, LookupSource, Node, TopicMap, lookup_source
+from nsqwire.ids import PARTITION_SHIFT
 from nsqwire.partitioning import key_bytes, partition_of
 from nsqwire import commands as c
 from nsqwire.protocol import valid_topic_name
@@ -175,6 +185,13 @@ def _chain(coro, fut: asyncio.Future) -> None:
     asyncio.ensure_future(coro).add_done_callback(done)
 
 
+class Sent(NamedTuple):
+    """A request's answer, and the partition (None: none named) and node that gave it."""
+    answer: bytes
+    partition: int | None
+    node: Node
+
+
 def route(tmap: TopicMap, key: bytes | None, turn: int) -> tuple[int | None, Node]:
     """(partition or None for a classic topic, its leader) for one message."""
     if tmap.partition_num is None:
@@ -194,10 +211,21 @@ def route(tmap: TopicMap, key: bytes | None, turn: int) -> tuple[int | None, Nod
     return n, tmap.leaders[n]
 
 
+@dataclass(frozen=True)
+class Half:
+    """A half message the server took: its topic, id (16 hex characters), partition (None
+    on a topic without partitions) and the node that took it."""
+    topic: str
+    id: str
+    partition: int | None
+    node: Node
+
+
 class Producer:
     """`await publish(topic, body, key=None)`, `await publish_many(topic, bodies,
-    key=None)` (one request, to one partition), `await close()`. `idempotent`: see the
-    module docstring."""
+    key=None)` (one request, to one partition), `await half(topic, body, check_url,
+    key=None)` then `await commit(half)` or `await rollback(half)`, `await close()`.
+    `idempotent`: see the module docstring."""
 
     def __init__(self, lookupd_http_addresses: list[str] | None = None, *,
                  lookup: LookupSource | None = None, max_attempts: int = 40,
@@ -232,6 +260,44 @@ class Producer:
         if not bodies:
             raise ValueError("publish_many needs at least one body")
         await self._publish(topic, key, list(bodies))
+
+    async def half(self, topic: str, body: bytes, check_url: str,
+                   key: bytes | str | None = None) -> Half:
+        """A half message: stored by the partition's leader (the key's, or the next in
+        turn), delivered by no channel until committed; nsqd POSTs {"topic", "partition",
+        "id", "checks", "body" (base64)} to `check_url` when no decision comes in time and
+        takes {"decision": "commit" | "rollback"} from the answer."""
+        if self._closed:
+            raise PublishError("the producer is closed")
+        if not valid_topic_name(topic):
+            raise PublishError(f"invalid topic name {topic!r}")
+        sent = await self._send(topic, None if key is None else key_bytes(key),
+                                lambda n: c.cmd_half(topic, body, check_url, n),
+                                retryable=RETRYABLE + ("E_HALF_FAILED",))
+        msg_id = sent.answer[3:].decode()
+        partition = int(msg_id, 16) >> PARTITION_SHIFT if sent.partition is not None else None
+        return Half(topic, msg_id, partition, sent.node)
+
+    async def commit(self, half: Half) -> None:
+        """Make `half` deliverable (once, however often it is sent)."""
+        await self._decide(half, True)
+
+    async def rollback(self, half: Half) -> None:
+        """Drop `half`: no channel ever delivers it."""
+        await self._decide(half, False)
+
+    async def _decide(self, half: Half, commit: bool) -> None:
+        if self._closed:
+            raise PublishError("the producer is closed")
+        try:
+            await self._send(half.topic, None,
+                             lambda n: c.cmd_decide(half.topic, half.id, commit),
+                             partition=half.partition,
+                             to=half.node if half.partition is None else None,
+                             retryable=RETRYABLE + ("E_HALF_FAILED",))
+        except Rerouted:
+            raise PublishError(f"topic {half.topic!r} has no partition {half.partition} "
+                               "now") from None
 
     async def close(self) -> None:
         self._closed = True
@@ -292,9 +358,11 @@ class Producer:
             delay = min(delay * 2, self.max_backoff)
 
     async def _send(self, topic: str, key: bytes | None, encode, partition: int | None = None,
-                    lane: Lane | None = None) -> None:
+                    lane: Lane | None = None, to: Node | None = None,
+                    retryable: tuple[str, ...] = RETRYABLE) -> Sent:
         """Send one request (`encode(partition)`), retried as the module docstring says; to
-        `partition` when given (a lane's), else routed by key or in turn."""
+        `partition`'s leader when given (a lane's), to the node `to` when given, else routed
+        by key or in turn. Errors that start with one of `retryable` are retried."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_retry_time
         delay, refresh, attempt = self.backoff, False, 0
@@ -302,7 +370,9 @@ class Producer:
             attempt += 1
             try:
                 tmap = await self._topic_map(topic, refresh)
-                if partition is not None:
+                if to is not None:
+                    n, node = None, to
+                elif partition is not None:
                     n = partition
                     if tmap.partition_num is None or n >= tmap.partition_num:
                         raise Rerouted()
@@ -315,13 +385,12 @@ class Producer:
                     if key is None:
                         self._turns[topic] = turn + 1
                 conn = await self._connection(node)
-                await self._request(conn, node, encode(n))
-                return
+                return Sent(await self._request(conn, node, encode(n)), n, node)
             except NSQError as e:
                 if lane is not None and str(e).startswith("E_BAD_SEQUENCE") and (
                         "leaves a gap" in str(e)):
                     lane.renew()  # refused, nothing written: sent again under a new name
-                elif not str(e).startswith(RETRYABLE):
+                elif not str(e).startswith(retryable):
                     raise PublishError(f"publish to topic {topic!r} refused: {e}") from e
                 last = e
             except (LookupFailed, NoLeader, OSError, TimeoutError) as e:
@@ -337,10 +406,10 @@ class Producer:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff)
 
-    async def _request(self, conn: Connection, node: Node, command: bytes) -> None:
+    async def _request(self, conn: Connection, node: Node, command: bytes) -> bytes:
         try:
             async with asyncio.timeout(self.response_timeout):
-                await conn.command(command)
+                return await conn.command(command)
         except (OSError, TimeoutError):
             # unknown state (a lost answer would misalign the next ones): start afresh
             self._drop(node, conn)

@@ -223,6 +223,7 @@ class NSQD:
         self.tracer.attach(topic)
         topic.sync = tuple(sync) if sync else None
         topic.retention_ms = state.get("retention_ms")
+        topic.half_check = (self.options.half_check_timeout_ms / 1000, self.options.half_check_max)
         if topic.ephemeral:  # never stored: what a run before this one left is not ours
             await asyncio.to_thread(shutil.rmtree, path, True)
             create = True

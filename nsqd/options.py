@@ -93,6 +93,8 @@ class Options:
     max_req_timeout_ms: int = 72 * 3_600_000  # REQ and DPUB delays (ours: the delay queue)
     delay_threshold_ms: int = 60_000  # a delay this long goes to the channel's disk delay queue
     delay_after_attempts: int = 10  # a message delivered this often waits on disk between tries
+    half_check_timeout_ms: int = 6000  # a half message undecided this long is checked back
+    half_check_max: int = 10  # check-backs without a decision before it is rolled back
     max_rdy_count: int = 2500
     max_channel_window: int = 100_000  # taken-but-unconfirmed messages per channel
     disable_auto_create: bool = False  # PUB/SUB/pub of a missing topic: E_TOPIC_NOT_EXIST
@@ -160,6 +162,7 @@ _DURATIONS = {
     "delay_threshold": "delay_threshold_ms",
     "retention_check_interval": "retention_check_interval_ms",
     "checkpoint_interval": "checkpoint_interval_ms",
+    "half_check_timeout": "half_check_timeout_ms",
     "etcd_lease_ttl": "etcd_lease_ttl_ms",
     "repl_timeout": "repl_timeout_ms",
     "commit_timeout": "commit_timeout_ms",
@@ -242,6 +245,10 @@ _HELP = {
     "max_req_timeout": "longest REQ and DPUB delay (at most 168h)",
     "delay_threshold": "delays at least this long wait in the channel's disk delay queue",
     "delay_after_attempts": "a message delivered this many times waits on disk between tries",
+    "half_check_timeout": "a half message neither committed nor rolled back this long is "
+                          "checked back with its producer (then with backoff)",
+    "half_check_max": "check-backs of a half message without a decision before it is "
+                      "rolled back",
     "max_rdy_count": "largest RDY a client may send",
     "max_channel_window": "messages a channel may hold taken and not confirmed past",
     "disable_auto_create": "never make a topic on PUB, SUB or /pub (E_TOPIC_NOT_EXIST); "
@@ -403,6 +410,10 @@ def build(values: dict) -> Options:
         raise ValueError(f"--tls-min-version must be one of {', '.join(TLS_VERSIONS)}")
     if not 0 < options.max_req_timeout_ms <= MAX_DELAY_MS:
         raise ValueError("--max-req-timeout must be between 1ms and 7 days (168h)")
+    if not 100 <= options.half_check_timeout_ms <= MAX_DELAY_MS:
+        raise ValueError("--half-check-timeout must be between 100ms and 7 days (168h)")
+    if not 1 <= options.half_check_max <= 1000:
+        raise ValueError("--half-check-max must be 1..1000")
     if options.trace_es_url:
         url = urllib.parse.urlsplit(options.trace_es_url)
         try:

@@ -46,7 +46,7 @@ from .cursor import SavedWindow
 from .errors import (PartitionNotFound, PartitionNotLed, PartitionNotWritable,
                      ProducersLoading, StorageError)
 from .handover import opening_state
-from .halves import Halves, check_back
+from .halves import CHECK_AFTER_S, MAX_CHECKS, Halves, check_back
 from .producers import (MARKER, SCAN_BYTES, SCAN_REQUESTS, SCAN_SECONDS, UNKNOWN, WRITE,
                         ProducerTable, answer_of, mark_of, marked)
 
@@ -170,7 +170,8 @@ class Partition:
         self._finding: asyncio.Task | None = None  # what UNKNOWN requests became
         self._unknown_since = 0  # the log's written end before the first UNKNOWN request
         # Its half messages (halves.py): read back from the log's tail at `start`.
-        self.halves = Halves(queue, topic.name, lambda: self.writer, check_back)
+        self.halves = Halves(queue, topic.name, lambda: self.writer, check_back,
+                             check_after_s=topic.half_check[0], max_checks=topic.half_check[1])
 
     @property
     def writable(self) -> bool:
@@ -395,6 +396,8 @@ class Topic:
         self.paused = False
         self.sync: tuple[int, int] | None = None  # its own (sync_every, sync_timeout_ms)
         self.retention_ms: int | None = None  # its own history kept (min age), else the node's
+        # (seconds before a half message's first check-back, check-backs before a rollback)
+        self.half_check = (CHECK_AFTER_S, MAX_CHECKS)
         self.partitions: dict[int, Partition] = {}
         self.failed: dict[int, str] = {}  # partitions held here that did not open: why
         # Stored floors of partitions not open: failed ones, and ones no longer led here

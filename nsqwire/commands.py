@@ -75,6 +75,17 @@ def cmd_pub(topic: str, body: bytes, partition: int | None = None) -> bytes:
     return encode_command(b"PUB", topic, *_opt(partition), body=body)
 
 
+def cmd_half(topic: str, body: bytes, check_url: str, partition: int | None = None) -> bytes:
+    """Ours: a half message (nsqd/halves.py), answered `OK <16 hex id>`."""
+    return encode_command(b"HALF", topic, -1 if partition is None else partition, check_url,
+                          body=body)
+
+
+def cmd_decide(topic: str, msg_id: str, commit: bool) -> bytes:
+    """Ours: COMMIT or ROLLBACK of the half message `msg_id` (16 hex characters)."""
+    return encode_command(b"COMMIT" if commit else b"ROLLBACK", topic, msg_id)
+
+
 def cmd_mpub(topic: str, bodies: list[bytes], partition: int | None = None) -> bytes:
     return encode_command(b"MPUB", topic, *_opt(partition), body=_mpub_body(bodies))
 

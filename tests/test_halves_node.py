@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-import nsqd.halves
 from test_deadletters import Consumer, _at, _channel, _json
 from test_http import call
 
@@ -31,9 +30,8 @@ async def _check_server(decisions: dict):
     return runner, f"http://127.0.0.1:{port}/check", asked
 
 
-async def test_commit_rollback_and_a_check_back(node, monkeypatch):
-    monkeypatch.setattr(nsqd.halves, "CHECK_AFTER_S", 0.3)
-    n = await node()
+async def test_commit_rollback_and_a_check_back(node):
+    n = await node(half_check_timeout_ms=300)
     await _channel(n, "t", "ch")
     decisions: dict = {}
     runner, url, asked = await _check_server(decisions)
