@@ -106,7 +106,7 @@ async def do_half_list(nsqd, request):
                     "waiting": [{"id": f"{w.msg_id:016x}", "checks": w.checks,
                                  "written_ms": int(w.written_s * 1000), "check_url": w.url}
                                 for w in h.table.waiting()],
-                    "committed": h.table.committed, "rolled_back": h.table.rolled_back,
+                    "committed": h.committed, "rolled_back": h.rolled_back,
                     "checks": h.checks, "expired": h.expired})
     return {"partitions": out}
 

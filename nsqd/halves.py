@@ -82,8 +82,6 @@ class HalfTable:
         self.by_offset: dict[int, Half] = {}  # in log order
         self.by_id: dict[int, Half] = {}
         self.waiting_count = 0
-        self.committed = 0  # decided since the table was made
-        self.rolled_back = 0
         self._decided: deque[tuple[float, Half]] = deque()  # (decided at, half), in order
         self.last_roll_call = (float("-inf"), -1)  # (monotonic time, requests) of the last
 
@@ -130,10 +128,6 @@ class HalfTable:
         half.state = state
         self.waiting_count -= 1
         self._decided.append((now_s, half))
-        if state == COMMITTED:
-            self.committed += 1
-        else:
-            self.rolled_back += 1
 
     # ---- asked by the driver -------------------------------------------------------
 
@@ -248,6 +242,8 @@ class Halves:
         self.monotonic = monotonic
         self.table = HalfTable(CHECK_AFTER_S if check_after_s is None else check_after_s,
                                MAX_CHECKS if max_checks is None else max_checks)
+        self.committed = 0  # halves this driver committed (since the partition opened here)
+        self.rolled_back = 0  # ... and rolled back, `expired` among them
         self.checks = 0  # check-backs made here
         self.expired = 0  # halves rolled back after MAX_CHECKS check-backs without a decision
         self.error: str | None = None  # why the read-back failed (every command says it)
@@ -377,8 +373,10 @@ class Halves:
                     rec = await self._record(half.offset)
                     await self._write(rec.body, rec.trace_id,
                                       with_half(client_header(rec.ext), {"commit": half.offset}))
+                    self.committed += 1
                 else:
                     await self._write(b"", 0, with_half(b"", {"rollback": half.offset}))
+                    self.rolled_back += 1
             finally:
                 del self._deciding[half.offset]
                 done.set_result(None)

@@ -196,9 +196,8 @@ def partition_stats(partition) -> dict:
 
 def half_stats(halves) -> dict:
     """A partition's half messages (halves.py): waiting now, and since it opened here."""
-    t = halves.table
-    return {"half_waiting": t.waiting_count, "half_committed": t.committed,
-            "half_rolled_back": t.rolled_back, "half_checks": halves.checks,
+    return {"half_waiting": halves.table.waiting_count, "half_committed": halves.committed,
+            "half_rolled_back": halves.rolled_back, "half_checks": halves.checks,
             "half_expired": halves.expired}
 
 
