@@ -107,3 +107,62 @@ async def test_half_commit_and_rollback_over_tcp(node):
     assert body == b"a"
     await con.nothing()
     con.close()
+
+
+async def test_a_channel_state_names_the_first_undecided_half_for_the_replicas(node):
+    """Replicas keep the log from a checkpoint's `halves_from` (replication.channels_received):
+    it is there while a half waits, gone once none does."""
+    n = await node()
+    await _channel(n, "t", "ch")
+    part = n.topics["t"].partitions[0]
+    assert "halves_from" not in part.channels["ch"].checkpoint()
+    ids = []
+    for body in (b"a", b"b"):
+        r = await call(_at(n), "POST", "/half?topic=t&check_url=http://127.0.0.1:9/c", body)
+        ids.append(r.json["id"])
+    first = part.halves.table.by_id[int(ids[0], 16)].offset
+    assert part.channels["ch"].checkpoint()["halves_from"] == first
+    assert part.retention_floor() <= first
+    await _json(n, "POST", f"/half/rollback?topic=t&id={ids[0]}")
+    second = part.halves.table.by_id[int(ids[1], 16)].offset
+    assert part.channels["ch"].checkpoint()["halves_from"] == second
+    await _json(n, "POST", f"/half/commit?topic=t&id={ids[1]}")
+    assert "halves_from" not in part.channels["ch"].checkpoint()
+
+
+async def test_bad_half_requests_get_4xx_or_e_invalid_and_change_nothing(node):
+    from nodes import connect
+    from nsqclient.conn import NSQError
+    from nsqwire.commands import cmd_pub_ext, encode_command
+
+    n = await node()
+    await _channel(n, "t", "ch")
+    for path, status, message in (
+            ("/half?topic=t", 400, "MISSING_ARG_CHECK_URL"),
+            ("/half?topic=t&check_url=ftp://x/", 400, "INVALID_CHECK_URL"),
+            ("/half?topic=t&check_url=http://x/" + "a" * 1100, 400, "INVALID_CHECK_URL"),
+            ("/half?topic=nope&check_url=http://x/", 404, "TOPIC_NOT_FOUND"),
+            ("/half?topic=t&partition=7&check_url=http://x/", 400, "BAD_PARTITION"),
+            ("/half/commit?topic=t&id=xyz", 400, "INVALID_ID"),
+            ("/half/commit?topic=t&id=00000000000000ff", 404, "HALF_NOT_FOUND"),
+            ("/half/rollback?topic=t&id=%016x" % (5 << 50), 404, "PARTITION_NOT_HERE")):
+        r = await call(_at(n), "POST", path, b"body")
+        assert (r.status, r.json["message"]) == (status, message), (path, r.status, r.body)
+    for command, code in (
+            (encode_command(b"HALF", "t", 0, "gopher://x/", body=b"b"), "E_INVALID"),
+            (encode_command(b"HALF", "t", 3, "http://x/", body=b"b"), "E_FAILED_ON_NOT_LEADER"),
+            (cmd_pub_ext("t", {"##half": {"commit": 0}}, b"forged"), "E_INVALID"),
+            (encode_command(b"COMMIT", "t", b"zz"), "E_INVALID")):
+        conn = await connect(n)  # one each: E_INVALID closes the connection
+        try:
+            await conn.command(command)
+            raise AssertionError(f"{command[:30]!r} was taken")
+        except NSQError as e:
+            assert str(e).startswith(code), (command[:30], e)
+        finally:
+            await conn.close()
+    con = await Consumer.open(n, "t", "ch")
+    await con.nothing(0.3)
+    con.close()
+    [p] = (await _json(n, "GET", "/half?topic=t"))["partitions"]
+    assert (p["waiting"], p["committed"], p["rolled_back"]) == ([], 0, 0)
