@@ -26,8 +26,8 @@ from nsqwire.ext import check_url_ok
 from nsqwire.ids import PARTITION_SHIFT
 
 from .errors import HalfDecided, HalfFailed, HalfNotFound, PartitionNotFound, http_error
-from .http import HTTPError, _existing_topic, _partitions, read_body
-from .httpargs import arg, query, topic_arg
+from .http import HTTPError, _existing_topic, _get_topic, _partitions, read_body
+from .httpargs import arg, partition_arg, query, topic_arg
 
 REFUSALS = (HalfNotFound, HalfDecided, HalfFailed, PartitionNotFound, NotWritable, NotCommitted)
 
@@ -55,15 +55,22 @@ def _refused(e: Exception) -> HTTPError:
 
 async def do_half(nsqd, request):
     params = query(request)
-    topic = await _existing_topic(nsqd, topic_arg(params))
     url = _url(params)
+    body = await read_body(request, nsqd.options.max_msg_size)
+    if body is None:
+        raise HTTPError(413, "MSG_TOO_BIG")
+    if not body:
+        raise HTTPError(400, "MSG_EMPTY")
+    if not nsqd.serving.is_set():  # a cluster node's first view of etcd (NSQD.serving)
+        await nsqd.serving.wait()
+    topic = await _get_topic(nsqd, topic_arg(params), "HALF_FAILED")  # made, as /pub does
+    number = partition_arg(params)
+    if topic.starting(number):
+        await nsqd.until_led(topic, number)
     parts = [p for p in _partitions(topic, params) if p.writable]
     if not parts:
         raise HTTPError(503, "NOT_WRITABLE")
     part = random.choice(parts)
-    body = await read_body(request, nsqd.options.max_msg_size)
-    if body is None:
-        raise HTTPError(413, "MSG_TOO_BIG")
     try:
         appended = await part.halves.publish(body, url)
     except REFUSALS as e:

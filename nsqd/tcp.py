@@ -437,16 +437,7 @@ class ClientConnection(asyncio.Protocol):
                 await self._ask_auth_server(self.client.auth_secret)
                 fresh_auth = True
             elif cmd.topic not in self.nsqd.topics:
-                try:
-                    topic = await self.nsqd.get_topic(cmd.topic)
-                except ClusterUnavailable as e:  # cluster mode: etcd could not make it
-                    raise errors.ProtocolError("E_TOPIC_NOT_EXIST", f"topic {cmd.topic} does "
-                                               f"not exist: {e}", fatal=False) from None
-                except Exception as e:  # the topic could not be made (disk full, ...)
-                    log.error("topic_create_failed", topic=cmd.topic, error=str(e))
-                    raise errors.publish_failed(_PUBLISH[type(cmd)], str(e)) from None
-                if topic is None:  # --disable-auto-create
-                    raise errors.topic_not_exist(cmd.topic, _PUBLISH[type(cmd)])
+                await self._made_topic(cmd.topic, _PUBLISH[type(cmd)])
             elif not waited and (topic := self.nsqd.topics[cmd.topic]).starting(cmd.partition):
                 await self.nsqd.until_led(topic, cmd.partition)
                 waited = True
@@ -460,6 +451,20 @@ class ClientConnection(asyncio.Protocol):
                                                 f"producers could not be read: {e}") from None
             if self._publish(cmd, fresh_auth, waited):
                 return
+
+    async def _made_topic(self, name: str, command: str):
+        """The topic a publishing command names, made here (or in etcd) when missing."""
+        try:
+            topic = await self.nsqd.get_topic(name)
+        except ClusterUnavailable as e:  # cluster mode: etcd could not make it
+            raise errors.ProtocolError("E_TOPIC_NOT_EXIST", f"topic {name} does not exist: "
+                                       f"{e}", fatal=False) from None
+        except Exception as e:  # the topic could not be made (disk full, ...)
+            log.error("topic_create_failed", topic=name, error=str(e))
+            raise errors.publish_failed(command, str(e)) from None
+        if topic is None:  # --disable-auto-create
+            raise errors.topic_not_exist(name, command)
+        return topic
 
     def _published(self, slot: list, appended, exc) -> None:
         """A publish's append is done: answer every publish now done at the head, in order.
@@ -759,7 +764,7 @@ class ClientConnection(asyncio.Protocol):
 
     async def _half(self, cmd: p.Half) -> None:
         """HALF topic partition check_url + body: answered `OK <16 hex id>` once written."""
-        part = self._half_partition("HALF", cmd.topic, cmd.partition)
+        part = await self._half_partition("HALF", cmd.topic, cmd.partition)
         try:
             appended = await part.halves.publish(cmd.body, cmd.check_url)
         except Exception as e:  # not written, or its outcome unknown: the producer may retry
@@ -774,19 +779,30 @@ class ClientConnection(asyncio.Protocol):
             msg_id = decode_msg_id(cmd.msg_id)
         except ValueError:
             raise errors.invalid_msg_id() from None
-        part = self._half_partition(name, cmd.topic, msg_id_partition(msg_id))
+        part = await self._half_partition(name, cmd.topic, msg_id_partition(msg_id))
         try:
             await part.halves.decide(msg_id, cmd.commit)
         except Exception as e:
             raise _half_error(name, e, part.number) from None
         self.client.write(p.OK)
 
-    def _half_partition(self, command: str, topic_name: str, number: int | None):
-        """The writable partition led here that a half command names (None: any);
-        E_FAILED_ON_NOT_LEADER (non-fatal) when there is none."""
-        if self.nsqd.options.tls_required and not self.client.tls:
+    async def _half_partition(self, command: str, topic_name: str, number: int | None):
+        """The writable partition led here that a half command names (None: any), after a
+        publish's rules (TLS, auth; HALF makes a missing topic); E_FAILED_ON_NOT_LEADER
+        (non-fatal) when there is none."""
+        nsqd = self.nsqd
+        if not nsqd.serving.is_set():
+            await nsqd.serving.wait()
+        if nsqd.options.tls_required and not self.client.tls:
             raise errors.tls_required(command)
-        topic = self.nsqd.topics.get(topic_name)
+        if nsqd.options.auth_http_address and not self._authorized(command, topic_name):
+            await self._ask_auth_server(self.client.auth_secret)
+            self._authorized(command, topic_name, "", True)
+        topic = nsqd.topics.get(topic_name)
+        if topic is None and command == "HALF":
+            topic = await self._made_topic(topic_name, command)
+        if topic is not None and topic.starting(number):
+            await nsqd.until_led(topic, number)
         led = [] if topic is None else [
             part for n, part in topic.partitions.items()
             if part.writable and number in (None, n)]

@@ -115,3 +115,24 @@ async def test_a_malformed_auth_answer_is_a_failed_auth(node, auth_server, capfd
     log = out.out + out.err
     assert "Traceback" not in log, log
     assert log.count("auth_server_failed") == 1, log
+
+
+async def test_half_commands_need_the_publish_permission(node, auth_server):
+    from nsqwire.commands import cmd_decide, cmd_half
+
+    server, address = await auth_server(ttl=60)
+    n = await node(auth_http_address=[address])
+    c = await connect(n)
+    with pytest.raises(NSQError, match="E_AUTH_FIRST"):
+        await c.command(cmd_half("t", b"before AUTH", "http://127.0.0.1:9/"))
+    c = await connect(n)  # E_AUTH_FIRST closed it
+    await c.command(b"AUTH\n" + len(b"s3cret").to_bytes(4, "big") + b"s3cret")
+    answer = await c.command(cmd_half("t", b"granted", "http://127.0.0.1:9/"))
+    server.permissions = ["subscribe"]
+    server.ttl = 0
+    await asyncio.sleep(0.1)
+    c2 = await connect(n)
+    await c2.command(b"AUTH\n" + len(b"s3cret").to_bytes(4, "big") + b"s3cret")
+    with pytest.raises(NSQError, match="E_UNAUTHORIZED"):
+        await c2.command(cmd_decide("t", answer[3:].decode(), True))
+    await c.command(cmd_decide("t", answer[3:].decode(), True))  # its grant still holds

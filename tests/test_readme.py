@@ -217,6 +217,16 @@ CHECKS = {  # a regex on the command as the README has it: what its run must sho
                                                                               "closed")],
     r"curl -X POST '\S+/channel/dead/requeue\?topic=orders&channel=billing'":
         lambda r: r.status == 0 and r.json() == {"count": 1},
+    r"curl -d 'debit 42' '\S+/half\?topic=pay&check_url=":  # the partition's first record
+        lambda r: r.status == 0 and r.json() == {"id": "0000000000000000", "partition": 0},
+    r"curl -X POST '\S+/half/commit\?topic=pay&id=0000000000000000'":
+        lambda r: r.status == 0 and r.json() == {"state": "committed"},
+    r"curl -d 'debit 43' '\S+/half\?topic=pay&check_url=":
+        lambda r: r.status == 0 and r.json()["partition"] == 0,
+    r"curl '\S+/half\?topic=pay'":  # checked back once, no answer: rolled back
+        lambda r: r.status == 0 and [(p["waiting"], p["committed"], p["rolled_back"],
+                                      p["checks"], p["expired"])
+                                     for p in r.json()["partitions"]] == [([], 1, 1, 1, 1)],
 }
 
 
