@@ -53,6 +53,7 @@ CHECK_AFTER_S = 6.0  # a half's first check-back, after it was written
 MAX_CHECKS = 10
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # between check-backs, the last repeated
 MAX_WAITING = 10_000  # undecided halves a partition holds; HALF is refused beyond
+KEEP_BODIES_BYTES = 8 << 20  # bodies of undecided halves a driver keeps; beyond, read back
 KEEP_DECIDED = 10_000  # decided halves remembered (a decision sent again is answered) ...
 KEEP_DECIDED_S = 600.0  # ... for at most this long after the decision
 
@@ -71,6 +72,8 @@ class Half:
     checks: int = 0
     next_check_s: float = 0.0
     state: str = WAITING
+    message: tuple[bytes, int, bytes] | None = None  # (body, trace id, client header) kept
+    # in memory by the driver that wrote it (KEEP_BODIES_BYTES): a commit need not read it
 
 
 class HalfTable:
@@ -252,7 +255,9 @@ class Halves:
         self._task: asyncio.Task | None = None
         self._checking: dict[int, asyncio.Task] = {}  # half offset -> its check-back
         self._deciding: dict[int, asyncio.Future] = {}  # half offset -> its decision written
-        self._writing_from: int | None = None  # written end before a half on its way
+        self._writing = 0  # halves on their way to the log
+        self._writing_from: int | None = None  # the written end when the first of them left
+        self._kept_bytes = 0  # bodies of waiting halves kept in memory (Half.message)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -325,15 +330,15 @@ class Halves:
 
     # ---- writing --------------------------------------------------------------------
 
-    async def _write(self, body: bytes, trace_id: int, ext: bytes):
-        """One `##half` record as its own request, committed, then folded in: its
-        Appended."""
+    async def _write(self, body: bytes, trace_id: int, ext: bytes, control: dict):
+        """One `##half` record (`control`, in `ext`) as its own request, committed, then
+        folded in: its Appended."""
         writer = self.writer()
         if not writer.writable:
             raise HalfFailed(f"the partition takes no write: {writer.reason}")
         appended = await writer.append([body], trace_id, ext)
         self.table.apply(appended.offset, appended.first_id, appended.timestamp / 1e9,
-                         half_control(ext), self.clock())
+                         control, self.clock())
         return appended
 
     async def publish(self, body: bytes, url: str, trace_id: int = 0, ext: bytes = b""):
@@ -341,14 +346,20 @@ class Halves:
         await self.ready()
         if self.table.waiting_count >= MAX_WAITING:
             raise HalfFailed(f"{MAX_WAITING} half messages wait for a decision already")
-        first_write = self._writing_from is None
-        if first_write:
+        if not self._writing:
             self._writing_from = self.queue.written_end
+        self._writing += 1
         try:
-            appended = await self._write(body, trace_id, with_half(ext, {"check": url}))
+            control = {"check": url}
+            appended = await self._write(body, trace_id, with_half(ext, control), control)
         finally:
-            if first_write:
+            self._writing -= 1
+            if not self._writing:
                 self._writing_from = None
+        half = self.table.by_offset.get(appended.offset)
+        if half is not None and self._kept_bytes + len(body) <= KEEP_BODIES_BYTES:
+            half.message = (body, trace_id, ext)
+            self._kept_bytes += len(body)
         self._wake.set()
         return appended
 
@@ -370,19 +381,28 @@ class Halves:
             self._deciding[half.offset] = done = asyncio.get_running_loop().create_future()
             try:
                 if commit:
-                    rec = await self._record(half.offset)
-                    await self._write(rec.body, rec.trace_id,
-                                      with_half(client_header(rec.ext), {"commit": half.offset}))
+                    body, trace_id, ext = half.message or await self._message(half.offset)
+                    control = {"commit": half.offset}
+                    await self._write(body, trace_id, with_half(ext, control), control)
                     self.committed += 1
                 else:
-                    await self._write(b"", 0, with_half(b"", {"rollback": half.offset}))
+                    control = {"rollback": half.offset}
+                    await self._write(b"", 0, with_half(b"", control), control)
                     self.rolled_back += 1
+                if half.message is not None:
+                    self._kept_bytes -= len(half.message[0])
+                    half.message = None
             finally:
                 del self._deciding[half.offset]
                 done.set_result(None)
         if half.state != want:
             raise HalfDecided(f"half message {msg_id:016x} was {half.state} already")
         return half.state
+
+    async def _message(self, offset: int) -> tuple[bytes, int, bytes]:
+        """The half at `offset` as its producer sent it, read from the log."""
+        rec = await self._record(offset)
+        return rec.body, rec.trace_id, client_header(rec.ext)
 
     async def _record(self, offset: int):
         from .handover import record_at
@@ -404,8 +424,9 @@ class Halves:
             return
         now, requests = self.monotonic(), self.queue.commitlog.next_log_id
         if self.table.roll_call_due(now, requests):
-            await self._write(self.table.roll_call(), 0, json.dumps(
-                {HALF_KEY: {"roll_call": self.table.waiting_count}}).encode())
+            control = {"roll_call": self.table.waiting_count}
+            await self._write(self.table.roll_call(), 0, json.dumps({HALF_KEY: control}).encode(),
+                              control)
             self.table.rolled_call(now, requests)
         for half in self.table.due(self.clock()):
             if len(self._checking) >= MAX_CHECKING:
