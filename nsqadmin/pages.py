@@ -175,6 +175,21 @@ def topics_page(v: dict, ctx: dict) -> tuple[str, str]:
         cls="topics", empty="no topics") + create)
 
 
+def _halves_cell(p: dict) -> str:
+    """A partition's half messages: waiting, then decided, one number a line (the column
+    stays narrow: the table fits 1280 px). The expired ones were rolled back too."""
+    return (f'{num(p["half_waiting"])} waiting<br><small>{num(p["half_committed"])} '
+            f'committed<br>{num(p["half_rolled_back"])} rolled back<br>'
+            f'({num(p["half_expired"])} expired)</small>')
+
+
+def _halves_line(v: dict, base: str) -> str:
+    """The topic's half messages, with the link to those waiting (always shown)."""
+    return (f'<p id="halves">half messages: <a href="{base}/half">'
+            f'{num(v["half_waiting"])} waiting</a> · {num(v["half_committed"])} committed · '
+            f'{num(v["half_rolled_back"])} rolled back ({num(v["half_expired"])} expired)</p>')
+
+
 def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
     name = v["name"]
     base = f"/topics/{u(name)}"
@@ -205,12 +220,14 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
                f'{num(p["depth"])} ' + sparkline([float(d) for d in p["depths"]],
                                                  f"partition {p['number']} depth", 80, 18),
                f'{num(p["rate"])} ' + sparkline(p["rates"],
-                                                f"partition {p['number']} messages/s", 80, 18)]
+                                                f"partition {p['number']} messages/s", 80, 18),
+               _halves_cell(p)]
         if v["mode"] == "cluster":
             row.append(_move_leader_form(base, p, ctx))
         prow.append(row)
     heads = ["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
-             "depth", "msgs/s"] + (["move leader"] if v["mode"] == "cluster" else [])
+             "depth", "msgs/s", "half messages"]
+    heads += ["move leader"] if v["mode"] == "cluster" else []
     parts = table(heads, prow, cls="partitions",
                   empty=v["partitions_note"] or "no partitions")
     note = f'<p class="note" id="replication-note">{esc(v["replication_note"])}</p>' \
@@ -227,7 +244,8 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
     return f"Topic {name}", (
         f'<h1>Topic <span class="name">{esc(name)}</span> {_flags(v)}</h1>{_age(v)}'
         f'<p>{count(v["partition_num"], "partition")} · {count(v["messages"], "message")} · depth '
-        f'{num(v["depth"])}</p>{charts}<div class="actions">{acts}</div>'
+        f'{num(v["depth"])}</p>{_halves_line(v, base)}{charts}'
+        f'<div class="actions">{acts}</div>'
         f'<h2>Partitions</h2>{note}{parts}<h2>Channels</h2>{chans}{add}')
 
 

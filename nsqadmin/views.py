@@ -16,7 +16,7 @@ import time
 from nsqwire.ids import decode_msg_id
 
 from .history import channel_key, partition_key, topic_key
-from .model import Snapshot
+from .model import HALF_FIELDS, Snapshot
 from .times import BadTime, parse_time
 
 REPLICATION_NOTE = {
@@ -126,7 +126,8 @@ def topic_view(source, name: str) -> dict:
             "rate": round(hist.rate(topic_key(t.name)), 2), "nodes": t.nodes,
             "rates": [round(r, 2) for r in hist.rates(topic_key(t.name))],
             "depths": hist.depths(topic_key(t.name)), "partitions": partitions,
-            "channels": channels, "replication_note": REPLICATION_NOTE.get(snap.mode, ""),
+            **{k: getattr(t, k) for k in HALF_FIELDS}, "channels": channels,
+            "replication_note": REPLICATION_NOTE.get(snap.mode, ""),
             "partitions_note": "" if t.partitions else
             "no node reports a partition of this topic it leads (no nsqd holds it yet, "
             "or its leaders did not answer the last poll)"}
