@@ -389,6 +389,40 @@ def dead_letter_page(v: dict, ctx: dict) -> tuple[str, str]:
         + f"<h2>Header</h2>{ext}<h2>Body</h2>{body}")
 
 
+def _half_buttons(base: str, half_id: str, ctx: dict) -> str:
+    """Commit and rollback of one half message."""
+    field = f'<input type="hidden" name="id" value="{esc(half_id)}">'
+    return (form(f"{base}/half_commit", "commit", ctx, fields=field, cls="inline")
+            + form(f"{base}/half_rollback", "rollback", ctx, fields=field, cls="inline",
+                   confirm=f"Roll back half message {half_id}? It is never delivered."))
+
+
+def half_page(v: dict, ctx: dict) -> tuple[str, str]:
+    """A topic's half messages waiting for their decision, each with its buttons, and each
+    partition's counts."""
+    topic = v["topic"]
+    base = f"/topics/{u(topic)}"
+    out = [f'<h1><a href="{base}">{esc(topic)}</a> / <span class="name">half messages'
+           f'</span></h1><p id="half-count">{count(v["count"], "half message")} waiting</p>']
+    for e in v["errors"]:
+        out.append(f'<p class="bad">{esc(e["node"])}: {esc(str(e["status"] or "no answer"))} '
+                   f'{esc(e["message"])}</p>')
+    shown, more = capped(v["waiting"], f"/api{base}/half")
+    rows = [[num(w["partition"]), node_link(w["node"]), f'<code>{esc(w["id"])}</code>',
+             esc(iso(w["written_ms"] / 1000)), num(w["checks"]),
+             f'<code>{esc(w["check_url"])}</code>', _half_buttons(base, w["id"], ctx)]
+            for w in shown]
+    out.append(table(["partition", "leader", "id", "written", "checks", "check URL", ""],
+                     rows, cls="half-waiting", empty="no half message waiting") + more)
+    prow = [[num(p["partition"]), node_link(p["node"]), num(p["waiting"]),
+             num(p["committed"]), num(p["rolled_back"]), num(p["expired"]), num(p["checks"])]
+            for p in v["partitions"]]
+    out.append("<h2>Partitions</h2>" + table(
+        ["partition", "leader", "waiting", "committed", "rolled back", "expired",
+         "check-backs"], prow, cls="half-partitions", empty="no partition answered"))
+    return f"Half messages {topic}", "".join(out)
+
+
 def _move_leader_form(base: str, p: dict, ctx: dict) -> str:
     """A choice of the partition's other in-sync replicas, to lead it instead."""
     others = [i for i in p["isr"] if i != p["leader_id"]]
