@@ -412,7 +412,7 @@ def half_page(v: dict, ctx: dict) -> tuple[str, str]:
              esc(iso(w["written_ms"] / 1000)), num(w["checks"]),
              f'<code>{esc(w["check_url"])}</code>', _half_buttons(base, w["id"], ctx)]
             for w in shown]
-    out.append(table(["partition", "leader", "id", "written", "checks", "check URL", ""],
+    out.append(table(["partition", "leader", "id", "written", "check-backs", "check URL", ""],
                      rows, cls="half-waiting", empty="no half message waiting") + more)
     prow = [[num(p["partition"]), node_link(p["node"]), num(p["waiting"]),
              num(p["committed"]), num(p["rolled_back"]), num(p["expired"]), num(p["checks"])]
