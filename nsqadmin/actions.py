@@ -11,6 +11,9 @@ Who is asked, by mode (the Snapshot's):
 - nsqd: every configured nsqd.
 A channel's dead letters (max_attempts, requeue, purge: one by its id, or all) go to every
 nsqd holding the topic, in every mode: each changes those of the partitions it leads.
+A half message's decision (commit, rollback) goes to the node(s) leading the partition its
+id names, in every mode (in the classic modes each nsqd leads a partition 0 of its own:
+those that do not have the half answer 404).
 Cluster mode only, to the master: a partition's leader moved within its ISR, a node drained
 (or its drain cancelled), one balancer move now.
 A fan-out succeeds when at least one node did and none failed other than by not having
@@ -25,13 +28,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from nsqwire.ids import decode_msg_id
+from nsqwire.ids import decode_msg_id, msg_id_partition
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
 from .times import BadTime, parse_time
 
 TOPIC_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "trace_on", "trace_off",
-                 "tombstone", "move_leader")
+                 "tombstone", "move_leader", "half_commit", "half_rollback")
 NODE_ACTIONS = ("drain", "drain_cancel")
 CHANNEL_ACTIONS = ("create", "delete", "empty", "pause", "unpause", "setoffset", "trace_on",
                    "trace_off", "max_attempts", "dead_requeue", "dead_purge")
@@ -192,6 +195,8 @@ async def topic_action(source, action: str, topic: str, form: dict) -> Outcome:
         await _calls(source, out, lookupds, "/topic/tombstone", q | {"node": node})
     elif action == "move_leader":
         return await _move_leader(source, out, topic, form)
+    elif action in ("half_commit", "half_rollback"):
+        return await _half_decide(source, out, snap.topics[topic], action, form)
     shows = {"create": lambda t: t is not None and bool(t.partitions),
              "delete": lambda t: t is None, "pause": lambda t: t and t.paused,
              "unpause": lambda t: t and not t.paused, "trace_on": lambda t: t and t.traced,
@@ -223,6 +228,35 @@ async def _move_leader(source, out: Outcome, topic: str, form: dict) -> Outcome:
         return any(p.number == int(number) and p.leader_id == to for p in (t.partitions
                                                                           if t else ()))
     await _settle(source, out, moved)
+    return out
+
+
+def _half_id(form: dict) -> str:
+    """The half message's id the form names (16 hex characters, lowercased)."""
+    v = str(form.get("id") or "").strip().lower()
+    if not v:
+        raise ActionError(400, "MISSING_ARG", "half_commit and half_rollback need id")
+    try:
+        decode_msg_id(v.encode())
+    except ValueError:
+        raise ActionError(400, "INVALID_ID", f"not a half message's id: {v!r} (16 hex "
+                                             "characters)") from None
+    return v
+
+
+async def _half_decide(source, out: Outcome, t, action: str, form: dict) -> Outcome:
+    """Commit or roll back one half message at the leaders of the partition its id names
+    (nsqd's /half/commit, /half/rollback: a decision sent again is answered the same)."""
+    half_id = _half_id(form)
+    number = msg_id_partition(int(half_id, 16))
+    leaders = sorted({p.leader for p in t.partitions if p.number == number and p.leader})
+    if not leaders:
+        raise ActionError(404, "PARTITION_NOT_FOUND", f"no node leads partition {number} "
+                                                      f"of {t.name!r} (the last poll)")
+    path = "/half/commit" if action == "half_commit" else "/half/rollback"
+    out.action += f" {half_id}"
+    await _calls(source, out, leaders, path, {"topic": t.name, "id": half_id})
+    await _settle(source, out, None)
     return out
 
 

@@ -49,6 +49,11 @@ async def channel(request):
                                                 request.match_info["channel"]))
 
 
+async def half(request):
+    return web.json_response(await views.half_view(_source(request),
+                                                   request.match_info["topic"]))
+
+
 async def dead(request):
     return web.json_response(await views.dead_view(
         _source(request), request.match_info["topic"], request.match_info["channel"],
@@ -149,6 +154,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/api/topics", topics)
     r.add_post("/api/topics", topic_create)
     r.add_get("/api/topics/{topic}", topic)
+    # before {channel}: a channel named `half` has no page of its own
+    r.add_get("/api/topics/{topic}/half", half)
     r.add_post("/api/topics/{topic}/{action}", topic_act)
     r.add_get("/api/topics/{topic}/{channel}", channel)
     r.add_post("/api/topics/{topic}/{channel}/{action}", channel_act)

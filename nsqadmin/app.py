@@ -147,6 +147,11 @@ async def channel(request):
     return html_page(request, pages.channel_page(v, _ctx(request)))
 
 
+async def half(request):
+    v = await views.half_view(_source(request), request.match_info["topic"])
+    return html_page(request, pages.half_page(v, _ctx(request)), refresh=False)
+
+
 async def dead(request):
     v = await views.dead_view(_source(request), request.match_info["topic"],
                               request.match_info["channel"], dict(request.query))
@@ -235,6 +240,8 @@ async def topic_act(request):
         _after(request, out, "/topics")
     if action == "tombstone":
         _after(request, out, f"/nodes/{pages.u(str(form.get('node', '')))}")
+    if action in ("half_commit", "half_rollback"):
+        _after(request, out, f"/topics/{pages.u(name)}/half")
     _after(request, out, f"/topics/{pages.u(name)}")
 
 
@@ -288,6 +295,8 @@ def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:
     app.router.add_post("/topics", topic_create)
     app.router.add_get("/topics/{topic}", topic)
     app.router.add_post("/topics/{topic}/{action}", topic_act)
+    # before {channel}: a channel named `half` has no page of its own
+    app.router.add_get("/topics/{topic}/half", half)
     app.router.add_get("/topics/{topic}/{channel}", channel)
     app.router.add_post("/topics/{topic}/{channel}/{action}", channel_act)
     app.router.add_get("/topics/{topic}/{channel}/dead", dead)

@@ -17,6 +17,10 @@ Where a number comes from:
   leader change as the partition's count does (a replay moves it back);
 - a channel's `max_attempts`: the largest of its partitions' (each node reports its own);
 - the other channel numbers (`dead` among them): the sum over the nodes that serve its
+  partitions;
+- a partition's half messages (`half_waiting`, `half_committed`, `half_rolled_back`,
+  `half_checks`, `half_expired`): its leader's, counted since the partition opened on it
+  (a new leader counts afresh from the log's tail); a topic's: the sums over its
   partitions.
 
 In cluster mode a partition is counted once: when two nodes report leading it (a leader
@@ -70,6 +74,15 @@ class Partition:
     depth: int = 0
     channels: list[str] = field(default_factory=list)
     error: str = ""
+    half_waiting: int = 0  # half messages waiting for their decision (nsqd's halves)
+    half_committed: int = 0
+    half_rolled_back: int = 0
+    half_checks: int = 0  # check-backs made to producers
+    half_expired: int = 0  # rolled back after their last check-back got no decision
+
+
+HALF_FIELDS = ("half_waiting", "half_committed", "half_rolled_back", "half_checks",
+               "half_expired")
 
 
 @dataclass
@@ -124,6 +137,11 @@ class Topic:
     partitions: list[Partition] = field(default_factory=list)
     channels: dict[str, Channel] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)  # HTTP addresses holding it
+    half_waiting: int = 0  # half messages (HALF_FIELDS): the sums over its partitions
+    half_committed: int = 0
+    half_rolled_back: int = 0
+    half_checks: int = 0
+    half_expired: int = 0
 
 
 @dataclass
@@ -294,7 +312,7 @@ def _add_topic(topics: dict[str, Topic], node: Node, t: dict, leading: dict,
             messages=_int(p.get("committed_count")),
             size_bytes=_int(p.get("committed_offset")) - _int(p.get("start_offset")),
             depth=_int(p.get("depth")), channels=list(p.get("channels") or ()),
-            error=p.get("error") or ""))
+            error=p.get("error") or "", **{k: _int(p.get(k)) for k in HALF_FIELDS}))
 
 
 def build(mode: str, taken_at: float, lookupds: list[dict], producers: list[dict],
@@ -339,6 +357,8 @@ def build(mode: str, taken_at: float, lookupds: list[dict], producers: list[dict
             p.depth = max(here) if here else p.depth
         topic.messages = sum(p.messages for p in topic.partitions)
         topic.depth = sum(p.depth for p in topic.partitions)
+        for k in HALF_FIELDS:
+            setattr(topic, k, sum(getattr(p, k) for p in topic.partitions))
         topic.partition_num = topic.partition_num or len(topic.partitions)
     problems = [f"{http}: {e}" for http, e in sorted(errors.items())]
     for lk in lookupds:

@@ -175,6 +175,21 @@ def topics_page(v: dict, ctx: dict) -> tuple[str, str]:
         cls="topics", empty="no topics") + create)
 
 
+def _halves_cell(p: dict) -> str:
+    """A partition's half messages: waiting, then decided, one number a line (the column
+    stays narrow: the table fits 1280 px). The expired ones were rolled back too."""
+    return (f'{num(p["half_waiting"])} waiting<br><small>{num(p["half_committed"])} '
+            f'committed<br>{num(p["half_rolled_back"])} rolled back<br>'
+            f'({num(p["half_expired"])} expired)</small>')
+
+
+def _halves_line(v: dict, base: str) -> str:
+    """The topic's half messages, with the link to those waiting (always shown)."""
+    return (f'<p id="halves">half messages: <a href="{base}/half">'
+            f'{num(v["half_waiting"])} waiting</a> · {num(v["half_committed"])} committed · '
+            f'{num(v["half_rolled_back"])} rolled back ({num(v["half_expired"])} expired)</p>')
+
+
 def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
     name = v["name"]
     base = f"/topics/{u(name)}"
@@ -205,12 +220,14 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
                f'{num(p["depth"])} ' + sparkline([float(d) for d in p["depths"]],
                                                  f"partition {p['number']} depth", 80, 18),
                f'{num(p["rate"])} ' + sparkline(p["rates"],
-                                                f"partition {p['number']} messages/s", 80, 18)]
+                                                f"partition {p['number']} messages/s", 80, 18),
+               _halves_cell(p)]
         if v["mode"] == "cluster":
             row.append(_move_leader_form(base, p, ctx))
         prow.append(row)
     heads = ["partition", "leader", "ISR", "catch-up", "epoch", "writable", "messages",
-             "depth", "msgs/s"] + (["move leader"] if v["mode"] == "cluster" else [])
+             "depth", "msgs/s", "half messages"]
+    heads += ["move leader"] if v["mode"] == "cluster" else []
     parts = table(heads, prow, cls="partitions",
                   empty=v["partitions_note"] or "no partitions")
     note = f'<p class="note" id="replication-note">{esc(v["replication_note"])}</p>' \
@@ -227,7 +244,8 @@ def topic_page(v: dict, ctx: dict) -> tuple[str, str]:
     return f"Topic {name}", (
         f'<h1>Topic <span class="name">{esc(name)}</span> {_flags(v)}</h1>{_age(v)}'
         f'<p>{count(v["partition_num"], "partition")} · {count(v["messages"], "message")} · depth '
-        f'{num(v["depth"])}</p>{charts}<div class="actions">{acts}</div>'
+        f'{num(v["depth"])}</p>{_halves_line(v, base)}{charts}'
+        f'<div class="actions">{acts}</div>'
         f'<h2>Partitions</h2>{note}{parts}<h2>Channels</h2>{chans}{add}')
 
 
@@ -369,6 +387,40 @@ def dead_letter_page(v: dict, ctx: dict) -> tuple[str, str]:
         + f'<p><a href="{base}/dead">all dead letters</a></p><dl>{dl}</dl>'
         + f'<div class="actions">{_dead_buttons(base, v["id"], ctx)}</div>'
         + f"<h2>Header</h2>{ext}<h2>Body</h2>{body}")
+
+
+def _half_buttons(base: str, half_id: str, ctx: dict) -> str:
+    """Commit and rollback of one half message."""
+    field = f'<input type="hidden" name="id" value="{esc(half_id)}">'
+    return (form(f"{base}/half_commit", "commit", ctx, fields=field, cls="inline")
+            + form(f"{base}/half_rollback", "rollback", ctx, fields=field, cls="inline",
+                   confirm=f"Roll back half message {half_id}? It is never delivered."))
+
+
+def half_page(v: dict, ctx: dict) -> tuple[str, str]:
+    """A topic's half messages waiting for their decision, each with its buttons, and each
+    partition's counts."""
+    topic = v["topic"]
+    base = f"/topics/{u(topic)}"
+    out = [f'<h1><a href="{base}">{esc(topic)}</a> / <span class="name">half messages'
+           f'</span></h1><p id="half-count">{count(v["count"], "half message")} waiting</p>']
+    for e in v["errors"]:
+        out.append(f'<p class="bad">{esc(e["node"])}: {esc(str(e["status"] or "no answer"))} '
+                   f'{esc(e["message"])}</p>')
+    shown, more = capped(v["waiting"], f"/api{base}/half")
+    rows = [[num(w["partition"]), node_link(w["node"]), f'<code>{esc(w["id"])}</code>',
+             esc(iso(w["written_ms"] / 1000)), num(w["checks"]),
+             f'<code>{esc(w["check_url"])}</code>', _half_buttons(base, w["id"], ctx)]
+            for w in shown]
+    out.append(table(["partition", "leader", "id", "written", "check-backs", "check URL", ""],
+                     rows, cls="half-waiting", empty="no half message waiting") + more)
+    prow = [[num(p["partition"]), node_link(p["node"]), num(p["waiting"]),
+             num(p["committed"]), num(p["rolled_back"]), num(p["expired"]), num(p["checks"])]
+            for p in v["partitions"]]
+    out.append("<h2>Partitions</h2>" + table(
+        ["partition", "leader", "waiting", "committed", "rolled back", "expired",
+         "check-backs"], prow, cls="half-partitions", empty="no partition answered"))
+    return f"Half messages {topic}", "".join(out)
 
 
 def _move_leader_form(base: str, p: dict, ctx: dict) -> str:

@@ -2,7 +2,7 @@
 pages.py renders the same dicts as HTML, so the page and the API never disagree.
 
 Every function reads the Source's current Snapshot and History (no I/O) except
-trace_view, dead_view and dead_letter_view, which ask the nodes (never cached).
+trace_view, dead_view, dead_letter_view and half_view, which ask the nodes (never cached).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from nsqwire.ids import decode_msg_id
 
 from .history import channel_key, partition_key, topic_key
-from .model import Snapshot
+from .model import HALF_FIELDS, Snapshot
 from .times import BadTime, parse_time
 
 REPLICATION_NOTE = {
@@ -126,7 +126,8 @@ def topic_view(source, name: str) -> dict:
             "rate": round(hist.rate(topic_key(t.name)), 2), "nodes": t.nodes,
             "rates": [round(r, 2) for r in hist.rates(topic_key(t.name))],
             "depths": hist.depths(topic_key(t.name)), "partitions": partitions,
-            "channels": channels, "replication_note": REPLICATION_NOTE.get(snap.mode, ""),
+            **{k: getattr(t, k) for k in HALF_FIELDS}, "channels": channels,
+            "replication_note": REPLICATION_NOTE.get(snap.mode, ""),
             "partitions_note": "" if t.partitions else
             "no node reports a partition of this topic it leads (no nsqd holds it yet, "
             "or its leaders did not answer the last poll)"}
@@ -247,6 +248,32 @@ async def dead_letter_view(source, topic: str, channel: str, raw_id: str) -> dic
                     for f in (_failure(n, s, a) for n, (s, a) in zip(nodes, answers)))
     raise NotFound("DEAD_LETTER_NOT_FOUND", f"no dead letter {letter_id} in {topic}/{channel}"
                                             + (f" ({why})" if why else ""))
+
+
+async def half_view(source, topic: str) -> dict:
+    """The topic's half messages waiting for their decision: each partition's /half asked
+    of its leader (as the last poll saw it), in partition order, each in log order.
+    `partitions`: each one's counts as its leader answered; `errors`: the leaders that did
+    not answer 200."""
+    t = _topic(source.snapshot, topic)
+    led = [(p.leader, p.number) for p in t.partitions if p.leader]
+    answers = await asyncio.gather(*(source.get(node, "/half", {"topic": topic,
+                                                                "partition": str(n)})
+                                     for node, n in led))
+    waiting, partitions, errors = [], [], []
+    for (node, _), (status, answer) in zip(led, answers):
+        if status != 200 or not isinstance(answer, dict):
+            errors.append(_failure(node, status, answer))
+            continue
+        for p in answer.get("partitions") or ():
+            partitions.append({"partition": p["partition"], "node": node,
+                               "waiting": len(p["waiting"]), "committed": p["committed"],
+                               "rolled_back": p["rolled_back"], "checks": p["checks"],
+                               "expired": p["expired"]})
+            waiting += [{**w, "partition": p["partition"], "node": node}
+                        for w in p["waiting"]]
+    return {"mode": source.snapshot.mode, "topic": t.name, "count": len(waiting),
+            "waiting": waiting, "partitions": partitions, "errors": errors}
 
 
 _HEX_ID = re.compile(r"[0-9a-fA-F]{16}")

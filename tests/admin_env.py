@@ -1,7 +1,8 @@
 """What the nsqadmin tests share: an nsqadmin process, a classic pair (nsqlookupd without
 etcd + one nsqd registered with it), an HTTP client with cookies (CSRF, sessions), a
-consumer running in a thread (the browser test is synchronous: Playwright's sync API), and
-a raw consumer that answers each message itself (FIN or REQ)."""
+consumer running in a thread (the browser test is synchronous: Playwright's sync API), a
+raw consumer that answers each message itself (FIN or REQ), and half messages published
+over nsqd's HTTP."""
 
 from __future__ import annotations
 
@@ -148,6 +149,26 @@ def publish(address: str, path: str, body: bytes, timeout: float = 15) -> int:
         status = post_nsqd(address, path, body)
         if status not in (400, 503) or time.monotonic() > deadline:
             return status
+        time.sleep(0.1)
+
+
+NO_CHECK_BACK = "http://127.0.0.1:9/never"  # nobody answers: only the decisions sent count
+
+
+def publish_half(address: str, topic: str, partition: int, body: bytes,
+                 timeout: float = 15) -> str:
+    """POST /half (its check-back URL NO_CHECK_BACK), retried as `publish` is: the half
+    message's id."""
+    path = f"/half?topic={topic}&partition={partition}&check_url={NO_CHECK_BACK}"
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(f"http://{address}{path}", data=body, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())["id"]
+        except urllib.error.HTTPError as e:
+            if e.code not in (400, 503) or time.monotonic() > deadline:
+                raise AssertionError(f"POST {path}: {e.code} {e.read()!r}") from None
         time.sleep(0.1)
 
 

@@ -4,8 +4,8 @@ four nsqadmin processes: open on the cluster, logins for actions on the cluster,
 for everything on the single nsqd (--nsqd-http-address), open on the classic lookupd.
 
 Every /api/ endpoint, each action and its effect as the nodes report it (a channel's dead
-letters with a raw consumer that REQs), bad input (400, 403, 404 with a JSON body), login
-refusal, the 404 page and the bad-time message."""
+letters with a raw consumer that REQs; half messages committed and rolled back), bad input
+(400, 403, 404 with a JSON body), login refusal, the 404 page and the bad-time message."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import time
 import pytest
 
 from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, RawConsumer,
-                       ThreadConsumer, password_file, publish, until)
+                       ThreadConsumer, password_file, post_nsqd, publish, publish_half,
+                       until)
 from cluster import Cluster, http_json, wait_until
 
 
@@ -301,6 +302,92 @@ def test_dead_letters(env):
     finally:
         for consumer in consumers.values():
             consumer.close()
+
+
+def test_half_messages(env):
+    """Half messages through nsqadmin: one waiting on each of two partitions, counted from
+    /stats on the topic page and listed from their leaders' /half; one committed (a
+    consumer gets it), one rolled back (never delivered); wrong ids refused before any node
+    is asked, a decision against the other refused by the node; actions need a login where
+    nsqadmin asks for one; a classic nsqd's half committed the same way."""
+    c, api = env["cluster"], Client(env["open"].url)
+    assert api.post("/api/topics", {"topic": "halves", "partitions": 2,
+                                    "replicas": 2})[0] == 200
+    assert api.post("/api/topics/halves/channel_create", {"channel": "ch"})[0] == 200
+    leaders = wait_until(lambda: len(c.leaders("halves")) == 2 and c.leaders("halves"), 15,
+                         "two leaders")
+    http = {n: c.nsqd_at(tcp).http_address for n, tcp in leaders.items()}
+    ids = {n: publish_half(http[n], "halves", n, b"half %d" % n) for n in (0, 1)}
+    assert [int(ids[n], 16) >> 50 for n in (0, 1)] == [0, 1]
+
+    def topic():
+        return api.get("/api/topics/halves")[1]
+    until(lambda: topic()["half_waiting"] == 2, 10, "2 waiting in stats", detail=topic)
+    assert [(p["number"], p["half_waiting"], p["half_committed"]) for p in
+            topic()["partitions"]] == [(0, 1, 0), (1, 1, 0)]
+
+    def listed():
+        status, v, _ = api.get("/api/topics/halves/half")
+        assert status == 200, v
+        return v
+    v = listed()
+    assert v["count"] == 2 and v["errors"] == []
+    assert [(w["partition"], w["id"], w["node"], w["check_url"]) for w in v["waiting"]] == [
+        (n, ids[n], http[n], "http://127.0.0.1:9/never") for n in (0, 1)]
+    assert all(abs(w["written_ms"] / 1000 - time.time()) < 60 for w in v["waiting"])
+    assert [(p["partition"], p["node"], p["waiting"], p["committed"]) for p in
+            v["partitions"]] == [(0, http[0], 1, 0), (1, http[1], 1, 0)]
+    status, page, _ = api.get("/topics/halves")
+    assert status == 200 and '<a href="/topics/halves/half">2 waiting</a>' in page
+    status, page, _ = api.get("/topics/halves/half")
+    assert status == 200 and "2 half messages waiting" in page and ids[1] in page
+    assert 'action="/topics/halves/half_commit"' in page
+    status, body, _ = api.get("/api/topics/nope/half")
+    assert (status, body["message"]) == (404, "TOPIC_NOT_FOUND")
+
+    for args, want in (({"id": "xyz"}, (400, "INVALID_ID")), ({}, (400, "MISSING_ARG")),
+                       ({"id": f"{7 << 50:016x}"}, (404, "PARTITION_NOT_FOUND"))):
+        status, out, _ = api.post("/api/topics/halves/half_commit", args)
+        assert (status, out["message"]) == want, out
+    status, out, _ = api.post("/api/topics/halves/half_commit", {"id": "0000000000000fff"})
+    assert status == 502 and [(x["node"], x["status"], x["answer"]) for x in out["calls"]] \
+        == [(http[0], 404, "HALF_NOT_FOUND")], out
+    guarded = Client(env["login"].url)
+    status, out, _ = guarded.post("/api/topics/halves/half_commit", {"id": ids[0]})
+    assert (status, out["message"]) == (401, "LOGIN_REQUIRED")
+
+    consumer = ThreadConsumer(leaders[0], "halves", "ch").start()
+    try:
+        assert consumer.take(0.5) is None  # a half is delivered by no channel
+        status, out, _ = api.post("/api/topics/halves/half_commit", {"id": ids[0]})
+        assert status == 200 and out["ok"] and out["action"] == \
+            f"topic half_commit halves {ids[0]}", out
+        assert [(x["node"], x["path"]) for x in out["calls"]] == [(http[0], "/half/commit")]
+        assert consumer.take(10)[1] == b"half 0"
+        status, out, _ = api.post("/api/topics/halves/half_rollback", {"id": ids[1]})
+        assert status == 200 and out["ok"], out
+        status, out, _ = api.post("/api/topics/halves/half_commit", {"id": ids[1]})
+        assert status == 502 and out["calls"][0]["answer"] == "HALF_DECIDED", out
+        v = listed()
+        assert v["count"] == 0 and v["waiting"] == []
+        assert [(p["committed"], p["rolled_back"]) for p in v["partitions"]] == [(1, 0), (0, 1)]
+        t = topic()  # the action read the cluster again: the counts show at once
+        assert (t["half_waiting"], t["half_committed"], t["half_rolled_back"],
+                t["half_expired"]) == (0, 1, 1, 0)
+        assert consumer.take(1) is None  # the rolled back half: never delivered
+    finally:
+        consumer.stop()
+
+    classic, capi = env["classic"], Client(env["classic_admin"].url)
+    assert post_nsqd(classic.nsqd.http_address, "/topic/create?topic=halfclassic") == 200
+    half_id = publish_half(classic.nsqd.http_address, "halfclassic", 0, b"classic half")
+    until(lambda: capi.get("/api/topics/halfclassic")[1].get("half_waiting") == 1, 10,
+          "the classic half in stats")
+    [w] = capi.get("/api/topics/halfclassic/half")[1]["waiting"]
+    assert (w["id"], w["node"]) == (half_id, classic.nsqd.http_address)
+    status, out, _ = capi.post("/api/topics/halfclassic/half_commit", {"id": half_id})
+    assert status == 200 and out["ok"], out
+    assert capi.get("/api/topics/halfclassic/half")[1]["partitions"][0]["committed"] == 1
 
 
 def test_bad_input(env):

@@ -7,8 +7,10 @@ and with --admin-user), the classic lookupd.
 Every page renders with real data; every action is clicked (confirm() dialogs accepted,
 and one dismissed) and its effect shows on the page; a paused channel stops delivering to
 a real consumer until unpaused; a message a raw consumer REQs is buried, shown on the dead
-letters page and requeued by its button; a trace search finds a message published here;
-with --admin-user an action sends the browser to the login form and back.
+letters page and requeued by its button; a half message waits on the half messages page
+(linked from the topic page) until its commit button delivers it; a trace search finds a
+message published here; with --admin-user an action sends the browser to the login form
+and back.
 
 Screenshots of every page (laptop 1280 px wide, and the topic and channel pages at 390 px,
 a phone) go to a tmp folder kept after the run: `<basetemp>/nsqadmin-shots0/*.png` (the
@@ -25,7 +27,7 @@ import time
 import pytest
 
 from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, RawConsumer, ThreadConsumer,
-                       password_file, post_nsqd, publish, until)
+                       password_file, post_nsqd, publish, publish_half, until)
 from cluster import Cluster, wait_until
 
 pw = pytest.importorskip("playwright.sync_api")
@@ -320,6 +322,45 @@ def test_dead_letters_page(env, page):
         assert (attempts, body) == (1, b"<b>bad</b> order")
     finally:
         consumer.close()
+
+
+def test_half_messages_page(env, page):
+    """A half message waiting shows on the topic page (its partition row and the link) and
+    on the half messages page; its commit button delivers it to a real consumer."""
+    c, base = env["cluster"], env["admin"].url
+    api = Client(base)
+    assert api.post("/api/topics", {"topic": "deals", "partitions": 1})[0] == 200
+    assert api.post("/api/topics/deals/channel_create", {"channel": "ch"})[0] == 200
+    leader = c.nsqd_at(wait_until(lambda: c.leaders("deals").get(0), 15, "a leader"))
+    half_id = publish_half(leader.http_address, "deals", 0, b"<i>deal</i> 7")
+    until(lambda: api.get("/api/topics/deals")[1]["half_waiting"] == 1, 10, "1 waiting")
+
+    visit(env, page, base, "/topics/deals", "topic-halves")
+    assert text(page, "#halves") == \
+        "half messages: 1 waiting · 0 committed · 0 rolled back (0 expired)"
+    assert text(page, "table.partitions tbody tr td:nth-child(10)").startswith("1 waiting")
+    page.locator("#halves a").click()
+    page.wait_for_load_state()
+    assert page.url.endswith("/topics/deals/half")
+    visit(env, page, base, "/topics/deals/half", "half-messages")
+    assert text(page, "#half-count") == "1 half message waiting"
+    row = page.locator("table.half-waiting tbody tr")
+    cells = [td.inner_text() for td in row.first.locator("td").all()]
+    assert row.count() == 1 and cells[0] == "0" and cells[2] == half_id, cells
+    assert cells[5] == "http://127.0.0.1:9/never"
+
+    consumer = ThreadConsumer(leader.tcp_address, "deals", "ch").start()
+    try:
+        assert consumer.take(0.5) is None  # waiting: delivered by no channel
+        row.first.locator("button", has_text="commit").click()
+        page.wait_for_load_state()
+        assert page.url.endswith("/topics/deals/half") and "done" in text(page, ".flash")
+        assert half_id in text(page, ".flash")
+        assert text(page, "#half-count") == "0 half messages waiting"
+        assert page.locator("table.half-partitions tbody tr td").nth(3).inner_text() == "1"
+        assert consumer.take(10)[1] == b"<i>deal</i> 7"
+    finally:
+        consumer.stop()
 
 
 def test_trace_search_finds_a_published_message(env, page):
