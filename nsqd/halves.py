@@ -325,8 +325,9 @@ class Halves:
         for entry, control in records[start:]:
             self.table.apply(entry.offset, entry.first_msg_id, entry.timestamp / 1e9, control,
                              now)
-        log.info("halves_read_back", path=q.path, requests=len(found),
-                 waiting=self.table.waiting_count)
+        if records:
+            log.info("halves_read_back", path=q.path, records=len(records),
+                     waiting=self.table.waiting_count)
 
     # ---- writing --------------------------------------------------------------------
 
