@@ -243,6 +243,23 @@ def test_dead_letter_records_are_not_rows():
     assert [(r["msg_id"][-1], r["body"]) for r in rows] == [("7", b"a"), ("9", b"b")]
 
 
+def test_half_records_are_not_rows_but_their_commits():
+    """Pure: a half message, a rollback and a roll-call (nsqd/halves.py) are no message of
+    the topic; a commit is the message."""
+    from diskqueue.record import encode_into
+    from nsqd.halves import with_half
+
+    buf = bytearray()
+    encode_into(buf, 1, 0, 1, 0, with_half(b"", {"check": "http://x/"}), b"debit")
+    encode_into(buf, 2, 0, 2, 0, with_half(b"", {"check": "http://x/"}), b"credit")
+    encode_into(buf, 3, 0, 3, 0, with_half(b"", {"commit": 0}), b"debit")
+    encode_into(buf, 4, 0, 4, 0, with_half(b"", {"rollback": 40}), b"")
+    encode_into(buf, 5, 0, 5, 0, with_half(b"", {"roll_call": 0}), b'{"urls":[],"waiting":[]}')
+    places, used = client.frame(bytes(buf), 0, 0)
+    rows = client.to_batch("t", 0, bytes(buf), 0, places).to_pylist()
+    assert [(r["msg_id"][-1], r["body"]) for r in rows] == [("3", b"debit")]
+
+
 def test_records_to_arrow_fields_ext_and_a_flipped_bit():
     """Pure: every field of the record format lands in its column (a trace id above 2^63 as
     the signed long of its bits, the ext header's JSON as a map); a flipped bit anywhere in
