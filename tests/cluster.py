@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -113,6 +114,13 @@ class Cluster:
         return "\n".join(lines)
 
     def stop(self) -> None:
+        """Every process stopped (a SIGSTOPped nsqd continued first, so SIGTERM stops it)."""
+        for n in self.nsqds:
+            if n.proc is not None and n.proc.poll() is None:
+                try:
+                    os.kill(n.proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
         for p in self.nsqds + self.lookupds:
             try:
                 p.stop()

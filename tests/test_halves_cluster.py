@@ -16,8 +16,6 @@ server (aiohttp, the producer's side) in the test:
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
 import pytest
@@ -75,12 +73,6 @@ class CheckServer:
 def half_cluster(tmp_path):
     cl = Cluster(str(tmp_path), 3, 1, *CHECK).start()
     yield cl
-    for n in cl.nsqds:
-        if n.proc is not None and n.proc.poll() is None:
-            try:
-                os.kill(n.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
     cl.stop()
 
 
@@ -119,6 +111,14 @@ async def _delivered(address: str, expected: set[bytes], timeout: float = 30.0) 
     finally:
         await conn.close()
     return got
+
+
+async def _single(tmp_path, *flags: str) -> NsqdProcess:
+    """A single nsqd with the topic `pay` and its channel `ledger`."""
+    node = NsqdProcess(str(tmp_path / "nsqd"), *flags).start()
+    await _http(node, "POST", "/topic/create?topic=pay")
+    await _http(node, "POST", "/channel/create?topic=pay&channel=ledger")
+    return node
 
 
 async def _setup(cl):
@@ -187,11 +187,9 @@ async def test_nsqclient_commits_and_rolls_back_across_a_leader_kill(half_cluste
 
 
 async def test_a_node_killed_with_halves_in_every_state_reads_them_back(tmp_path):
-    node = NsqdProcess(str(tmp_path / "nsqd"), *CHECK).start()
+    node = await _single(tmp_path, *CHECK)
     checks = await CheckServer().start()
     try:
-        await _http(node, "POST", "/topic/create?topic=pay")
-        await _http(node, "POST", "/channel/create?topic=pay&channel=ledger")
         conn = await _connect(node.tcp_address)
         checking = await _half(conn, b"checking", checks.url, None)
         checks.held.add(checking)
@@ -222,13 +220,10 @@ async def test_a_node_killed_with_halves_in_every_state_reads_them_back(tmp_path
 async def test_an_undecided_half_keeps_its_segment_from_retention(tmp_path):
     """A channel past an undecided half, small segments and a retention check every 100 ms:
     the half's segment stays, and its commit delivers it."""
-    node = NsqdProcess(str(tmp_path / "nsqd"), "--segment-bytes", "4096",
-                       "--retention-check-interval", "100ms", "--half-check-timeout",
-                       "1h").start()
+    node = await _single(tmp_path, "--segment-bytes", "4096", "--retention-check-interval",
+                         "100ms", "--half-check-timeout", "1h")
     checks = await CheckServer().start()
     try:
-        await _http(node, "POST", "/topic/create?topic=pay")
-        await _http(node, "POST", "/channel/create?topic=pay&channel=ledger")
         conn = await _connect(node.tcp_address)
         held = await _half(conn, b"held", checks.url, None)
         for i in range(0, 400, 50):  # ~20 segments after it

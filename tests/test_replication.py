@@ -40,12 +40,6 @@ SLACK_S = 4  # this 2-core machine runs etcd, a lookupd, three nsqds and the tes
 def cluster(tmp_path):
     cl = Cluster(str(tmp_path), 3, 1).start()
     yield cl
-    for n in cl.nsqds:
-        if n.proc is not None and n.proc.poll() is None:
-            try:
-                os.kill(n.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
     cl.stop()
 
 
