@@ -207,6 +207,7 @@ CHECK_DEADLINE_S = 5.0  # a check-back that has not answered by then got no deci
 MAX_CHECKING = 16  # check-backs in flight a partition
 LOOP_S = 1.0  # how often the driver looks for check-backs due and roll-calls to write
 READY_WAIT_S = 5.0  # a command waits this long for the read-back, then is refused
+MAX_RETRY_S = 30.0  # the longest wait before a failed read-back is tried again
 
 
 def with_half(ext: bytes, value: dict) -> bytes:
@@ -249,7 +250,7 @@ class Halves:
         self.rolled_back = 0  # ... and rolled back, `expired` among them
         self.checks = 0  # check-backs made here
         self.expired = 0  # halves rolled back after MAX_CHECKS check-backs without a decision
-        self.error: str | None = None  # why the read-back failed (every command says it)
+        self.error: str | None = None  # why the last read-back failed, until one is done
         self._ready = asyncio.Event()
         self._wake = asyncio.Event()  # a half was written
         self._task: asyncio.Task | None = None
@@ -275,9 +276,8 @@ class Halves:
             try:
                 await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
             except TimeoutError:
-                raise HalfFailed("the partition's half messages are being read back") from None
-        if self.error is not None:
-            raise HalfFailed(self.error)
+                raise HalfFailed(self.error or "the partition's half messages are being read "
+                                 "back") from None
 
     def kept_from(self) -> int | None:
         """Where retention must keep the log from for the halves (None: anywhere)."""
@@ -287,14 +287,20 @@ class Halves:
         return first
 
     async def _run(self) -> None:
-        try:
-            await self._load()
-        except Exception as e:  # the partition's log failed: every command says so
-            self.error = f"reading the half messages back failed: {type(e).__name__}: {e}"
-            log.error("halves_load_failed", path=self.queue.path, error=self.error)
-            return
-        finally:
-            self._ready.set()
+        delay = LOOP_S
+        while True:  # the read-back, tried again until it is done (commands say why meanwhile)
+            try:
+                await self._load()
+                break
+            except Exception as e:
+                self.error = f"reading the half messages back failed: {type(e).__name__}: {e}"
+                log.warning("halves_load_failed", path=self.queue.path, error=self.error,
+                            retry_s=delay)
+                self.table = HalfTable(self.table.check_after_s, self.table.max_checks)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_RETRY_S)
+        self.error = None
+        self._ready.set()
         while True:
             if not self.table.waiting_count:
                 self._wake.clear()
@@ -317,6 +323,8 @@ class Halves:
         for i in range(len(records) - 1, -1, -1):
             entry, control = records[i]
             if "roll_call" in control:
+                while q.committed_end <= entry.offset:  # a new leader's tail (or the one a
+                    await asyncio.sleep(LOOP_S)  # power cut left): committed once its ISR has it
                 rec = await self._record(entry.offset)
                 self.table.read_roll_call(entry.timestamp / 1e9, rec.body)
                 start = i + 1
@@ -406,8 +414,12 @@ class Halves:
         return rec.body, rec.trace_id, client_header(rec.ext)
 
     async def _record(self, offset: int):
+        """The committed record at `offset`: HalfFailed while it is not committed yet (a new
+        leader's tail), HalfNotFound when it is gone."""
         from .handover import record_at
 
+        if offset >= self.queue.committed_end:
+            raise HalfFailed(f"the record at offset {offset} is not committed yet")
         reader = self.queue.reader(offset, read_ahead=4096)
         try:
             rec = await record_at(self.queue, reader, offset)
@@ -460,13 +472,13 @@ class Halves:
 
     async def _ask(self, half: Half) -> str | None:
         try:
-            rec = await self._record(half.offset)
+            body = half.message[0] if half.message else (await self._record(half.offset)).body
         except HalfNotFound as e:  # retention passed it (kept_from says it must not)
             log.error("half_record_missing", path=self.queue.path, error=str(e))
             return None
         payload = {"topic": self.topic, "partition": self.queue.partition,
                    "id": f"{half.msg_id:016x}", "checks": half.checks,
-                   "body": base64.b64encode(rec.body).decode()}
+                   "body": base64.b64encode(body).decode()}
         try:
             return await asyncio.wait_for(self.check(half.url, payload), CHECK_DEADLINE_S)
         except Exception as e:  # no answer, a refusal, a bad answer: no decision

@@ -257,3 +257,38 @@ async def test_a_partition_holds_max_waiting_halves_and_keeps_the_log_from_the_f
     finally:
         await h.close()
         await q.close()
+
+
+async def test_a_read_back_waits_for_a_stale_committed_end_then_finds_the_halves(
+        tmp_path, monkeypatch):
+    """After a power cut a partition's committed end may lag its log (it is not synced) and
+    the last roll-call lie past it: the read-back waits for it to be committed (commands
+    meanwhile get HalfFailed, which clients retry), never gives up."""
+    from nsqd.errors import HalfFailed
+
+    monkeypatch.setattr(nsqd.halves, "LOOP_S", 0.05)
+    monkeypatch.setattr(nsqd.halves, "READY_WAIT_S", 0.2)
+    q = await DiskQueue.open(str(tmp_path / "q"))
+    h = await _read_back(q)
+    try:
+        half = await h.publish(b"paid", "http://app/")
+        await h._turn()  # its roll-call
+    finally:
+        await h.close()
+    end = q.committed_end
+    q.committed_end = half.offset + 1  # the roll-call past it, as a power cut can leave it
+    again = Halves(q, "t", lambda: Solo(q), _no_answer)
+    again.start()
+    try:
+        try:
+            await again.decide(half.first_id, True)
+            raise AssertionError("decided before the read-back")
+        except HalfFailed:
+            pass
+        q.committed_end = end  # the new leader's ISR took its tail
+        await again.ready()
+        assert [w.msg_id for w in again.table.waiting()] == [half.first_id]
+        assert await again.decide(half.first_id, True) == COMMITTED
+    finally:
+        await again.close()
+        await q.close()
