@@ -292,6 +292,21 @@ def test_poison_messages_become_dead_letters_through_leader_kills_r3(tmp_path):
     assert leftovers() == []
 
 
+def test_half_messages_are_decided_through_leader_kills_r3(tmp_path):
+    """R=3, every 5th message of an nsqclient producer is a half message, committed or
+    rolled back by its producer or left to the check-back (nsqd --half-check-timeout 2s),
+    through leader kills: every acknowledged one of a commit kind is delivered, none of a
+    rollback kind ever is, and the check-backs were answered."""
+    status, s = jepsen(tmp_path / "run", "--nemesis", "kill", "--time-limit", "24",
+                       "--nodes", "3", "--replicas", "3", "--interval", "6", "--seed", "5",
+                       "--halves", "5", "--drain-quiet", "5", timeout=300)
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, s
+    assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["rolled_back_delivered"] == 0
+    assert tq["halves_acknowledged"] > 30 and tq["check_backs"] > 0, tq
+    assert leftovers() == []
+
+
 def test_kill_and_pause_r3_fail_over_and_lose_nothing(tmp_path):
     """R=3 (min_isr 2): a killed or paused leader's partitions move to another in-sync
     replica within seconds (lease TTL 2 s), while publishing goes on; nothing acknowledged
