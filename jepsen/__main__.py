@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                          "consumer: the channel buries it (dead letters), checked at the end")
     ap.add_argument("--max-attempts", type=int, default=3,
                     help="the channel's max_attempts with --poison")
+    ap.add_argument("--halves", type=int, default=0, metavar="N",
+                    help="every Nth message of an nsqclient producer is a half message, "
+                         "committed or rolled back by its producer or by the check-back "
+                         "(nsqd --half-check-timeout 2s): one rolled back must never be "
+                         "delivered")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=90.0)
     ap.add_argument("--drain-quiet", type=float, default=10.0,
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       classic=not args.no_classic, pause_s=args.pause,
                       unkeyed=args.unkeyed, disk_mb=args.disk_mb, ordered=args.ordered,
                       sync_every=args.sync_every, poison=args.poison,
-                      max_attempts=args.max_attempts)
+                      max_attempts=args.max_attempts, halves=args.halves)
     try:
         summary = run(opts)
     except ValueError as e:
@@ -95,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                       "named_stored_twice": tq["named_stored_twice"],
                       "poison_acknowledged": tq["poison_acknowledged"], "dead": tq["dead"],
                       "dead_twice": tq["dead_twice"], "dead_not_poison": tq["dead_not_poison"],
+                      "halves": tq["halves"], "halves_acknowledged": tq["halves_acknowledged"],
+                      "rolled_back_delivered": tq["rolled_back_delivered"],
+                      "check_backs": tq["check_backs"],
                       "duplicate_rate": tq["duplicate_rate"],
                       "order": summary["order"]["valid"],
                       "divergent": rp.get("divergent"), "missing": rp.get("missing"),

@@ -11,10 +11,15 @@ with `valid` (True, False, or "skipped") and its figures, named plainly.
   poison messages (`--poison`), an acknowledged one is not lost when it is among the
   channel's dead letters (`dead` operations); `dead_twice` counts values buried twice,
   `dead_not_poison` ones buried that a consumer never failed (delivered max_attempts
-  times without a FIN through faults): figures, not failures.
+  times without a FIN through faults): figures, not failures. With half messages
+  (`--halves`, jepsen/halves.py), a value of a rollback kind must never be delivered
+  (dequeued, rejected or buried), whatever its enqueue's outcome (`rolled_back_delivered`
+  must be 0), and is never lost; an acknowledged one of a commit kind is lost unless
+  dequeued, as any acknowledged enqueue. `check_backs`: the check-backs answered.
 - order: per key, the first deliveries of its messages have increasing `seq`
-  (a redelivery of an earlier message is a duplicate, not a reordering). Only for an
-  ordered topic; "skipped" otherwise.
+  (a redelivery of an earlier message is a duplicate, not a reordering); half messages
+  are left out (one is delivered where its commit is written, which the check-back may
+  write after the key's later messages). Only for an ordered topic; "skipped" otherwise.
 - availability: the enqueue success rate, latency percentiles, and both per second.
 - failover: per fault that took partition leaders away, the time from the fault's start
   to the first acknowledged keyed publish of each such partition invoked after it.
@@ -27,6 +32,8 @@ with `valid` (True, False, or "skipped") and its figures, named plainly.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+
+from jepsen.halves import rolled_back
 
 
 def pairs(history: list[dict]) -> list[tuple[dict, dict | None]]:
@@ -60,7 +67,12 @@ def total_queue(history: list[dict]) -> dict:
     buried = Counter(op["value"].get("id") for op in history if op["f"] == "dead")
     dead = set(buried)
     poison = {inv["value"]["id"] for inv, _ in pairs(history) if inv["value"].get("poison")}
-    lost = sorted(acknowledged - dequeued - dead)
+    halves = {inv["value"]["id"] for inv, _ in pairs(history) if inv["value"].get("half")}
+    rolled = {inv["value"]["id"] for inv, _ in pairs(history) if rolled_back(inv["value"])}
+    delivered = dequeued | {op["value"].get("id") for op in history  # poison ones too
+                            if op["f"] in ("reject", "dead")}
+    rolled_back_delivered = sorted(rolled & delivered)
+    lost = sorted(acknowledged - dequeued - dead - rolled)
     unexpected = sorted((dequeued - attempted) | (dequeued & failed) | (dead - attempted)
                         | (dead & failed))
     duplicated = sorted(i for i, n in deliveries.items() if n > 1)
@@ -72,7 +84,7 @@ def total_queue(history: list[dict]) -> dict:
     stored_twice = sorted(i for i, ids in copies.items() if len(ids) > 1)
     named_twice = [i for i in stored_twice if i in named]
     return {
-        "valid": not lost and not unexpected and not named_twice,
+        "valid": not lost and not unexpected and not named_twice and not rolled_back_delivered,
         "attempted": len(attempted), "acknowledged": len(acknowledged),
         "failed": len(failed), "indeterminate": len(indeterminate),
         "dequeued": len(dequeued), "deliveries": sum(deliveries.values()),
@@ -86,6 +98,10 @@ def total_queue(history: list[dict]) -> dict:
         "poison_acknowledged": len(poison & acknowledged), "dead": len(dead),
         "dead_twice": sum(1 for n in buried.values() if n > 1),
         "dead_not_poison": len(dead - poison),
+        "halves": len(halves), "halves_acknowledged": len(halves & acknowledged),
+        "rolled_back_delivered": len(rolled_back_delivered),
+        "rolled_back_delivered_ids": rolled_back_delivered[:50],
+        "check_backs": sum(1 for op in history if op["f"] == "check-back"),
     }
 
 
@@ -100,7 +116,7 @@ def order(history: list[dict], ordered: bool) -> dict:
             continue
         v = op["value"]
         key, seq = v.get("key"), v.get("seq")
-        if key is None or seq is None or seq in seen[key]:
+        if key is None or seq is None or seq in seen[key] or v.get("half"):
             continue
         seen[key].add(seq)
         if seq < high.get(key, -1):

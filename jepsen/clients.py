@@ -11,6 +11,14 @@ With `poison` N, every Nth message of each nsqclient producer is poison: every c
 that gets it records a `reject` and fails it (nsqclient REQs it with the error), so the
 channel, given `max_attempts` (dead_letters.setup), buries it among its dead letters,
 which the runner collects at the end as `dead` operations (dead_letters.collect).
+
+With `halves` N, every Nth message of each nsqclient producer is a half message whose
+value names its kind (`half`, jepsen/halves.py): the producer sends the half to
+`check_url`'s check-back, then commits it ("commit"), rolls it back ("rollback") or
+leaves it to the check-back ("check-commit", "check-rollback"). The enqueue is `ok` when
+its last call succeeded; a half refused on its first attempt is `fail`; a decision that
+failed after the half was stored is `info` (the check-back decides it). A half is not
+idempotent (a retried one may be stored twice), so its value is not `named`.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import json
 import threading
 
+from jepsen.halves import kind_of, rolled_back
 from jepsen.history import History
 from nsqclient.consumer import Consumer
 from nsqwire.partitioning import partition_of
@@ -51,7 +60,8 @@ class Workload:
     def __init__(self, history: History, topic: str, partitions: int,
                  lookupds: list[str], nsqds: list[str], unkeyed: int = 2,
                  pause_s: float = 0.05, consumers: int = 2, classic: bool = True,
-                 ordered: bool = False, poison: int = 0):
+                 ordered: bool = False, poison: int = 0, halves: int = 0,
+                 check_url: str | None = None):
         self.history, self.topic, self.partitions = history, topic, partitions
         self.lookupds, self.nsqds = lookupds, nsqds
         self.keys = keys_for(partitions)
@@ -59,11 +69,14 @@ class Workload:
         self.classic = classic
         self.ordered = ordered  # consumers SUB_ORDERED: one message of a partition at a time
         self.poison = poison  # every poison-th message of an nsqclient producer always fails
+        self.halves = halves  # every halves-th message of an nsqclient producer is a half
+        self.check_url = check_url  # the halves' check-back
         self.producing = True
         self.tasks: list[asyncio.Task] = []
         self.consumers: list[Consumer] = []
         self.acknowledged: set[str] = set()  # enqueue ids answered OK, for the drain
         self.poisoned: set[str] = set()  # the acknowledged ones that are poison: not awaited
+        self.rolled_back: set[str] = set()  # ... and halves rolled back: never delivered
         # partition -> invoke time (history clock) of its latest acknowledged keyed publish
         self.last_ok_invoke: dict[int, float] = {}
         self.dequeued: set[str] = set()
@@ -116,33 +129,60 @@ class Workload:
         try:
             while self.producing:
                 value = {"id": f"{process}-{seq}", "key": key, "seq": seq,
-                         "partition": partition, "named": True}  # idempotent: nsqclient's
+                         "partition": partition}
+                kind = kind_of(seq, self.halves)
+                if kind is None:
+                    value["named"] = True  # idempotent: nsqclient's publishes
+                else:
+                    value["half"] = kind
                 if self.poison and seq % self.poison == self.poison - 1:
                     value["poison"] = True
                 invoked = self.history.now()
                 self.history.record("invoke", "enqueue", process, value)
+                body = json.dumps(value).encode()
+                retries = producer.retries
                 try:
                     async with asyncio.timeout(PUBLISH_TIMEOUT_S):
-                        await producer.publish(self.topic, json.dumps(value).encode(), key=key)
+                        if kind is None:
+                            await producer.publish(self.topic, body, key=key)
+                        else:
+                            await self._half(producer, body, kind, key)
                     self.history.record("ok", "enqueue", process, value)
                     self.acknowledged.add(value["id"])
                     if value.get("poison"):
                         self.poisoned.add(value["id"])
+                    if rolled_back(value):
+                        self.rolled_back.add(value["id"])
                     if partition is not None:
                         self.last_ok_invoke[partition] = invoked
                 except PublishError as e:
                     # refused: never stored; unless the node says it was written and may
-                    # still be delivered (replicated, not committed: the outcome is unknown)
-                    refused = "refused" in str(e) and UNKNOWN not in str(e)
+                    # still be delivered (replicated, not committed: the outcome is unknown),
+                    # or a half was sent again (an attempt whose answer was lost may have
+                    # stored it)
+                    refused = ("refused" in str(e) and UNKNOWN not in str(e)
+                               and (kind is None or producer.retries == retries))
                     self.history.record("fail" if refused else "info", "enqueue", process,
                                         dict(value, error=str(e)[:200]))
-                except (TimeoutError, OSError) as e:
+                except (TimeoutError, OSError, Undecided) as e:
                     self.history.record("info", "enqueue", process,
                                         dict(value, error=repr(e)[:200]))
                 seq += 1
                 await asyncio.sleep(self.pause_s)
         finally:
             await producer.close()
+
+    async def _half(self, producer: Producer, body: bytes, kind: str, key: str | None) -> None:
+        """The half, then the producer's decision when `kind` has one; Undecided when the
+        decision failed (the half is stored: the check-back decides it)."""
+        half = await producer.half(self.topic, body, self.check_url, key=key)
+        try:
+            if kind == "commit":
+                await producer.commit(half)
+            elif kind == "rollback":
+                await producer.rollback(half)
+        except PublishError as e:
+            raise Undecided(str(e)) from e
 
     def _classic(self, process: str) -> None:
         """pynsq's Writer on its own tornado loop in this thread: PUB without a partition
@@ -222,9 +262,14 @@ class Workload:
         self.dequeued.add(value.get("id"))
 
     def missing(self) -> int:
-        """Acknowledged enqueues not dequeued yet but poison ones (the drain waits for 0)."""
-        return len(self.acknowledged - self.dequeued - self.poisoned)
+        """Acknowledged enqueues not dequeued yet but poison ones and halves rolled back
+        (the drain waits for 0)."""
+        return len(self.acknowledged - self.dequeued - self.poisoned - self.rolled_back)
 
 
 class Poison(Exception):
     """A poison message: its consumer fails it, always."""
+
+
+class Undecided(Exception):
+    """A half message stored whose producer's decision failed: the check-back decides it."""

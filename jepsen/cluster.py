@@ -184,6 +184,7 @@ class Cluster:
     """The hosts and their daemons; `setup()` starts everything, `teardown()` stops it."""
 
     host_class = Host
+    harness_ip = "127.0.0.1"  # where the hosts reach the harness (the check-back server)
     can_partition = False
     can_fill_disk = False
     can_power_cut = False
@@ -508,6 +509,7 @@ class LoopbackCluster(Cluster):
 
 class NetnsCluster(Cluster):
     host_class = NetnsHost
+    harness_ip = HARNESS_IP
     can_partition = True
     FILLERS = ("jepsen-fill", "jepsen-fill-small")
     PORTS = {"etcd": 2379, "etcd_peer": 2380, "nsqd_tcp": 4150, "nsqd_http": 4151,

@@ -101,6 +101,9 @@ def write(folder: str, history: list[dict], results: dict, run: dict) -> str:
              f'{tq["poison_acknowledged"]}; {tq["dead"]}'),
             ("dead letters buried twice; not poison", f'{tq["dead_twice"]}; '
                                                        f'{tq["dead_not_poison"]}'),
+            ("rolled-back halves delivered (must be 0)", tq["rolled_back_delivered"]),
+            ("halves; acknowledged; check-backs answered (--halves)",
+             f'{tq["halves"]}; {tq["halves_acknowledged"]}; {tq["check_backs"]}'),
             ("order", results["order"]["valid"]),
             ("enqueue success rate", av["success_rate"]),
             ("latency p50 / p99 / max (ms)", " / ".join(str(v) for v in

@@ -8,6 +8,7 @@ swallowed that cancellation let an interrupted run go on to its end)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import structlog
 
-from jepsen import checker, dead_letters, replicas, report
+from jepsen import checker, dead_letters, halves, replicas, report
 from jepsen.cluster import make_cluster
 from jepsen.clients import CHANNEL, Workload
 from jepsen.history import History, read
@@ -51,6 +52,7 @@ class RunOptions:
     sync_every: int = 1  # the topic's syncdisk: 1 syncs every batch before its OK
     poison: int = 0  # every poison-th nsqclient message always fails: a dead letter (0: none)
     max_attempts: int = 3  # the channel's, with poison
+    halves: int = 0  # every halves-th nsqclient message is a half message (0: none)
 
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
@@ -78,7 +80,8 @@ def run(opts: RunOptions) -> dict:
     """Run once; returns the summary (its `valid` says pass or fail)."""
     seed = opts.seed or int(time.time())
     rng = random.Random(seed)
-    cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, opts.nsqd_flags,
+    nsqd_flags = [*opts.nsqd_flags, *(halves.NSQD_FLAGS if opts.halves else ())]
+    cluster = make_cluster(opts.store, opts.nodes, opts.lookupds, nsqd_flags,
                            opts.loopback, opts.disk_mb, powerfs="power-cut" in opts.nemesis,
                            clock_skew="clock-skew" in opts.nemesis)
     nemesis = Nemesis(cluster, TOPIC, opts.nemesis, rng)  # checks the kinds before setup
@@ -128,12 +131,18 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
                   info: dict, post: dict) -> None:
     lookupds = cluster.lookupd_http_addresses
     nsqds = [h.nsqd_tcp for h in cluster.hosts]
-    workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
-                        unkeyed=opts.unkeyed, pause_s=opts.pause_s,
-                        classic=opts.classic and not opts.ordered, ordered=opts.ordered,
-                        poison=opts.poison)
-    await workload.start()
-    try:
+    async with contextlib.AsyncExitStack() as stack:  # stops the workload, then the server
+        check_url = None
+        if opts.halves:
+            server = await halves.CheckServer(history, cluster.harness_ip).start()
+            stack.push_async_callback(server.stop)
+            check_url = server.url
+        workload = Workload(history, TOPIC, opts.partitions, lookupds, nsqds,
+                            unkeyed=opts.unkeyed, pause_s=opts.pause_s,
+                            classic=opts.classic and not opts.ordered, ordered=opts.ordered,
+                            poison=opts.poison, halves=opts.halves, check_url=check_url)
+        stack.push_async_callback(workload.close)
+        await workload.start()
         if opts.poison:
             await asyncio.to_thread(dead_letters.setup, cluster, TOPIC, CHANNEL,
                                     opts.max_attempts, opts.partitions)
@@ -160,8 +169,6 @@ async def _phases(opts: RunOptions, cluster, nemesis: Nemesis, history: History,
         if opts.poison:
             info["dead_letters"] = await asyncio.to_thread(dead_letters.collect, cluster,
                                                            TOPIC, CHANNEL, history)
-    finally:
-        await workload.close()
 
 
 LIVENESS_S = 30.0  # after the final heal, every partition must take a write within this

@@ -105,6 +105,28 @@ def test_a_poison_message_among_the_dead_letters_is_not_lost():
     assert checker.total_queue(h)["unexpected"] == 1
 
 
+def test_a_rolled_back_half_must_never_be_delivered_and_is_never_lost():
+    def op(f, t, process, value):
+        return {"f": f, "type": t, "process": process, "value": value, "time": 0.0}
+    h = []
+    for vid, kind, outcome in (("h-1", "commit", "ok"), ("h-2", "check-commit", "ok"),
+                               ("h-3", "rollback", "ok"), ("h-4", "check-rollback", "info"),
+                               ("h-5", "check-rollback", "ok")):
+        v = {"id": vid, "half": kind}
+        h += [op("enqueue", "invoke", "p", v), op("enqueue", outcome, "p", v)]
+    h += [op("dequeue", "ok", "c1", {"id": "h-1"}),
+          op("check-back", "ok", "check-server", {"id": "h-4", "decision": "rollback"})]
+    tq = checker.total_queue(h)
+    # the acknowledged check-commit half never delivered is lost; rolled-back ones are not
+    assert (tq["valid"], tq["lost_ids"], tq["rolled_back_delivered"]) == (False, ["h-2"], 0)
+    assert (tq["halves"], tq["halves_acknowledged"], tq["check_backs"]) == (5, 4, 1)
+    h.append(op("dequeue", "ok", "c1", {"id": "h-2"}))
+    assert checker.total_queue(h)["valid"] is True
+    h.append(op("dequeue", "ok", "c2", {"id": "h-4"}))  # whatever its enqueue's outcome
+    tq = checker.total_queue(h)
+    assert (tq["valid"], tq["rolled_back_delivered_ids"], tq["unexpected"]) == (False, ["h-4"], 0)
+
+
 def test_order_reorderings_per_key_and_skipped_without_ordered_topic():
     h = [deq(1, "k-0", "k", 0), deq(2, "k-2", "k", 2), deq(3, "k-1", "k", 1),
          deq(4, "k-0", "k", 0),  # a redelivery: a duplicate, not a reordering
@@ -267,6 +289,21 @@ def test_poison_messages_become_dead_letters_through_leader_kills_r3(tmp_path):
     assert status == 0 and s["valid"] is True, s
     assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["poison_acknowledged"] > 50
     assert tq["dead"] >= tq["poison_acknowledged"] and tq["dead_twice"] == 0, tq
+    assert leftovers() == []
+
+
+def test_half_messages_are_decided_through_leader_kills_r3(tmp_path):
+    """R=3, every 5th message of an nsqclient producer is a half message, committed or
+    rolled back by its producer or left to the check-back (nsqd --half-check-timeout 2s),
+    through leader kills: every acknowledged one of a commit kind is delivered, none of a
+    rollback kind ever is, and the check-backs were answered."""
+    status, s = jepsen(tmp_path / "run", "--nemesis", "kill", "--time-limit", "24",
+                       "--nodes", "3", "--replicas", "3", "--interval", "6", "--seed", "5",
+                       "--halves", "5", "--drain-quiet", "5", timeout=300)
+    tq = s["total_queue"]
+    assert status == 0 and s["valid"] is True, s
+    assert tq["lost"] == 0 and tq["unexpected"] == 0 and tq["rolled_back_delivered"] == 0
+    assert tq["halves_acknowledged"] > 30 and tq["check_backs"] > 0, tq
     assert leftovers() == []
 
 
