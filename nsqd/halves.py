@@ -274,7 +274,8 @@ class Halves:
         not ended by then."""
         if not self._ready.is_set():
             try:
-                await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+                async with asyncio.timeout(READY_WAIT_S):
+                    await self._ready.wait()
             except TimeoutError:
                 raise HalfFailed(self.error or "the partition's half messages are being read "
                                  "back") from None
@@ -480,7 +481,8 @@ class Halves:
                    "id": f"{half.msg_id:016x}", "checks": half.checks,
                    "body": base64.b64encode(body).decode()}
         try:
-            return await asyncio.wait_for(self.check(half.url, payload), CHECK_DEADLINE_S)
+            async with asyncio.timeout(CHECK_DEADLINE_S):
+                return await self.check(half.url, payload)
         except Exception as e:  # no answer, a refusal, a bad answer: no decision
             log.info("half_check_failed", url=half.url, id=payload["id"], error=repr(e)[:200])
             return None

@@ -256,7 +256,7 @@ _HELP = {
     "tls_required": "require TLS for TCP clients: false, true or tcp-https; true with "
                     "--https-address also refuses HTTP calls but GETs on --http-address",
     "admin_secret_file": "file whose first line is the admin secret: every HTTP call but "
-                         "GET, /pub and /mpub then needs 'Authorization: Bearer <secret>'",
+                         "GET, /pub, /mpub and /half* then needs 'Authorization: Bearer <secret>'",
     "tls_min_version": "oldest TLS version accepted: " + ", ".join(TLS_VERSIONS),
     "tls_client_auth_policy": "require (a client certificate) or require-verify (one "
                               "signed by --tls-root-ca-file)",

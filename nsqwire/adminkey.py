@@ -9,7 +9,7 @@ Invariants:
   `ADMIN_KEY_INVALID` when it differs. The comparison is hmac.compare_digest: its time
   does not tell how much of a guess matched.
 - A GET never needs the key (reads stay open); any other method does, unless the daemon
-  lists the path among its `open_writes` (nsqd: /pub and /mpub, which are data).
+  lists the path among its `open_writes` (nsqd: /pub, /mpub and /half*, which are data).
 - The file is read once, at start: a new secret takes a restart.
 """
 

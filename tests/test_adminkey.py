@@ -1,6 +1,6 @@
 """The admin key (--admin-secret-file, nsqwire/adminkey.py) from outside, on real processes:
 every HTTP call that changes state on nsqd and nsqlookupd (each route of their tables but
-a GET, and but /pub and /mpub on nsqd) is refused without the key (401
+a GET, and but the publishing ones on nsqd: /pub, /mpub, /half and its decisions) is refused without the key (401
 ADMIN_KEY_REQUIRED) and with a wrong one (403 ADMIN_KEY_INVALID) and reaches its handler
 with it; a refused call changes nothing; reads and publishing stay open; a cluster with
 the key on every daemon still works through the master nsqlookupd (which sends the key to
@@ -92,7 +92,7 @@ def test_nsqd_state_changes_need_the_key(tmp_path):
     try:
         base = f"http://{nsqd.http_address}"
         from nsqd.http import PUBLISH
-        assert PUBLISH == {"/pub", "/mpub"}
+        assert PUBLISH == {"/pub", "/mpub", "/half", "/half/commit", "/half/rollback"}
         guarded = writes(nsqd_routes(), PUBLISH)
         assert ("POST", "/topic/delete") in guarded
         assert ("PUT", "/config/nsqlookupd_tcp_addresses") in guarded
@@ -108,6 +108,10 @@ def test_nsqd_state_changes_need_the_key(tmp_path):
         assert call("POST", f"{base}/pub?topic=t", body=b"one") == (200, "OK")
         assert call("POST", f"{base}/mpub?topic=t", body=b"two\nthree") == (200, "OK")
         assert depth(base, "t", "c") == 3
+        half = call("POST", f"{base}/half?topic=t&check_url=http://127.0.0.1:9/", body=b"h")
+        assert half[0] == 200, half
+        assert call("POST", f"{base}/half/commit?topic=t&id={half[1]['id']}") == (
+            200, {"state": "committed"})
         assert call("GET", f"{base}/config/nsqlookupd_tcp_addresses") == (200, [])
 
         # refused calls change nothing
@@ -117,7 +121,7 @@ def test_nsqd_state_changes_need_the_key(tmp_path):
             assert call("POST", base + path, "wrong")[0] == 403
         assert call("PUT", f"{base}/config/nsqlookupd_tcp_addresses", "wrong",
                     b'["127.0.0.1:1"]')[0] == 403
-        assert depth(base, "t", "c") == 3
+        assert depth(base, "t", "c") == 5  # and the half and its commit, records unread
         assert call("GET", f"{base}/config/nsqlookupd_tcp_addresses") == (200, [])
         assert sync_every(base, "t") == 1  # the refused create left every batch synced
         assert call("POST", f"{base}/topic/create?topic=t&sync_every=1000", SECRET)[0] == 200
