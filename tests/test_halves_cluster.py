@@ -25,7 +25,7 @@ from cluster import Cluster
 from servers import NsqdProcess
 from test_deadletters_cluster import _connect, _consume, _http, _new_leader
 
-from nsqclient.conn import Connection
+from nsqclient.conn import Connection, NSQError
 from nsqclient.producer import Producer
 from nsqwire import commands as c
 
@@ -90,11 +90,26 @@ async def _until(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _subscribed(address: str, timeout: float = 20.0) -> Connection:
+    """A connection subscribed to `ledger` on `address`, SUB sent again while the node,
+    named leader in etcd, has not taken the partition yet (E_FAILED_ON_NOT_LEADER)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = await _connect(address)
+        try:
+            await conn.command(c.cmd_sub("pay", "ledger", 0))
+            return conn
+        except NSQError as e:
+            await conn.close()
+            if not str(e).startswith("E_FAILED_ON_NOT_LEADER") or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)
+
+
 async def _delivered(address: str, expected: set[bytes], timeout: float = 30.0) -> list[bytes]:
     """Bodies the channel `ledger` delivers (each FINed) until every one of `expected`
     came, then 2 s more: every body delivered, in order."""
-    conn = await _connect(address)
-    await conn.command(c.cmd_sub("pay", "ledger", 0))
+    conn = await _subscribed(address)
     conn.rdy(100)
     got: list[bytes] = []
     deadline = time.monotonic() + timeout
