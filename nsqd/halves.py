@@ -281,7 +281,10 @@ class Halves:
                                  "back") from None
 
     def kept_from(self) -> int | None:
-        """Where retention must keep the log from for the halves (None: anywhere)."""
+        """Where retention must keep the log from for the halves (None: anywhere): the
+        log's start until the read-back is done (an undecided half may be anywhere)."""
+        if not self._ready.is_set():
+            return self.queue.start_offset
         first = self.table.kept_from()
         if self._writing_from is not None:
             return self._writing_from if first is None else min(first, self._writing_from)

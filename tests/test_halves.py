@@ -285,6 +285,7 @@ async def test_a_read_back_waits_for_a_stale_committed_end_then_finds_the_halves
             raise AssertionError("decided before the read-back")
         except HalfFailed:
             pass
+        assert again.kept_from() == q.start_offset  # retention waits for the read-back
         q.committed_end = end  # the new leader's ISR took its tail
         await again.ready()
         assert [w.msg_id for w in again.table.waiting()] == [half.first_id]
