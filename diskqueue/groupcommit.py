@@ -280,7 +280,7 @@ class GroupCommit:
             self._segments.sync()
         except BaseException as e:
             error = e
-        self._loop.call_soon_threadsafe(self._synced, time.perf_counter() - t0, error)
+        self._write_worker.post(self._loop, self._synced, time.perf_counter() - t0, error)
 
     def _synced(self, elapsed: float, error: BaseException | None) -> None:
         if error is not None:
@@ -315,8 +315,8 @@ class GroupCommit:
                 self._write_broken = isinstance(e, _Unrecoverable)
             else:
                 self._store_committed()
-        self._loop.call_soon_threadsafe(self._written, batch, len(data), results, seq, ts, sync,
-                                        time.perf_counter() - t0, error)
+        self._write_worker.post(self._loop, self._written, batch, len(data), results, seq, ts,
+                                sync, time.perf_counter() - t0, error)
 
     def _written(self, batch: _Batch, size: int, results, seq: int, ts: int, synced: bool,
                  elapsed: float, error: BaseException | None) -> None:
@@ -431,12 +431,23 @@ class GroupCommit:
         first of an epoch above the last synced entry's: recovery rebuilds what a power loss
         took of the commitlog from the data, giving the rebuilt entries the last surviving
         entry's epoch, so that one must be the epoch they were written in (an older one
-        made a restarted replica cut committed records as if they were another leader's)."""
+        made a restarted replica cut committed records as if they were another leader's).
+
+        With the node journal, a batch to sync with nothing unsynced before it is written
+        without a sync and journaled instead: its answer waits for the round's journal sync
+        (diskqueue/journal.py)."""
         data_before = self._segments.end
         base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id
+        journal = self._journal if sync and not self._segments.unsynced else None
+        if journal is not None:
+            journal.begin(self._journal_key)
         try:
-            synced = self._segments.write(data, sync)  # durable: one system call, write + sync
+            if journal is not None:  # durable once the round's journal sync is done
+                where = self._segments.write_journaled(data)
+                synced = True
+            else:
+                synced = self._segments.write(data, sync)  # durable: write + sync, one call
             self.commitlog.append_encoded(clog, entries)
         except _Unrecoverable:  # its sync failed: the queue fails, as after a failed fdatasync
             raise
@@ -447,6 +458,8 @@ class GroupCommit:
             except OSError as undo:
                 raise _Unrecoverable(f"undoing a failed write failed: {undo}") from undo
             raise
+        if journal is not None:
+            journal.record(self._journal_key, self._segments, where, data)
         try:
             if sync and not synced:
                 self._segments.sync()

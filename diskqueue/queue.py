@@ -16,6 +16,9 @@ every `clog_sync_every` entries, when the data rotates to a new segment, and at 
 Each queue has its own two workers (created at open, shut down at close): one thread
 for writes, syncs and the exclusive jobs (retain, empty, find, open, close), and one
 for its readers' read-ahead; a slow disk call of one partition never delays another.
+With the node journal (`QueueOptions.journal`, diskqueue/journal.py) the writes, syncs and
+exclusive jobs of every queue run on the journal's one thread instead, and a durable batch
+is answered once the round's journal sync is done.
 
 Invariants:
 - `committed_end <= written_end`; readers never see past `committed_end`;
@@ -62,6 +65,7 @@ from .groupcommit import (BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS, Appended
                           GroupCommit, _Batch)
 from .replicated import Replicated
 from .segments import MissingSegmentError, Segments
+from .journal import Journal
 from .worker import Worker
 
 log = structlog.get_logger("diskqueue")
@@ -70,6 +74,12 @@ _ENTRY_OFFSET = struct.Struct(">24xQ32x")  # a commitlog entry's `offset` (commi
 MARKED_PER_JOB = 16384  # requests `marked_requests` reads while the writer waits (~40 ms)
 
 META_FILE = "meta.json"
+
+
+def new_journal_id() -> int:
+    """A log's id in the node journal: random, so a log made again in the same folder never
+    takes the records of the one before (diskqueue/journal.py)."""
+    return int.from_bytes(os.urandom(8), "big")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +106,7 @@ class QueueOptions:
     auto_commit: bool = True  # commit as soon as written; replication turns this off
     replicated: bool = False  # one replica of a partition: see diskqueue/replicated.py
     commit_timeout: float = 0.0  # s: every request is answered within it (0: no limit)
+    journal: Journal | None = None  # the node's journal: its worker writes, one sync a round
 
 
 class DiskQueue(GroupCommit, Replicated):
@@ -120,6 +131,9 @@ class DiskQueue(GroupCommit, Replicated):
         # writes, syncs and exclusive jobs, one for its readers' read-ahead.
         self.thread_prefix = f"diskqueue:{path}"
         self._write_worker: Worker | None = None
+        self._journal = options.journal
+        self._journal_id = 0  # this log's id in the node journal (meta.json)
+        self._journal_key: tuple | None = None
         self.read_worker: Worker | None = None
         self._busy = False  # the writer slot is taken (see _write_next)
         self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot
@@ -150,7 +164,8 @@ class DiskQueue(GroupCommit, Replicated):
     async def open(cls, path: str, options: QueueOptions = QueueOptions()) -> "DiskQueue":
         q = cls(path, options)
         q._loop = asyncio.get_running_loop()
-        q._write_worker = Worker(q.thread_prefix + ":write")
+        q._write_worker = (Worker(q.thread_prefix + ":write") if q._journal is None
+                           else q._journal.worker)
         q.read_worker = Worker(q.thread_prefix + ":read")
         try:
             await q._exclusive(q._open_sync)
@@ -166,10 +181,14 @@ class DiskQueue(GroupCommit, Replicated):
         meta = read_json(meta_path)
         if meta is None:
             meta = {"partition": self.partition, "start_offset": 0, "start_count": 0,
-                    "start_log_id": 0}
+                    "start_log_id": 0, "journal_id": new_journal_id()}
             write_json_atomic(meta_path, meta)
         self._meta = meta
+        self._journal_id = meta.get("journal_id", 0)
         self._segments.open(meta["start_offset"])
+        if self._journal is not None:
+            self._journal_key = self._journal.key(self.path, self._journal_id)
+            self._leave_journal()  # opened again while the journal holds records of before
         if self._segments.start > meta["start_offset"]:
             raise MissingSegmentError(
                 f"{self._segments.path}: history should start at offset {meta['start_offset']} "
@@ -221,8 +240,9 @@ class DiskQueue(GroupCommit, Replicated):
     def _shut_down(self) -> None:
         """Let the workers' threads end (each after the job it is doing)."""
         self._shut = True
-        for worker in (self._write_worker, self.read_worker):
-            worker.shutdown(wait=False)
+        if self._journal is None:
+            self._write_worker.shutdown(wait=False)
+        self.read_worker.shutdown(wait=False)
 
     def _close_sync(self) -> None:
         self._segments.sync()
@@ -526,12 +546,26 @@ class DiskQueue(GroupCommit, Replicated):
 
     def _empty_sync(self) -> None:
         end, count, next_log_id = self.written_end, self.written_count, self.commitlog.next_log_id
+        self._leave_journal()
         self._write_meta(end, count, next_log_id)
         self._segments.reset(end)
         self.commitlog.reset(next_log_id)
 
+    def _leave_journal(self) -> None:
+        """(write worker) Before the log is cut or emptied, or when it opens again: no record
+        the node journal holds of it may be replayed over what comes next. Syncs what those
+        records cover, then takes a new journal id (meta.json, durable)."""
+        if self._journal is None or not self._journal.holds(self._journal_key):
+            return
+        self._segments.sync(force=True)
+        self._journal_id = new_journal_id()
+        self._journal_key = self._journal.key(self.path, self._journal_id)
+        self._write_meta(self._meta["start_offset"], self._meta["start_count"],
+                         self._meta["start_log_id"])
+
     def _write_meta(self, start_offset: int, start_count: int, start_log_id: int) -> None:
         self._meta = {"partition": self.partition, "start_offset": start_offset,
-                      "start_count": start_count, "start_log_id": start_log_id}
+                      "start_count": start_count, "start_log_id": start_log_id,
+                      "journal_id": self._journal_id}
         self.start_count = start_count
         write_json_atomic(os.path.join(self.path, META_FILE), self._meta)

@@ -186,9 +186,9 @@ class Replicated:
             try:
                 result = self._append_raw_job(offset, count, entries, data, records_checked)
             except BaseException as e:
-                loop.call_soon_threadsafe(finished, None, e)
+                self._write_worker.post(loop, finished, None, e)
             else:
-                loop.call_soon_threadsafe(finished, result, None)
+                self._write_worker.post(loop, finished, result, None)
 
         def finished(result, error) -> None:  # loop
             try:
@@ -268,6 +268,7 @@ class Replicated:
     def _restart_job(self, offset: int, count: int):
         next_log_id = self.commitlog.next_log_id
         dropped = self.written_end - self.start_offset
+        self._leave_journal()
         self._write_meta(offset, count, next_log_id)
         self._segments.reset(offset)
         self.commitlog.reset(next_log_id)
@@ -377,6 +378,7 @@ class Replicated:
             raise ValueError(f"no entry begins at ({offset}, {count})")
         # The commitlog first: an entry past the data would be a loss at open, a record past
         # the commitlog is only re-indexed.
+        self._leave_journal()
         self.commitlog.truncate_after(entry.log_id - 1)
         fsync_dir(self.commitlog.path)
         self._segments.cut_to(offset)

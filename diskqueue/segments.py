@@ -59,7 +59,8 @@ class Segments:
         self.bases: list[int] = []
         self.end = 0  # virtual offset just past the last written byte
         self._fd = -1  # the active segment, opened for writing
-        self._unsynced = False
+        self._unsynced = False  # bytes written that are neither synced nor journaled
+        self._journaled = False  # bytes written that are durable in the node journal only
 
     def open(self, start_offset: int) -> None:
         """Load the segment list; an empty folder starts at `start_offset`.
@@ -141,10 +142,28 @@ class Segments:
         self._unsynced = True
         return False
 
-    def sync(self) -> None:
-        if self._unsynced:
+    @property
+    def unsynced(self) -> bool:
+        return self._unsynced
+
+    def write_journaled(self, data) -> tuple[int, int]:
+        """Append `data` at `end` without a sync, for the node journal (diskqueue/journal.py),
+        rotating first when the active segment is full; returns (segment base, position)."""
+        active_size = self.end - self.active_base
+        if active_size > 0 and active_size + len(data) > self.segment_bytes:
+            self.rotate()
+        pos = self.end - self.active_base
+        pwrite_all(self._fd, data, pos)
+        self.end += len(data)
+        self._journaled = True
+        return self.active_base, pos
+
+    def sync(self, force: bool = False) -> None:
+        """Sync the active segment when this object wrote to it unsynced; `force`: whatever
+        it wrote (an earlier writer of the file may not have synced)."""
+        if (force or self._unsynced or self._journaled) and self._fd >= 0:
             os.fdatasync(self._fd)
-            self._unsynced = False
+            self._unsynced = self._journaled = False
 
     def rotate(self) -> None:
         """Start a new segment at `end`; if its file cannot be made, the old one stays active."""
@@ -207,7 +226,7 @@ class Segments:
         os.ftruncate(self._fd, offset - self.active_base)
         os.fdatasync(self._fd)
         self.end = offset
-        self._unsynced = False
+        self._unsynced = self._journaled = False
 
     def drop_before(self, offset: int) -> int:
         """Delete whole segments that end at or before `offset` (never the active one)."""

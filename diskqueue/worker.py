@@ -55,12 +55,18 @@ class Worker(concurrent.futures.Executor):
             try:
                 result = fn(*args)
             except BaseException as e:
-                loop.call_soon_threadsafe(_resolve, fut, None, e)
+                self.post(loop, _resolve, fut, None, e)
             else:
-                loop.call_soon_threadsafe(_resolve, fut, result, None)
+                self.post(loop, _resolve, fut, result, None)
 
         self.call(job)
         return fut
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        """From a job: have `loop` call fn(*args), whose last argument is the job's error
+        or None. Posts reach the loop in the order they were made (the node journal's
+        worker holds them until its round is synced: diskqueue/journal.py)."""
+        loop.call_soon_threadsafe(fn, *args)
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

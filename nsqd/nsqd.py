@@ -27,6 +27,7 @@ import time
 import structlog
 
 from diskqueue.atomic import make_dirs
+from diskqueue.journal import Journal
 from diskqueue.queue import QueueOptions
 
 from .assignment import Assignment
@@ -84,6 +85,7 @@ class NSQD:
         self.topics: dict[str, Topic] = {}
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
+        self.journal: Journal | None = None  # opened by start() (--journal)
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
@@ -120,7 +122,7 @@ class NSQD:
         every, ms = sync or (o.sync_every, o.sync_timeout_ms)
         return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms),
                             commit_timeout=o.commit_timeout_ms / 1000,
-                            replicated=bool(o.etcd_endpoints))
+                            replicated=bool(o.etcd_endpoints), journal=self.journal)
 
     def channel_settings(self) -> dict:
         o = self.options
@@ -139,6 +141,8 @@ class NSQD:
 
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)
+        if self.options.journal:  # replayed before any partition opens
+            self.journal = await asyncio.to_thread(Journal.open, self.options.data_path)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         await asyncio.to_thread(self.tracer.start, self.meta)
@@ -201,6 +205,8 @@ class NSQD:
             await topic.close()  # never raises: what fails is logged per partition
         await attempt("checkpoint", self.checkpoint)
         await attempt("metadata close", lambda: asyncio.to_thread(self.meta.close))
+        if self.journal is not None:  # after every partition: they were its writers
+            await attempt("journal close", lambda: asyncio.to_thread(self.journal.close))
         await self.tracer.close()  # what it could not write in 10 s is lost: events only
         if failed:
             log.error("stopped_with_errors", errors=failed)

@@ -17,7 +17,9 @@ The model (strict POSIX, the worst a real file system may do):
 - Nothing else is modeled: modes, owners and times are kept as they are; hard links,
   symbolic links and fallocate are not supported.
 - With `dir_sync=False` (`--no-dir-sync`) a folder's `fsync` succeeds and syncs nothing:
-  the mode the power-loss test uses to prove that it catches a missing folder sync.
+  the mode the power-loss test uses to prove that it catches a missing folder sync. With
+  `unsynced_suffix` (`--no-sync-suffix .jnl`) so does the `fsync` of a file whose name ends
+  with it: the mode that proves it catches a node journal that is not synced.
 
 The whole tree lives in this process's memory (tests hold a few MB). The backing folder is
 the disk: read at mount; written with what survived at the cut itself (before `cut` is
@@ -28,7 +30,7 @@ netns exec` or `unshare`, holds a copy of the mount; `unmount()` kills it after 
 operation fail with EIO until the unmount, so nothing the kernel still flushes (pages of a
 shared memory map) comes back to life.
 
-Run as a process (`python tests/powerfs.py BACKING MOUNTPOINT [--no-dir-sync]
+Run as a process (`python tests/powerfs.py BACKING MOUNTPOINT [--no-dir-sync] [--no-sync-suffix S]
 [--fsname NAME]`): it mounts in the foreground (NAME, `powerfs` by default, is the mount's
 source in /proc/mounts) and reads commands on stdin, one a line; `cut` drops everything
 unsynced and answers `cut` on stdout. `PowerFS` below drives it: mount, `cut()` (cut,
@@ -176,7 +178,7 @@ def save(root: Folder, path: str) -> None:
     shutil.rmtree(old)
 
 
-def fuse_operations(backing: str, dir_sync: bool = True):
+def fuse_operations(backing: str, dir_sync: bool = True, unsynced_suffix: str = ""):
     """The FUSE operations of a PowerFS over `backing` (mfusepy's high-level, path API)."""
     import mfusepy as fuse
 
@@ -296,7 +298,8 @@ def fuse_operations(backing: str, dir_sync: bool = True):
             return 0
 
         def fsync(self, path, datasync, fh):
-            self._node(path, fh).sync()
+            if not (unsynced_suffix and path.endswith(unsynced_suffix)):
+                self._node(path, fh).sync()
 
         def fsyncdir(self, path, datasync, fh):
             if dir_sync:
@@ -366,7 +369,8 @@ def main(argv: list[str]) -> None:
 
     backing, mountpoint = argv[0], argv[1]
     fsname = argv[argv.index("--fsname") + 1] if "--fsname" in argv else "powerfs"
-    ops = fuse_operations(backing, dir_sync="--no-dir-sync" not in argv)
+    suffix = argv[argv.index("--no-sync-suffix") + 1] if "--no-sync-suffix" in argv else ""
+    ops = fuse_operations(backing, dir_sync="--no-dir-sync" not in argv, unsynced_suffix=suffix)
 
     def commands():
         for line in sys.stdin:
@@ -386,10 +390,12 @@ class PowerFS:
     is the mount's source, `env` more environment for the process."""
 
     def __init__(self, backing: str, mountpoint: str, dir_sync: bool = True,
-                 fsname: str = "powerfs", env: dict[str, str] | None = None):
+                 fsname: str = "powerfs", env: dict[str, str] | None = None,
+                 unsynced_suffix: str = ""):
         self.backing = backing
         self.mountpoint = mountpoint
         self.dir_sync = dir_sync
+        self.unsynced_suffix = unsynced_suffix
         self.fsname = fsname
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
@@ -402,7 +408,9 @@ class PowerFS:
         args = [sys.executable, os.path.abspath(__file__), self.backing, self.mountpoint]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args + ([] if self.dir_sync else ["--no-dir-sync"]) + ["--fsname", self.fsname],
+                args + ([] if self.dir_sync else ["--no-dir-sync"])
+                + (["--no-sync-suffix", self.unsynced_suffix] if self.unsynced_suffix else [])
+                + ["--fsname", self.fsname],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 env={**os.environ, "FUSE_LIBRARY_NAME": "fuse3", **self.env})
         deadline = time.monotonic() + timeout

@@ -236,7 +236,8 @@ async def check(proc, ledger: Ledger) -> tuple[list[str], int]:
 
 
 async def power_cuts(tmp_path, rounds: int, *nsqd_args: str, dir_sync: bool = True,
-                     seed: int | None = None, stop_at_first: bool = False) -> list[str]:
+                     seed: int | None = None, stop_at_first: bool = False,
+                     unsynced_suffix: str = "") -> list[str]:
     """Run `rounds` power cuts; return what was lost (each line names its round and seed).
 
     The node is first set up on a mount that syncs folders (start, clean stop, unmount: all
@@ -251,7 +252,7 @@ async def power_cuts(tmp_path, rounds: int, *nsqd_args: str, dir_sync: bool = Tr
     with PowerFS(disk, mnt):
         proc.start()
         assert proc.stop() == 0
-    fs = PowerFS(disk, mnt, dir_sync=dir_sync)
+    fs = PowerFS(disk, mnt, dir_sync=dir_sync, unsynced_suffix=unsynced_suffix)
     try:
         fs.mount()
         proc.start()
@@ -299,6 +300,21 @@ async def test_the_checker_catches_acknowledgements_without_sync(tmp_path):
     problems = await power_cuts(tmp_path, 5, "--sync-every", "1000000", stop_at_first=True)
     print("\n".join(problems))
     assert any("acknowledged messages lost" in p for p in problems), problems
+
+
+async def test_the_checker_catches_a_node_journal_that_is_not_synced(tmp_path):
+    """Negative run: PowerFS ignores the fsync of the node journal's files (diskqueue/
+    journal.py), the one sync of a round: the checker finds acknowledged messages lost."""
+    problems = await power_cuts(tmp_path, 5, unsynced_suffix=".jnl", stop_at_first=True)
+    print("\n".join(problems))
+    assert any("acknowledged messages lost" in p for p in problems), problems
+
+
+async def test_without_the_journal_each_partition_syncs_its_own_segment(tmp_path):
+    """--journal false: every durable batch is synced in its own segment; nothing
+    acknowledged is lost either."""
+    problems = await power_cuts(tmp_path, 2, "--journal", "false")
+    assert not problems, "\n".join(problems)
 
 
 async def test_the_checker_catches_folders_that_are_not_synced(tmp_path):

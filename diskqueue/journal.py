@@ -1,0 +1,313 @@
+"""Journal: one group commit for every partition of a node.
+
+A durable batch of any partition is written into its segment without a sync and into the
+node's journal; the journal is synced once a round, and only then is any batch of the round
+answered. One `fdatasync` a round, whatever the number of partitions that wrote in it (as
+BookKeeper's journal, shared by every ledger of a bookie). The node's one write thread
+(`JournalWorker`) runs every partition's write jobs, in order, and ends a round when it has
+no job left (or the round is full): it writes and syncs the round's records, then hands
+every answer of the round back to the loop in one call.
+
+On disk, in folder `journal/` of the node's data path: files `<number>.jnl`, each record
+`[4 crc32][4 length][8 journal id][8 segment base][8 position][2 path length][path][data]`,
+big-endian; the CRC covers every byte after itself. `path` is the partition's folder
+relative to the data path; `data` went into `data/<segment base>.dat` at `position`.
+
+Invariants:
+- a batch is journaled only when everything before it in its segment is durable (synced,
+  or journaled), and a round holds at most one batch of a partition (a second one ends the
+  round first): so after a power cut, replay leaves at most one unsynced batch at a
+  partition's tail, as without a journal (diskqueue/recovery.py's rule);
+- a record is added only once its batch is written whole (a failed write is undone and
+  never journaled); an answer that depends on a record reaches the loop only after the
+  record is synced, and carries the journal's failure instead when its write or sync
+  failed (the journal then refuses every later record: the node must restart);
+- replay (at `Journal.open`, before any partition opens) writes each record back into its
+  segment, in journal order, when the partition's `meta.json` holds the record's journal
+  id and the segment file exists (a missing file was dropped by retention); then syncs
+  what it wrote and starts a new journal file;
+- a partition whose log is cut or emptied while the journal holds its records first syncs
+  its segment and takes a new journal id (`DiskQueue._leave_journal`), so no record is
+  replayed over what follows; a partition opened again while the journal holds records of
+  it does the same;
+- a checkpoint (once the journal file passes CHECKPOINT_BYTES) syncs every segment written
+  since the file began, then starts a new file and deletes the old ones.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import zlib
+
+import structlog
+
+from commitlog.log import fsync_dir
+
+from .atomic import read_json
+from .errors import _Unrecoverable
+from .segments import pwrite_all, segment_name
+from .worker import Worker
+
+log = structlog.get_logger("diskqueue")
+
+FOLDER = "journal"
+SUFFIX = ".jnl"
+HEAD = struct.Struct(">II")  # crc32, length of what follows
+FIELDS = struct.Struct(">QQQH")  # journal id, segment base, position, path length
+CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed at a round's end
+ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
+ROUND_POSTS = 1024  # nor for more answers than this
+
+
+def encode(journal_id: int, path: bytes, base: int, pos: int, data) -> bytes:
+    body = FIELDS.pack(journal_id, base, pos, len(path)) + path + data
+    return HEAD.pack(zlib.crc32(body), len(body)) + body
+
+
+def decode(buf: bytes):
+    """Yield (journal id, path, base, position, data) of each whole, valid record of `buf`,
+    in order; stops at the first torn or bad one."""
+    at = 0
+    while at + HEAD.size <= len(buf):
+        crc, length = HEAD.unpack_from(buf, at)
+        body = buf[at + HEAD.size:at + HEAD.size + length]
+        if length < FIELDS.size or len(body) < length or zlib.crc32(body) != crc:
+            return
+        journal_id, base, pos, path_len = FIELDS.unpack_from(body)
+        path = body[FIELDS.size:FIELDS.size + path_len]
+        yield journal_id, path.decode(), base, pos, body[FIELDS.size + path_len:]
+        at += HEAD.size + length
+
+
+def replay(root: str, files: list[str]) -> dict:
+    """Write every record of `files` (in order) back into its segment, where the partition
+    still holds the record's journal id and the segment exists; sync what was written.
+    Returns counts for the log."""
+    ids: dict[str, int | None] = {}
+    fds: dict[str, int] = {}
+    applied = skipped = 0
+    try:
+        for name in files:
+            with open(name, "rb") as f:
+                buf = f.read()
+            for journal_id, path, base, pos, data in decode(buf):
+                if path not in ids:
+                    ids[path] = _journal_id(os.path.join(root, path))
+                segment = os.path.join(root, path, "data", segment_name(base))
+                if ids[path] != journal_id or not os.path.exists(segment):
+                    skipped += 1
+                    continue
+                if segment not in fds:
+                    fds[segment] = os.open(segment, os.O_WRONLY)
+                pwrite_all(fds[segment], data, pos)
+                applied += 1
+        for fd in fds.values():
+            os.fdatasync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"applied": applied, "skipped": skipped, "segments": len(fds)}
+
+
+def _journal_id(folder: str) -> int | None:
+    meta = read_json(os.path.join(folder, "meta.json"))
+    return None if meta is None else meta.get("journal_id", 0)
+
+
+class Journal:
+    """The journal of one node's data path (see the module docstring). Its records are
+    added and synced on its worker's thread only."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.folder = os.path.join(root, FOLDER)
+        self.worker = JournalWorker(self)
+        self.failed: _Unrecoverable | None = None
+        self._fd = -1
+        self._number = 0
+        self._size = 0
+        self._round: list[bytes] = []
+        self._round_bytes = 0
+        self._round_keys: set = set()
+        self._dirty: dict = {}  # key -> Segments written since the journal file began
+        self.stats = {"rounds": 0, "syncs": 0, "records": 0, "bytes": 0, "checkpoints": 0,
+                      "sync_seconds_total": 0.0}
+
+    @classmethod
+    def open(cls, root: str) -> "Journal":
+        """Replay what the journal holds, then start a new journal file (blocking: run it
+        before any partition of `root` opens)."""
+        j = cls(root)
+        os.makedirs(j.folder, exist_ok=True)
+        files = sorted(n for n in os.listdir(j.folder) if n.endswith(SUFFIX))
+        paths = [os.path.join(j.folder, n) for n in files]
+        if paths:
+            counts = replay(root, paths)
+            log.info("journal_replayed", files=len(paths), **counts)
+            j._number = int(files[-1][:-len(SUFFIX)]) + 1
+        j._start_file(paths)
+        return j
+
+    def key(self, queue_path: str, journal_id: int) -> tuple[bytes, int]:
+        return os.path.relpath(queue_path, self.root).encode(), journal_id
+
+    def holds(self, key) -> bool:
+        """Whether a record of `key` may be in the journal (written since its file began)."""
+        return key in self._dirty
+
+    def begin(self, key) -> None:
+        """Before a journaled batch of `key` is written: a round holds one batch a partition,
+        so a second one ends the round first."""
+        if self.failed is not None:
+            raise self.failed
+        if key in self._round_keys:
+            self.flush()
+            if self.failed is not None:
+                raise self.failed
+
+    def record(self, key, segments, where: tuple[int, int], data) -> None:
+        """Add a batch written whole at `where` (segment base, position) to this round."""
+        path, journal_id = key
+        rec = encode(journal_id, path, where[0], where[1], data)
+        self._round.append(rec)
+        self._round_bytes += len(rec)
+        self._round_keys.add(key)
+        self._dirty[key] = segments
+        self.worker.job_journaled = True
+
+    @property
+    def round_full(self) -> bool:
+        return self._round_bytes >= ROUND_BYTES
+
+    def flush(self) -> None:
+        """End the round: write and sync its records, then hand its answers to the loop
+        (with the journal's failure for those that needed a record, if it failed)."""
+        posts = self.worker.take_posts()
+        if self._round:
+            self._write_round()
+        if self._size >= CHECKPOINT_BYTES and self.failed is None:
+            self._checkpoint()
+        if posts:
+            self.worker.deliver(posts, self.failed)
+
+    def _write_round(self) -> None:
+        data = b"".join(self._round)
+        records = len(self._round)
+        self._round.clear()
+        self._round_bytes = 0
+        self._round_keys.clear()
+        if self.failed is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fdatasync(self._fd)
+        except OSError as e:
+            self.failed = _Unrecoverable(f"the node journal failed: {e}")
+            log.error("journal_failed", error=str(e))
+            return
+        self._size += len(data)
+        self.stats["rounds"] += 1
+        self.stats["syncs"] += 1
+        self.stats["records"] += records
+        self.stats["bytes"] += len(data)
+        self.stats["sync_seconds_total"] += time.perf_counter() - t0
+
+    def _checkpoint(self) -> None:
+        """Sync every segment journaled since the file began, then start a new file."""
+        try:
+            for segments in self._dirty.values():
+                segments.sync()
+            old = [os.path.join(self.folder, n) for n in os.listdir(self.folder)
+                   if n.endswith(SUFFIX)]
+            self._start_file(old)
+        except OSError as e:
+            self.failed = _Unrecoverable(f"the node journal's checkpoint failed: {e}")
+            log.error("journal_failed", error=str(e))
+            return
+        self._dirty.clear()
+        self.stats["checkpoints"] += 1
+
+    def _start_file(self, old: list[str]) -> None:
+        """A new, empty journal file (durable), then the `old` ones deleted."""
+        fd = os.open(os.path.join(self.folder, f"{self._number:020d}{SUFFIX}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        fsync_dir(self.folder)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._size = fd, 0
+        self._number += 1
+        for name in old:
+            os.unlink(name)
+        if old:
+            fsync_dir(self.folder)
+
+    def close(self) -> None:
+        """Stop the worker once its jobs are done (the partitions are closed: their
+        segments synced), then close the file."""
+        self.worker.shutdown(wait=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class JournalWorker(Worker):
+    """The node's write thread: every journaled partition's write jobs, in the order given,
+    in rounds (see the module docstring). Its posts wait for the round's end."""
+
+    def __init__(self, journal: Journal):
+        super().__init__("diskqueue:journal")
+        self.journal = journal
+        self.job_journaled = False  # the running job added a record
+        self._posts: list = []
+
+    def post(self, loop, fn, *args) -> None:
+        self._posts.append((loop, fn, args, self.job_journaled))
+
+    def take_posts(self) -> list:
+        posts, self._posts = self._posts, []
+        return posts
+
+    @staticmethod
+    def deliver(posts: list, failure: BaseException | None) -> None:
+        by_loop: dict = {}
+        for loop, fn, args, journaled in posts:
+            if journaled and failure is not None:
+                args = (*args[:-1], failure)
+            by_loop.setdefault(loop, []).append((fn, args))
+        for loop, calls in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, calls)
+            except RuntimeError:  # that loop is closed: no one waits for these answers
+                pass
+
+    def _run(self) -> None:
+        get, jobs = self._jobs.get, self._jobs
+        journal = self.journal
+        while (job := get()) is not None:
+            fn, args = job
+            self.job_journaled = False
+            try:
+                fn(*args)
+            except BaseException:
+                log.exception("worker_job_failed", worker=self.name)
+            self.job_journaled = False
+            if jobs.empty() or journal.round_full or len(self._posts) >= ROUND_POSTS:
+                try:
+                    journal.flush()
+                except BaseException:
+                    log.exception("journal_flush_failed")
+        journal.flush()
+
+
+def _run_all(calls: list) -> None:
+    """The answers of one round, on the loop, in order; one that raises never stops the rest."""
+    for fn, args in calls:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("journal_answer_failed")

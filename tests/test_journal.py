@@ -1,0 +1,177 @@
+"""The node journal (diskqueue/journal.py): one sync a round for every partition, and replay.
+
+A lost segment write is modelled by cutting the segment file back after the answers (what a
+power cut leaves of data that was never synced); tests/test_power_loss.py runs the same on
+PowerFS against a real nsqd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from diskqueue import journal as journal_mod
+from diskqueue.journal import Journal
+from diskqueue.queue import DiskQueue, QueueFailedError, QueueOptions
+
+
+async def open_queues(root, journal, n, **kw):
+    return [await DiskQueue.open(os.path.join(root, f"p{i}"),
+                                 QueueOptions(partition=i, journal=journal, **kw))
+            for i in range(n)]
+
+
+def lose_unsynced(q: DiskQueue, keep: int = 0) -> None:
+    """Cut the active segment's file to `keep` bytes, as a power cut may leave it."""
+    seg = q._segments
+    os.truncate(seg.file(seg.active_base), keep)
+
+
+async def bodies_of(q: DiskQueue) -> list[bytes]:
+    r = q.reader(q.start_offset)
+    out = []
+    while recs := await r.read(1000):
+        out += [rec.body for rec in recs]
+    r.close()
+    return out
+
+
+async def test_a_round_syncs_the_journal_once_for_every_partition(tmp_path):
+    j = Journal.open(str(tmp_path))
+    qs = await open_queues(str(tmp_path), j, 8)
+    await asyncio.gather(*(q.append([b"m%d" % k]) for k in range(20) for q in qs))
+    assert sum(q.stats["batches"] for q in qs) >= 8
+    assert j.stats["records"] == sum(q.stats["batches"] for q in qs)
+    assert j.stats["syncs"] < j.stats["records"]  # partitions shared rounds
+    for q in qs:
+        await q.close()
+    j.close()
+
+
+async def test_a_round_holds_one_batch_of_a_partition(tmp_path):
+    """A partition's second batch ends the round first, so at most its last batch can be
+    unsynced at a cut (the recovery rule)."""
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    for _ in range(30):
+        await asyncio.gather(*(q.append([b"x" * 100]) for _ in range(50)))
+    assert j.stats["syncs"] >= q.stats["batches"] == j.stats["records"]
+    await q.close()
+    j.close()
+
+
+async def test_replay_restores_what_the_segments_lost(tmp_path):
+    j = Journal.open(str(tmp_path))
+    qs = await open_queues(str(tmp_path), j, 4)
+    await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for k in range(50)
+                           for q in qs))
+    for q in qs:  # a crash: nothing closed, and no segment byte ever reached the disk
+        lose_unsynced(q)
+    j2 = Journal.open(str(tmp_path))
+    qs2 = await open_queues(str(tmp_path), j2, 4)
+    for q in qs2:
+        assert await bodies_of(q) == [b"%d-%d" % (q.partition, k) for k in range(50)]
+        assert q.corrupt == []
+        await q.close()
+    j2.close()
+    assert len(os.listdir(tmp_path / "journal")) == 1
+
+
+async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
+    """A replica cuts its log back and writes less at the same place: the journal's older
+    record of the longer batch must not come back at replay (the journal id changes). Its
+    records are the new one's size, so what came back would read as valid records."""
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1, replicated=True)
+    first = await q.append([b"a"])
+    await q.append([b"L%02d" % i for i in range(20)])
+    await q.truncate_to(first.end_offset, 1)
+    await q.append([b"new"])
+    lose_unsynced(q, keep=first.end_offset)  # what truncate_to synced survives
+    j2 = Journal.open(str(tmp_path))
+    (q2,) = await open_queues(str(tmp_path), j2, 1, replicated=True)
+    assert await bodies_of_written(q2) == [b"a", b"new"]
+    await q2.close()
+    j2.close()
+
+
+async def bodies_of_written(q: DiskQueue) -> list[bytes]:
+    q.commit_to(q.written_end, q.written_count)
+    return await bodies_of(q)
+
+
+async def test_emptied_then_written_again(tmp_path):
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    await q.append([b"old-%d" % i for i in range(10)])
+    await q.empty()
+    await q.append([b"new"])
+    lose_unsynced(q)
+    j2 = Journal.open(str(tmp_path))
+    (q2,) = await open_queues(str(tmp_path), j2, 1)
+    assert await bodies_of(q2) == [b"new"]
+    await q2.close()
+    j2.close()
+
+
+async def test_a_checkpoint_syncs_the_segments_and_starts_a_new_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_mod, "CHECKPOINT_BYTES", 1024)
+    j = Journal.open(str(tmp_path))
+    qs = await open_queues(str(tmp_path), j, 3)
+    k = 0
+    while k < 40 or not os.path.getsize(j_file := journal_file(tmp_path)):
+        await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for q in qs))
+        k += 1
+    assert j.stats["checkpoints"] >= 5
+    name = os.path.basename(j_file)
+    with open(tmp_path / "journal" / name, "rb") as f:
+        first = {}  # what only the current file holds: from each partition's first record on
+        for _id, path, _base, pos, _data in journal_mod.decode(f.read()):
+            first.setdefault(path, pos)
+    assert first
+    for q in qs:
+        lose_unsynced(q, keep=first.get(f"p{q.partition}", q._segments.end))
+    j2 = Journal.open(str(tmp_path))
+    qs2 = await open_queues(str(tmp_path), j2, 3)
+    for q in qs2:
+        assert await bodies_of(q) == [b"%d-%d" % (q.partition, i) for i in range(k)]
+        await q.close()
+    j2.close()
+
+
+def journal_file(root) -> str:
+    (name,) = os.listdir(os.path.join(root, "journal"))
+    return os.path.join(root, "journal", name)
+
+
+async def test_a_failed_journal_sync_fails_the_answers_and_the_queue(tmp_path):
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    await q.append([b"before"])
+    os.close(j._fd)
+    j._fd = os.open(os.path.join(tmp_path, "journal"), os.O_RDONLY)  # writes fail: EBADF/EISDIR
+    with pytest.raises(QueueFailedError):
+        await q.append([b"lost"])
+    with pytest.raises(QueueFailedError):
+        q.append([b"refused"])
+    assert j.failed is not None
+    await q.close()
+    j.close()
+
+
+async def test_replay_stops_at_a_torn_record(tmp_path):
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    for i in range(3):
+        await q.append([b"m%d" % i])
+    (name,) = os.listdir(tmp_path / "journal")
+    path = tmp_path / "journal" / name
+    size = os.path.getsize(path)
+    os.truncate(path, size - 3)  # the last round torn: it was never answered
+    lose_unsynced(q)
+    j2 = Journal.open(str(tmp_path))
+    (q2,) = await open_queues(str(tmp_path), j2, 1)
+    assert await bodies_of(q2) == [b"m0", b"m1"]
+    await q2.close()
+    j2.close()
