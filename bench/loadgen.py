@@ -45,6 +45,8 @@ class ProduceJob:
     PUB_EXT (MPUB_EXT for several bodies) named by the connection's producer id and its next
     sequence (nsqd/producers.py), encoded once with the sequence's digits patched.
     With `cmds` (a list), connection i sends cmds[i % len(cmds)] instead (many topics);
+    with more commands than connections, connection i sends cmds[i], cmds[i + conns], ...
+    in turn, one a send (every topic or partition in use);
     with `targets` (a list of (host, port, cmd), one per connection), connection i goes to
     its own node with its own command (a cluster's leaders)."""
 
@@ -74,7 +76,10 @@ class ProduceJob:
             if targets:
                 proto.cmd = targets[i][2]
             elif self.spec.get("cmds"):
-                proto.cmd = self.spec["cmds"][i % len(self.spec["cmds"])]
+                cmds = self.spec["cmds"]
+                proto.cmd = cmds[i % len(cmds)]
+                if len(cmds) > self.spec["conns"]:
+                    proto.turns = cmds[i::self.spec["conns"]]
             if self.spec.get("named"):
                 proto.named = (*self.spec["named"], f"bench-{os.getpid()}-{i}")
             self.conns.append(proto)
@@ -118,6 +123,8 @@ class Producer(asyncio.Protocol):
         self.template: bytes | None = None
         self.slot = 0
         self.sequence = 0
+        self.turns: list[bytes] = []  # commands taken in turn, one a send (see ProduceJob)
+        self.turn = 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -126,6 +133,9 @@ class Producer(asyncio.Protocol):
     def send(self, now: float | None = None) -> None:
         self.t_sent = time.monotonic() if now is None else now
         self.pending = self.answers
+        if self.turns:
+            self.turn = (self.turn + 1) % len(self.turns)
+            self.cmd = self.turns[self.turn]
         if self.named is None:
             self.transport.write(self.cmd)
             return

@@ -22,7 +22,9 @@ used. Messages have 200-byte bodies.
                   bench_writer): msgs/s, p50/p99: the round trip of one durable batch
   (f) pubconns:   one PUB at a time on 1, 10 and 100 connections: p50/p99 and msgs/s
   (g) isolation:  16 topics at once (100 connections spread over them, one PUB at a time
-                  each): total msgs/s and its ratio to (a); then a light topic (1 connection,
+                  each; `--topics 16,100,1000` for several spreads, a connection taking
+                  several topics in turn): total msgs/s, its ratio to one topic's, and
+                  their server CPU per message's ratio; then a light topic (1 connection,
                   one PUB at a time) beside a saturated one (100 connections): its p99
   (h) pipelined:  4 connections, each sending 32 PUBs together and the next 32 once all are
                   answered (as a client with many publishers on one connection): msgs/s and
@@ -77,7 +79,8 @@ QUICK = dict(pub_conns=100, pub_warm_s=0.5, pub_s=3.0, mpub_conns=4, mpub_warm_s
              mpub_s=3.0, backlog=100_000, backlog_conns=4, consumers=4, channels=20,
              channels_max_s=5.0, fsync_s=0.5, conns_s=2.0)
 
-CONFIGS = {"durable": [], "sync10000": ["--sync-every", "10000"]}
+CONFIGS = {"durable": [], "sync10000": ["--sync-every", "10000"],
+           "nojournal": ["--journal", "false"]}  # durable, each partition syncing its own
 
 TARGET_PUB1_MSGS = 30_000
 TARGET_PUB1_P99_MS = 10.0
@@ -473,18 +476,19 @@ def part_pubconns(report: Report, cfg: str, flags: list[str], P: dict, args) -> 
 
 ISOLATION_TOPICS = 16
 TARGET_ISOLATION_RATIO = 0.9
+TARGET_ISOLATION_CPU_RATIO = 1.15
 TARGET_LIGHT_P99_MS = 10.0
 
 
 def part_isolation(report: Report, cfg: str, flags: list[str], P: dict, args) -> None:
     key = f"{cfg}_isolation"
-    n = ISOLATION_TOPICS
     conns = P["pub_conns"]
+    spread = ", ".join(map(str, args.topics))
     report.section(f"[{cfg}] (g) partitions apart: {conns} connections on 1 topic, then spread "
-                   f"over {n} topics, one PUB at a time each; then 1 light connection on its "
-                   f"own topic beside {conns} on a saturated one ({P['conns_s']:g} s each)")
+                   f"over {spread} topics, one PUB at a time each; then 1 light connection on "
+                   f"its own topic beside {conns} on a saturated one ({P['conns_s']:g} s each)")
     with Server(flags, args.dir) as srv:
-        topics = [f"iso{i:02d}" for i in range(n)]
+        topics = [f"iso{i:02d}" for i in range(3)]
         for t in topics:
             srv.command(cmd_pub(t, b"x" * BODY_LEN))
         body = bodies(1)[0]
@@ -493,15 +497,24 @@ def part_isolation(report: Report, cfg: str, flags: list[str], P: dict, args) ->
         report.add(f"{key}_one_topic_msgs_per_s", one, f"1 topic, {conns} connections: msgs/s",
                    fmt=",.0f")
         cpu_note(report, f"{key}_one_topic", phase1, f"{conns} connections", one)
-        many, _, phase = timed_produce(srv, cmd_pub(topics[0], body), 1, conns, P["pub_warm_s"],
-                                       P["conns_s"], args,
-                                       cmds=[cmd_pub(t, body) for t in topics])
-        report.add(f"{key}_{n}_topics_msgs_per_s", many,
-                   f"{n} topics, {conns} connections: total msgs/s", fmt=",.0f")
-        ratio = many / one if one else float("nan")
-        report.add(f"{key}_ratio_{n}_to_1", ratio, f"{n} topics / 1 topic", fmt=",.2f",
-                   target=(f">= {TARGET_ISOLATION_RATIO:g}", ratio >= TARGET_ISOLATION_RATIO))
-        cpu_note(report, f"{key}_{n}_topics", phase, f"{conns} connections", many)
+        for n in args.topics:
+            for i in range(len(topics), n):
+                topics.append(f"iso{i:02d}")
+                srv.command(cmd_pub(topics[-1], b"x" * BODY_LEN))
+            many, _, phase = timed_produce(srv, cmd_pub(topics[0], body), 1, conns,
+                                           P["pub_warm_s"], P["conns_s"], args,
+                                           cmds=[cmd_pub(t, body) for t in topics[:n]])
+            report.add(f"{key}_{n}_topics_msgs_per_s", many,
+                       f"{n} topics, {conns} connections: total msgs/s", fmt=",.0f")
+            ratio = many / one if one else float("nan")
+            report.add(f"{key}_ratio_{n}_to_1", ratio, f"{n} topics / 1 topic", fmt=",.2f",
+                       target=(f">= {TARGET_ISOLATION_RATIO:g}", ratio >= TARGET_ISOLATION_RATIO))
+            cpu_note(report, f"{key}_{n}_topics", phase, f"{conns} connections", many)
+            cpu_ratio = (phase.server_cpus / many) / (phase1.server_cpus / one) if many else 0
+            report.add(f"{key}_cpu_ratio_{n}_to_1", cpu_ratio,
+                       f"{n} topics / 1 topic: server CPU per message", fmt=",.2f",
+                       target=(f"<= {TARGET_ISOLATION_CPU_RATIO:g}",
+                               cpu_ratio <= TARGET_ISOLATION_CPU_RATIO))
 
         light_topic, busy_topic = topics[1], topics[2]
         specs = produce_specs(cmd_pub(busy_topic, body), 1, conns, 1, warm_s=P["pub_warm_s"],
@@ -598,7 +611,8 @@ def main() -> int:
     ap.add_argument("--only", default="a,b,c,d,e,f,g,h,i",
                     help="parts to run, e.g. a,c (d needs c for its ratio)")
     ap.add_argument("--configs", default="durable,sync10000",
-                    help="server configurations: durable (defaults), sync10000 (--sync-every 10000)")
+                    help="server configurations: durable (defaults), sync10000 (--sync-every 10000), "
+                         "nojournal (--journal false)")
     ap.add_argument("--procs", type=int, default=1,
                     help="load-generator processes for producers and for (d) (default 1: the "
                          "server needs one of the 2 CPUs)")
@@ -606,6 +620,10 @@ def main() -> int:
                     help="consumers per channel in (d) (default 1)")
     ap.add_argument("--backlog", type=int, help="backlog messages for (c) and (d)")
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds of (i)")
+    ap.add_argument("--topics", default=str(ISOLATION_TOPICS),
+                    help="(g): the numbers of topics the load is spread over, e.g. 16,100,1000 "
+                         "(with more topics than connections each connection takes them in "
+                         "turn)")
     ap.add_argument("--dir", help="temporary data paths inside DIR (default: the system temp dir)")
     ap.add_argument("--nsqd-root", metavar="DIR",
                     help="run the nsqd of the checkout in DIR (e.g. `git worktree add /tmp/base "
@@ -616,6 +634,7 @@ def main() -> int:
     ap.add_argument("--py-spy-native", action="store_true",
                     help="py-spy --native (C frames too; pauses the server at each sample: slower)")
     args = ap.parse_args()
+    args.topics = [int(n) for n in args.topics.split(",")]
     P = dict(QUICK if args.quick else FULL)
     if args.backlog:
         P["backlog"] = args.backlog

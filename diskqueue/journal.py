@@ -132,7 +132,7 @@ class Journal:
         self._round_bytes = 0
         self._round_keys: set = set()
         self._dirty: dict = {}  # key -> Segments written since the journal file began
-        self.stats = {"rounds": 0, "syncs": 0, "records": 0, "bytes": 0, "checkpoints": 0,
+        self.stats = {"syncs": 0, "records": 0, "bytes": 0, "checkpoints": 0,
                       "sync_seconds_total": 0.0}
 
     @classmethod
@@ -211,7 +211,6 @@ class Journal:
             log.error("journal_failed", error=str(e))
             return
         self._size += len(data)
-        self.stats["rounds"] += 1
         self.stats["syncs"] += 1
         self.stats["records"] += records
         self.stats["bytes"] += len(data)

@@ -8,6 +8,8 @@ at `+Inf`, then `_sum` and `_count`.
 Families (labels: topic, partition, channel):
 - node: nsqd_info{version}, nsqd_up (1 when health is OK), nsqd_start_time_seconds,
   nsqd_clients (TCP connections), nsqd_producers, nsqd_topics, nsqd_data_free_bytes;
+  nsqd_journal_syncs_total, _records_total, _bytes_total, _sync_seconds_total,
+  _checkpoints_total and nsqd_journal_up (with --journal);
 - topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
   nsqd_topic_message_bytes_total, nsqd_topic_partitions (its partition_num);
 - partition: nsqd_partition_leader (1 for each partition this node leads, 0 for the
@@ -118,6 +120,24 @@ def render(stats: dict) -> str:
         out.family("nsqd_data_free_bytes", "gauge",
                    "Bytes free on the file system of the data path.",
                    [({}, stats["data_free_bytes"])])
+
+    journal = stats.get("journal")
+    if journal is not None:  # the node journal (diskqueue/journal.py)
+        out.family("nsqd_journal_syncs_total", "counter",
+                   "Rounds of the node journal: one fdatasync for every partition's batches.",
+                   [({}, journal["syncs"])])
+        out.family("nsqd_journal_records_total", "counter",
+                   "Partition batches journaled.", [({}, journal["records"])])
+        out.family("nsqd_journal_bytes_total", "counter",
+                   "Bytes written to the node journal.", [({}, journal["bytes"])])
+        out.family("nsqd_journal_sync_seconds_total", "counter",
+                   "Time in the node journal's writes and syncs.",
+                   [({}, journal["sync_seconds_total"])])
+        out.family("nsqd_journal_checkpoints_total", "counter",
+                   "Journal files retired once their segments were synced.",
+                   [({}, journal["checkpoints"])])
+        out.family("nsqd_journal_up", "gauge", "0 once the node journal failed (restart it).",
+                   [({}, not journal["failed"])])
 
     trace = stats.get("trace")
     if trace is not None:  # message trace (tracing.py)

@@ -8,7 +8,9 @@ one consistent snapshot; `render_text` prints it like nsqd v1.3.0's text format.
 Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
 - top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
-  path's file system; under 1 MiB the node's health says the disk is full);
+  path's file system; under 1 MiB the node's health says the disk is full), `journal`
+  (with `--journal`: syncs (one a round), records, bytes, checkpoints, sync_seconds_total, failed;
+  diskqueue/journal.py);
 - topic: `partition_num` and `ordered` (its Assignment, nsqd/assignment.py);
   `partitions`, one entry per partition number 0..partition_num-1 and any other held
   here, each with `leader` (this node leads it) and `channels` (the names it has here):
@@ -104,6 +106,8 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     out["data_free_bytes"] = nsqd.disk.free
     out["lookupd"] = nsqd.lookup.state()  # ours: each nsqlookupd peer (lookup.py)
     out["trace"] = nsqd.tracer.state()  # ours: message trace (tracing.py)
+    if nsqd.journal is not None:  # ours: the node journal (diskqueue/journal.py)
+        out["journal"] = {**nsqd.journal.stats, "failed": nsqd.journal.failed is not None}
     if nsqd.cluster is not None:  # ours: cluster mode (cluster.py)
         out["cluster"] = nsqd.cluster.state()
     return out

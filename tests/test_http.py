@@ -5,7 +5,7 @@ its order: status, Content-Type and body must match, except what describes the
 capture run itself (/info's hostname, ports and start_time; /stats times, memory
 figures, client addresses and connect times, and the build line of the text
 format). Our additive /stats fields (`partitions`, `partition_num`, `ordered`,
-`client_count`, `data_free_bytes`, `lookupd`) are checked apart and removed before comparing.
+`client_count`, `data_free_bytes`, `lookupd`, `journal`) are checked apart and removed before comparing.
 
 The /stats cases were captured after TCP traffic the reference does not record;
 `stats_scenario` rebuilds it: ref_t gets 5 messages (13 bytes) and a channel c1,
@@ -210,6 +210,7 @@ def strip_ours(doc):
     doc.pop("data_free_bytes", None)
     doc.pop("lookupd", None)
     doc.pop("trace", None)  # ours: message trace (test_trace.py)
+    doc.pop("journal", None)  # ours: the node journal (checked in test_reference_cases)
     for t in doc["topics"]:
         for key in ("partitions", "partition_num", "ordered"):
             t.pop(key, None)
@@ -316,6 +317,7 @@ async def test_reference_cases(nsqd):
                                                               "tcp_port", "start_time")}}
             elif path.startswith("/stats"):
                 assert got["client_count"] == 2
+                assert got["journal"]["records"] >= 1 and not got["journal"]["failed"]
                 for t in got["topics"]:
                     assert [p_["partition"] for p_ in t["partitions"]] == [0]
                 got = normalize_run(strip_ours(got), case["json"])
