@@ -439,9 +439,10 @@ class GroupCommit:
         data_before = self._segments.end
         base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id
-        journal = self._journal if sync and not self._segments.unsynced else None
-        if journal is not None:
-            journal.begin(self._journal_key)
+        journal = self._journal
+        if journal is not None and not journal.begin(self._journal_key,
+                                                     sync and not self._segments.unsynced):
+            journal = None  # not journaled: this segment syncs itself, as its policy says
         try:
             if journal is not None:  # durable once the round's journal sync is done
                 where = self._segments.write_journaled(data)
@@ -451,12 +452,14 @@ class GroupCommit:
             self.commitlog.append_encoded(clog, entries)
         except _Unrecoverable:  # its sync failed: the queue fails, as after a failed fdatasync
             raise
-        except BaseException:
+        except BaseException as e:
             try:
                 self.commitlog.truncate_after(log_before - 1)
                 self._segments.truncate_to(max(data_before, self._segments.active_base))
             except OSError as undo:
                 raise _Unrecoverable(f"undoing a failed write failed: {undo}") from undo
+            if self._journal is not None and getattr(e, "errno", None) == errno.ENOSPC:
+                self._journal.make_room()  # its copies of synced data free their space
             raise
         if journal is not None:
             journal.record(self._journal_key, self._segments, where, data)

@@ -20,8 +20,13 @@ Invariants:
   partition's tail, as without a journal (diskqueue/recovery.py's rule);
 - a record is added only once its batch is written whole (a failed write is undone and
   never journaled); an answer that depends on a record reaches the loop only after the
-  record is synced, and carries the journal's failure instead when its write or sync
-  failed (the journal then refuses every later record: the node must restart);
+  record is durable: its round synced in the journal, or, when the journal's write or
+  sync failed, its segment synced on its own (an answer whose segment sync failed too
+  carries that error: its queue fails, as after any failed sync);
+- a failed journal write, sync or checkpoint turns the journal off for the rest of the
+  process (`failed`): from then on each partition syncs its own segment, as without a
+  journal; its files stay for the next start's replay (what they hold before the failure
+  was synced);
 - replay (at `Journal.open`, before any partition opens) writes each record back into its
   segment, in journal order, when the partition's `meta.json` holds the record's journal
   id and the segment file exists (a missing file was dropped by retention); then syncs
@@ -130,8 +135,9 @@ class Journal:
         self._size = 0
         self._round: list[bytes] = []
         self._round_bytes = 0
-        self._round_keys: set = set()
+        self._round_keys: dict = {}  # key -> Segments, of this round's records
         self._dirty: dict = {}  # key -> Segments written since the journal file began
+        self._lost: dict = {}  # key -> error: a record the journal failed and its segment too
         self.stats = {"syncs": 0, "records": 0, "bytes": 0, "checkpoints": 0,
                       "sync_seconds_total": 0.0}
 
@@ -157,15 +163,17 @@ class Journal:
         """Whether a record of `key` may be in the journal (written since its file began)."""
         return key in self._dirty
 
-    def begin(self, key) -> None:
-        """Before a journaled batch of `key` is written: a round holds one batch a partition,
-        so a second one ends the round first."""
-        if self.failed is not None:
-            raise self.failed
-        if key in self._round_keys:
+    def begin(self, key, durable: bool) -> bool:
+        """Before a batch of `key` is written: whether to journal it (a `durable` one, while
+        the journal is on; else it syncs its own segment as its policy says). A round holds
+        one batch a partition, so a second one ends the round first. Raises the error of an
+        earlier record of `key` that could not be made durable: nothing is written after it
+        (its queue fails; opened again, it has a new key)."""
+        if durable and self.failed is None and key in self._round_keys:
             self.flush()
-            if self.failed is not None:
-                raise self.failed
+        if key in self._lost:
+            raise self._lost[key]
+        return durable and self.failed is None
 
     def record(self, key, segments, where: tuple[int, int], data) -> None:
         """Add a batch written whole at `where` (segment base, position) to this round."""
@@ -173,9 +181,9 @@ class Journal:
         rec = encode(journal_id, path, where[0], where[1], data)
         self._round.append(rec)
         self._round_bytes += len(rec)
-        self._round_keys.add(key)
+        self._round_keys[key] = segments
         self._dirty[key] = segments
-        self.worker.job_journaled = True
+        self.worker.job_key = key
 
     @property
     def round_full(self) -> bool:
@@ -185,21 +193,32 @@ class Journal:
         """End the round: write and sync its records, then hand its answers to the loop
         (with the journal's failure for those that needed a record, if it failed)."""
         posts = self.worker.take_posts()
-        if self._round:
-            self._write_round()
-        if self._size >= CHECKPOINT_BYTES and self.failed is None:
-            self._checkpoint()
-        if posts:
-            self.worker.deliver(posts, self.failed)
+        failed: dict = {}
+        keys = list(self._round_keys)
+        try:
+            if self._round:
+                failed = self._write_round()
+            if self._size >= CHECKPOINT_BYTES and self.failed is None:
+                self._checkpoint()
+        except BaseException as e:  # a bug: nothing of the round is taken as durable
+            log.exception("journal_flush_failed")
+            self._turn_off(f"a round failed: {e!r}")
+            failed = {key: _Unrecoverable(f"the node journal failed: {e!r}") for key in keys}
+            self._lost.update(failed)
+        finally:
+            if posts:
+                self.worker.deliver(posts, failed)
 
-    def _write_round(self) -> None:
+    def _write_round(self) -> dict:
+        """Write and sync the round's records; returns {key: error} of those that are not
+        durable (empty unless the journal failed and a segment's own sync did too)."""
         data = b"".join(self._round)
         records = len(self._round)
+        keys, self._round_keys = self._round_keys, {}
         self._round.clear()
         self._round_bytes = 0
-        self._round_keys.clear()
-        if self.failed is not None:
-            return
+        if self.failed is not None:  # turned off within this round (make_room)
+            return self._sync_alone(keys)
         t0 = time.perf_counter()
         try:
             view = memoryview(data)
@@ -207,14 +226,58 @@ class Journal:
                 view = view[os.write(self._fd, view):]
             os.fdatasync(self._fd)
         except OSError as e:
-            self.failed = _Unrecoverable(f"the node journal failed: {e}")
-            log.error("journal_failed", error=str(e))
-            return
+            self._turn_off(f"writing the journal failed: {e}")
+            failed = self._sync_alone(keys)
+            self._retire()
+            return failed
         self._size += len(data)
         self.stats["syncs"] += 1
         self.stats["records"] += records
         self.stats["bytes"] += len(data)
         self.stats["sync_seconds_total"] += time.perf_counter() - t0
+        return {}
+
+    def _sync_alone(self, keys: dict) -> dict:
+        """The journal failed: make each record of the round durable in its own segment."""
+        failed = {}
+        for key, segments in keys.items():
+            try:
+                segments.sync(force=True)
+            except OSError as e:
+                failed[key] = _Unrecoverable(f"sync failed: {e}")
+        self._lost.update(failed)
+        return failed
+
+    def _retire(self) -> None:
+        """The journal is off: once every segment it covers is synced, its files go (on a
+        full disk their space is what is missing); if one cannot be, they stay."""
+        try:
+            for segments in self._dirty.values():
+                segments.sync(force=True)
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            for name in os.listdir(self.folder):
+                if name.endswith(SUFFIX):
+                    os.unlink(os.path.join(self.folder, name))
+            fsync_dir(self.folder)
+        except OSError as e:
+            log.error("journal_kept", error=str(e), reason="a segment it covers could not be synced")
+            return
+        self._dirty.clear()
+
+    def _turn_off(self, reason: str) -> None:
+        self.failed = _Unrecoverable(f"the node journal is off: {reason}")
+        log.error("journal_off", reason=reason,
+                  then="each partition syncs its own segment until the node restarts")
+
+    def make_room(self) -> None:
+        """The disk is full: checkpoint now (the journal's files hold copies of data its
+        segments can be synced to hold)."""
+        if self.failed is None and self._size:
+            self.flush()  # the round's records first: the checkpoint needs them synced
+            if self.failed is None:
+                self._checkpoint()
 
     def _checkpoint(self) -> None:
         """Sync every segment journaled since the file began, then start a new file."""
@@ -225,8 +288,8 @@ class Journal:
                    if n.endswith(SUFFIX)]
             self._start_file(old)
         except OSError as e:
-            self.failed = _Unrecoverable(f"the node journal's checkpoint failed: {e}")
-            log.error("journal_failed", error=str(e))
+            self._turn_off(f"a checkpoint failed: {e}")
+            self._retire()
             return
         self._dirty.clear()
         self.stats["checkpoints"] += 1
@@ -261,22 +324,24 @@ class JournalWorker(Worker):
     def __init__(self, journal: Journal):
         super().__init__("diskqueue:journal")
         self.journal = journal
-        self.job_journaled = False  # the running job added a record
+        self.job_key = None  # the key of the record the running job added, if any
         self._posts: list = []
 
     def post(self, loop, fn, *args) -> None:
-        self._posts.append((loop, fn, args, self.job_journaled))
+        self._posts.append((loop, fn, args, self.job_key))
 
     def take_posts(self) -> list:
         posts, self._posts = self._posts, []
         return posts
 
     @staticmethod
-    def deliver(posts: list, failure: BaseException | None) -> None:
+    def deliver(posts: list, failed: dict) -> None:
+        """Hand the posts to their loops, in order, one call a loop; a post whose record is
+        not durable (`failed`: key -> error) carries that error as its last argument."""
         by_loop: dict = {}
-        for loop, fn, args, journaled in posts:
-            if journaled and failure is not None:
-                args = (*args[:-1], failure)
+        for loop, fn, args, key in posts:
+            if key in failed:
+                args = (*args[:-1], failed[key])
             by_loop.setdefault(loop, []).append((fn, args))
         for loop, calls in by_loop.items():
             try:
@@ -289,17 +354,14 @@ class JournalWorker(Worker):
         journal = self.journal
         while (job := get()) is not None:
             fn, args = job
-            self.job_journaled = False
+            self.job_key = None
             try:
                 fn(*args)
             except BaseException:
                 log.exception("worker_job_failed", worker=self.name)
-            self.job_journaled = False
+            self.job_key = None
             if jobs.empty() or journal.round_full or len(self._posts) >= ROUND_POSTS:
-                try:
-                    journal.flush()
-                except BaseException:
-                    log.exception("journal_flush_failed")
+                journal.flush()
         journal.flush()
 
 

@@ -83,8 +83,6 @@ def is_disk_full(exc: BaseException) -> bool:
 
 def node_health(nsqd) -> str:
     reasons = []
-    if nsqd.journal is not None and nsqd.journal.failed is not None:
-        reasons.append(f"{nsqd.journal.failed}: restart the node")
     for name in sorted(nsqd.topics):
         topic = nsqd.topics[name]
         for number, error in sorted(topic.errors().items()):

@@ -136,7 +136,9 @@ def render(stats: dict) -> str:
         out.family("nsqd_journal_checkpoints_total", "counter",
                    "Journal files retired once their segments were synced.",
                    [({}, journal["checkpoints"])])
-        out.family("nsqd_journal_up", "gauge", "0 once the node journal failed (restart it).",
+        out.family("nsqd_journal_up", "gauge",
+                   "0 once the node journal failed: each partition syncs its own segment "
+                   "until the node restarts.",
                    [({}, not journal["failed"])])
 
     trace = stats.get("trace")

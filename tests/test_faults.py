@@ -442,26 +442,30 @@ async def test_reopen_brings_a_partition_back_without_a_restart(tmp_path):
 # ---- a log that fails while running -------------------------------------------------
 
 
-async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatch):
+@pytest.mark.parametrize("journal", [True, False])
+async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatch, journal):
     """A failed fdatasync fails the partition's log (QueueFailedError: the kernel may have
     dropped the unsynced pages). No file system here fails a sync on demand, so the
     system call itself fails (EIO) for this partition's files, in an in-process node;
     the rest is real. Before: the TCP fast path raised out of data_received (the client
     saw its connection dropped, no E_PUB_FAILED), /ping said OK. Now: E_PUB_FAILED,
     /stats `error`, /metrics nsqd_partition_up 0, /ping 500; POST /topic/reopen (once the
-    disk is well again) brings it back with every acknowledged message."""
+    disk is well again) brings it back with every acknowledged message. With the node
+    journal, its sync fails too: the round falls back to each segment's own sync (the
+    partition's fails, the other topic's does not) and the journal is off from then on."""
     import errno
 
-    n = await node()
+    n = await node(journal=journal)
     pub = await Connection("127.0.0.1", n.tcp_port).connect()
     await pub.pub("t", b"kept")
     await pub.pub("other", b"fine")
     sick = {"on": True}
     real = os.fdatasync
     folder = os.path.join(n.options.data_path, "t.topic")
+    journal_folder = os.path.join(n.options.data_path, "journal")
 
     def fdatasync(fd):
-        if sick["on"] and os.readlink(f"/proc/self/fd/{fd}").startswith(folder):
+        if sick["on"] and os.readlink(f"/proc/self/fd/{fd}").startswith((folder, journal_folder)):
             raise OSError(errno.EIO, "Input/output error (injected)")
         return real(fd)
 
@@ -491,6 +495,7 @@ async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatc
     assert "sync failed" in t["partitions"][0]["error"]
     metrics = (await asyncio.to_thread(get, "/metrics"))[1].decode()
     assert 'nsqd_partition_up{topic="t",partition="0"} 0' in metrics
+    assert ("nsqd_journal_up 0" in metrics) == journal
     sick["on"] = False
     status, _ = await asyncio.to_thread(
         http, n_proc, "POST", "/topic/reopen?topic=t")

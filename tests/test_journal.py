@@ -7,6 +7,7 @@ PowerFS against a real nsqd."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 
 import pytest
@@ -145,19 +146,43 @@ def journal_file(root) -> str:
     return os.path.join(root, "journal", name)
 
 
-async def test_a_failed_journal_sync_fails_the_answers_and_the_queue(tmp_path):
+async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_path):
+    """The journal's write fails: the round's batches are synced in their own segments
+    instead (answered OK), unless that sync fails too (that queue fails); the journal is
+    off from then on, and each partition syncs its own segment."""
     j = Journal.open(str(tmp_path))
-    (q,) = await open_queues(str(tmp_path), j, 1)
-    await q.append([b"before"])
+    sick, well = await open_queues(str(tmp_path), j, 2)
+    await sick.append([b"before"])
+    await well.append([b"before"])
     os.close(j._fd)
-    j._fd = os.open(os.path.join(tmp_path, "journal"), os.O_RDONLY)  # writes fail: EBADF/EISDIR
+    j._fd = os.open(os.path.join(tmp_path, "journal"), os.O_RDONLY)  # its writes fail
+
+    def failing_sync(force=False):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    sick._segments.sync = failing_sync
     with pytest.raises(QueueFailedError):
-        await q.append([b"lost"])
-    with pytest.raises(QueueFailedError):
-        q.append([b"refused"])
+        await sick.append([b"lost"])
     assert j.failed is not None
-    await q.close()
+    assert os.listdir(tmp_path / "journal")  # kept: a segment it covers could not be synced
+    syncs = j.stats["syncs"]
+    await well.append([b"kept"])
+    await well.append([b"after"])
+    assert j.stats["syncs"] == syncs  # the journal is off
+    assert well.stats["syncs"] >= 2  # the segment synced itself
+    with pytest.raises(QueueFailedError):
+        sick.append([b"refused"])
+    await well.close()
+    del sick._segments.sync
+    await sick.close()
     j.close()
+    j2 = Journal.open(str(tmp_path))
+    sick2, well2 = await open_queues(str(tmp_path), j2, 2)
+    assert await bodies_of(well2) == [b"before", b"kept", b"after"]
+    assert (await bodies_of(sick2))[0] == b"before"
+    await sick2.close()
+    await well2.close()
+    j2.close()
 
 
 async def test_replay_stops_at_a_torn_record(tmp_path):
