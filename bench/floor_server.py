@@ -12,8 +12,14 @@ nsqd does. Two modes:
   become the next batch; a batch is one `os.write` of the bodies joined, one
   `os.fdatasync`, then every PUB of it is answered. No records, no index, no checks.
 
-Whatever nsqd spends beyond `sync` is its own; what `sync` spends is the floor that no
-Python design with a thread per partition goes under.
+- `journal`: the simplest node-wide group commit (nsqd's node journal, diskqueue/
+  journal.py). One thread for every topic; the PUBs that arrive while a round is written
+  wait and become the next round, each topic's part of it one `os.write` to its file
+  (no sync), all of it one `os.write` to one journal file and one `os.fdatasync`, then
+  every PUB of the round is answered (one `call_soon_threadsafe` a round).
+
+Whatever nsqd spends beyond `sync` (or `journal`) is its own; what they spend is the floor
+that no Python design with a thread per partition (or one journal a node) goes under.
 
 Replication (for bench/floor_replication.py): `--follow-port` also takes pushes, a thread
 per connection with blocking sockets (a frame: 4-byte topic length, 4-byte batch length,
@@ -22,7 +28,7 @@ one byte); `--followers host:port,...` makes every batch of `sync` go to each of
 (one connection per topic and follower) while it is synced here, and the PUBs wait for
 every follower's answer too. No epochs, no offsets, no checks: the least a push costs.
 
-    python bench/floor_server.py --mode ack|sync --port P --dir D [--follow-port F]
+    python bench/floor_server.py --mode ack|sync|journal --port P --dir D [--follow-port F]
                                  [--followers H:P,...]
 """
 
@@ -100,6 +106,58 @@ class TopicLog:
             transport.write(OK)
 
 
+class NodeJournal:
+    """Every topic's file and one journal, written by one thread in rounds; `append`
+    answers each PUB once its round's journal is synced."""
+
+    def __init__(self, loop, data_dir: str):
+        self.loop, self.dir = loop, data_dir
+        self.fds: dict[bytes, int] = {}
+        self.journal = os.open(os.path.join(data_dir, "journal"),
+                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.pending: dict[bytes, list] = {}  # topic -> (transport, body) for the next round
+        self.busy = False
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def append(self, transport, topic: bytes, body: bytes) -> None:
+        batch = self.pending.get(topic)
+        if batch is None:
+            batch = self.pending[topic] = []
+        batch.append((transport, body))
+        if not self.busy:
+            self._submit()
+
+    def _submit(self) -> None:
+        batches, self.pending = self.pending, {}
+        self.busy = True
+        self.jobs.put(batches)
+
+    def _run(self) -> None:
+        while True:
+            batches = self.jobs.get()
+            parts = []
+            for topic, batch in batches.items():
+                fd = self.fds.get(topic)
+                if fd is None:
+                    fd = self.fds[topic] = os.open(os.path.join(self.dir, topic.decode()),
+                                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                data = b"".join(body for _, body in batch)
+                os.write(fd, data)
+                parts.append(data)
+            os.write(self.journal, b"".join(parts))
+            os.fdatasync(self.journal)
+            self.loop.call_soon_threadsafe(self._done, batches)
+
+    def _done(self, batches: dict) -> None:
+        self.busy = False
+        if self.pending:
+            self._submit()
+        for batch in batches.values():
+            for transport, _ in batch:
+                transport.write(OK)
+
+
 class Connection(asyncio.Protocol):
     def __init__(self, server: "FloorServer"):
         self.server = server
@@ -137,7 +195,11 @@ class FloorServer:
     def __init__(self, loop, mode: str, data_dir: str, followers: list[tuple[str, int]]):
         self.loop, self.mode, self.dir, self.followers = loop, mode, data_dir, followers
         self.logs: dict[bytes, TopicLog] = {}
-        self.answer = self._ack if mode == "ack" else self._sync
+        self.journal = NodeJournal(loop, data_dir) if mode == "journal" else None
+        self.answer = {"ack": self._ack, "sync": self._sync, "journal": self._journal}[mode]
+
+    def _journal(self, transport, topic: bytes, body: bytes) -> None:
+        self.journal.append(transport, topic, body)
 
     def _ack(self, transport, topic: bytes, body: bytes) -> None:
         transport.write(OK)
@@ -191,7 +253,7 @@ async def serve(mode: str, port: int, data_dir: str, follow_port: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ack", "sync"), required=True)
+    parser.add_argument("--mode", choices=("ack", "sync", "journal"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--follow-port", type=int, default=0)
