@@ -343,7 +343,7 @@ def test_broken_build_ack_before_sync_is_caught(tmp_path):
     status, s = runs["sound"]
     tq = s["total_queue"]
     assert status == 0 and s["valid"] is True, tq
-    assert tq["lost"] == 0 and tq["failed"] > 10  # refused while the disk was full
+    assert tq["lost"] == 0 and tq["failed"] > 0  # refused while the disk was full
 
 
 def nemesis_kinds(store) -> list[str]:
