@@ -17,6 +17,13 @@ from diskqueue.journal import Journal
 from diskqueue.queue import DiskQueue, QueueFailedError, QueueOptions
 
 
+@pytest.fixture(autouse=True)
+def journal_every_round(monkeypatch):
+    """A round of one record syncs its segment instead of the journal; these tests write
+    one partition at a time and need the journal itself (but for the test of that rule)."""
+    monkeypatch.setattr(journal_mod, "ALONE_SYNCS_ITS_SEGMENT", False)
+
+
 async def open_queues(root, journal, n, **kw):
     return [await DiskQueue.open(os.path.join(root, f"p{i}"),
                                  QueueOptions(partition=i, journal=journal, **kw))
@@ -48,6 +55,23 @@ async def test_a_round_syncs_the_journal_once_for_every_partition(tmp_path):
     for q in qs:
         await q.close()
     j.close()
+
+
+async def test_a_round_of_one_batch_syncs_its_segment_not_the_journal(tmp_path, monkeypatch):
+    """One busy partition (an MPUB stream) writes nothing twice; it survives a cut all the
+    same (here: the journal file is emptied, as if never written)."""
+    monkeypatch.setattr(journal_mod, "ALONE_SYNCS_ITS_SEGMENT", True)
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    for k in range(20):
+        await q.append([b"m%d" % k] * 50)
+    assert j.stats["alone"] == q.stats["batches"] == 20
+    assert j.stats["bytes"] == 0 and os.path.getsize(journal_file(tmp_path)) == 0
+    j2 = Journal.open(str(tmp_path))  # no close: a crash
+    (q2,) = await open_queues(str(tmp_path), j2, 1)
+    assert len(await bodies_of(q2)) == 1000
+    await q2.close()
+    j2.close()
 
 
 async def test_a_round_holds_one_batch_of_a_partition(tmp_path):
