@@ -376,9 +376,9 @@ class Replicated:
         entry = self.commitlog.find_by_offset(offset) if offset < self.written_end else None
         if entry is None or (entry.offset, entry.count_before) != (offset, count):
             raise ValueError(f"no entry begins at ({offset}, {count})")
+        self._leave_journal()  # no journal record may come back over the cut tail
         # The commitlog first: an entry past the data would be a loss at open, a record past
         # the commitlog is only re-indexed.
-        self._leave_journal()
         self.commitlog.truncate_after(entry.log_id - 1)
         fsync_dir(self.commitlog.path)
         self._segments.cut_to(offset)
