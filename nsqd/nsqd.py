@@ -37,6 +37,7 @@ from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
+from .timeouts import TimeoutScan
 from .tracing import Tracer
 from .topic import TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy, topic_folder
 
@@ -98,6 +99,7 @@ class NSQD:
         self._stopping = False
         self.version = VERSION
         self.clock = time.time  # wall clock of due times; tests inject their own
+        self.timeouts = TimeoutScan()  # the channels something may come due in
         self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
         self.cluster = None  # cluster.Cluster in cluster mode (--etcd-endpoints)
         self.serving = asyncio.Event()  # publishes are taken (cluster mode: see start)
@@ -126,7 +128,7 @@ class NSQD:
         o = self.options
         return {"max_window": o.max_channel_window, "delay_threshold_ms": o.delay_threshold_ms,
                 "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock,
-                "confirm_fin": self.replicate_channel}
+                "confirm_fin": self.replicate_channel, "timeouts": self.timeouts}
 
     async def replicate_channel(self, channel: Channel) -> None:
         """The channel's state to every ISR follower of its replicated partition now;
@@ -719,15 +721,10 @@ class NSQD:
     # ---- background loops ------------------------------------------------
 
     async def _scan_loop(self) -> None:
+        """Every SCAN_INTERVAL, the timeouts of the channels something may come due in."""
         while True:
             await asyncio.sleep(SCAN_INTERVAL)
-            now = time.monotonic()
-            for topic in list(self.topics.values()):
-                for channel in list(topic.channels()):
-                    try:
-                        channel.process_timeouts(now)
-                    except Exception:  # one channel's bug must not stop every timeout
-                        log.exception("timeouts_failed", topic=topic.name, channel=channel.name)
+            self.timeouts.scan(time.monotonic())
 
     async def _checkpoint_loop(self) -> None:
         while True:
