@@ -92,8 +92,12 @@ class MetaStore:
 
     async def flush(self) -> None:
         """Write and commit what was put since the last flush (one transaction), off the
-        event loop. When it fails, the changes stay pending for the next flush."""
+        event loop; nothing at all when nothing was (once a running flush ended: what it
+        writes is durable when this returns). When it fails, the changes stay pending for
+        the next flush."""
         async with self._lock:
+            if not self._pending and not self._prefixes:
+                return
             batch, prefixes = self._pending, self._prefixes
             self._pending, self._prefixes = {}, []
             self._flushing = (batch, prefixes)

@@ -75,6 +75,13 @@ def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | No
     return out
 
 
+def single_segment(queue) -> bool:
+    """Whether the log is its active segment alone, which retention never drops: then the
+    retention loop skips it without a job on its write worker. (A segment made meanwhile
+    waits for the next check.)"""
+    return queue.segment_of(queue.start_offset)[1] == queue.segment_of(queue.written_end)[1]
+
+
 class NSQD:
     def __init__(self, options: Options, *, start_tcp, start_http, make_cluster):
         """`start_tcp`, `start_http`: async (node) -> (server, port), each listener;
@@ -89,6 +96,7 @@ class NSQD:
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
         self._unsaved: set[Channel] = set()  # made by _create_channel, not on disk yet
+        self._topic_states: dict[str, dict] = {}  # the state of each topic put last
         self._tasks: list[asyncio.Task] = []
         self.tcp_server = None
         self.http_runner = None
@@ -313,7 +321,7 @@ class NSQD:
                 self._store_topic(topic)
                 await self.meta.flush()
             except Exception as e:
-                self.meta.delete(topic_key(name))
+                self._forget_topic(name)
                 error = f"storing its metadata failed: {type(e).__name__}: {e}"
         if error is not None:
             await topic.close()
@@ -509,8 +517,7 @@ class NSQD:
 
     def _store_topic_as(self, topic: Topic, assignment: Assignment) -> None:
         if not topic.ephemeral:
-            self.meta.put(topic_key(topic.name), {**topic.state(),
-                                                  "assignment": assignment.state()})
+            self._put_topic(topic.name, {**topic.state(), "assignment": assignment.state()})
 
     def _drop_consumers(self, topic: Topic, number: int) -> None:
         """A partition is taken away: every consumer of it loses it now (see
@@ -610,7 +617,7 @@ class NSQD:
                     self.tracer.range_dropped(name, p.number, "", p.queue.committed_end,
                                               "topic deleted")
             grave = await topic.close_and_bury()
-            self.meta.delete(topic_key(name))
+            self._forget_topic(name)
             self.meta.delete_prefix(f"channel/{name}/")
             await self.meta.flush()
         self.lookup.topic_deleted(name)
@@ -661,7 +668,7 @@ class NSQD:
             if channel is not None:
                 self.meta.delete(channel_key(topic, partition, channel))
             else:
-                self.meta.delete(topic_key(topic))
+                self._forget_topic(topic)
                 self.meta.delete_prefix(f"channel/{topic}/")
             log.warning("delete_finished", topic=topic, partition=partition, channel=channel)
         await self.meta.flush()
@@ -698,7 +705,17 @@ class NSQD:
 
     def _store_topic(self, topic: Topic) -> None:
         if not topic.ephemeral:
-            self.meta.put(topic_key(topic.name), topic.state())
+            self._put_topic(topic.name, topic.state())
+
+    def _put_topic(self, name: str, state: dict) -> None:
+        """Every put of a topic's state goes through here: `_topic_states` is what the
+        metadata holds (or will, once flushed) under each topic key."""
+        self._topic_states[name] = state
+        self.meta.put(topic_key(name), state)
+
+    def _forget_topic(self, name: str) -> None:
+        self._topic_states.pop(name, None)
+        self.meta.delete(topic_key(name))
 
     def _store_channel(self, channel: Channel) -> None:
         if not channel.ephemeral and not channel.topic.ephemeral:
@@ -710,9 +727,13 @@ class NSQD:
                 part.writer.save_channel(channel, state)
 
     async def checkpoint(self) -> None:
-        """Persist every changed cursor and topic state in one transaction."""
+        """Persist every changed cursor and topic state in one transaction (none changed:
+        nothing is written)."""
         for topic in self.topics.values():
-            self._store_topic(topic)
+            if not topic.ephemeral:
+                state = topic.state()
+                if state != self._topic_states.get(topic.name):
+                    self._put_topic(topic.name, state)
             for channel in topic.channels():
                 if channel.dirty:
                     self._store_channel(channel)
@@ -744,10 +765,12 @@ class NSQD:
         while True:
             await asyncio.sleep(o.retention_check_interval_ms / 1000)
             held = [(t, p.number, p.queue, p.retention_floor())
-                    for t in list(self.topics.values()) for p in list(t.partitions.values())]
+                    for t in list(self.topics.values()) for p in list(t.partitions.values())
+                    if not single_segment(p.queue)]
             if self.cluster is not None:
                 held += [(self.topics.get(name), n, q, floor) for name, n, q, floor
-                         in self.cluster.replication.followed_floors()]
+                         in self.cluster.replication.followed_floors()
+                         if not single_segment(q)]
             for topic, n, queue, floor in held:
                 if topic is None or queue.failed is not None:  # a failed log waits for its reopen
                     continue

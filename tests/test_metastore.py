@@ -1,6 +1,7 @@
 """MetaStore: changes noted on the loop, written in order by one flush (one transaction)."""
 
 import asyncio
+import os
 import threading
 
 from nsqd.metastore import MetaStore
@@ -73,3 +74,33 @@ async def test_what_a_flush_is_writing_is_read_back_meanwhile(tmp_path):
     await flush
     assert meta.channels("t") == {(0, "c"): {"confirmed": 2}, (0, "d"): {"confirmed": 3}}
     meta.close()
+
+
+async def test_a_flush_with_nothing_put_writes_nothing_but_waits_for_a_running_one(tmp_path):
+    path = str(tmp_path / "meta.sqlite")
+    meta = MetaStore(path)
+    meta.put("topic/t", {"partitions": [0]})
+    await meta.flush()
+    written = os.stat(path).st_mtime_ns
+    await meta.flush()
+    assert os.stat(path).st_mtime_ns == written
+    meta.put("topic/t", {"partitions": [0, 1]})
+    real, started, release = meta._write, threading.Event(), threading.Event()
+
+    def slow(batch, prefixes):
+        started.set()
+        release.wait(10)
+        real(batch, prefixes)
+
+    meta._write = slow
+    running = asyncio.ensure_future(meta.flush())
+    await asyncio.to_thread(started.wait, 10)
+    empty = asyncio.ensure_future(meta.flush())  # nothing put since: it waits for `running`
+    await asyncio.sleep(0.1)
+    assert not empty.done()
+    release.set()
+    await empty
+    assert running.done()
+    assert MetaStore(path).topics() == {"t": {"partitions": [0, 1]}}
+    meta.close()
+

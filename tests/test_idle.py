@@ -1,0 +1,65 @@
+"""An idle node's periodic work (nsqd/README.md "What an idle partition costs"): the
+checkpoint writes nothing when nothing changed, retention leaves a log that is its active
+segment alone to the loop, on real DiskQueues and a real in-process nsqd."""
+
+import asyncio
+import os
+
+from diskqueue.queue import DiskQueue, QueueOptions
+from nodes import connect, take, until
+from nsqd.nsqd import single_segment
+
+
+async def test_single_segment_tells_whether_retention_could_drop_anything(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(segment_bytes=2048))
+    try:
+        assert single_segment(q)  # empty
+        await q.append([b"x" * 100] * 10)
+        assert single_segment(q)
+        assert await q.retain(before_offset=10**9, min_age_s=0) == 0  # as retention says
+        for _ in range(3):
+            await q.append([b"x" * 100] * 10)
+        assert not single_segment(q)  # a second segment: the first may go
+        start = await q.retain(before_offset=10**9, min_age_s=0)
+        assert start > 0 and single_segment(q)
+    finally:
+        await q.close()
+
+
+async def test_retention_still_drops_what_a_channel_finished(node):
+    n = await node(segment_bytes=4096, retention_check_interval_ms=100,
+                   retention_min_age_ms=0)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=100)
+    pub = await connect(n)
+    for _ in range(30):  # one write each: some 4 segments
+        await pub.pub("t", b"x" * 500)
+    for m in await take(c, 30):
+        m.fin()
+    q = n.topics["t"].partitions[0].queue
+    await until(lambda: q.start_offset > 0 and single_segment(q))
+
+
+async def test_an_idle_node_checkpoints_nothing(node):
+    n = await node(checkpoint_interval_ms=100)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=10)
+    pub = await connect(n)
+    await pub.mpub("t", [b"a", b"b"])
+    first = (await take(c))[0]
+    first.fin()
+    path = os.path.join(n.options.data_path, "nsqd.meta.sqlite")
+    await asyncio.sleep(0.5)  # the FIN's checkpoint is written
+    written = os.stat(path).st_mtime_ns
+    await asyncio.sleep(1)  # ten checkpoints with nothing changed: no write
+    assert os.stat(path).st_mtime_ns == written
+    (second,) = await take(c)
+    second.fin()
+    ch = n.topics["t"].partitions[0].channels["c"]
+    await until(lambda: os.stat(path).st_mtime_ns != written)
+    assert n.meta.channels("t")[(0, "c")]["confirmed"] == ch.cursor.confirmed
+    n.topics["t"].pause()  # a topic's state changed (not stored by this call): written too
+    written = os.stat(path).st_mtime_ns
+    await until(lambda: os.stat(path).st_mtime_ns != written)
+    assert n.meta.topics()["t"]["paused"] is True
+
