@@ -58,6 +58,15 @@ class MetaStore:
             out[(int(partition), name)] = v
         return out
 
+    def all_channels(self) -> dict[str, dict[tuple[int, str], dict]]:
+        """Stored channels of every topic, by topic name (each as `channels` gives them),
+        in one read (at start)."""
+        out: dict[str, dict[tuple[int, str], dict]] = {}
+        for k, v in self._items("channel/").items():
+            topic, partition, name = k[len("channel/"):].split("/", 2)
+            out.setdefault(topic, {})[(int(partition), name)] = v
+        return out
+
     def _items(self, prefix: str) -> dict[str, object]:
         """Stored items under `prefix`, with the changes a flush is writing and those not
         flushed yet over them (read from any thread)."""

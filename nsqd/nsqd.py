@@ -45,6 +45,7 @@ log = structlog.get_logger("nsqd")
 
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
+OPEN_AT_ONCE = 16  # partitions a start opens at a time (over all topics)
 # Cluster mode: the longest publishes wait at start for the first view of etcd to be
 # applied; etcd away that long, they go to the assignment the last run stored.
 START_GRACE_S = 2.0
@@ -152,8 +153,13 @@ class NSQD:
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         await asyncio.to_thread(self.tracer.start, self.meta)
-        for name, state in (await asyncio.to_thread(self.meta.topics)).items():
-            self.topics[name] = await self._open_topic(name, state)
+        stored = await asyncio.to_thread(self.meta.topics)
+        channels = await asyncio.to_thread(self.meta.all_channels)
+        at_once = asyncio.Semaphore(OPEN_AT_ONCE)
+        opened = await asyncio.gather(*(
+            self._open_topic(name, state, channels=channels.get(name, {}), at_once=at_once)
+            for name, state in stored.items()))
+        self.topics.update(zip(stored, opened))
         self.tcp_server, self.tcp_port = await self._start_tcp(self)
         self.tracer.start_writer(self.tcp_port)
         self.http_runner, self.http_port = await self._start_http(self)
@@ -224,9 +230,12 @@ class NSQD:
 
     # ---- topics and channels ---------------------------------------------
 
-    async def _open_topic(self, name: str, state: dict, create: bool = False) -> Topic:
+    async def _open_topic(self, name: str, state: dict, create: bool = False, *,
+                          channels: dict | None = None,
+                          at_once: asyncio.Semaphore | None = None) -> Topic:
         """Open a topic and its channels (not yet in `self.topics`); a partition that fails
-        is held in `topic.failed` (see topic.py)."""
+        is held in `topic.failed` (see topic.py). `channels`: its stored channels (as
+        MetaStore.channels; read here when None); `at_once`: see Topic.open."""
         path = topic_folder(self.options.data_path, name)
         sync = state.get("sync")
         topic = Topic(name, path, self.queue_options(tuple(sync) if sync else None))
@@ -240,17 +249,22 @@ class NSQD:
         topic.paused = state.get("paused", False)
         assignment = Assignment.from_state(state.get("assignment"))
         topic.set_assignment(assignment)
-        await topic.open(sorted(assignment.leading), state.get("floors", {}), create)
-        await self._add_channels(topic, list(topic.partitions))
+        await topic.open(sorted(assignment.leading), state.get("floors", {}), create, at_once)
+        await self._add_channels(topic, list(topic.partitions), channels)
         return topic
 
-    async def _add_channels(self, topic: Topic, partitions: list[int]) -> None:
-        """Open the stored channels of these (open) partitions at their saved cursors."""
-        channels = await asyncio.to_thread(self.meta.channels, topic.name)
+    async def _add_channels(self, topic: Topic, partitions: list[int],
+                            channels: dict | None = None) -> None:
+        """Open the stored channels of these (open) partitions at their saved cursors
+        (`channels`: the topic's stored ones, as MetaStore.channels; read when None)."""
+        if channels is None:
+            channels = await asyncio.to_thread(self.meta.channels, topic.name)
+        partitions = set(partitions)
+        settings = self.channel_settings()
         for (partition, channel_name), cstate in channels.items():
             p = topic.partitions.get(partition)
             if p is not None and partition in partitions:
-                p.add_channel(channel_name, cstate, **self.channel_settings())
+                p.add_channel(channel_name, cstate, **settings)
 
     async def get_topic(self, name: str, create: bool = True) -> Topic | None:
         """The topic; `create`: auto-create it (one partition, led here) when missing,

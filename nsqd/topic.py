@@ -413,17 +413,34 @@ class Topic:
         self.trace = None  # that Tracer while this topic's PUB events are on
 
     async def open(self, partitions: list[int], floors: dict[str, list[int]],
-                   create: bool = False) -> None:
-        """Open the partitions; one that fails goes to `failed` (never raises for a
-        partition's fault). `create`: a new topic, whose folders may be made; a stored
-        partition's folder must exist (a missing one is a fault, not a new empty log)."""
-        for number in partitions:
+                   create: bool = False, at_once: asyncio.Semaphore | None = None) -> None:
+        """Open the partitions, as many at a time as `at_once` lets (one by one without
+        it; a node's start shares one among its topics); one that fails goes to `failed`
+        (never raises for a partition's fault). `create`: a new topic, whose folders may be
+        made; a stored partition's folder must exist (a missing one is a fault, not a new
+        empty log). `self.partitions` ends in number order, whatever order they opened in."""
+        at_once = at_once or asyncio.Semaphore(1)
+
+        async def one(number: int) -> None:
             floor = floors.get(str(number))
-            await self.open_partition(number, tuple(floor) if floor else None, create)
+            async with at_once:
+                await self._open_partition(number, tuple(floor) if floor else None, create)
+
+        await asyncio.gather(*(one(number) for number in partitions))
+        self.partitions = {n: self.partitions[n] for n in sorted(self.partitions)}
+        self._refresh()
 
     async def open_partition(self, number: int, floor: tuple[int, int] | None,
                              create: bool = False) -> str | None:
         """Open one partition (again): None when it serves, else the reason (in `failed`)."""
+        reason = await self._open_partition(number, floor, create)
+        if reason is None:
+            self._refresh()
+        return reason
+
+    async def _open_partition(self, number: int, floor: tuple[int, int] | None,
+                              create: bool) -> str | None:
+        """`open_partition` but for `writable`, which the caller refreshes."""
         path = os.path.join(self.path, str(number))
         opts = dataclasses.replace(self.queue_options, partition=number)
         try:
@@ -444,7 +461,6 @@ class Topic:
         self._floors.pop(number, None)
         self.partitions[number] = part = Partition(self, number, queue, tuple(floor))
         part.start()
-        self._refresh()
         return None
 
     def known_floor(self, number: int) -> bool:

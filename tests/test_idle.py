@@ -63,3 +63,38 @@ async def test_an_idle_node_checkpoints_nothing(node):
     await until(lambda: os.stat(path).st_mtime_ns != written)
     assert n.meta.topics()["t"]["paused"] is True
 
+
+async def test_a_restart_opens_every_partition_and_channel_as_stored(node, tmp_path):
+    """Partitions open OPEN_AT_ONCE at a time over all topics: each topic ends with its
+    partitions in number order, all writable, and every stored channel at its cursor."""
+    n = await node()
+    for name, count in (("a", 40), ("b", 3), ("c", 1)):
+        topic = await n.create_topic(name, count)
+        for i in range(count):
+            await topic.publish([b"%s%d" % (name.encode(), i)] * (i % 3 + 1), i)
+        for channel in ("x", "y"):
+            for i in range(count):
+                await n.get_channel(name, channel, i)
+    c = await connect(n)
+    await c.sub("a", "x", rdy=100)
+    for m in await take(c, sum(i % 3 + 1 for i in range(40))):
+        m.fin()
+    await until(lambda: all(p.channels["x"].cursor.confirmed == p.queue.committed_end
+                            for p in n.topics["a"].partitions.values()))
+    await c.close()
+    await n.stop()
+
+    n = await node()
+    assert list(n.topics) == ["a", "b", "c"]
+    for name, count in (("a", 40), ("b", 3), ("c", 1)):
+        topic = n.topics[name]
+        assert list(topic.partitions) == list(range(count))
+        assert list(topic.writable) == list(range(count)) and not topic.failed
+        for i, p in topic.partitions.items():
+            assert sorted(p.channels) == ["x", "y"]
+            assert p.queue.committed_count == i % 3 + 1
+            # x, the first channel, started at the backlog: consumed in "a" only; y
+            # started at the end
+            x_at = p.queue.committed_end if name == "a" else 0
+            assert p.channels["x"].cursor.confirmed == x_at
+            assert p.channels["y"].cursor.confirmed == p.queue.committed_end

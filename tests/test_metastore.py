@@ -104,3 +104,17 @@ async def test_a_flush_with_nothing_put_writes_nothing_but_waits_for_a_running_o
     assert MetaStore(path).topics() == {"t": {"partitions": [0, 1]}}
     meta.close()
 
+
+async def test_all_channels_is_channels_of_every_topic(tmp_path):
+    meta = MetaStore(str(tmp_path / "meta.sqlite"))
+    meta.put("topic/t", {"partitions": [0, 1]})
+    meta.put("channel/t/0/c", {"confirmed": 1})
+    meta.put("channel/t/1/c", {"confirmed": 2})
+    meta.put("channel/t.b/0/c#ephemeral", {"confirmed": 3})
+    await meta.flush()
+    meta.put("channel/u/3/d", {"confirmed": 4})  # not flushed yet: read all the same
+    meta.delete("channel/t/1/c")
+    assert meta.all_channels() == {"t": meta.channels("t"), "t.b": meta.channels("t.b"),
+                                   "u": meta.channels("u")}
+    assert meta.all_channels()["t"] == {(0, "c"): {"confirmed": 1}}
+    meta.close()
