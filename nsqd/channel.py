@@ -61,7 +61,8 @@ class Channel:
                  max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False,
                  saved: SavedWindow | None = None, ordered: bool = False, confirm_fin=None,
                  held: bytes | None = None, max_attempts: int = 0,
-                 dead_from: int | None = None, timeouts: TimeoutScan | None = None):
+                 dead_from: int | None = None, timeouts: TimeoutScan | None = None,
+                 changed: set | None = None):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -101,7 +102,8 @@ class Channel:
         self.finish_count = 0
         self.filtered_count = 0  # auto-finished: no consumer's ext_filter took them (tags.py)
         self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
-        self.dirty = True  # cursor changed since the last checkpoint
+        self.changed = changed  # the node's channels changed since its last checkpoint
+        self.dirty = True
         self.seeks = 0  # moves of the cursor (seek) so far
         self.trace = None  # the node's Tracer while this channel's events are on (tracing.py)
         self.confirm_fin = confirm_fin  # ordered, replicated: awaited after a FIN (ordered.py)
@@ -153,6 +155,18 @@ class Channel:
 
     def wake(self) -> None:
         self._wake.set()
+
+    @property
+    def dirty(self) -> bool:
+        """The channel changed since its last checkpoint; while so, it is in `changed` (the
+        node's checkpoint visits only those: NSQD.checkpoint)."""
+        return self._dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._dirty = value
+        if value and self.changed is not None:
+            self.changed.add(self)
 
     @property
     def closed(self) -> bool:

@@ -98,6 +98,7 @@ class NSQD:
         self._create_lock = asyncio.Lock()
         self._unsaved: set[Channel] = set()  # made by _create_channel, not on disk yet
         self._topic_states: dict[str, dict] = {}  # the state of each topic put last
+        self._changed: set[Channel] = set()  # channels changed since the last checkpoint
         self._tasks: list[asyncio.Task] = []
         self.tcp_server = None
         self.http_runner = None
@@ -137,7 +138,8 @@ class NSQD:
         o = self.options
         return {"max_window": o.max_channel_window, "delay_threshold_ms": o.delay_threshold_ms,
                 "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock,
-                "confirm_fin": self.replicate_channel, "timeouts": self.timeouts}
+                "confirm_fin": self.replicate_channel, "timeouts": self.timeouts,
+                "changed": self._changed}
 
     async def replicate_channel(self, channel: Channel) -> None:
         """The channel's state to every ISR follower of its replicated partition now;
@@ -742,15 +744,21 @@ class NSQD:
 
     async def checkpoint(self) -> None:
         """Persist every changed cursor and topic state in one transaction (none changed:
-        nothing is written)."""
+        nothing is written). Only the channels in `_changed` are visited: one no longer
+        held by its topic's partition (deleted, released, reopened) is left out."""
         for topic in self.topics.values():
             if not topic.ephemeral:
                 state = topic.state()
                 if state != self._topic_states.get(topic.name):
                     self._put_topic(topic.name, state)
-            for channel in topic.channels():
-                if channel.dirty:
-                    self._store_channel(channel)
+        changed = list(self._changed)
+        self._changed.clear()
+        for channel in changed:
+            topic = channel.topic
+            part = topic.partitions.get(channel.partition)
+            if (channel.dirty and self.topics.get(topic.name) is topic and part is not None
+                    and part.channels.get(channel.name) is channel):
+                self._store_channel(channel)
         await self.meta.flush()
 
     # ---- background loops ------------------------------------------------

@@ -53,11 +53,13 @@ async def test_an_idle_node_checkpoints_nothing(node):
     written = os.stat(path).st_mtime_ns
     await asyncio.sleep(1)  # ten checkpoints with nothing changed: no write
     assert os.stat(path).st_mtime_ns == written
+    assert not n._changed, "no channel to visit"
     (second,) = await take(c)
     second.fin()
     ch = n.topics["t"].partitions[0].channels["c"]
     await until(lambda: os.stat(path).st_mtime_ns != written)
     assert n.meta.channels("t")[(0, "c")]["confirmed"] == ch.cursor.confirmed
+    assert not ch.dirty and not n._changed
     n.topics["t"].pause()  # a topic's state changed (not stored by this call): written too
     written = os.stat(path).st_mtime_ns
     await until(lambda: os.stat(path).st_mtime_ns != written)
