@@ -106,6 +106,15 @@ def remove_grave(grave: str) -> None:
     fsync_dir(os.path.dirname(grave))
 
 
+def _folders(path: str) -> set[str]:
+    """Names of the folders in `path` (none when it is missing). Blocking."""
+    try:
+        with os.scandir(path) as entries:
+            return {e.name for e in entries if e.is_dir()}
+    except FileNotFoundError:
+        return set()
+
+
 class Solo:
     """The writer of a partition that is not replicated: its own log. A publish is answered
     once written (and synced as the sync policy says); a channel's state stays on this node
@@ -418,13 +427,16 @@ class Topic:
         it; a node's start shares one among its topics); one that fails goes to `failed`
         (never raises for a partition's fault). `create`: a new topic, whose folders may be
         made; a stored partition's folder must exist (a missing one is a fault, not a new
-        empty log). `self.partitions` ends in number order, whatever order they opened in."""
+        empty log; the topic's folder is listed once for them all). `self.partitions` ends
+        in number order, whatever order they opened in."""
         at_once = at_once or asyncio.Semaphore(1)
+        listed = None if create else await asyncio.to_thread(_folders, self.path)
 
         async def one(number: int) -> None:
             floor = floors.get(str(number))
             async with at_once:
-                await self._open_partition(number, tuple(floor) if floor else None, create)
+                await self._open_partition(number, tuple(floor) if floor else None, create,
+                                           listed)
 
         await asyncio.gather(*(one(number) for number in partitions))
         self.partitions = {n: self.partitions[n] for n in sorted(self.partitions)}
@@ -439,12 +451,14 @@ class Topic:
         return reason
 
     async def _open_partition(self, number: int, floor: tuple[int, int] | None,
-                              create: bool) -> str | None:
-        """`open_partition` but for `writable`, which the caller refreshes."""
+                              create: bool, listed: set[str] | None = None) -> str | None:
+        """`open_partition` but for `writable`, which the caller refreshes. `listed`: the
+        folders in the topic's folder, when the caller listed them (else looked up here)."""
         path = os.path.join(self.path, str(number))
         opts = dataclasses.replace(self.queue_options, partition=number)
         try:
-            if not create and not await asyncio.to_thread(os.path.isdir, path):
+            if not create and not (str(number) in listed if listed is not None
+                                   else await asyncio.to_thread(os.path.isdir, path)):
                 raise FileNotFoundError(f"{path}: the partition's folder is missing")
             queue = await DiskQueue.open(path, opts)
         except Exception as e:  # whatever it is, it stays inside this partition
