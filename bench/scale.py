@@ -1,6 +1,6 @@
 """How one nsqd's cost grows with its partitions (issue 31, "Scale").
 
-    .venv/bin/python bench/scale.py [--quick] [--sizes 100,1000,10000]
+    .venv/bin/python bench/scale.py [--quick] [--sizes 100,1000,10000] [--nsqd-root DIR]
 
 For each N (100, 1,000, 10,000; `--quick`: 100 and 1,000), a fresh single nsqd (no etcd,
 R=1, default durable settings) in a temporary folder, holding N partitions in all: topics
@@ -23,6 +23,9 @@ Then each figure's growth: N=1,000 over N=100 and N=10,000 over N=1,000; a ratio
 fails (the node cannot start, runs out of descriptors, a deadline passes: 0.03 s a
 partition, at least 60 s: 300 s at N=10,000) is recorded as `failed_<N>` with the step it reached and the node's threads,
 descriptors, RSS and serving partitions then, and the bench goes on with the next N.
+
+`--nsqd-root DIR` runs the nsqd of another checkout (as bench/nsqd.py's), for before/after
+pairs.
 
 Each partition holds a log's files open, so the bench raises its RLIMIT_NOFILE soft
 limit to the hard limit before starting nsqd (a child inherits it); both are printed.
@@ -51,8 +54,8 @@ if ROOT not in sys.path:
     sys.path.append(ROOT)
 from bench import common  # noqa: E402
 from bench.common import Report  # noqa: E402
-from bench.nsqd_server import (_load_servers, pid_cpu_seconds, pid_rss_mb,  # noqa: E402
-                                thread_cpu)
+from bench import nsqd_server  # noqa: E402
+from bench.nsqd_server import _load_servers, pid_cpu_seconds, pid_rss_mb, thread_cpu  # noqa: E402
 from nsqwire import protocol as p  # noqa: E402
 from nsqwire.commands import FrameParser, cmd_pub  # noqa: E402
 
@@ -315,7 +318,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="N = 100 and 1,000 only")
     ap.add_argument("--sizes", help="comma-separated partition counts (default 100,1000,10000)")
     ap.add_argument("--dir", help="make the temporary folders in this one (default /tmp)")
+    ap.add_argument("--nsqd-root", metavar="DIR",
+                    help="run the nsqd of the checkout in DIR, for before/after pairs")
     args = ap.parse_args()
+    if args.nsqd_root:
+        nsqd_server.ROOT = os.path.abspath(args.nsqd_root)  # _load_servers loads its servers.py
     sizes = ([int(x) for x in args.sizes.split(",")] if args.sizes
              else [100, 1000] if args.quick else [100, 1000, 10_000])
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -324,6 +331,7 @@ def main() -> int:
     report = Report("scale")
     report.figures.update(common.machine_info())
     report.figures["nofile_limit"] = hard
+    report.figures["nsqd_root"] = nsqd_server.ROOT
     report.note(f"RLIMIT_NOFILE for nsqd: {hard:,} (was {soft:,} soft, {hard:,} hard)")
     for n in sizes:
         run(report, servers, n, args.dir)

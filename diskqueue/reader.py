@@ -8,7 +8,12 @@ Invariants:
   queue's own read worker (never a pool shared with other partitions), serves many
   records;
 - records it decoded are shared with the queue's other Readers (SharedChunks), so
-  channels reading near each other decode and checksum each record once.
+  channels reading near each other decode and checksum each record once;
+- a read that reaches what was committed when it began lets go of the segment's
+  descriptor and of the buffer (all of it decoded: a refill reads whole committed
+  records), so a reader caught up and waiting holds neither; the next refill opens the
+  segment at its offset again. No read is in flight then (a Reader's reads are awaited
+  one at a time), so no worker job holds the descriptor it closes.
 """
 
 from __future__ import annotations
@@ -118,13 +123,20 @@ class Reader:
         records = shared.take(self.offset, max_count)
         if records:
             self._skip_to(records[-1].end)
-            return records
-        records = self._decode(committed, max_count)
-        if not records:
-            await self._refill(committed)
+        else:
             records = self._decode(committed, max_count)
-        shared.add(records)
+            if not records:
+                await self._refill(committed)
+                records = self._decode(committed, max_count)
+            shared.add(records)
+        if self.offset >= committed:
+            self._rest()
         return records
+
+    def _rest(self) -> None:
+        """Caught up with what is committed: close the descriptor, drop the buffer."""
+        self.close()
+        self.seek(self.offset)
 
     def _skip_to(self, offset: int) -> None:
         """Go on from `offset` (past records taken from the shared chunks); the buffer stays

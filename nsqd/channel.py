@@ -45,6 +45,7 @@ from .delaying import ChannelDelay
 from .handover import take_over
 from .message import Message, defer_until_ms
 from .ordered import OrderedDispatch
+from .timeouts import TimeoutScan
 
 log = structlog.get_logger("nsqd.channel")
 
@@ -60,7 +61,8 @@ class Channel:
                  max_attempts_in_memory: int = 10, clock=time.time, delay_expected: bool = False,
                  saved: SavedWindow | None = None, ordered: bool = False, confirm_fin=None,
                  held: bytes | None = None, max_attempts: int = 0,
-                 dead_from: int | None = None):
+                 dead_from: int | None = None, timeouts: TimeoutScan | None = None,
+                 changed: set | None = None):
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
@@ -81,10 +83,12 @@ class Channel:
         self.from_delay: deque[Message] = deque()  # due messages brought back from the store
         self.deferred: list[tuple[float, int, Message]] = []  # (due clock time, msg_id, msg)
         self.clock = clock
+        self.timeouts = timeouts  # the node's scan, visiting the channel while `timing`
         self.delay_threshold_ms = delay_threshold_ms
         self.max_attempts_in_memory = max_attempts_in_memory
         self.delay = (ChannelDelay(delay_path, self._stored, self._given_back,
-                                   expected=delay_expected) if delay_path else None)
+                                   expected=delay_expected, on_waiting=self.watch_timeouts)
+                      if delay_path else None)
         self._rr = 0
         self._undeferred_at = -1  # offset of a record known not to be a deferred publish
         self._wake = asyncio.Event()
@@ -98,7 +102,8 @@ class Channel:
         self.finish_count = 0
         self.filtered_count = 0  # auto-finished: no consumer's ext_filter took them (tags.py)
         self.router: tags.Router | None = None  # while a client has a desired_tag or ext_filter
-        self.dirty = True  # cursor changed since the last checkpoint
+        self.changed = changed  # the node's channels changed since its last checkpoint
+        self.dirty = True
         self.seeks = 0  # moves of the cursor (seek) so far
         self.trace = None  # the node's Tracer while this channel's events are on (tracing.py)
         self.confirm_fin = confirm_fin  # ordered, replicated: awaited after a FIN (ordered.py)
@@ -150,6 +155,18 @@ class Channel:
 
     def wake(self) -> None:
         self._wake.set()
+
+    @property
+    def dirty(self) -> bool:
+        """The channel changed since its last checkpoint; while so, it is in `changed` (the
+        node's checkpoint visits only those: NSQD.checkpoint)."""
+        return self._dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._dirty = value
+        if value and self.changed is not None:
+            self.changed.add(self)
 
     @property
     def closed(self) -> bool:
@@ -514,7 +531,12 @@ class Channel:
             if self.trace is not None:
                 self.trace.delay_in(self, msg, due_ms)
         else:
-            heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
+            self._defer(due_ms / 1000, msg)
+
+    def _defer(self, due: float, msg: Message) -> None:
+        """Hold a message in memory until clock time `due`."""
+        heapq.heappush(self.deferred, (due, msg.msg_id, msg))
+        self.watch_timeouts()
 
     def _spill_deferred(self) -> None:
         """The confirm window is full: move log messages held in memory to the delay store,
@@ -544,7 +566,7 @@ class Channel:
     def _given_back(self, held: list[tuple[Message, int]]) -> None:
         """The delay store could not take these log messages: they wait in memory."""
         for msg, due_ms in held:
-            heapq.heappush(self.deferred, (due_ms / 1000, msg.msg_id, msg))
+            self._defer(due_ms / 1000, msg)
 
     def _distribute(self, msgs: list[Message]) -> None:
         """Hand messages to clients in turn, each up to its free RDY; keep the rest requeued.
@@ -668,8 +690,7 @@ class Channel:
             if self.ordered is not None:
                 self.ordered.put_back((msg,))
             else:
-                heapq.heappush(self.deferred, (self.clock() + BURY_RETRY_MS / 1000,
-                                               msg.msg_id, msg))
+                self._defer(self.clock() + BURY_RETRY_MS / 1000, msg)
             self._wake.set()
             return
         if msg.delayed:
@@ -682,6 +703,20 @@ class Channel:
         self._wake.set()
         if self.ordered is not None:
             self.ordered.finished()
+
+    def watch_timeouts(self) -> None:
+        """Something of this channel may come due: the node's timeout scan visits it from
+        now on, until it is not `timing` (nsqd/timeouts.py)."""
+        if self.timeouts is not None:
+            self.timeouts.watch(self)
+
+    @property
+    def timing(self) -> bool:
+        """Whether something of this channel may come due: a message deferred in memory,
+        messages waiting in the delay store, or a message in flight at one of its clients
+        (any client's counts: a client consuming several partitions holds others' too)."""
+        return (bool(self.deferred) or (self.delay is not None and self.delay.waiting > 0)
+                or any(c.in_flight for c in self.clients))
 
     def process_timeouts(self, now: float) -> int:
         """Requeue expired in-flight messages and release due deferred ones; return how many."""

@@ -239,6 +239,7 @@ class Client:
             in_flight[wire_id] = m
         self.message_count += len(msgs)
         if msgs:
+            channel.watch_timeouts()
             self._buffer_messages(encode_messages(msgs, self.settings.extend_support,
                                                  self.frame_offsets),
                                   channel.ordered is not None)

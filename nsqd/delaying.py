@@ -53,11 +53,12 @@ CREATE_RETRY_S = 30.0  # after a store could not be made, moves wait in memory t
 
 class ChannelDelay:
     def __init__(self, path: str, on_stored, give_back, take_limit: int = 1000,
-                 expected: bool = False):
+                 expected: bool = False, on_waiting=None):
         self.path = path
         self.expected = expected  # the channel had a store: a missing folder is an error
         self.on_stored = on_stored  # called with the log messages whose store write committed
         self.give_back = give_back  # called with (message, due_ms) the store did not take
+        self.on_waiting = on_waiting  # called when a read of the store finds `waiting` > 0
         self.take_limit = take_limit
         self.store = None
         self.opened = False  # open() has run: what the store holds is known (or failed)
@@ -256,6 +257,8 @@ class ChannelDelay:
         self._read_at = read_at
         self.waiting, self.taken, self.oldest_due_ms = waiting, taken, oldest_due_ms
         self.min_origin = min_origin
+        if waiting and self.on_waiting is not None:
+            self.on_waiting()
 
     # ---- bringing due messages back ----------------------------------------
 

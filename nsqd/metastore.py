@@ -58,6 +58,15 @@ class MetaStore:
             out[(int(partition), name)] = v
         return out
 
+    def all_channels(self) -> dict[str, dict[tuple[int, str], dict]]:
+        """Stored channels of every topic, by topic name (each as `channels` gives them),
+        in one read (at start)."""
+        out: dict[str, dict[tuple[int, str], dict]] = {}
+        for k, v in self._items("channel/").items():
+            topic, partition, name = k[len("channel/"):].split("/", 2)
+            out.setdefault(topic, {})[(int(partition), name)] = v
+        return out
+
     def _items(self, prefix: str) -> dict[str, object]:
         """Stored items under `prefix`, with the changes a flush is writing and those not
         flushed yet over them (read from any thread)."""
@@ -92,8 +101,12 @@ class MetaStore:
 
     async def flush(self) -> None:
         """Write and commit what was put since the last flush (one transaction), off the
-        event loop. When it fails, the changes stay pending for the next flush."""
+        event loop; nothing at all when nothing was (once a running flush ended: what it
+        writes is durable when this returns). When it fails, the changes stay pending for
+        the next flush."""
         async with self._lock:
+            if not self._pending and not self._prefixes:
+                return
             batch, prefixes = self._pending, self._prefixes
             self._pending, self._prefixes = {}, []
             self._flushing = (batch, prefixes)

@@ -38,6 +38,7 @@ from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
+from .timeouts import TimeoutScan
 from .tracing import Tracer
 from .topic import TOMBSTONE, Topic, bury, buried_path, remove_grave, sync_policy, topic_folder
 
@@ -45,6 +46,7 @@ log = structlog.get_logger("nsqd")
 
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
+OPEN_AT_ONCE = 16  # partitions a start opens at a time (over all topics)
 # Cluster mode: the longest publishes wait at start for the first view of etcd to be
 # applied; etcd away that long, they go to the assignment the last run stored.
 START_GRACE_S = 2.0
@@ -75,6 +77,13 @@ def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | No
     return out
 
 
+def single_segment(queue) -> bool:
+    """Whether the log is its active segment alone, which retention never drops: then the
+    retention loop skips it without a job on its write worker. (A segment made meanwhile
+    waits for the next check.)"""
+    return queue.segment_of(queue.start_offset)[1] == queue.segment_of(queue.written_end)[1]
+
+
 class NSQD:
     def __init__(self, options: Options, *, start_tcp, start_http, make_cluster):
         """`start_tcp`, `start_http`: async (node) -> (server, port), each listener;
@@ -90,6 +99,8 @@ class NSQD:
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
         self._unsaved: set[Channel] = set()  # made by _create_channel, not on disk yet
+        self._topic_states: dict[str, dict] = {}  # the state of each topic put last
+        self._changed: set[Channel] = set()  # channels changed since the last checkpoint
         self._tasks: list[asyncio.Task] = []
         self.tcp_server = None
         self.http_runner = None
@@ -100,6 +111,7 @@ class NSQD:
         self._stopping = False
         self.version = VERSION
         self.clock = time.time  # wall clock of due times; tests inject their own
+        self.timeouts = TimeoutScan()  # the channels something may come due in
         self.lookup = Lookup(self)  # the nsqlookupd peers, dialled once the node listens
         self.cluster = None  # cluster.Cluster in cluster mode (--etcd-endpoints)
         self.serving = asyncio.Event()  # publishes are taken (cluster mode: see start)
@@ -128,7 +140,8 @@ class NSQD:
         o = self.options
         return {"max_window": o.max_channel_window, "delay_threshold_ms": o.delay_threshold_ms,
                 "max_attempts_in_memory": o.delay_after_attempts, "clock": self.clock,
-                "confirm_fin": self.replicate_channel}
+                "confirm_fin": self.replicate_channel, "timeouts": self.timeouts,
+                "changed": self._changed}
 
     async def replicate_channel(self, channel: Channel) -> None:
         """The channel's state to every ISR follower of its replicated partition now;
@@ -146,8 +159,13 @@ class NSQD:
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         await asyncio.to_thread(self.tracer.start, self.meta)
-        for name, state in (await asyncio.to_thread(self.meta.topics)).items():
-            self.topics[name] = await self._open_topic(name, state)
+        stored = await asyncio.to_thread(self.meta.topics)
+        channels = await asyncio.to_thread(self.meta.all_channels)
+        at_once = asyncio.Semaphore(OPEN_AT_ONCE)
+        opened = await asyncio.gather(*(
+            self._open_topic(name, state, channels=channels.get(name, {}), at_once=at_once)
+            for name, state in stored.items()))
+        self.topics.update(zip(stored, opened))
         self.tcp_server, self.tcp_port = await self._start_tcp(self)
         self.tracer.start_writer(self.tcp_port)
         self.http_runner, self.http_port = await self._start_http(self)
@@ -220,9 +238,12 @@ class NSQD:
 
     # ---- topics and channels ---------------------------------------------
 
-    async def _open_topic(self, name: str, state: dict, create: bool = False) -> Topic:
+    async def _open_topic(self, name: str, state: dict, create: bool = False, *,
+                          channels: dict | None = None,
+                          at_once: asyncio.Semaphore | None = None) -> Topic:
         """Open a topic and its channels (not yet in `self.topics`); a partition that fails
-        is held in `topic.failed` (see topic.py)."""
+        is held in `topic.failed` (see topic.py). `channels`: its stored channels (as
+        MetaStore.channels; read here when None); `at_once`: see Topic.open."""
         path = topic_folder(self.options.data_path, name)
         sync = state.get("sync")
         topic = Topic(name, path, self.queue_options(tuple(sync) if sync else None))
@@ -236,17 +257,22 @@ class NSQD:
         topic.paused = state.get("paused", False)
         assignment = Assignment.from_state(state.get("assignment"))
         topic.set_assignment(assignment)
-        await topic.open(sorted(assignment.leading), state.get("floors", {}), create)
-        await self._add_channels(topic, list(topic.partitions))
+        await topic.open(sorted(assignment.leading), state.get("floors", {}), create, at_once)
+        await self._add_channels(topic, list(topic.partitions), channels)
         return topic
 
-    async def _add_channels(self, topic: Topic, partitions: list[int]) -> None:
-        """Open the stored channels of these (open) partitions at their saved cursors."""
-        channels = await asyncio.to_thread(self.meta.channels, topic.name)
+    async def _add_channels(self, topic: Topic, partitions: list[int],
+                            channels: dict | None = None) -> None:
+        """Open the stored channels of these (open) partitions at their saved cursors
+        (`channels`: the topic's stored ones, as MetaStore.channels; read when None)."""
+        if channels is None:
+            channels = await asyncio.to_thread(self.meta.channels, topic.name)
+        partitions = set(partitions)
+        settings = self.channel_settings()
         for (partition, channel_name), cstate in channels.items():
             p = topic.partitions.get(partition)
             if p is not None and partition in partitions:
-                p.add_channel(channel_name, cstate, **self.channel_settings())
+                p.add_channel(channel_name, cstate, **settings)
 
     async def get_topic(self, name: str, create: bool = True) -> Topic | None:
         """The topic; `create`: auto-create it (one partition, led here) when missing,
@@ -317,7 +343,7 @@ class NSQD:
                 self._store_topic(topic)
                 await self.meta.flush()
             except Exception as e:
-                self.meta.delete(topic_key(name))
+                self._forget_topic(name)
                 error = f"storing its metadata failed: {type(e).__name__}: {e}"
         if error is not None:
             await topic.close()
@@ -513,8 +539,7 @@ class NSQD:
 
     def _store_topic_as(self, topic: Topic, assignment: Assignment) -> None:
         if not topic.ephemeral:
-            self.meta.put(topic_key(topic.name), {**topic.state(),
-                                                  "assignment": assignment.state()})
+            self._put_topic(topic.name, {**topic.state(), "assignment": assignment.state()})
 
     def _drop_consumers(self, topic: Topic, number: int) -> None:
         """A partition is taken away: every consumer of it loses it now (see
@@ -614,7 +639,7 @@ class NSQD:
                     self.tracer.range_dropped(name, p.number, "", p.queue.committed_end,
                                               "topic deleted")
             grave = await topic.close_and_bury()
-            self.meta.delete(topic_key(name))
+            self._forget_topic(name)
             self.meta.delete_prefix(f"channel/{name}/")
             await self.meta.flush()
         self.lookup.topic_deleted(name)
@@ -665,7 +690,7 @@ class NSQD:
             if channel is not None:
                 self.meta.delete(channel_key(topic, partition, channel))
             else:
-                self.meta.delete(topic_key(topic))
+                self._forget_topic(topic)
                 self.meta.delete_prefix(f"channel/{topic}/")
             log.warning("delete_finished", topic=topic, partition=partition, channel=channel)
         await self.meta.flush()
@@ -702,7 +727,17 @@ class NSQD:
 
     def _store_topic(self, topic: Topic) -> None:
         if not topic.ephemeral:
-            self.meta.put(topic_key(topic.name), topic.state())
+            self._put_topic(topic.name, topic.state())
+
+    def _put_topic(self, name: str, state: dict) -> None:
+        """Every put of a topic's state goes through here: `_topic_states` is what the
+        metadata holds (or will, once flushed) under each topic key."""
+        self._topic_states[name] = state
+        self.meta.put(topic_key(name), state)
+
+    def _forget_topic(self, name: str) -> None:
+        self._topic_states.pop(name, None)
+        self.meta.delete(topic_key(name))
 
     def _store_channel(self, channel: Channel) -> None:
         if not channel.ephemeral and not channel.topic.ephemeral:
@@ -714,26 +749,31 @@ class NSQD:
                 part.writer.save_channel(channel, state)
 
     async def checkpoint(self) -> None:
-        """Persist every changed cursor and topic state in one transaction."""
+        """Persist every changed cursor and topic state in one transaction (none changed:
+        nothing is written). Only the channels in `_changed` are visited: one no longer
+        held by its topic's partition (deleted, released, reopened) is left out."""
         for topic in self.topics.values():
-            self._store_topic(topic)
-            for channel in topic.channels():
-                if channel.dirty:
-                    self._store_channel(channel)
+            if not topic.ephemeral:
+                state = topic.state()
+                if state != self._topic_states.get(topic.name):
+                    self._put_topic(topic.name, state)
+        changed = list(self._changed)
+        self._changed.clear()
+        for channel in changed:
+            topic = channel.topic
+            part = topic.partitions.get(channel.partition)
+            if (channel.dirty and self.topics.get(topic.name) is topic and part is not None
+                    and part.channels.get(channel.name) is channel):
+                self._store_channel(channel)
         await self.meta.flush()
 
     # ---- background loops ------------------------------------------------
 
     async def _scan_loop(self) -> None:
+        """Every SCAN_INTERVAL, the timeouts of the channels something may come due in."""
         while True:
             await asyncio.sleep(SCAN_INTERVAL)
-            now = time.monotonic()
-            for topic in list(self.topics.values()):
-                for channel in list(topic.channels()):
-                    try:
-                        channel.process_timeouts(now)
-                    except Exception:  # one channel's bug must not stop every timeout
-                        log.exception("timeouts_failed", topic=topic.name, channel=channel.name)
+            self.timeouts.scan(time.monotonic())
 
     async def _checkpoint_loop(self) -> None:
         while True:
@@ -753,10 +793,12 @@ class NSQD:
         while True:
             await asyncio.sleep(o.retention_check_interval_ms / 1000)
             held = [(t, p.number, p.queue, p.retention_floor())
-                    for t in list(self.topics.values()) for p in list(t.partitions.values())]
+                    for t in list(self.topics.values()) for p in list(t.partitions.values())
+                    if not single_segment(p.queue)]
             if self.cluster is not None:
                 held += [(self.topics.get(name), n, q, floor) for name, n, q, floor
-                         in self.cluster.replication.followed_floors()]
+                         in self.cluster.replication.followed_floors()
+                         if not single_segment(q)]
             for topic, n, queue, floor in held:
                 if topic is None or queue.failed is not None:  # a failed log waits for its reopen
                     continue

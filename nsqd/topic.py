@@ -106,6 +106,15 @@ def remove_grave(grave: str) -> None:
     fsync_dir(os.path.dirname(grave))
 
 
+def _folders(path: str) -> set[str]:
+    """Names of the folders in `path` (none when it is missing). Blocking."""
+    try:
+        with os.scandir(path) as entries:
+            return {e.name for e in entries if e.is_dir()}
+    except FileNotFoundError:
+        return set()
+
+
 class Solo:
     """The writer of a partition that is not replicated: its own log. A publish is answered
     once written (and synced as the sync policy says); a channel's state stays on this node
@@ -413,21 +422,43 @@ class Topic:
         self.trace = None  # that Tracer while this topic's PUB events are on
 
     async def open(self, partitions: list[int], floors: dict[str, list[int]],
-                   create: bool = False) -> None:
-        """Open the partitions; one that fails goes to `failed` (never raises for a
-        partition's fault). `create`: a new topic, whose folders may be made; a stored
-        partition's folder must exist (a missing one is a fault, not a new empty log)."""
-        for number in partitions:
+                   create: bool = False, at_once: asyncio.Semaphore | None = None) -> None:
+        """Open the partitions, as many at a time as `at_once` lets (one by one without
+        it; a node's start shares one among its topics); one that fails goes to `failed`
+        (never raises for a partition's fault). `create`: a new topic, whose folders may be
+        made; a stored partition's folder must exist (a missing one is a fault, not a new
+        empty log; the topic's folder is listed once for them all). `self.partitions` ends
+        in number order, whatever order they opened in."""
+        at_once = at_once or asyncio.Semaphore(1)
+        listed = None if create else await asyncio.to_thread(_folders, self.path)
+
+        async def one(number: int) -> None:
             floor = floors.get(str(number))
-            await self.open_partition(number, tuple(floor) if floor else None, create)
+            async with at_once:
+                await self._open_partition(number, tuple(floor) if floor else None, create,
+                                           listed)
+
+        await asyncio.gather(*(one(number) for number in partitions))
+        self.partitions = {n: self.partitions[n] for n in sorted(self.partitions)}
+        self._refresh()
 
     async def open_partition(self, number: int, floor: tuple[int, int] | None,
                              create: bool = False) -> str | None:
         """Open one partition (again): None when it serves, else the reason (in `failed`)."""
+        reason = await self._open_partition(number, floor, create)
+        if reason is None:
+            self._refresh()
+        return reason
+
+    async def _open_partition(self, number: int, floor: tuple[int, int] | None,
+                              create: bool, listed: set[str] | None = None) -> str | None:
+        """`open_partition` but for `writable`, which the caller refreshes. `listed`: the
+        folders in the topic's folder, when the caller listed them (else looked up here)."""
         path = os.path.join(self.path, str(number))
         opts = dataclasses.replace(self.queue_options, partition=number)
         try:
-            if not create and not await asyncio.to_thread(os.path.isdir, path):
+            if not create and not (str(number) in listed if listed is not None
+                                   else await asyncio.to_thread(os.path.isdir, path)):
                 raise FileNotFoundError(f"{path}: the partition's folder is missing")
             queue = await DiskQueue.open(path, opts)
         except Exception as e:  # whatever it is, it stays inside this partition
@@ -444,7 +475,6 @@ class Topic:
         self._floors.pop(number, None)
         self.partitions[number] = part = Partition(self, number, queue, tuple(floor))
         part.start()
-        self._refresh()
         return None
 
     def known_floor(self, number: int) -> bool:

@@ -396,6 +396,58 @@ async def test_segments_rotate_and_readers_cross_them(tmp_path, queues):
     r.close()
 
 
+def open_descriptors(path: str) -> int:
+    """This process's descriptors open on the file `path`."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found += os.readlink(f"/proc/self/fd/{fd}") == path
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return found
+
+
+async def test_a_reader_caught_up_holds_no_descriptor(tmp_path, queues):
+    """A read that reaches the committed end closes the segment and drops the buffer; the
+    next read opens it again at its offset. The writer's own descriptor is the only one an
+    idle queue holds on its active segment."""
+    q = await queues(tmp_path, QueueOptions(segment_bytes=1 << 20))
+    await q.append([body(i, 100) for i in range(50)])
+    (active,) = segment_files(q)
+    assert open_descriptors(active) == 1  # the writer's
+    r = q.reader(read_ahead=1000)
+    first = await r.read(5)
+    assert [x.body for x in first] == [body(i, 100) for i in range(5)]
+    assert open_descriptors(active) == 2, "reading, not caught up: the segment stays open"
+    rest = []
+    while len(rest) < 45:
+        rest += await r.read(1000)
+    assert [x.body for x in rest] == [body(i, 100) for i in range(5, 50)]
+    assert open_descriptors(active) == 1 and r._buf == b"", "caught up: nothing held"
+    assert await r.read(10) == []
+    await q.append([body(i, 100) for i in range(50, 53)])
+    assert [x.body for x in await r.read(10)] == [body(i, 100) for i in range(50, 53)]
+    assert open_descriptors(active) == 1
+    r.close()
+
+
+async def test_a_caught_up_reader_goes_on_across_retention_and_rotation(tmp_path, queues):
+    """Segments rotate and retention drops the old ones while a reader waits caught up
+    with no descriptor: it opens the segment its offset is in, never a dropped one."""
+    q = await queues(tmp_path, QueueOptions(segment_bytes=2048, clog_entries_per_segment=8))
+    r = q.reader(read_ahead=300)
+    got = []
+    for i in range(0, 60, 3):
+        await q.append([body(j, 100) for j in range(i, i + 3)])
+        while len(got) < i + 3:
+            got += await r.read(2)
+        assert sum(open_descriptors(f) for f in segment_files(q)) == 1  # the writer's
+        await q.retain(before_offset=r.offset, min_age_s=0)
+    assert [x.body for x in got] == [body(j, 100) for j in range(60)]
+    assert len(segment_files(q)) == 1 and q.start_offset > 0
+    r.close()
+
+
 async def test_reopen_keeps_everything_and_appending_continues(tmp_path, queues):
     opts = QueueOptions(segment_bytes=4096, clog_entries_per_segment=16)
     q = await queues(tmp_path, opts)

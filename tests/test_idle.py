@@ -1,0 +1,102 @@
+"""An idle node's periodic work (nsqd/README.md "What an idle partition costs"): the
+checkpoint writes nothing when nothing changed, retention leaves a log that is its active
+segment alone to the loop, on real DiskQueues and a real in-process nsqd."""
+
+import asyncio
+import os
+
+from diskqueue.queue import DiskQueue, QueueOptions
+from nodes import connect, take, until
+from nsqd.nsqd import single_segment
+
+
+async def test_single_segment_tells_whether_retention_could_drop_anything(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(segment_bytes=2048))
+    try:
+        assert single_segment(q)  # empty
+        await q.append([b"x" * 100] * 10)
+        assert single_segment(q)
+        assert await q.retain(before_offset=10**9, min_age_s=0) == 0  # as retention says
+        for _ in range(3):
+            await q.append([b"x" * 100] * 10)
+        assert not single_segment(q)  # a second segment: the first may go
+        start = await q.retain(before_offset=10**9, min_age_s=0)
+        assert start > 0 and single_segment(q)
+    finally:
+        await q.close()
+
+
+async def test_retention_still_drops_what_a_channel_finished(node):
+    n = await node(segment_bytes=4096, retention_check_interval_ms=100,
+                   retention_min_age_ms=0)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=100)
+    pub = await connect(n)
+    for _ in range(30):  # one write each: some 4 segments
+        await pub.pub("t", b"x" * 500)
+    for m in await take(c, 30):
+        m.fin()
+    q = n.topics["t"].partitions[0].queue
+    await until(lambda: q.start_offset > 0 and single_segment(q))
+
+
+async def test_an_idle_node_checkpoints_nothing(node):
+    n = await node(checkpoint_interval_ms=100)
+    c = await connect(n)
+    await c.sub("t", "c", rdy=10)
+    pub = await connect(n)
+    await pub.mpub("t", [b"a", b"b"])
+    first = (await take(c))[0]
+    first.fin()
+    path = os.path.join(n.options.data_path, "nsqd.meta.sqlite")
+    await asyncio.sleep(0.5)  # the FIN's checkpoint is written
+    written = os.stat(path).st_mtime_ns
+    await asyncio.sleep(1)  # ten checkpoints with nothing changed: no write
+    assert os.stat(path).st_mtime_ns == written
+    assert not n._changed, "no channel to visit"
+    (second,) = await take(c)
+    second.fin()
+    ch = n.topics["t"].partitions[0].channels["c"]
+    await until(lambda: os.stat(path).st_mtime_ns != written)
+    assert n.meta.channels("t")[(0, "c")]["confirmed"] == ch.cursor.confirmed
+    assert not ch.dirty and not n._changed
+    n.topics["t"].pause()  # a topic's state changed (not stored by this call): written too
+    written = os.stat(path).st_mtime_ns
+    await until(lambda: os.stat(path).st_mtime_ns != written)
+    assert n.meta.topics()["t"]["paused"] is True
+
+
+async def test_a_restart_opens_every_partition_and_channel_as_stored(node, tmp_path):
+    """Partitions open OPEN_AT_ONCE at a time over all topics: each topic ends with its
+    partitions in number order, all writable, and every stored channel at its cursor."""
+    n = await node()
+    for name, count in (("a", 40), ("b", 3), ("c", 1)):
+        topic = await n.create_topic(name, count)
+        for i in range(count):
+            await topic.publish([b"%s%d" % (name.encode(), i)] * (i % 3 + 1), i)
+        for channel in ("x", "y"):
+            for i in range(count):
+                await n.get_channel(name, channel, i)
+    c = await connect(n)
+    await c.sub("a", "x", rdy=100)
+    for m in await take(c, sum(i % 3 + 1 for i in range(40))):
+        m.fin()
+    await until(lambda: all(p.channels["x"].cursor.confirmed == p.queue.committed_end
+                            for p in n.topics["a"].partitions.values()))
+    await c.close()
+    await n.stop()
+
+    n = await node()
+    assert list(n.topics) == ["a", "b", "c"]
+    for name, count in (("a", 40), ("b", 3), ("c", 1)):
+        topic = n.topics[name]
+        assert list(topic.partitions) == list(range(count))
+        assert list(topic.writable) == list(range(count)) and not topic.failed
+        for i, p in topic.partitions.items():
+            assert sorted(p.channels) == ["x", "y"]
+            assert p.queue.committed_count == i % 3 + 1
+            # x, the first channel, started at the backlog: consumed in "a" only; y
+            # started at the end
+            x_at = p.queue.committed_end if name == "a" else 0
+            assert p.channels["x"].cursor.confirmed == x_at
+            assert p.channels["y"].cursor.confirmed == p.queue.committed_end
