@@ -317,7 +317,8 @@ async def test_reference_cases(nsqd):
                                                               "tcp_port", "start_time")}}
             elif path.startswith("/stats"):
                 assert got["client_count"] == 2
-                assert got["journal"]["records"] >= 1 and not got["journal"]["failed"]
+                journal = got["journal"]
+                assert journal["records"] + journal["alone"] >= 1 and not journal["failed"]
                 for t in got["topics"]:
                     assert [p_["partition"] for p_ in t["partitions"]] == [0]
                 got = normalize_run(strip_ours(got), case["json"])
