@@ -18,7 +18,8 @@ for writes, syncs and the exclusive jobs (retain, empty, find, open, close), and
 for its readers' read-ahead; a slow disk call of one partition never delays another.
 With the node journal (`QueueOptions.journal`, diskqueue/journal.py) the writes, syncs and
 exclusive jobs of every queue run on the journal's one thread instead, and a durable batch
-is answered once the round's journal sync is done.
+is answered once the round's journal sync is done; with `QueueOptions.read_workers` its
+read-ahead runs on one thread of the node's pool.
 
 Invariants:
 - `committed_end <= written_end`; readers never see past `committed_end`;
@@ -66,7 +67,7 @@ from .groupcommit import (BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS, Appended
 from .replicated import Replicated
 from .segments import MissingSegmentError, Segments
 from .journal import Journal
-from .worker import Worker
+from .worker import Worker, WorkerPool
 
 log = structlog.get_logger("diskqueue")
 _EXT_LEN = struct.Struct(">H")  # a record head's last field
@@ -107,6 +108,7 @@ class QueueOptions:
     replicated: bool = False  # one replica of a partition: see diskqueue/replicated.py
     commit_timeout: float = 0.0  # s: every request is answered within it (0: no limit)
     journal: Journal | None = None  # the node's journal: its worker writes, one sync a round
+    read_workers: WorkerPool | None = None  # the node's read threads (None: one of its own)
 
 
 class DiskQueue(GroupCommit, Replicated):
@@ -166,7 +168,8 @@ class DiskQueue(GroupCommit, Replicated):
         q._loop = asyncio.get_running_loop()
         q._write_worker = (Worker(q.thread_prefix + ":write") if q._journal is None
                            else q._journal.worker)
-        q.read_worker = Worker(q.thread_prefix + ":read")
+        q.read_worker = (Worker(q.thread_prefix + ":read") if options.read_workers is None
+                         else options.read_workers.pick(path))
         try:
             await q._exclusive(q._open_sync)
         except BaseException:
@@ -242,7 +245,8 @@ class DiskQueue(GroupCommit, Replicated):
         self._shut = True
         if self._journal is None:
             self._write_worker.shutdown(wait=False)
-        self.read_worker.shutdown(wait=False)
+        if self.options.read_workers is None:
+            self.read_worker.shutdown(wait=False)
 
     def _close_sync(self) -> None:
         self._segments.sync()

@@ -109,3 +109,21 @@ def _resolve(fut: asyncio.Future, result, error) -> None:
             fut.set_result(result)
         else:
             fut.set_exception(error)
+
+
+class WorkerPool:
+    """A node's read workers, shared by its queues: `pick(key)` gives the same Worker for
+    the same key (so one queue's reads stay in order on one thread), and `size` threads
+    serve any number of partitions (a thread each would cost a thread start on the loop
+    and some 30 KB a partition: bench/scale.py)."""
+
+    def __init__(self, name: str, size: int):
+        self.workers = [Worker(f"{name}:{i}") for i in range(size)]
+
+    def pick(self, key: str) -> Worker:
+        return self.workers[hash(key) % len(self.workers)]
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown(wait=False)
+

@@ -29,6 +29,7 @@ import structlog
 from diskqueue.atomic import make_dirs
 from diskqueue.journal import Journal
 from diskqueue.queue import QueueOptions
+from diskqueue.worker import WorkerPool
 
 from .assignment import Assignment
 from .channel import Channel
@@ -47,6 +48,7 @@ log = structlog.get_logger("nsqd")
 VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
 OPEN_AT_ONCE = 16  # partitions a start opens at a time (over all topics)
+READ_WORKERS = 8  # threads for every partition's read-ahead (diskqueue.worker.WorkerPool)
 # Cluster mode: the longest publishes wait at start for the first view of etcd to be
 # applied; etcd away that long, they go to the assignment the last run stored.
 START_GRACE_S = 2.0
@@ -95,6 +97,7 @@ class NSQD:
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
         self.journal: Journal | None = None  # opened by start() (--journal)
+        self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
@@ -134,7 +137,8 @@ class NSQD:
         every, ms = sync or (o.sync_every, o.sync_timeout_ms)
         return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms),
                             commit_timeout=o.commit_timeout_ms / 1000,
-                            replicated=bool(o.etcd_endpoints), journal=self.journal)
+                            replicated=bool(o.etcd_endpoints), journal=self.journal,
+                            read_workers=self.read_workers)
 
     def channel_settings(self) -> dict:
         o = self.options
@@ -225,6 +229,7 @@ class NSQD:
         await attempt("metadata close", lambda: asyncio.to_thread(self.meta.close))
         if self.journal is not None:  # after every partition: they were its writers
             await attempt("journal close", lambda: asyncio.to_thread(self.journal.close))
+        self.read_workers.shutdown()
         await self.tracer.close()  # what it could not write in 10 s is lost: events only
         if failed:
             log.error("stopped_with_errors", errors=failed)
