@@ -171,7 +171,7 @@ _DURATIONS = {
 }
 _LISTS = {"lookupd_tcp_address", "auth_http_address"}
 _BOOLS = {"snappy", "deflate", "http_legacy_envelope", "disable_auto_create",
-          "test_ack_before_sync", "trace_all"}
+          "test_ack_before_sync", "trace_all", "journal"}
 # Classic config-file keys that name one of our options differently.
 _CONFIG_ALIASES = {"nsqlookupd_tcp_addresses": "lookupd_tcp_address",
                    "auth_http_addresses": "auth_http_address"}

@@ -57,3 +57,17 @@ def test_help_explains_the_flags_we_treat_differently():
     text = " ".join(r.stdout.split())
     assert "accepted for compatibility and ignored" in text  # --mem-queue-size
     assert "syncs every batch before its OK" in text  # --sync-every
+
+
+@pytest.mark.parametrize("argv, on", [([], True), (["--journal", "false"], False),
+                                      (["--journal=0"], False), (["--journal"], True)])
+def test_bool_flags_take_true_and_false(argv, on):
+    """Every bool option is parsed as one (`--journal false` once came through as the
+    string "false", which is true, and the journal stayed on)."""
+    import dataclasses
+
+    from nsqd.options import _BOOLS, Options
+
+    assert {f.name for f in dataclasses.fields(Options) if f.type in ("bool", bool)} <= _BOOLS
+    assert from_args(argv).journal is on
+
