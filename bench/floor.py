@@ -7,8 +7,8 @@ Five servers: the floor in `ack` mode (answer at once, keep nothing), the floor 
 mode (the simplest durable group commit: a file and a thread per topic, one write and one
 fdatasync a batch), the floor in `journal` mode (the simplest node-wide group commit: one
 thread, a write per topic and one journal write and fdatasync a round), nsqd with its
-defaults (durable, the node journal) and nsqd with `--journal false` (each partition
-syncing its own segment: the design before the journal). Each takes 100 producer
+defaults (durable: each batch synced in its own segment) and nsqd with `--journal` (one
+journal fdatasync a round). Each takes 100 producer
 connections, one 200-byte PUB at a time each, on 1 topic (bench/nsqd.py's (a)), spread
 over 6 topics (bench/cluster.py's partitions) and over 16 (bench/nsqd.py's (g)). Each
 gives msgs/s and the server's CPU per message, split into its event loop's thread and the
@@ -46,7 +46,7 @@ from nsqwire.commands import cmd_pub  # noqa: E402
 
 TOPIC_COUNTS = (1, 6, 16)  # (a), the cluster bench's 6 partitions, (g)
 CONNS = 100
-KINDS = ("floor-ack", "floor-sync", "floor-journal", "nsqd", "nsqd-nojournal")
+KINDS = ("floor-ack", "floor-sync", "floor-journal", "nsqd", "nsqd-journal")
 
 
 class FloorProcess:
@@ -79,8 +79,8 @@ class FloorProcess:
 def server(kind: str, base_dir: str | None):
     if kind == "nsqd":
         return Server([], base_dir)
-    if kind == "nsqd-nojournal":
-        return Server(["--journal", "false"], base_dir)
+    if kind == "nsqd-journal":
+        return Server(["--journal"], base_dir)
     return FloorProcess(kind[6:], base_dir)
 
 

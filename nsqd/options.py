@@ -67,7 +67,7 @@ class Options:
     segment_bytes: int = 100 * 1024 * 1024
     sync_every: int = 1  # messages per sync; 1 = every batch is synced before OK (durable)
     sync_timeout_ms: int = 2000  # with sync_every > 1, also sync when data is this old
-    journal: bool = True  # one group commit for every partition (diskqueue/journal.py)
+    journal: bool = False  # journal durable batches: one sync a round (diskqueue/journal.py)
     mem_queue_size: int = 10000  # accepted for compatibility; every message goes to disk
     retention_max_age_ms: int = 0  # 0: keep what a channel still needs, forever
     retention_min_age_ms: int = 0  # keep history this long even when every channel is past it
@@ -211,8 +211,10 @@ _HELP = {
     "segment_bytes": "size of one data segment file (bytes)",
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
     "sync_timeout": "with --sync-every > 1, also sync data this old (duration)",
-    "journal": "durable batches of every partition are synced together, one fdatasync of "
-               "the node journal a round (false: each partition syncs its own segment)",
+    "journal": "sync the durable batches of every partition together: one fdatasync of the "
+               "node journal a round (off: each batch syncs its own segment, in the same "
+               "write call, which is faster on this project's test machines; see "
+               "diskqueue/README.md)",
     "test_ack_before_sync": "TEST ONLY, a deliberately broken build: answer a TCP publish "
                             "OK before its batch is written and synced (jepsen shows the "
                             "loss); never use it",
