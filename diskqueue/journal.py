@@ -1,14 +1,13 @@
 """Journal: one group commit for every partition of a node.
 
-The node's one write thread (`JournalWorker`) runs every partition's write jobs, in order.
-With `journaling` (nsqd's `--journal`), a durable batch of any partition is written into its
-segment without a sync and into the node's journal; a round ends when the thread has no job
+The node's one write thread (`JournalWorker`) runs every partition's write jobs, in order
+(nsqd's `--journal`). A durable batch of any partition is written into its segment without a
+sync and into the node's journal; a round ends when the thread has no job
 left (or the round is full), and its records are written and synced with one `fdatasync`,
 whatever the number of partitions that wrote in it (as BookKeeper's journal, shared by every
 ledger of a bookie); only then is any answer of the round handed back to the loop, all in
 one call. A round of one partition's batch alone syncs that partition's segment instead
-(nothing written twice). Without journaling, each batch syncs its own segment in its write
-call and each job's answers go at once.
+(nothing written twice). A job that journaled nothing has its answers go at once.
 
 On disk, in folder `journal/` of the node's data path: files `<number>.jnl`, each record
 `[4 crc32][4 length][8 journal id][8 segment base][8 position][2 path length][path][data]`,
@@ -128,9 +127,8 @@ class Journal:
     """The journal of one node's data path (see the module docstring). Its records are
     added and synced on its worker's thread only."""
 
-    def __init__(self, root: str, journaling: bool = True):
+    def __init__(self, root: str):
         self.root = root
-        self.journaling = journaling
         self.folder = os.path.join(root, FOLDER)
         self.worker = JournalWorker(self)
         self.failed: _Unrecoverable | None = None
@@ -146,10 +144,10 @@ class Journal:
                       "sync_seconds_total": 0.0, "alone": 0}
 
     @classmethod
-    def open(cls, root: str, journaling: bool = True) -> "Journal":
+    def open(cls, root: str) -> "Journal":
         """Replay what the journal holds, then start a new journal file (blocking: run it
         before any partition of `root` opens)."""
-        j = cls(root, journaling)
+        j = cls(root)
         os.makedirs(j.folder, exist_ok=True)
         files = sorted(n for n in os.listdir(j.folder) if n.endswith(SUFFIX))
         paths = [os.path.join(j.folder, n) for n in files]
@@ -177,7 +175,7 @@ class Journal:
             self.flush()
         if key in self._lost:
             raise self._lost[key]
-        return durable and self.failed is None and self.journaling
+        return durable and self.failed is None
 
     def record(self, key, segments, where: tuple[int, int], data) -> None:
         """Add a batch written whole at `where` (segment base, position) to this round."""

@@ -96,7 +96,7 @@ class NSQD:
         self.topics: dict[str, Topic] = {}
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
-        self.journal: Journal | None = None  # opened by start(): every log's write thread
+        self.journal: Journal | None = None  # opened by start() with --journal
         self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
@@ -158,8 +158,8 @@ class NSQD:
 
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)
-        self.journal = await asyncio.to_thread(Journal.open, self.options.data_path,
-                                               self.options.journal)
+        if self.options.journal:  # replayed before any partition opens
+            self.journal = await asyncio.to_thread(Journal.open, self.options.data_path)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         await asyncio.to_thread(self.tracer.start, self.meta)

@@ -211,10 +211,9 @@ _HELP = {
     "segment_bytes": "size of one data segment file (bytes)",
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
     "sync_timeout": "with --sync-every > 1, also sync data this old (duration)",
-    "journal": "sync the durable batches of every partition together: one fdatasync of the "
-               "node journal a round (off: each batch syncs its own segment, in the same "
-               "write call, which is faster on this project's test machines; see "
-               "diskqueue/README.md)",
+    "journal": "write every partition on one thread and sync the durable batches of a round "
+               "together, one fdatasync of the node journal (off: a write thread a "
+               "partition, each batch synced in its own write call; see diskqueue/README.md)",
     "test_ack_before_sync": "TEST ONLY, a deliberately broken build: answer a TCP publish "
                             "OK before its batch is written and synced (jepsen shows the "
                             "loss); never use it",

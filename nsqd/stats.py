@@ -9,7 +9,7 @@ Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
 - top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
   path's file system; under 1 MiB the node's health says the disk is full), `journal`
-  (journaling: `--journal`; syncs (one a round), alone (rounds of one record, which synced its
+  (with `--journal`: syncs (one a round), alone (rounds of one record, which synced its
   segment instead), records, bytes, checkpoints, sync_seconds_total, failed;
   diskqueue/journal.py);
 - topic: `partition_num` and `ordered` (its Assignment, nsqd/assignment.py);
@@ -108,8 +108,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     out["lookupd"] = nsqd.lookup.state()  # ours: each nsqlookupd peer (lookup.py)
     out["trace"] = nsqd.tracer.state()  # ours: message trace (tracing.py)
     if nsqd.journal is not None:  # ours: the node journal (diskqueue/journal.py)
-        out["journal"] = {**nsqd.journal.stats, "journaling": nsqd.journal.journaling,
-                          "failed": nsqd.journal.failed is not None}
+        out["journal"] = {**nsqd.journal.stats, "failed": nsqd.journal.failed is not None}
     if nsqd.cluster is not None:  # ours: cluster mode (cluster.py)
         out["cluster"] = nsqd.cluster.state()
     return out

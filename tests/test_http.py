@@ -317,8 +317,7 @@ async def test_reference_cases(nsqd):
                                                               "tcp_port", "start_time")}}
             elif path.startswith("/stats"):
                 assert got["client_count"] == 2
-                journal = got["journal"]
-                assert journal["journaling"] is False and not journal["failed"]
+                assert "journal" not in got  # only with --journal
                 for t in got["topics"]:
                     assert [p_["partition"] for p_ in t["partitions"]] == [0]
                 got = normalize_run(strip_ours(got), case["json"])
