@@ -125,9 +125,7 @@ class Segments:
         as write + fdatasync, for its range, which is all that is unsynced): returns True.
         Such a write that fails raises _Unrecoverable (its sync may have failed, and the
         kernel may have dropped its pages), unless it wrote nothing (a full disk)."""
-        active_size = self.end - self.active_base
-        if active_size > 0 and active_size + len(data) > self.segment_bytes:
-            self.rotate()
+        self._make_room(len(data))
         if sync and DSYNC and not self._unsynced:
             try:
                 pwrite_all(self._fd, data, self.end - self.active_base, DSYNC)
@@ -149,14 +147,18 @@ class Segments:
     def write_journaled(self, data) -> tuple[int, int]:
         """Append `data` at `end` without a sync, for the node journal (diskqueue/journal.py),
         rotating first when the active segment is full; returns (segment base, position)."""
-        active_size = self.end - self.active_base
-        if active_size > 0 and active_size + len(data) > self.segment_bytes:
-            self.rotate()
+        self._make_room(len(data))
         pos = self.end - self.active_base
         pwrite_all(self._fd, data, pos)
         self.end += len(data)
         self._journaled = True
         return self.active_base, pos
+
+    def _make_room(self, size: int) -> None:
+        """Rotate first when `size` more bytes would overfill a non-empty active segment."""
+        active_size = self.end - self.active_base
+        if active_size > 0 and active_size + size > self.segment_bytes:
+            self.rotate()
 
     def sync(self, force: bool = False) -> None:
         """Sync the active segment when this object wrote to it unsynced; `force`: whatever
