@@ -153,6 +153,8 @@ class GroupCommit:
             self._fail_batch(batch, AppendError(f"writing {self.path} failed: {e!r}"))
             return False
         batch.ahead = bool(self._flight)
+        if not self._flight and self._journal is not None:
+            self._journal.writers += 1
         self._flight.append(batch)
         self._ahead = (end + len(data), seq, log_id + len(results), ts)
         if batch.announce is not None:
@@ -323,6 +325,8 @@ class GroupCommit:
         """A batch came back from the worker (loop): account for it, start the next batch,
         then resolve this one. Batches come back in the order they were handed over."""
         self._flight.popleft()
+        if not self._flight and self._journal is not None:
+            self._journal.writers -= 1
         if error is _STALE and batch.ahead:  # written nowhere: it goes again, once at the front
             self._batches.appendleft(batch)
             if not self._flight:

@@ -1,13 +1,15 @@
 """Journal: one group commit for every partition of a node.
 
 The node's one write thread (`JournalWorker`) runs every partition's write jobs, in order
-(nsqd's `--journal`). A durable batch of any partition is written into its segment without a
-sync and into the node's journal; a round ends when the thread has no job
-left (or the round is full), and its records are written and synced with one `fdatasync`,
-whatever the number of partitions that wrote in it (as BookKeeper's journal, shared by every
-ledger of a bookie); only then is any answer of the round handed back to the loop, all in
-one call. A round of one partition's batch alone syncs that partition's segment instead
-(nothing written twice). A job that journaled nothing has its answers go at once.
+(nsqd's `--journal`); the jobs given in one turn of the loop reach it in one hand-over. While
+batches of several partitions are being written (`Journal.writers`), a durable batch of any
+of them is written into its segment without a sync and into the node's journal; a round ends
+when the thread has no job left (or the round is full), and its records are written and
+synced with one `fdatasync`, whatever the number of partitions that wrote in it (as
+BookKeeper's journal, shared by every ledger of a bookie); only then is any answer of the
+round handed back to the loop, all in one call. A partition writing alone syncs its own
+segment in the write's system call, as without a journal; so does a round that ended with
+one record (nothing written twice). Jobs that journaled nothing have their answers go at once.
 
 On disk, in folder `journal/` of the node's data path: files `<number>.jnl`, each record
 `[4 crc32][4 length][8 journal id][8 segment base][8 position][2 path length][path][data]`,
@@ -42,8 +44,10 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
+import threading
 import time
 import zlib
 
@@ -65,7 +69,8 @@ FIELDS = struct.Struct(">QQQH")  # journal id, segment base, position, path leng
 CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed at a round's end
 ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
 ROUND_POSTS = 1024  # nor for more answers than this
-ALONE_SYNCS_ITS_SEGMENT = True  # a round of one record syncs its segment, not the journal
+ALONE_SYNCS_ITS_SEGMENT = True  # a partition writing alone, and a round of one record, sync
+# their segment instead of the journal
 
 
 def encode(journal_id: int, path: bytes, base: int, pos: int, data) -> bytes:
@@ -140,6 +145,7 @@ class Journal:
         self._round_keys: dict = {}  # key -> Segments, of this round's records
         self._dirty: dict = {}  # key -> Segments written since the journal file began
         self._lost: dict = {}  # key -> error: a record the journal failed and its segment too
+        self.writers = 0  # partitions with a batch given to the worker and not answered (loop)
         self.stats = {"syncs": 0, "records": 0, "bytes": 0, "checkpoints": 0,
                       "sync_seconds_total": 0.0, "alone": 0}
 
@@ -167,15 +173,21 @@ class Journal:
 
     def begin(self, key, durable: bool) -> bool:
         """Before a batch of `key` is written: whether to journal it (a `durable` one, while
-        the journal is on; else it syncs its own segment as its policy says). A round holds
-        one batch a partition, so a second one ends the round first. Raises the error of an
-        earlier record of `key` that could not be made durable: nothing is written after it
-        (its queue fails; opened again, it has a new key)."""
+        the journal is on and another partition writes too or has a record in the round;
+        else it syncs its own segment as its policy says). A round holds one batch a
+        partition, so a second one ends the round first. Raises the error of an earlier
+        record of `key` that could not be made durable: nothing is written after it (its
+        queue fails; opened again, it has a new key)."""
         if durable and self.failed is None and key in self._round_keys:
             self.flush()
         if key in self._lost:
             raise self._lost[key]
-        return durable and self.failed is None
+        if not durable or self.failed is not None:
+            return False
+        if self.writers > 1 or self._round or not ALONE_SYNCS_ITS_SEGMENT:
+            return True
+        self.stats["alone"] += 1  # writing alone: its segment is synced by the write
+        return False
 
     def record(self, key, segments, where: tuple[int, int], data) -> None:
         """Add a batch written whole at `where` (segment base, position) to this round."""
@@ -329,13 +341,43 @@ class Journal:
 
 class JournalWorker(Worker):
     """The node's write thread: every journaled partition's write jobs, in the order given,
-    in rounds (see the module docstring). Its posts wait for the round's end."""
+    in rounds (see the module docstring). The jobs given in one turn of the loop are handed
+    over together at its end (one wake of the thread a turn, not one a batch); its posts
+    wait for the round's end."""
 
     def __init__(self, journal: Journal):
         super().__init__("diskqueue:journal")
         self.journal = journal
         self.job_key = None  # the key of the record the running job added, if any
         self._posts: list = []
+        self._turn: list = []  # jobs given in this turn of the loop, not handed over yet
+
+    def call(self, fn, *args) -> None:
+        if self._shut:
+            raise RuntimeError(f"worker {self.name} is shut down")
+        if not self._turn:
+            try:
+                asyncio.get_running_loop().call_soon(self._hand_over)
+            except RuntimeError:  # no loop in this thread (a test, a close): at once
+                self._put([(fn, args)])
+                return
+        self._turn.append((fn, args))
+
+    def _hand_over(self) -> None:
+        if self._turn:
+            jobs, self._turn = self._turn, []
+            self._put(jobs)
+
+    def _put(self, jobs: list) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._jobs.put(jobs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not self._shut:
+            self._hand_over()
+        super().shutdown(wait, cancel_futures=cancel_futures)
 
     def post(self, loop, fn, *args) -> None:
         self._posts.append((loop, fn, args, self.job_key))
@@ -360,18 +402,19 @@ class JournalWorker(Worker):
                 pass
 
     def _run(self) -> None:
-        get, jobs = self._jobs.get, self._jobs
+        get, queued = self._jobs.get, self._jobs
         journal = self.journal
-        while (job := get()) is not None:
-            fn, args = job
-            self.job_key = None
-            try:
-                fn(*args)
-            except BaseException:
-                log.exception("worker_job_failed", worker=self.name)
-            self.job_key = None
-            if (not journal.has_round or jobs.empty() or journal.round_full
-                    or len(self._posts) >= ROUND_POSTS):
+        while (jobs := get()) is not None:
+            for fn, args in jobs:
+                self.job_key = None
+                try:
+                    fn(*args)
+                except BaseException:
+                    log.exception("worker_job_failed", worker=self.name)
+                self.job_key = None
+                if journal.round_full or len(self._posts) >= ROUND_POSTS:
+                    journal.flush()
+            if not journal.has_round or queued.empty():
                 journal.flush()  # with no record waiting: the answers go at once
         journal.flush()
 

@@ -9,8 +9,9 @@ Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
 - top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
   path's file system; under 1 MiB the node's health says the disk is full), `journal`
-  (with `--journal`: syncs (one a round), alone (rounds of one record, which synced its
-  segment instead), records, bytes, checkpoints, sync_seconds_total, failed;
+  (with `--journal`: syncs (one a round), alone (batches that synced their own segment
+  instead: written while no other partition wrote, or a round's one record), records,
+  bytes, checkpoints, sync_seconds_total, failed;
   diskqueue/journal.py);
 - topic: `partition_num` and `ordered` (its Assignment, nsqd/assignment.py);
   `partitions`, one entry per partition number 0..partition_num-1 and any other held

@@ -74,6 +74,38 @@ async def test_a_round_of_one_batch_syncs_its_segment_not_the_journal(tmp_path, 
     j2.close()
 
 
+async def test_a_partition_writing_alone_syncs_its_segment_in_the_write(tmp_path, monkeypatch):
+    """While no other partition writes, a batch takes the path it takes without a journal
+    (its write syncs it): the journal gets nothing; with two writing, they share rounds."""
+    j = Journal.open(str(tmp_path))
+    a, b = await open_queues(str(tmp_path), j, 2)
+    monkeypatch.setattr(journal_mod, "ALONE_SYNCS_ITS_SEGMENT", True)
+    for k in range(10):
+        await a.append([b"a%d" % k])
+    assert j.stats["alone"] == a.stats["batches"] == 10 and j.stats["records"] == 0
+    assert a.stats["syncs"] == 10
+    await asyncio.gather(*(q.append([b"m%d" % k]) for k in range(20) for q in (a, b)))
+    assert j.stats["records"] > 0 and j.stats["syncs"] < j.stats["records"]
+    assert j.writers == 0  # every batch answered
+    for q in (a, b):
+        await q.close()
+    j.close()
+
+
+async def test_the_jobs_of_one_turn_reach_the_thread_in_one_hand_over(tmp_path, monkeypatch):
+    j = Journal.open(str(tmp_path))
+    qs = await open_queues(str(tmp_path), j, 16)
+    hand_overs = []
+    put = j.worker._put
+    monkeypatch.setattr(j.worker, "_put", lambda jobs: (hand_overs.append(len(jobs)), put(jobs)))
+    await asyncio.gather(*(q.append([b"m"]) for q in qs))
+    assert sum(hand_overs) >= 16 and len(hand_overs) <= 2
+    assert j.stats["syncs"] <= 2
+    for q in qs:
+        await q.close()
+    j.close()
+
+
 async def test_a_round_holds_one_batch_of_a_partition(tmp_path):
     """A partition's second batch ends the round first, so at most its last batch can be
     unsynced at a cut (the recovery rule)."""
