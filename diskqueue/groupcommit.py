@@ -176,6 +176,7 @@ class GroupCommit:
         waits for the slot (the pipe drains for it)."""
         self._ahead_due = False
         if (len(self._flight) == 1 and self._batches and not self._turns
+                and (self._journal is None or self._journal.writers <= 1)
                 and self.failed is None and self.options.sync.durable
                 and not self._unsynced_messages and self._batches[0].announce is None):
             self._submit(self._take_batch())

@@ -3,13 +3,16 @@
 The node's one write thread (`JournalWorker`) runs every partition's write jobs, in order
 (nsqd's `--journal`); the jobs given in one turn of the loop reach it in one hand-over. While
 batches of several partitions are being written (`Journal.writers`), a durable batch of any
-of them is written into its segment without a sync and into the node's journal; a round ends
-when the thread has no job left (or the round is full), and its records are written and
-synced with one `fdatasync`, whatever the number of partitions that wrote in it (as
-BookKeeper's journal, shared by every ledger of a bookie); only then is any answer of the
-round handed back to the loop, all in one call. A partition writing alone syncs its own
-segment in the write's system call, as without a journal; so does a round that ended with
-one record (nothing written twice). Jobs that journaled nothing have their answers go at once.
+of them is written into its segment without a sync and added to the round as a journal
+record. A round ends when the thread has no job left (or the round is full); its records
+then go to the journal's sync thread, which writes and syncs them with one `fdatasync`,
+whatever the number of partitions that wrote in them (as BookKeeper's journal, shared by
+every ledger of a bookie), and only then hands every answer of the round to the loop, in
+one call. While the sync thread holds a round, the write thread goes on with the next jobs
+and the next round grows: the rounds are pipelined, one being synced and one being written.
+A partition writing alone syncs its own segment in the write's system call, as without a
+journal; so does a round that ended with one record (nothing written twice). Jobs that
+journaled nothing have their answers go at once.
 
 On disk, in folder `journal/` of the node's data path: files `<number>.jnl`, each record
 `[4 crc32][4 length][8 journal id][8 segment base][8 position][2 path length][path][data]`,
@@ -17,10 +20,14 @@ big-endian; the CRC covers every byte after itself. `path` is the partition's fo
 relative to the data path; `data` went into `data/<segment base>.dat` at `position`.
 
 Invariants:
-- a batch is journaled only when everything before it in its segment is durable (synced,
-  or journaled), and a round holds at most one batch of a partition (a second one ends the
-  round first): so after a power cut, replay leaves at most one unsynced batch at a
-  partition's tail, as without a journal (diskqueue/recovery.py's rule);
+- at most one batch of a partition is ever not durable: a round holds at most one batch of
+  a partition (a second one ends the round first), and a batch of a partition whose batch
+  the sync thread holds is written only once that round is synced; so after a power cut,
+  replay leaves at most one unsynced batch at a partition's tail, as without a journal
+  (diskqueue/recovery.py's rule);
+- the sync thread touches only the segments of the round it holds, and the write thread
+  writes none of those until it is done; checkpoints and retiring run on the write thread
+  while the sync thread is idle;
 - a record is added only once its batch is written whole (a failed write is undone and
   never journaled); an answer that depends on a record reaches the loop only after the
   record is durable: its round synced in the journal, or, when the journal's write or
@@ -28,8 +35,8 @@ Invariants:
   carries that error: its queue fails, as after any failed sync);
 - a failed journal write, sync or checkpoint turns the journal off for the rest of the
   process (`failed`): from then on each partition syncs its own segment, as without a
-  journal; its files stay for the next start's replay (what they hold before the failure
-  was synced);
+  journal; its files go once every segment they cover is synced (else they stay for the
+  next start's replay);
 - replay (at `Journal.open`, before any partition opens) writes each record back into its
   segment, in journal order, when the partition's `meta.json` holds the record's journal
   id and the segment file exists (a missing file was dropped by retention); then syncs
@@ -129,20 +136,26 @@ def _journal_id(folder: str) -> int | None:
 
 
 class Journal:
-    """The journal of one node's data path (see the module docstring). Its records are
-    added and synced on its worker's thread only."""
+    """The journal of one node's data path (see the module docstring). Records are added,
+    and rounds handed over, on its worker's thread; a round is written and synced on its
+    sync thread, one round at a time, while the worker goes on with the next jobs."""
 
     def __init__(self, root: str):
         self.root = root
         self.folder = os.path.join(root, FOLDER)
         self.worker = JournalWorker(self)
+        self._syncer = Worker("diskqueue:journal-sync")
         self.failed: _Unrecoverable | None = None
+        self._retired = False
         self._fd = -1
         self._number = 0
         self._size = 0
         self._round: list[bytes] = []
         self._round_bytes = 0
         self._round_keys: dict = {}  # key -> Segments, of this round's records
+        self._syncing: dict = {}  # key -> Segments, of the round the sync thread holds
+        self._idle = threading.Event()  # set: the sync thread holds no round
+        self._idle.set()
         self._dirty: dict = {}  # key -> Segments written since the journal file began
         self._lost: dict = {}  # key -> error: a record the journal failed and its segment too
         self.writers = 0  # partitions with a batch given to the worker and not answered (loop)
@@ -174,12 +187,15 @@ class Journal:
     def begin(self, key, durable: bool) -> bool:
         """Before a batch of `key` is written: whether to journal it (a `durable` one, while
         the journal is on and another partition writes too or has a record in the round;
-        else it syncs its own segment as its policy says). A round holds one batch a
-        partition, so a second one ends the round first. Raises the error of an earlier
-        record of `key` that could not be made durable: nothing is written after it (its
-        queue fails; opened again, it has a new key)."""
-        if durable and self.failed is None and key in self._round_keys:
+        else it syncs its own segment as its policy says). A batch of `key` in the round
+        ends the round first, and one the sync thread holds is synced first: at most one
+        batch of a partition is ever not durable. Raises the error of an earlier record of
+        `key` that could not be made durable: nothing is written after it (its queue fails;
+        opened again, it has a new key)."""
+        if key in self._round_keys:
             self.flush()
+        if key in self._syncing:
+            self._idle.wait()
         if key in self._lost:
             raise self._lost[key]
         if not durable or self.failed is not None:
@@ -207,35 +223,60 @@ class Journal:
     def round_full(self) -> bool:
         return self._round_bytes >= ROUND_BYTES
 
-    def flush(self) -> None:
-        """End the round: write and sync its records, then hand its answers to the loop
-        (with the journal's failure for those that needed a record, if it failed)."""
-        posts = self.worker.take_posts()
+    def flush(self, wait: bool = True) -> None:
+        """End the round (worker): hand its records and answers to the sync thread, once
+        that holds no other round. With `wait` False and a round being synced, the round
+        keeps growing instead (the sync thread wakes the worker when it is done). Answers
+        of jobs that journaled nothing go to the loop at once when no record waits."""
+        if not self._round:
+            if posts := self.worker.take_posts():
+                self.worker.deliver(posts, {})
+            if self.failed is not None and self._idle.is_set():
+                self._retire()
+            return
+        if not self._idle.is_set():
+            if not wait:
+                return
+            self._idle.wait()
+        if self.failed is not None:
+            self._retire()
+        elif self._size >= CHECKPOINT_BYTES:
+            self._checkpoint()
+        data = b"".join(self._round)
+        records = len(self._round)
+        keys, self._round_keys = self._round_keys, {}
+        self._round.clear()
+        self._round_bytes = 0
+        self._syncing = keys
+        self._idle.clear()
+        self._syncer.call(self._sync_round, data, records, keys, self.worker.take_posts())
+
+    def drain(self) -> None:
+        """Hand the round over and wait until it is synced (worker)."""
+        self.flush()
+        self._idle.wait()
+
+    def _sync_round(self, data: bytes, records: int, keys: dict, posts: list) -> None:
+        """(sync thread) Write and sync a round, then hand its answers to the loop (with
+        the journal's failure for those that needed a record, if it failed)."""
         failed: dict = {}
-        keys = list(self._round_keys)
         try:
-            if self._round:
-                failed = self._write_round()
-            if self._size >= CHECKPOINT_BYTES and self.failed is None:
-                self._checkpoint()
+            failed = self._write_round(data, records, keys)
         except BaseException as e:  # a bug: nothing of the round is taken as durable
             log.exception("journal_flush_failed")
             self._turn_off(f"a round failed: {e!r}")
             failed = {key: _Unrecoverable(f"the node journal failed: {e!r}") for key in keys}
             self._lost.update(failed)
         finally:
-            if posts:
-                self.worker.deliver(posts, failed)
+            self.worker.deliver(posts, failed)
+            self._syncing = {}
+            self._idle.set()
+            self.worker.wake()
 
-    def _write_round(self) -> dict:
+    def _write_round(self, data: bytes, records: int, keys: dict) -> dict:
         """Write and sync the round's records; returns {key: error} of those that are not
         durable (empty unless the journal failed and a segment's own sync did too)."""
-        data = b"".join(self._round)
-        records = len(self._round)
-        keys, self._round_keys = self._round_keys, {}
-        self._round.clear()
-        self._round_bytes = 0
-        if self.failed is not None:  # turned off within this round (make_room)
+        if self.failed is not None:  # turned off since the round began
             return self._sync_alone(keys)
         if len(keys) == 1 and ALONE_SYNCS_ITS_SEGMENT:  # nothing written twice
             self.stats["alone"] += 1
@@ -248,9 +289,7 @@ class Journal:
             os.fdatasync(self._fd)
         except OSError as e:
             self._turn_off(f"writing the journal failed: {e}")
-            failed = self._sync_alone(keys)
-            self._retire()
-            return failed
+            return self._sync_alone(keys)
         self._size += len(data)
         self.stats["syncs"] += 1
         self.stats["records"] += records
@@ -271,8 +310,12 @@ class Journal:
         return failed
 
     def _retire(self) -> None:
-        """The journal is off: once every segment it covers is synced, its files go (on a
-        full disk their space is what is missing); if one cannot be, they stay."""
+        """The journal is off (worker, with the sync thread idle): once every segment it
+        covers is synced, its files go (on a full disk their space is what is missing); if
+        one cannot be, they stay. Once."""
+        if self._retired:
+            return
+        self._retired = True
         try:
             for segments in self._dirty.values():
                 segments.sync(force=True)
@@ -294,15 +337,16 @@ class Journal:
                   then="each partition syncs its own segment until the node restarts")
 
     def make_room(self) -> None:
-        """The disk is full: checkpoint now (the journal's files hold copies of data its
-        segments can be synced to hold)."""
-        if self.failed is None and self._size:
-            self.flush()  # the round's records first: the checkpoint needs them synced
+        """The disk is full (worker): checkpoint now (the journal's files hold copies of
+        data its segments can be synced to hold)."""
+        if self.failed is None and (self._size or self._round):
+            self.drain()  # the round's records first: the checkpoint needs them synced
             if self.failed is None:
                 self._checkpoint()
 
     def _checkpoint(self) -> None:
-        """Sync every segment journaled since the file began, then start a new file."""
+        """Sync every segment journaled since the file began, then start a new file (worker,
+        with the sync thread idle)."""
         try:
             for segments in self._dirty.values():
                 segments.sync()
@@ -332,8 +376,9 @@ class Journal:
 
     def close(self) -> None:
         """Stop the worker once its jobs are done (the partitions are closed: their
-        segments synced), then close the file."""
+        segments synced), then the sync thread once its round is, then close the file."""
         self.worker.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -342,8 +387,8 @@ class Journal:
 class JournalWorker(Worker):
     """The node's write thread: every journaled partition's write jobs, in the order given,
     in rounds (see the module docstring). The jobs given in one turn of the loop are handed
-    over together at its end (one wake of the thread a turn, not one a batch); its posts
-    wait for the round's end."""
+    over together at its end (one wake of the thread a turn, not one a batch); posts wait
+    for their round's sync."""
 
     def __init__(self, journal: Journal):
         super().__init__("diskqueue:journal")
@@ -373,6 +418,11 @@ class JournalWorker(Worker):
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         self._jobs.put(jobs)
+
+    def wake(self) -> None:
+        """(sync thread) A round is synced: have the worker hand over the one that grew
+        meanwhile, if it is waiting for jobs."""
+        self._jobs.put([])
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if not self._shut:
@@ -415,8 +465,8 @@ class JournalWorker(Worker):
                 if journal.round_full or len(self._posts) >= ROUND_POSTS:
                     journal.flush()
             if not journal.has_round or queued.empty():
-                journal.flush()  # with no record waiting: the answers go at once
-        journal.flush()
+                journal.flush(wait=False)  # a round being synced: this one grows meanwhile
+        journal.drain()
 
 
 def _run_all(calls: list) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 
 import pytest
 
@@ -102,6 +103,42 @@ async def test_the_jobs_of_one_turn_reach_the_thread_in_one_hand_over(tmp_path, 
     assert sum(hand_overs) >= 16 and len(hand_overs) <= 2
     assert j.stats["syncs"] <= 2
     for q in qs:
+        await q.close()
+    j.close()
+
+
+async def test_the_next_round_is_written_while_one_is_synced(tmp_path, monkeypatch):
+    """The sync thread holds a round of partitions a and b (its sync held up here): c and d
+    are written meanwhile, into the next round; a's next batch waits until a's round is
+    synced (at most one batch of a partition is not durable); all are answered after."""
+    j = Journal.open(str(tmp_path))
+    a, b, c, d = await open_queues(str(tmp_path), j, 4)
+    held, release = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    write_round = j._write_round
+
+    def slow_write_round(*args):
+        loop.call_soon_threadsafe(held.set)
+        release.wait(10)
+        return write_round(*args)
+
+    monkeypatch.setattr(j, "_write_round", slow_write_round)
+    first = asyncio.gather(a.append([b"a1"]), b.append([b"b1"]))
+    await asyncio.wait_for(held.wait(), 5)
+    a_size = os.path.getsize(a._segments.file(a._segments.active_base))
+    second = asyncio.gather(c.append([b"c1"]), d.append([b"d1"]), a.append([b"a2"]))
+    for _ in range(100):
+        if len(j._round_keys) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert set(j._round_keys) == {c._journal_key, d._journal_key}  # written meanwhile
+    assert os.path.getsize(a._segments.file(a._segments.active_base)) == a_size
+    assert not first.done() and not second.done()
+    release.set()
+    await asyncio.wait_for(first, 5)
+    await asyncio.wait_for(second, 5)
+    assert await bodies_of(a) == [b"a1", b"a2"]
+    for q in (a, b, c, d):
         await q.close()
     j.close()
 
