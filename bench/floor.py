@@ -7,8 +7,8 @@ Five servers: the floor in `ack` mode (answer at once, keep nothing), the floor 
 mode (the simplest durable group commit: a file and a thread per topic, one write and one
 fdatasync a batch), the floor in `journal` mode (the simplest node-wide group commit: one
 thread, a write per topic and one journal write and fdatasync a round), nsqd with its
-defaults (durable: each batch synced in its own segment) and nsqd with `--journal` (one
-journal fdatasync a round). Each takes 100 producer
+defaults (durable: one fdatasync of the node journal a round) and nsqd with `--journal false`
+(each batch synced in its own segment by its partition's thread). Each takes 100 producer
 connections, one 200-byte PUB at a time each, on 1 topic (bench/nsqd.py's (a)), spread
 over 6 topics (bench/cluster.py's partitions) and over 16 (bench/nsqd.py's (g)). Each
 gives msgs/s and the server's CPU per message, split into its event loop's thread and the
@@ -46,7 +46,7 @@ from nsqwire.commands import cmd_pub  # noqa: E402
 
 TOPIC_COUNTS = (1, 6, 16)  # (a), the cluster bench's 6 partitions, (g)
 CONNS = 100
-KINDS = ("floor-ack", "floor-sync", "floor-journal", "nsqd", "nsqd-journal")
+KINDS = ("floor-ack", "floor-sync", "floor-journal", "nsqd", "nsqd-threads")
 
 
 class FloorProcess:
@@ -79,8 +79,8 @@ class FloorProcess:
 def server(kind: str, base_dir: str | None):
     if kind == "nsqd":
         return Server([], base_dir)
-    if kind == "nsqd-journal":
-        return Server(["--journal"], base_dir)
+    if kind == "nsqd-threads":
+        return Server(["--journal", "false"], base_dir)
     return FloorProcess(kind[6:], base_dir)
 
 
@@ -121,7 +121,7 @@ def main() -> int:
     report.figures.update(common.machine_info())
     report.section(f"{CONNS} connections, one {BODY_LEN}-byte PUB at a time each, spread over "
                    f"{', '.join(map(str, TOPIC_COUNTS))} topics; the floor server (ack, sync, "
-                   f"journal) and nsqd (durable; with and without its journal), alternated, "
+                   f"journal) and nsqd (durable; with its journal and with a thread a partition), alternated, "
                    f"{rounds} rounds, medians")
     got: dict[str, list[dict]] = {k: [] for k in KINDS}
     for r in range(rounds):

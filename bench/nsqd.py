@@ -80,7 +80,7 @@ QUICK = dict(pub_conns=100, pub_warm_s=0.5, pub_s=3.0, mpub_conns=4, mpub_warm_s
              channels_max_s=5.0, fsync_s=0.5, conns_s=2.0)
 
 CONFIGS = {"durable": [], "sync10000": ["--sync-every", "10000"],
-           "journal": ["--journal"]}  # durable, one journal sync a round for every partition
+           "threads": ["--journal", "false"]}  # durable, a write thread and a sync a partition
 
 TARGET_PUB1_MSGS = 30_000
 TARGET_PUB1_P99_MS = 10.0
@@ -611,8 +611,8 @@ def main() -> int:
     ap.add_argument("--only", default="a,b,c,d,e,f,g,h,i",
                     help="parts to run, e.g. a,c (d needs c for its ratio)")
     ap.add_argument("--configs", default="durable,sync10000",
-                    help="server configurations: durable (defaults), sync10000 (--sync-every 10000), "
-                         "journal (--journal)")
+                    help="server configurations: durable (defaults: the node journal), sync10000 "
+                         "(--sync-every 10000), threads (--journal false)")
     ap.add_argument("--procs", type=int, default=1,
                     help="load-generator processes for producers and for (d) (default 1: the "
                          "server needs one of the 2 CPUs)")

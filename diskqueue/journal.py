@@ -1,7 +1,8 @@
 """Journal: one group commit for every partition of a node.
 
 The node's one write thread (`JournalWorker`) runs every partition's write jobs, in order
-(nsqd's `--journal`); the jobs given in one turn of the loop reach it in one hand-over. While
+(nsqd's default); while partitions write at once, the jobs given in one turn of the
+loop reach it in one hand-over. While
 batches of several partitions are being written (`Journal.writers`), a durable batch of any
 of them is written into its segment without a sync and added to the round as a journal
 record. A round ends when the thread has no job left (or the round is full); its records
@@ -398,12 +399,17 @@ class JournalWorker(Worker):
         self._turn: list = []  # jobs given in this turn of the loop, not handed over yet
 
     def call(self, fn, *args) -> None:
+        """A job goes at once while at most one partition writes (as without a journal);
+        else at the end of this turn of the loop, with the others given in it."""
         if self._shut:
             raise RuntimeError(f"worker {self.name} is shut down")
         if not self._turn:
+            if self.journal.writers <= 1:
+                self._put([(fn, args)])
+                return
             try:
                 asyncio.get_running_loop().call_soon(self._hand_over)
-            except RuntimeError:  # no loop in this thread (a test, a close): at once
+            except RuntimeError:  # no loop in this thread (a close): at once
                 self._put([(fn, args)])
                 return
         self._turn.append((fn, args))

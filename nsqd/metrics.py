@@ -9,7 +9,7 @@ Families (labels: topic, partition, channel):
 - node: nsqd_info{version}, nsqd_up (1 when health is OK), nsqd_start_time_seconds,
   nsqd_clients (TCP connections), nsqd_producers, nsqd_topics, nsqd_data_free_bytes;
   nsqd_journal_syncs_total, _records_total, _bytes_total, _sync_seconds_total,
-  _checkpoints_total and nsqd_journal_up (with --journal);
+  _checkpoints_total and nsqd_journal_up (unless --journal false);
 - topic: nsqd_topic_depth, nsqd_topic_paused, nsqd_topic_messages_total,
   nsqd_topic_message_bytes_total, nsqd_topic_partitions (its partition_num);
 - partition: nsqd_partition_leader (1 for each partition this node leads, 0 for the

@@ -96,7 +96,7 @@ class NSQD:
         self.topics: dict[str, Topic] = {}
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
-        self.journal: Journal | None = None  # opened by start() with --journal
+        self.journal: Journal | None = None  # opened by start() (none with --journal false)
         self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None

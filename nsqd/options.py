@@ -67,7 +67,7 @@ class Options:
     segment_bytes: int = 100 * 1024 * 1024
     sync_every: int = 1  # messages per sync; 1 = every batch is synced before OK (durable)
     sync_timeout_ms: int = 2000  # with sync_every > 1, also sync when data is this old
-    journal: bool = False  # journal durable batches: one sync a round (diskqueue/journal.py)
+    journal: bool = True  # journal durable batches: one sync a round (diskqueue/journal.py)
     mem_queue_size: int = 10000  # accepted for compatibility; every message goes to disk
     retention_max_age_ms: int = 0  # 0: keep what a channel still needs, forever
     retention_min_age_ms: int = 0  # keep history this long even when every channel is past it
@@ -212,7 +212,7 @@ _HELP = {
     "sync_every": "messages per fdatasync; 1 syncs every batch before its OK",
     "sync_timeout": "with --sync-every > 1, also sync data this old (duration)",
     "journal": "write every partition on one thread and sync the durable batches of a round "
-               "together, one fdatasync of the node journal (off: a write thread a "
+               "together, one fdatasync of the node journal (false: a write thread a "
                "partition, each batch synced in its own write call; see diskqueue/README.md)",
     "test_ack_before_sync": "TEST ONLY, a deliberately broken build: answer a TCP publish "
                             "OK before its batch is written and synced (jepsen shows the "

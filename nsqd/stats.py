@@ -9,7 +9,7 @@ Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
 - top level: `client_count` (TCP connections), `data_free_bytes` (free on the data
   path's file system; under 1 MiB the node's health says the disk is full), `journal`
-  (with `--journal`: syncs (one a round), alone (batches that synced their own segment
+  (unless `--journal false`: syncs (one a round), alone (batches that synced their own segment
   instead: written while no other partition wrote, or a round's one record), records,
   bytes, checkpoints, sync_seconds_total, failed;
   diskqueue/journal.py);

@@ -451,7 +451,7 @@ async def test_a_log_whose_sync_failed_is_reported_and_reopened(node, monkeypatc
     saw its connection dropped, no E_PUB_FAILED), /ping said OK. Now: E_PUB_FAILED,
     /stats `error`, /metrics nsqd_partition_up 0, /ping 500; POST /topic/reopen (once the
     disk is well again) brings it back with every acknowledged message. With journaling
-    (`--journal`) the same: a round of one batch syncs its own segment, which fails."""
+    (the default) the same: a partition writing alone syncs its own segment, which fails."""
     import errno
 
     n = await node(journal=journal)

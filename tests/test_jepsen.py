@@ -327,7 +327,8 @@ def test_broken_build_ack_before_sync_is_caught(tmp_path):
     fails (the disk-full nemesis fills the node's disk) the acknowledged messages are
     gone, and the total-queue checker fails the run (exit 1). The same run without the
     flag passes: nsqd refuses those publishes (E_PUB_FAILED), nothing acknowledged is
-    lost."""
+    lost. (How many the broken build loses depends on how soon the disk is full again: a
+    write that meets a full disk checkpoints the node journal, which frees its copies.)"""
     runs = {}
     for name, flags in (("broken", ["--nsqd-flag=--test-ack-before-sync", "--drain-quiet", "3"]),
                         ("sound", [])):
@@ -338,11 +339,11 @@ def test_broken_build_ack_before_sync_is_caught(tmp_path):
     status, s = runs["broken"]
     tq = s["total_queue"]
     assert status == 1 and s["valid"] is False
-    assert tq["lost"] > 10 and tq["unexpected"] == 0, tq
+    assert tq["lost"] > 0 and tq["unexpected"] == 0, tq
     status, s = runs["sound"]
     tq = s["total_queue"]
     assert status == 0 and s["valid"] is True, tq
-    assert tq["lost"] == 0 and tq["failed"] > 10  # refused while the disk was full
+    assert tq["lost"] == 0 and tq["failed"] > 0  # refused while the disk was full
 
 
 def nemesis_kinds(store) -> list[str]:

@@ -94,13 +94,14 @@ async def test_a_partition_writing_alone_syncs_its_segment_in_the_write(tmp_path
 
 
 async def test_the_jobs_of_one_turn_reach_the_thread_in_one_hand_over(tmp_path, monkeypatch):
+    """Once two partitions write, the jobs of a turn wait for its end and go together."""
     j = Journal.open(str(tmp_path))
     qs = await open_queues(str(tmp_path), j, 16)
     hand_overs = []
     put = j.worker._put
     monkeypatch.setattr(j.worker, "_put", lambda jobs: (hand_overs.append(len(jobs)), put(jobs)))
     await asyncio.gather(*(q.append([b"m"]) for q in qs))
-    assert sum(hand_overs) >= 16 and len(hand_overs) <= 2
+    assert sum(hand_overs) >= 16 and max(hand_overs) >= 14  # the first two go at once
     assert j.stats["syncs"] <= 2
     for q in qs:
         await q.close()

@@ -59,7 +59,7 @@ def test_help_explains_the_flags_we_treat_differently():
     assert "syncs every batch before its OK" in text  # --sync-every
 
 
-@pytest.mark.parametrize("argv, on", [([], False), (["--journal", "false"], False),
+@pytest.mark.parametrize("argv, on", [([], True), (["--journal", "false"], False),
                                       (["--journal=1"], True), (["--journal"], True)])
 def test_bool_flags_take_true_and_false(argv, on):
     """Every bool option is parsed as one (`--journal false` once came through as the
