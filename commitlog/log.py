@@ -109,6 +109,7 @@ class CommitLog:
         self._truncate_to(keep)
 
     def close(self) -> None:
+        """Close its files (each opens again when next used: an idle log holds none)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

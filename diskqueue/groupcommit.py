@@ -195,6 +195,7 @@ class GroupCommit:
         (on the loop) takes its result before the slot passes on."""
         if self._shut:
             raise QueueClosedError(self.path)
+        self.files_used_at = time.monotonic()  # the job may open the log's files
         if self._busy:
             turn = self._loop.create_future()
             self._turns.append(turn)
@@ -444,6 +445,7 @@ class GroupCommit:
         data_before = self._segments.end
         base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id
+        self.files_used_at = time.monotonic()
         journal = self._journal
         if journal is not None and not journal.begin(self._journal_key,
                                                      sync and not self._segments.unsynced):

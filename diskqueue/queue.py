@@ -140,6 +140,7 @@ class DiskQueue(GroupCommit, Replicated):
         self._busy = False  # the writer slot is taken (see _write_next)
         self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot
         self._idle: asyncio.Future | None = None  # close() waits on it for the writer to drain
+        self.files_used_at: float | None = None  # monotonic time its files were last used; None: closed
         self._sync_timer: asyncio.TimerHandle | None = None
         self._expiry: asyncio.TimerHandle | None = None  # the next commit deadline (_expire)
         self._closing = False
@@ -542,6 +543,17 @@ class DiskQueue(GroupCommit, Replicated):
         self.commitlog.drop_before_offset(new_start)
         log.info("retained", path=self.path, partition=self.partition, start_offset=new_start)
         return new_start
+
+    async def release_files(self) -> None:
+        """Close the log's files (its active segment, synced first, and its commitlog); the
+        next write or job opens them again. For a log idle for a while: an idle partition
+        then holds no descriptor (bench/scale.py)."""
+        await self._exclusive(self._release_files_sync)
+
+    def _release_files_sync(self) -> None:
+        self._segments.release()
+        self.commitlog.close()
+        self.files_used_at = None
 
     async def empty(self) -> None:
         """Drop every message; offsets, counts and ids continue where they were."""

@@ -99,6 +99,16 @@ class Segments:
             os.close(self._fd)
             self._fd = -1
 
+    def release(self) -> None:
+        """Sync what is unsynced and close the active segment (an idle log holds no
+        descriptor); the next write opens it again."""
+        self.sync()
+        self.close()
+
+    def _writable(self) -> None:
+        if self._fd < 0:
+            self._open_active()
+
     @property
     def start(self) -> int:
         return self.bases[0]
@@ -125,6 +135,7 @@ class Segments:
         as write + fdatasync, for its range, which is all that is unsynced): returns True.
         Such a write that fails raises _Unrecoverable (its sync may have failed, and the
         kernel may have dropped its pages), unless it wrote nothing (a full disk)."""
+        self._writable()
         self._make_room(len(data))
         if sync and DSYNC and not self._unsynced:
             try:
@@ -147,6 +158,7 @@ class Segments:
     def write_journaled(self, data) -> tuple[int, int]:
         """Append `data` at `end` without a sync, for the node journal (diskqueue/journal.py),
         rotating first when the active segment is full; returns (segment base, position)."""
+        self._writable()
         self._make_room(len(data))
         pos = self.end - self.active_base
         pwrite_all(self._fd, data, pos)
@@ -184,6 +196,7 @@ class Segments:
         """Cut the active segment back to `offset` (a failed write, or a torn tail)."""
         if offset < self.active_base:
             raise ValueError(f"cannot cut to {offset}: before the active segment {self.active_base}")
+        self._writable()
         os.ftruncate(self._fd, offset - self.active_base)
         os.fdatasync(self._fd)
         self.end = offset
@@ -225,6 +238,7 @@ class Segments:
                 os.unlink(self.file(base))
                 fsync_dir(self.path)
             self._open_active()
+        self._writable()
         os.ftruncate(self._fd, offset - self.active_base)
         os.fdatasync(self._fd)
         self.end = offset

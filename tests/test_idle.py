@@ -100,3 +100,46 @@ async def test_a_restart_opens_every_partition_and_channel_as_stored(node, tmp_p
             x_at = p.queue.committed_end if name == "a" else 0
             assert p.channels["x"].cursor.confirmed == x_at
             assert p.channels["y"].cursor.confirmed == p.queue.committed_end
+
+
+def log_files_open(path: str) -> int:
+    """Descriptors of this process open on files under `path`."""
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds
+               if os.path.realpath(f"/proc/self/fd/{fd}").startswith(os.path.realpath(path)))
+
+
+async def test_a_released_log_holds_no_descriptor_and_writes_again(tmp_path):
+    q = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(segment_bytes=2048))
+    try:
+        await q.append([b"a" * 100] * 30)  # past one segment
+        assert log_files_open(q.path) >= 2 and q.files_used_at is not None
+        await q.release_files()
+        assert log_files_open(q.path) == 0 and q.files_used_at is None
+        await q.append([b"b"])  # opens its active segment and commitlog again
+        assert q.files_used_at is not None
+        r = q.reader(q.start_offset)
+        bodies = []
+        while recs := await r.read(100):
+            bodies += [rec.body for rec in recs]
+        r.close()
+        assert bodies == [b"a" * 100] * 30 + [b"b"]
+        await q.release_files()
+        assert (await q.find("offset", q.start_offset)).log_id == 0  # the commitlog reads again
+    finally:
+        await q.close()
+    q2 = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(segment_bytes=2048))
+    assert (q2.written_end, q2.written_count) == (q.written_end, q.written_count)
+    await q2.close()
+
+
+async def test_an_idle_partition_closes_its_files(node, monkeypatch):
+    monkeypatch.setattr("nsqd.nsqd.FILES_IDLE_S", 0.2)
+    n = await node()
+    pub = await connect(n)
+    await pub.pub("t", b"x")
+    q = n.topics["t"].partitions[0].queue
+    await until(lambda: q.files_used_at is None)
+    assert log_files_open(q.path) == 0
+    await pub.pub("t", b"y")
+    assert q.written_count == 2 and q.files_used_at is not None
