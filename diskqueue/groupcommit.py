@@ -195,7 +195,9 @@ class GroupCommit:
         (on the loop) takes its result before the slot passes on."""
         if self._shut:
             raise QueueClosedError(self.path)
-        self.files_used_at = time.monotonic()  # the job may open the log's files
+        if self.files_used_at is None and fn != self._release_files_sync:
+            args = (fn, *args)  # the log's files were closed: so they are again after the job
+            fn = self._keeping_released
         if self._busy:
             turn = self._loop.create_future()
             self._turns.append(turn)
@@ -214,6 +216,15 @@ class GroupCommit:
             return result
         finally:
             self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
+
+    def _keeping_released(self, fn, *args):
+        """(write worker) fn(*args) on a log whose files are closed (opened, or released),
+        which closes them again after: only a write keeps them open (a start of many
+        partitions never holds their descriptors at once)."""
+        try:
+            return fn(*args)
+        finally:
+            self._release_files_sync()
 
     def _expire(self) -> None:
         """A commit deadline passed (loop): every request of a batch older than the commit

@@ -50,7 +50,15 @@ VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
 OPEN_AT_ONCE = 16  # partitions a start opens at a time (over all topics)
 READ_WORKERS = 8  # threads for every partition's read-ahead (diskqueue.worker.WorkerPool)
-FILES_IDLE_S = 10.0  # a log that wrote nothing for this long closes its files (release_files)
+# A log's files (active segment, commitlog) close when it has not used them for FILES_IDLE_S,
+# and, while more than OPEN_LOGS logs hold theirs, the least recently used beyond that number
+# (DiskQueue.release_files), looked at every RELEASE_INTERVAL, or RELEASE_BURST while some
+# were beyond: a node of 10,000 partitions stays under a descriptor limit of 20,000 even when
+# they are all written at once (bench/scale.py).
+FILES_IDLE_S = 60.0
+OPEN_LOGS = 1024
+RELEASE_INTERVAL = 1.0
+RELEASE_BURST = 0.1
 # Cluster mode: the longest publishes wait at start for the first view of etcd to be
 # applied; etcd away that long, they go to the assignment the last run stored.
 START_GRACE_S = 2.0
@@ -794,20 +802,23 @@ class NSQD:
                 self.checkpoint_failures.ok()
 
     async def _release_loop(self) -> None:
-        """Every FILES_IDLE_S / 2, close the files of each log held here (led or followed)
-        that has not used them for FILES_IDLE_S: an idle partition holds no descriptor, so
-        a node holds 10,000 partitions under a limit of 20,000 (bench/scale.py)."""
+        """Close the files of the logs held here (led or followed) that FILES_IDLE_S and
+        OPEN_LOGS say (above), least recently used first."""
+        excess = 0
         while True:
-            await asyncio.sleep(FILES_IDLE_S / 2)
-            idle_since = time.monotonic() - FILES_IDLE_S
+            await asyncio.sleep(RELEASE_BURST if excess > 0 else RELEASE_INTERVAL)
             queues = [p.queue for t in list(self.topics.values())
                       for p in list(t.partitions.values())]
             if self.cluster is not None:
                 queues += [q for _, _, q, _ in self.cluster.replication.followed_floors()]
-            for queue in queues:
-                used = queue.files_used_at
-                if used is None or used > idle_since or queue.failed is not None:
-                    continue
+            open_logs = sorted((q for q in queues
+                                if q.files_used_at is not None and q.failed is None),
+                               key=lambda q: q.files_used_at)
+            excess = len(open_logs) - OPEN_LOGS
+            now = time.monotonic()
+            for i, queue in enumerate(open_logs):
+                if i >= excess and now - (queue.files_used_at or now) < FILES_IDLE_S:
+                    break  # the rest were used more recently
                 try:
                     await queue.release_files()
                 except QueueClosedError:

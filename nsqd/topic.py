@@ -428,21 +428,15 @@ class Topic:
         (never raises for a partition's fault). `create`: a new topic, whose folders may be
         made; a stored partition's folder must exist (a missing one is a fault, not a new
         empty log; the topic's folder is listed once for them all). `self.partitions` ends
-        in number order, whatever order they opened in. A stored partition closes its files
-        once open (its first write opens them again), so that a start of many partitions
-        never holds two descriptors for each at once."""
+        in number order, whatever order they opened in."""
         at_once = at_once or asyncio.Semaphore(1)
         listed = None if create else await asyncio.to_thread(_folders, self.path)
 
         async def one(number: int) -> None:
             floor = floors.get(str(number))
             async with at_once:
-                if (await self._open_partition(number, tuple(floor) if floor else None, create,
-                                               listed) is None and not create):
-                    try:
-                        await self.partitions[number].queue.release_files()
-                    except Exception:  # it keeps its files open: only a cost
-                        log.exception("release_files_failed", topic=self.name, partition=number)
+                await self._open_partition(number, tuple(floor) if floor else None, create,
+                                           listed)
 
         await asyncio.gather(*(one(number) for number in partitions))
         self.partitions = {n: self.partitions[n] for n in sorted(self.partitions)}

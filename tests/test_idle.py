@@ -7,6 +7,7 @@ import os
 
 from diskqueue.queue import DiskQueue, QueueOptions
 from nodes import connect, take, until
+from nsqwire.commands import cmd_pub
 from nsqd.nsqd import single_segment
 
 
@@ -135,6 +136,7 @@ async def test_a_released_log_holds_no_descriptor_and_writes_again(tmp_path):
 
 async def test_an_idle_partition_closes_its_files(node, monkeypatch):
     monkeypatch.setattr("nsqd.nsqd.FILES_IDLE_S", 0.2)
+    monkeypatch.setattr("nsqd.nsqd.RELEASE_INTERVAL", 0.1)
     n = await node()
     pub = await connect(n)
     await pub.pub("t", b"x")
@@ -143,3 +145,19 @@ async def test_an_idle_partition_closes_its_files(node, monkeypatch):
     assert log_files_open(q.path) == 0
     await pub.pub("t", b"y")
     assert q.written_count == 2 and q.files_used_at is not None
+
+
+async def test_beyond_open_logs_the_least_recently_used_close_their_files(node, monkeypatch):
+    """Partitions written faster than FILES_IDLE_S passes: past OPEN_LOGS logs with open
+    files, the least recently used close theirs, the most recent keep them."""
+    monkeypatch.setattr("nsqd.nsqd.OPEN_LOGS", 2)
+    monkeypatch.setattr("nsqd.nsqd.RELEASE_INTERVAL", 0.1)
+    n = await node()
+    await n.create_topic("t", 6)
+    pub = await connect(n)
+    queues = [n.topics["t"].partitions[i].queue for i in range(6)]
+    for i in range(6):
+        await pub.command(cmd_pub("t", b"x", partition=i))
+        await asyncio.sleep(0.02)
+    await until(lambda: sum(q.files_used_at is not None for q in queues) <= 2)
+    assert [q.files_used_at is not None for q in queues] == [False] * 4 + [True] * 2
