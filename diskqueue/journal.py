@@ -248,21 +248,27 @@ class Journal:
         keys, self._round_keys = self._round_keys, {}
         self._round.clear()
         self._round_bytes = 0
+        alone = len(keys) == 1 and ALONE_SYNCS_ITS_SEGMENT  # nothing written twice
+        if alone:
+            self.stats["alone"] += 1
         self._syncing = keys
         self._idle.clear()
-        self._syncer.call(self._sync_round, data, records, keys, self.worker.take_posts())
+        self._syncer.call(self._sync_round, data, records, keys, alone,
+                          self.worker.take_posts())
 
     def drain(self) -> None:
         """Hand the round over and wait until it is synced (worker)."""
         self.flush()
         self._idle.wait()
 
-    def _sync_round(self, data: bytes, records: int, keys: dict, posts: list) -> None:
-        """(sync thread) Write and sync a round, then hand its answers to the loop (with
-        the journal's failure for those that needed a record, if it failed)."""
+    def _sync_round(self, data: bytes, records: int, keys: dict, alone: bool,
+                    posts: list) -> None:
+        """(sync thread) Write and sync a round (`alone`: sync its one record's segment
+        instead), then hand its answers to the loop (with the journal's failure for those
+        that needed a record, if it failed)."""
         failed: dict = {}
         try:
-            failed = self._write_round(data, records, keys)
+            failed = self._sync_alone(keys) if alone else self._write_round(data, records, keys)
         except BaseException as e:  # a bug: nothing of the round is taken as durable
             log.exception("journal_flush_failed")
             self._turn_off(f"a round failed: {e!r}")
@@ -278,9 +284,6 @@ class Journal:
         """Write and sync the round's records; returns {key: error} of those that are not
         durable (empty unless the journal failed and a segment's own sync did too)."""
         if self.failed is not None:  # turned off since the round began
-            return self._sync_alone(keys)
-        if len(keys) == 1 and ALONE_SYNCS_ITS_SEGMENT:  # nothing written twice
-            self.stats["alone"] += 1
             return self._sync_alone(keys)
         t0 = time.perf_counter()
         try:
