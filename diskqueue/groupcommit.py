@@ -195,9 +195,6 @@ class GroupCommit:
         (on the loop) takes its result before the slot passes on."""
         if self._shut:
             raise QueueClosedError(self.path)
-        if self.files_used_at is None and fn != self._release_files_sync:
-            args = (fn, *args)  # the log's files were closed: so they are again after the job
-            fn = self._keeping_released
         if self._busy:
             turn = self._loop.create_future()
             self._turns.append(turn)
@@ -210,21 +207,23 @@ class GroupCommit:
         else:
             self._busy = True
         try:
-            result = await self._write_worker.run(self._loop, fn, *args)
+            result = await self._write_worker.run(self._loop, self._keeping_closed, fn, *args)
             if then is not None:
                 then(result)
             return result
         finally:
             self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
 
-    def _keeping_released(self, fn, *args):
-        """(write worker) fn(*args) on a log whose files are closed (opened, or released),
-        which closes them again after: only a write keeps them open (a start of many
-        partitions never holds their descriptors at once)."""
+    def _keeping_closed(self, fn, *args):
+        """(write worker) An exclusive job, fn(*args): on a log whose files are closed (a
+        log opens so, or was released), it closes them again after; only a write keeps
+        them open (so a start of many partitions never holds their descriptors at once)."""
+        closed = self.files_used_at is None
         try:
             return fn(*args)
         finally:
-            self._release_files_sync()
+            if closed:
+                self._release_files_sync()
 
     def _expire(self) -> None:
         """A commit deadline passed (loop): every request of a batch older than the commit

@@ -127,6 +127,7 @@ async def test_a_released_log_holds_no_descriptor_and_writes_again(tmp_path):
         assert bodies == [b"a" * 100] * 30 + [b"b"]
         await q.release_files()
         assert (await q.find("offset", q.start_offset)).log_id == 0  # the commitlog reads again
+        assert log_files_open(q.path) == 0 and q.files_used_at is None  # and closes after
     finally:
         await q.close()
     q2 = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(segment_bytes=2048))
