@@ -422,12 +422,6 @@ class JournalWorker(Worker):
             jobs, self._turn = self._turn, []
             self._put(jobs)
 
-    def _put(self, jobs: list) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
-        self._jobs.put(jobs)
-
     def wake(self) -> None:
         """(sync thread) A round is synced: have the worker hand over the one that grew
         meanwhile, if it is waiting for jobs."""

@@ -37,10 +37,14 @@ class Worker(concurrent.futures.Executor):
     def call(self, fn, *args) -> None:
         if self._shut:
             raise RuntimeError(f"worker {self.name} is shut down")
+        self._put((fn, args))
+
+    def _put(self, item) -> None:
+        """Queue `item` for the thread, started by the first one."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
-        self._jobs.put((fn, args))
+        self._jobs.put(item)
 
     def run(self, loop: asyncio.AbstractEventLoop, fn, *args) -> asyncio.Future:
         """fn(*args) on this worker; its result or exception comes in a future of `loop`.
