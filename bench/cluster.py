@@ -43,7 +43,7 @@ sys.path += [ROOT, os.path.join(ROOT, "tests")]
 from bench import common  # noqa: E402
 from bench.common import Report, percentile  # noqa: E402
 from bench.loadgen import Workers  # noqa: E402
-from bench.nsqd_server import pid_cpu_seconds  # noqa: E402
+from bench.nsqd_server import Profiler, pid_cpu_seconds  # noqa: E402
 from cluster import Cluster, wait_until  # noqa: E402
 from nsqclient.lookup import LookupdSource  # noqa: E402
 from nsqwire.partitioning import partition_of  # noqa: E402
@@ -66,14 +66,18 @@ def spec(conns: list[tuple[str, int, bytes]]) -> dict:
             "targets": conns}
 
 
-def run(specs: list[dict], pids: list[int], P: dict, per_cmd: int) -> dict:
-    """Run the specs (one load-generator process each) over the measured span."""
+def run(specs: list[dict], pids: list[int], P: dict, per_cmd: int,
+        profiles: list[str] | None = None) -> dict:
+    """Run the specs (one load-generator process each) over the measured span.
+    `profiles`: a py-spy record of each pid over the measured span, to these paths."""
     for s in specs:
         s.update(per_cmd=per_cmd, warm_s=P["warm_s"], dur_s=P["dur_s"],
                  timeout_s=P["warm_s"] + P["dur_s"] + 60)
     workers = Workers(specs)
+    profilers = []
     try:
         workers.start()
+        profilers = [Profiler(pid, path, 200) for pid, path in zip(pids, profiles or ())]
         t0 = time.monotonic() + 0.05
         workers.go(t0)
         time.sleep(max(0.0, t0 + P["warm_s"] - time.monotonic()))
@@ -82,6 +86,8 @@ def run(specs: list[dict], pids: list[int], P: dict, per_cmd: int) -> dict:
         cpu = [pid_cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
     finally:
         workers.close()
+        for prof in profilers:
+            prof.stop()
     lat = array.array("d")
     for r in results:
         lat.frombytes(r["lat"])

@@ -1,6 +1,6 @@
 """Replication: what R=3 costs against R=1, and what a leader kill costs.
 
-    .venv/bin/python bench/replication.py [--quick] [--kills N]
+    .venv/bin/python bench/replication.py [--quick] [--kills N] [--py-spy DIR]
 
 One real cluster (tests/cluster.py: etcd, an nsqlookupd, 3 nsqd in cluster mode, lease TTL
 2 s), durable (every batch synced before OK, on every ISR member for R=3):
@@ -54,6 +54,14 @@ FULL = dict(pub_conns=100, mpub_conns=6, warm_s=1.0, dur_s=10.0, kills=20)
 QUICK = dict(pub_conns=100, mpub_conns=6, warm_s=0.5, dur_s=3.0, kills=3)
 
 
+def profiles(P: dict, part: str, nodes: int) -> list[str] | None:
+    """With --py-spy DIR: a profile path for each node in this part."""
+    if not P.get("py_spy"):
+        return None
+    os.makedirs(P["py_spy"], exist_ok=True)
+    return [os.path.join(P["py_spy"], f"{part}_node{i}.txt") for i in range(nodes)]
+
+
 def throughput(report: Report, cl: Cluster, P: dict) -> dict:
     out = {}
     pids = [n.proc.pid for n in cl.nsqds]
@@ -68,7 +76,8 @@ def throughput(report: Report, cl: Cluster, P: dict) -> dict:
         time.sleep(1.0)  # the leaders' replication connected
         targets = asyncio.run(leader_targets(lookupds, P["pub_conns"], topic))
         pub = run([spec([(h, port, cmd_pub(topic, BODY, partition=part))
-                         for h, port, part in targets])], pids, P, 1)
+                         for h, port, part in targets])], pids, P, 1,
+                  profiles(P, f"r{r}_pub1", len(pids)))
         report_part(report, f"r{r}_pub1", f"{P['pub_conns']} connections, PUB", pub)
         leaders = wait_until(lambda: len(cl.leaders(topic)) == PARTITIONS and
                              cl.leaders(topic), 10, "every partition led")
@@ -77,7 +86,7 @@ def throughput(report: Report, cl: Cluster, P: dict) -> dict:
             n = sorted(leaders)[i % len(leaders)]
             host, port = leaders[n].rsplit(":", 1)
             mpub.append((host, int(port), cmd_mpub(topic, [BODY] * MPUB_BATCH, partition=n)))
-        mp = run([spec(mpub)], pids, P, MPUB_BATCH)
+        mp = run([spec(mpub)], pids, P, MPUB_BATCH, profiles(P, f"r{r}_mpub", len(pids)))
         report_part(report, f"r{r}_mpub", f"{P['mpub_conns']} connections, MPUB 200", mp)
         out[r] = {"pub": pub, "mpub": mp}
     report.section("R=3 / R=1")
@@ -183,8 +192,10 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller: about a minute")
     ap.add_argument("--kills", type=int, default=None, help="leader kills in part 2 (0: skip it)")
+    ap.add_argument("--py-spy", metavar="DIR",
+                    help="py-spy record every nsqd over each throughput part, into DIR")
     args = ap.parse_args()
-    P = dict(QUICK if args.quick else FULL)
+    P = dict(QUICK if args.quick else FULL, py_spy=args.py_spy)
     if args.kills is not None:
         P["kills"] = args.kills
     P_DUR[0] = P["dur_s"]

@@ -1,0 +1,170 @@
+"""The PUB path's own CPU per message: nsqd's work with the sockets taken away.
+
+    .venv/bin/python bench/pubpath.py [--rounds 5] [--seconds 2] [--conns 100] [--topics 1]
+                                      [--nsqd-root DIR]
+
+A real node (nsqd.main.build, default durable options, the node journal) runs in this
+process on uvloop, in a temporary folder. `--conns` connections are
+`nsqd.tcp.ClientConnection`s on a transport that keeps no socket: each gets one
+`PUB <topic>` (200-byte body) and sends the next when its OK is written, as bench/loadgen.py's
+producers do (100 connections, one in flight each; `--topics` spreads them over that many
+topics). The loop's CPU (its thread's own time) and the whole process's are read over
+`--seconds`, for `--rounds` rounds, with the journal's rounds (one topic writes alone:
+none); each figure is the median.
+
+What it leaves out is what bench/floor.py's `ack` floor measures: the kernel's loopback
+TCP and uvloop's socket calls. What it keeps is every Python step of a PUB from its bytes to
+its OK, and the write threads. With `--nsqd-root DIR` the rounds alternate this checkout's
+nsqd with the one in DIR (a worktree of the previous commit), for a before/after ratio.
+
+Prints readable lines, then ONE line of JSON with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The child: runs one round against the nsqd importable from its sys.path[0].
+CHILD = r"""
+import asyncio, json, sys, tempfile, time
+import uvloop
+from nsqd.main import build
+from nsqd.options import from_args
+from nsqd.tcp import ClientConnection, TurnFlush, identify_limits
+from nsqwire import protocol as p
+from nsqwire.commands import cmd_pub
+
+conns_n, topics_n, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+OK = b"\x00\x00\x00\x06\x00\x00\x00\x00OK"
+
+
+class Transport:
+    "A transport with no socket: an OK written makes its connection send the next PUB."
+
+    def __init__(self, cmd):
+        self.cmd, self.conn, self.oks, self.closing = cmd, None, 0, False
+
+    def write(self, data):
+        n = data.count(OK)
+        self.oks += n
+        for _ in range(n):
+            asyncio.get_running_loop().call_soon(self.conn.data_received, self.cmd)
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def is_closing(self):
+        return self.closing
+
+    def close(self):
+        self.closing = True
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def get_write_buffer_size(self):
+        return 0
+
+
+async def main():
+    with tempfile.TemporaryDirectory(prefix="bench-pubpath-") as d:
+        nsqd = build(from_args(["--data-path", d, "--tcp-address", "127.0.0.1:0",
+                                "--http-address", "127.0.0.1:0", "--log-level", "warn"]))
+        await nsqd.start()
+        limits, flush = identify_limits(nsqd, None), TurnFlush()
+        transports = []
+        for i in range(conns_n):
+            topic = f"pub{i % topics_n}"
+            await nsqd.get_topic(topic)
+            t = Transport(cmd_pub(topic, b"x" * 200))
+            t.conn = ClientConnection(nsqd, limits, None, flush)
+            t.conn.connection_made(t)
+            t.conn.data_received(p.MAGIC_V2)
+            transports.append(t)
+        for t in transports:
+            t.conn.data_received(t.cmd)
+        await asyncio.sleep(0.5)  # warm
+        oks0 = sum(t.oks for t in transports)
+        j0 = dict(nsqd.journal.stats)
+        loop0, proc0, wall0 = time.thread_time(), time.process_time(), time.monotonic()
+        await asyncio.sleep(seconds)
+        loop1, proc1, wall1 = time.thread_time(), time.process_time(), time.monotonic()
+        j1 = dict(nsqd.journal.stats)
+        msgs = sum(t.oks for t in transports) - oks0
+        for t in transports:
+            t.closing = True
+        await asyncio.sleep(0.2)
+        await nsqd.stop()
+        print(json.dumps({"msgs_per_s": msgs / (wall1 - wall0),
+                          "loop_us": (loop1 - loop0) / msgs * 1e6,
+                          "process_us": (proc1 - proc0) / msgs * 1e6,
+                          "rounds_per_s": (j1["syncs"] - j0["syncs"]) / (wall1 - wall0),
+                          "records_per_round": ((j1["records"] - j0["records"])
+                                                / max(1, j1["syncs"] - j0["syncs"])),
+                          "sync_ms": ((j1["sync_seconds_total"] - j0["sync_seconds_total"])
+                                      / max(1, j1["syncs"] - j0["syncs"]) * 1000)}))
+
+
+uvloop.run(main())
+"""
+
+
+def one_round(root: str, conns: int, topics: int, seconds: float) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(conns), str(topics), str(seconds)],
+                         cwd=root, env=dict(os.environ, PYTHONPATH=root), check=True,
+                         capture_output=True, text=True, timeout=seconds + 60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--conns", type=int, default=100)
+    ap.add_argument("--topics", type=int, default=1)
+    ap.add_argument("--nsqd-root", metavar="DIR", help="alternate with the nsqd in DIR")
+    args = ap.parse_args()
+    builds = {"this": ROOT}
+    if args.nsqd_root:
+        builds["other"] = os.path.abspath(args.nsqd_root)
+    runs: dict[str, list[dict]] = {name: [] for name in builds}
+    for _ in range(args.rounds):
+        for name, root in builds.items():
+            runs[name].append(one_round(root, args.conns, args.topics, args.seconds))
+    figures = {"bench": "pubpath", "conns": args.conns, "topics": args.topics,
+               "rounds": args.rounds, "nsqd_root": builds.get("other")}
+    print(f"PUB path, {args.conns} connections over {args.topics} topic(s), no sockets; "
+          f"medians of {args.rounds} alternated rounds of {args.seconds:g} s")
+    for name in builds:
+        for key, label in (("msgs_per_s", "msgs/s"), ("loop_us", "loop CPU per message (µs)"),
+                           ("process_us", "process CPU per message (µs)"),
+                           ("rounds_per_s", "journal rounds synced a second"),
+                           ("records_per_round", "journal records a round"),
+                           ("sync_ms", "journal round write + sync (ms)")):
+            value = statistics.median(r[key] for r in runs[name])
+            figures[f"{name}_{key}"] = round(value, 3)
+            print(f"   {name:5} {label:34} {value:12,.2f}  [{name}_{key}]")
+    if "other" in builds:
+        for key in ("loop_us", "process_us"):
+            ratio = figures[f"this_{key}"] / figures[f"other_{key}"]
+            figures[f"{key}_this_over_other"] = round(ratio, 3)
+            print(f"   this / other, {key:27} {ratio:12,.3f}  [{key}_this_over_other]")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
