@@ -189,10 +189,11 @@ class GroupCommit:
                 return True
         return False
 
-    async def _exclusive(self, fn, *args, then=None):
+    async def _exclusive(self, fn, *args, then=None, writes: bool = False):
         """Run fn(*args) in the write worker while the writer is stopped: no batch in flight,
         and `written_end` & co. match the files (open, close, retain, empty, find). `then`
-        (on the loop) takes its result before the slot passes on."""
+        (on the loop) takes its result before the slot passes on. `writes`: the job writes
+        a batch (a follower's raw append), so it counts in `Journal.writers` while it runs."""
         if self._shut:
             raise QueueClosedError(self.path)
         if self._busy:
@@ -206,12 +207,17 @@ class GroupCommit:
                 raise
         else:
             self._busy = True
+        journal = self._journal if writes else None
+        if journal is not None:
+            journal.writers += 1
         try:
             result = await self._write_worker.run(self._loop, self._keeping_closed, fn, *args)
             if then is not None:
                 then(result)
             return result
         finally:
+            if journal is not None:
+                journal.writers -= 1
             self._write_next(turns_first=False)  # batches first: a stream of jobs never starves them
 
     def _keeping_closed(self, fn, *args):

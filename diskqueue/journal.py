@@ -159,7 +159,7 @@ class Journal:
         self._idle.set()
         self._dirty: dict = {}  # key -> Segments written since the journal file began
         self._lost: dict = {}  # key -> error: a record the journal failed and its segment too
-        self.writers = 0  # partitions with a batch given to the worker and not answered (loop)
+        self.writers = 0  # partitions with a batch (or a raw append) given and not answered (loop)
         self.stats = {"syncs": 0, "records": 0, "bytes": 0, "checkpoints": 0,
                       "sync_seconds_total": 0.0, "alone": 0}
 

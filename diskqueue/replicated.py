@@ -160,7 +160,7 @@ class Replicated:
             return self.written_end, self.written_count
         try:
             await self._exclusive(self._append_raw_job, offset, count, entries, data,
-                                  records_checked, then=self._appended_raw)
+                                  records_checked, then=self._appended_raw, writes=True)
         except (OSError, _Unrecoverable) as e:
             raise self._batch_error(e) from None
         return self.written_end, self.written_count
@@ -181,6 +181,7 @@ class Replicated:
             return
         self._busy = True
         loop = self._loop
+        journal = self._journal  # the batch counts in its writers until answered
 
         def job() -> None:  # write worker
             try:
@@ -191,6 +192,8 @@ class Replicated:
                 self._write_worker.post(loop, finished, result, None)
 
         def finished(result, error) -> None:  # loop
+            if journal is not None:
+                journal.writers -= 1
             try:
                 if error is None:
                     self._appended_raw(result)
@@ -203,6 +206,8 @@ class Replicated:
             done(error)
 
         self._write_worker.call(job)
+        if journal is not None:
+            journal.writers += 1
 
     def _append_raw_job(self, offset, count, entries, data, records_checked):
         """Check, renumber, write and (as the policy says) sync a raw batch (write worker). A

@@ -93,6 +93,59 @@ async def test_a_partition_writing_alone_syncs_its_segment_in_the_write(tmp_path
     j.close()
 
 
+async def test_followers_appending_at_once_share_rounds(tmp_path, monkeypatch):
+    """A follower's raw appends count as writers, as a leader's batches do: two followers
+    appending at once (and no leader) share rounds; one alone syncs its own segment; both
+    survive the loss of every unsynced segment byte (the journal replays them)."""
+    monkeypatch.setattr(journal_mod, "ALONE_SYNCS_ITS_SEGMENT", True)
+    leader = await DiskQueue.open(str(tmp_path / "leader"), QueueOptions())
+    for k in range(20):
+        await leader.append([b"m%d" % k])
+    raws, offset = [], 0
+    while offset < leader.written_end:
+        raws.append(await leader.read_raw(offset, 1))  # one entry each
+        offset = raws[-1].offset + len(raws[-1].data)
+    await leader.close()
+    root = tmp_path / "node"
+
+    async def followers(journal):  # two copies of the leader's partition 0
+        return [await DiskQueue.open(str(root / name), QueueOptions(journal=journal,
+                                                                    replicated=True))
+                for name in ("a", "b")]
+
+    j = Journal.open(str(root))
+    a, b = await followers(j)
+    journaled = []  # (segment file, position, size) of every journaled batch
+    record = j.record
+    monkeypatch.setattr(j, "record", lambda key, segments, where, data: (
+        journaled.append((segments.file(where[0]), where[1], len(data))),
+        record(key, segments, where, data)))
+    await a.append_raw(raws[0].offset, raws[0].count, raws[0].entries, raws[0].data)
+    assert j.stats["alone"] == 1 and j.stats["records"] == 0 and j.writers == 0
+
+    async def copy(q, raw):
+        done = asyncio.get_running_loop().create_future()
+        q.append_raw_then(raw.offset, raw.count, raw.entries, raw.data,
+                          lambda error: done.set_result(error))
+        assert await done is None
+
+    await copy(b, raws[0])
+    for raw in raws[1:]:
+        await asyncio.gather(copy(a, raw), copy(b, raw))
+    assert j.stats["records"] >= 2 * (len(raws) - 1) - 2  # the first two may go alone
+    assert j.stats["syncs"] < j.stats["records"]
+    assert j.writers == 0
+    for path, position, size in journaled:  # lost: only the journal has them
+        with open(path, "r+b") as f:
+            f.seek(position)
+            f.write(b"\0" * size)
+    j2 = Journal.open(str(root))  # no close: a crash
+    for q in await followers(j2):
+        assert await bodies_of_written(q) == [b"m%d" % k for k in range(20)]
+        await q.close()
+    j2.close()
+
+
 async def test_the_jobs_of_one_turn_reach_the_thread_in_one_hand_over(tmp_path, monkeypatch):
     """Once two partitions write, the jobs of a turn wait for its end and go together."""
     j = Journal.open(str(tmp_path))
