@@ -18,7 +18,6 @@ budget per turn. Reading is paused whenever whole commands may wait unrun.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import random
 import ssl
@@ -75,6 +74,33 @@ def _snappy_installed() -> bool:
     return True
 
 
+class _Publish:
+    """One publish of a connection, from its command until its answer: answers leave in
+    command order, so each waits in `ClientConnection._publishing` until every one before
+    it is answered. Called by the log (or the forwarder) with (appended, error) once it is
+    written; `here`: it is written by this node (a forwarded one is its leader's to count
+    and trace)."""
+
+    __slots__ = ("conn", "done", "error", "topic", "bodies", "command", "trace_id",
+                 "trace_ids", "appended", "here")
+
+    def __init__(self, conn, topic, bodies, command: str, trace_id: int, trace_ids) -> None:
+        self.conn = conn
+        self.done = False
+        self.error = None
+        self.topic = topic
+        self.bodies = bodies
+        self.command = command
+        self.trace_id = trace_id
+        self.trace_ids = trace_ids
+        self.appended = None
+        self.here = True
+
+    def __call__(self, appended, error) -> None:
+        self.done, self.error, self.appended = True, error, appended
+        self.conn._published(self)
+
+
 class ClientConnection(asyncio.Protocol):
     INIT, SUBSCRIBED, CLOSING = range(3)
     _ALLOWED_STATES = {**dict.fromkeys(("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"),
@@ -94,7 +120,7 @@ class ClientConnection(asyncio.Protocol):
                                       state_check=self._state_check)
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
         self._held = None  # a command (or parser error) that answers after the publishes
-        self._publishing: deque[list] = deque()  # slots (`_publish`), in order
+        self._publishing: deque[_Publish] = deque()  # in command order
         self._loading = None  # the Partition whose producer table a publish waits for
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
         self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
@@ -245,7 +271,9 @@ class ClientConnection(asyncio.Protocol):
         if not self._publishing:
             self._fail(err)
             return
-        self._publishing.append([True, err, None, None, None, 0, None, None, False])
+        failed = _Publish(self, None, (), "", 0, None)
+        failed.done, failed.error, failed.here = True, err, False
+        self._publishing.append(failed)
         if err.fatal:
             self._parser_dead = True
             self._held = None
@@ -392,22 +420,20 @@ class ClientConnection(asyncio.Protocol):
                 producer = cmd.producer
             elif kind is p.PubTrace:
                 trace_id = cmd.trace_id
-        # done, error, topic, bodies, command, trace_id, appended, trace_ids, written here
-        slot = [False, None, topic, bodies, command, trace_id, None, trace_ids, True]
+        pub = _Publish(self, topic, bodies, command, trace_id, trace_ids)
         try:
             topic.publish(bodies, cmd.partition, extension, trace_id=trace_id,
-                          trace_ids=trace_ids, exts=exts, producer=producer,
-                          callback=functools.partial(self._published, slot))
+                          trace_ids=trace_ids, exts=exts, producer=producer, callback=pub)
         except PartitionNotLed as e:
             forwarder = nsqd.cluster.forwarder if nsqd.cluster is not None else None
             if forwarder is None or cmd.partition is not None:
                 if forwarder is not None:
                     forwarder.named(cmd.topic, e)
                 raise tcp_error(command, e, cmd.partition) from None
-            slot[8] = False  # a leader writes it; its answer comes as a local one's does
+            pub.here = False  # a leader writes it; its answer comes as a local one's does
             forwarder.send(cmd.topic, PublishRequest(bodies, extension, trace_id, trace_ids, exts,
                                                      producer),
-                           self.client.remote_address, functools.partial(self._published, slot))
+                           self.client.remote_address, pub)
         except ProducersLoading as e:
             self._loading = e.partition
             return False
@@ -419,9 +445,9 @@ class ClientConnection(asyncio.Protocol):
             raise tcp_error(command, e, cmd.partition) from None
         except Exception as e:  # a closed or failed log, a message too big for a record
             raise errors.publish_failed(command, str(e)) from None
-        self._publishing.append(slot)
+        self._publishing.append(pub)
         if o.test_ack_before_sync:  # the broken build: OK now, whatever the write does
-            self._published(slot, None, None)
+            pub(None, None)
         return True
 
     async def _publish_after(self, cmd) -> None:
@@ -466,41 +492,44 @@ class ClientConnection(asyncio.Protocol):
             raise errors.topic_not_exist(name, command)
         return topic
 
-    def _published(self, slot: list, appended, exc) -> None:
+    def _published(self, pub: _Publish) -> None:
         """A publish's append is done: answer every publish now done at the head, in order.
         Their OKs leave in one write: at once when no other publish of this connection is in
         flight, else at the end of the loop's turn (`Client.answer`), with the OKs of the
         others that this turn answers (pipelined publishes written by one batch)."""
-        slot[0], slot[1], slot[6] = True, exc, appended
-        topic = slot[2]
-        if exc is None and appended is not None and appended.duplicate:
-            slot[8] = False  # written before: nothing new to trace or count here
-        if (exc is None and appended is not None and topic.trace is not None
-                and slot[8]):  # PUB events (a forwarded publish's: its leader's)
-            topic.trace.published(topic, appended, slot[5], slot[7], self.client.remote_address)
+        appended = pub.appended
+        if pub.error is None and appended is not None:
+            if appended.duplicate:
+                pub.here = False  # written before: nothing new to trace or count here
+            elif pub.here and pub.topic.trace is not None:  # a forwarded one: its leader's
+                pub.topic.trace.published(pub.topic, appended, pub.trace_id, pub.trace_ids,
+                                          self.client.remote_address)
         publishing = self._publishing
         oks = 0
-        while publishing and publishing[0][0]:
-            _, exc, topic, bodies, command, trace_id, appended, _, here = publishing.popleft()
-            if exc is not None:
+        while publishing and publishing[0].done:
+            pub = publishing.popleft()
+            if pub.error is not None:
                 if oks:
                     self.client.answer(p.OK * oks)  # they go first: `_fail` writes after them
                     oks = 0
+                exc = pub.error
                 err = (exc if isinstance(exc, errors.ProtocolError)
-                       else tcp_error(command, exc)
+                       else tcp_error(pub.command, exc)
                        if isinstance(exc, (NotWritable, NotCommitted, PartitionNotLed))
-                       else errors.publish_failed(command, str(exc)))
+                       else errors.publish_failed(pub.command, str(exc)))
                 self._fail(err)
                 if err.fatal:
                     publishing.clear()
                     return
                 continue
-            if here:
-                topic.count_published(bodies)
-            self._count_published(topic, len(bodies))
-            if command in _TRACE_REPLY and appended is not None:  # OK, id, trace id, offset, size
+            topic = pub.topic
+            if pub.here:
+                topic.count_published(pub.bodies)
+            self._count_published(topic, len(pub.bodies))
+            if pub.command in _TRACE_REPLY and pub.appended is not None:
+                appended = pub.appended  # OK, id, trace id, offset, size
                 self.client.answer(p.OK * oks + p.encode_response(p.pub_trace_reply(
-                    appended.first_id, trace_id, appended.offset,
+                    appended.first_id, pub.trace_id, appended.offset,
                     appended.end_offset - appended.offset)))
                 oks = 0
                 continue
