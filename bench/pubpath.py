@@ -12,6 +12,15 @@ topics). The loop's CPU (its thread's own time) and the whole process's are read
 `--seconds`, for `--rounds` rounds, with the journal's rounds (one topic writes alone:
 none); each figure is the median.
 
+With one PUB in flight a connection the work goes in a cycle, and the bench stamps its
+phases (medians, in ms; the journal's functions are wrapped in the child to stamp them):
+`answers -> answered`, the loop running a round's answers (the OKs, each connection's next
+PUB scheduled); `answered -> handed over`, the loop taking the next PUBs (parse, append,
+encode) until their batches reach the write thread; `handed over -> sync begins`, the write
+thread writing them into their segments (and the round to the sync thread);
+`sync begins -> synced`, the journal's write and `fdatasync`. A partition writing alone
+has only the first two (its batch syncs in its write).
+
 What it leaves out is what bench/floor.py's `ack` floor measures: the kernel's loopback
 TCP and uvloop's socket calls. What it keeps is every Python step of a PUB from its bytes to
 its OK, and the write threads. With `--nsqd-root DIR` the rounds alternate this checkout's
@@ -35,7 +44,7 @@ ROOT = os.path.dirname(HERE)
 
 # The child: runs one round against the nsqd importable from its sys.path[0].
 CHILD = r"""
-import asyncio, json, sys, tempfile, time
+import asyncio, json, statistics, sys, tempfile, time
 import uvloop
 from nsqd.main import build
 from nsqd.options import from_args
@@ -45,6 +54,41 @@ from nsqwire.commands import cmd_pub
 
 conns_n, topics_n, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 OK = b"\x00\x00\x00\x06\x00\x00\x00\x00OK"
+stamps = {}  # phase -> [seconds], while `timing`
+timing = False
+last = {}
+
+
+def stamped(fn, start, end=None, after=None):
+    "fn, stamping when it starts and ends; a phase is from the last `after` stamp to `start`."
+    def wrapper(*args, **kw):
+        if timing:
+            now = time.perf_counter()
+            if after is not None and after in last:
+                stamps.setdefault(f"{after} -> {start}", []).append(now - last.pop(after))
+            last[start] = now
+        result = fn(*args, **kw)
+        if timing and end is not None:
+            now = time.perf_counter()
+            stamps.setdefault(f"{start} -> {end}", []).append(now - last.get(start, now))
+            last[end] = now
+        return result
+    return wrapper
+
+
+def stamp_the_round():
+    "The phases of a round of the node journal (bench/README.md, pubpath.py)."
+    from diskqueue import journal as j
+    j._run_all = stamped(j._run_all, "answers", "answered")
+    put = j.JournalWorker._put
+    j.JournalWorker._put = stamped(lambda self, jobs: put(self, jobs), "handed over",
+                                   after="answered")
+    write_round = j.Journal._write_round
+    j.Journal._write_round = stamped(lambda self, *a: write_round(self, *a), "sync begins",
+                                     "synced", after="handed over")
+
+
+stamp_the_round()
 
 
 class Transport:
@@ -96,12 +140,15 @@ async def main():
         for t in transports:
             t.conn.data_received(t.cmd)
         await asyncio.sleep(0.5)  # warm
+        global timing
+        timing = True
         oks0 = sum(t.oks for t in transports)
         j0 = dict(nsqd.journal.stats)
         loop0, proc0, wall0 = time.thread_time(), time.process_time(), time.monotonic()
         await asyncio.sleep(seconds)
         loop1, proc1, wall1 = time.thread_time(), time.process_time(), time.monotonic()
         j1 = dict(nsqd.journal.stats)
+        timing = False
         msgs = sum(t.oks for t in transports) - oks0
         for t in transports:
             t.closing = True
@@ -114,11 +161,17 @@ async def main():
                           "records_per_round": ((j1["records"] - j0["records"])
                                                 / max(1, j1["syncs"] - j0["syncs"])),
                           "sync_ms": ((j1["sync_seconds_total"] - j0["sync_seconds_total"])
-                                      / max(1, j1["syncs"] - j0["syncs"]) * 1000)}))
+                                      / max(1, j1["syncs"] - j0["syncs"]) * 1000),
+                          "phases_ms": {k: statistics.median(v) * 1000
+                                        for k, v in stamps.items()}}))
 
 
 uvloop.run(main())
 """
+
+
+PHASES = ("answers -> answered", "answered -> handed over", "handed over -> sync begins",
+          "sync begins -> synced")
 
 
 def one_round(root: str, conns: int, topics: int, seconds: float) -> dict:
@@ -157,6 +210,16 @@ def main() -> int:
             value = statistics.median(r[key] for r in runs[name])
             figures[f"{name}_{key}"] = round(value, 3)
             print(f"   {name:5} {label:34} {value:12,.2f}  [{name}_{key}]")
+        phases = {}
+        for r in runs[name]:
+            for phase, ms in r["phases_ms"].items():
+                phases.setdefault(phase, []).append(ms)
+        for phase in PHASES:
+            if phase in phases:
+                value = statistics.median(phases[phase])
+                key = f"{name}_{phase.replace(' -> ', '_to_').replace(' ', '_')}_ms"
+                figures[key] = round(value, 4)
+                print(f"   {name:5} {'round: ' + phase + ' (ms)':34} {value:12,.3f}  [{key}]")
     if "other" in builds:
         for key in ("loop_us", "process_us"):
             ratio = figures[f"this_{key}"] / figures[f"other_{key}"]
