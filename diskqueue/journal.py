@@ -15,10 +15,12 @@ A partition writing alone syncs its own segment in the write's system call, as w
 journal; so does a round that ended with one record (nothing written twice). Jobs that
 journaled nothing have their answers go at once.
 
-On disk, in folder `journal/` of the node's data path: files `<number>.jnl`, each record
+On disk, in folder `journal/` of the node's data path: files `<number>.jnl` holding records
 `[4 crc32][4 length][8 journal id][8 segment base][8 position][2 path length][path][data]`,
-big-endian; the CRC covers every byte after itself. `path` is the partition's folder
-relative to the data path; `data` went into `data/<segment base>.dat` at `position`.
+big-endian, one after another, then zeros (written ahead of the records, so that a round's
+sync has no file size to commit: `_zero_ahead`); the CRC covers every byte after itself.
+`path` is the partition's folder relative to the data path; `data` went into
+`data/<segment base>.dat` at `position`.
 
 Invariants:
 - at most one batch of a partition is ever not durable: a round holds at most one batch of
@@ -40,8 +42,9 @@ Invariants:
   next start's replay);
 - replay (at `Journal.open`, before any partition opens) writes each record back into its
   segment, in journal order, when the partition's `meta.json` holds the record's journal
-  id and the segment file exists (a missing file was dropped by retention); then syncs
-  what it wrote and starts a new journal file;
+  id and the segment file exists (a missing file was dropped by retention), up to the
+  first torn or bad record or the zeros; then syncs what it wrote and starts a new journal
+  file (a file is never reused: no record of an earlier one can follow its last);
 - a partition whose log is cut or emptied while the journal holds its records first syncs
   its segment and takes a new journal id (`DiskQueue._leave_journal`), so no record is
   replayed over what follows; a partition opened again while the journal holds records of
@@ -77,6 +80,7 @@ FIELDS = struct.Struct(">QQQH")  # journal id, segment base, position, path leng
 CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed at a round's end
 ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
 ROUND_POSTS = 1024  # nor for more answers than this
+ZERO_AHEAD = 1024 * 1024  # zeros written past the records, so that rounds overwrite them
 ALONE_SYNCS_ITS_SEGMENT = True  # a partition writing alone, and a round of one record, sync
 # their segment instead of the journal
 
@@ -150,7 +154,8 @@ class Journal:
         self._retired = False
         self._fd = -1
         self._number = 0
-        self._size = 0
+        self._size = 0  # bytes of records in the current file: the next one goes there
+        self._zeroed = 0  # the file's zeros, written ahead of the records, end here
         self._round: list[bytes] = []
         self._round_bytes = 0
         self._round_keys: dict = {}  # key -> Segments, of this round's records
@@ -287,9 +292,10 @@ class Journal:
             return self._sync_alone(keys)
         t0 = time.perf_counter()
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            end = self._size + len(data)
+            if end > self._zeroed:
+                self._zero_ahead(end)
+            pwrite_all(self._fd, data, self._size)
             os.fdatasync(self._fd)
         except OSError as e:
             self._turn_off(f"writing the journal failed: {e}")
@@ -300,6 +306,20 @@ class Journal:
         self.stats["bytes"] += len(data)
         self.stats["sync_seconds_total"] += time.perf_counter() - t0
         return {}
+
+    def _zero_ahead(self, end: int) -> None:
+        """(sync thread) Before a round that ends at `end`, past the zeros written ahead:
+        ZERO_AHEAD bytes of zeros from `end`, synced with the round. Later rounds then write
+        over zeros already on disk, and their `fdatasync` has no file size to commit (0.11
+        against 0.25 ms a 40 KB round on this project's VM). Replay stops at the zeros as at
+        the end of a file (a record of length 0). Without room for the zeros the file grows by
+        each round, as before."""
+        try:
+            pwrite_all(self._fd, bytes(ZERO_AHEAD), end)
+        except OSError:
+            self._zeroed = end
+        else:
+            self._zeroed = end + ZERO_AHEAD
 
     def _sync_alone(self, keys: dict) -> dict:
         """Make each record of the round durable in its own segment instead (the journal
@@ -367,11 +387,11 @@ class Journal:
     def _start_file(self, old: list[str]) -> None:
         """A new, empty journal file (durable), then the `old` ones deleted."""
         fd = os.open(os.path.join(self.folder, f"{self._number:020d}{SUFFIX}"),
-                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         fsync_dir(self.folder)
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd, self._size = fd, 0
+        self._fd, self._size, self._zeroed = fd, 0, 0
         self._number += 1
         for name in old:
             os.unlink(name)
