@@ -12,7 +12,13 @@ Invariants:
   writer using `append_encoded` calls `sync()` whenever `sync_due` says so; a
   rotation syncs the segment it leaves. So after a power loss only the last
   `sync_every` entries can be lost, torn or stale, and `open` checks each of them
-  (checksum, place, and that it follows the one before) and cuts at the first bad one.
+  (checksum, place, and that it follows the one before) and cuts at the first bad one;
+- a cut (`truncate_after`, a bad tail at `open`, `reset`) is synced before the call
+  returns; one that cuts nothing writes and syncs nothing;
+- `open` syncs only what it cuts: what it found (a crash may have left entries, or a cut,
+  unsynced) is synced before the first entry is appended, and by `sync()`. So nothing is
+  ever written over what may not be durable, as when `open` synced it (a start of many
+  partitions spends no sync on those that are not written).
 
 The API is synchronous: it does blocking file calls, so async callers run
 it off the event loop. Nothing here decides what is durable; `sync()` does.
@@ -59,6 +65,7 @@ class CommitLog:
         self.first_log_id = 0
         self.next_log_id = 0
         self._unsynced = 0  # entries written since the last sync
+        self._found_unsynced = False  # what `open` found may not be synced (see the invariants)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -70,10 +77,12 @@ class CommitLog:
         os.makedirs(self.path, exist_ok=True)
         names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
         self._bases = [int(n[:-len(SUFFIX)]) for n in names]
-        if not self._bases:
+        if not self._bases:  # a new log: its empty file, synced into its folder
             self._bases = [start_log_id]
             self._fd(start_log_id)
             fsync_dir(self.path)
+        else:
+            self._found_unsynced = True  # what a crash left may not be synced
         counts = []
         for base in self._bases:
             size = os.fstat(self._fd(base)).st_size
@@ -133,6 +142,8 @@ class CommitLog:
 
         On failure the log is cut back to what it held before, and the error raised.
         """
+        if self._found_unsynced:  # the first append since open: what it found, synced first
+            self._sync_active()
         before = self.next_log_id
         try:
             pos = 0
@@ -166,30 +177,41 @@ class CommitLog:
         return self._unsynced >= self.sync_every
 
     def sync(self) -> None:
-        if self._unsynced:
+        if self._unsynced or self._found_unsynced:
             self._sync_active()
 
     def _sync_active(self) -> None:
         os.fdatasync(self._fd(self._bases[-1]))
         self._unsynced = 0
+        self._found_unsynced = False
 
     def truncate_after(self, log_id: int) -> None:
         """Keep entries up to and including `log_id`."""
         self._truncate_to(max(self.first_log_id, min(log_id + 1, self.next_log_id)))
 
     def _truncate_to(self, next_log_id: int) -> None:
+        """Keep the entries before `next_log_id`: a cut is synced; no cut, nothing written."""
+        cut = False
         while len(self._bases) > 1 and self._bases[-1] > next_log_id:
             self._remove_segment(self._bases.pop())
+            cut = True
         base = self._bases[-1]
         if next_log_id < base:
             next_log_id = base
-        os.ftruncate(self._fd(base), (next_log_id - base) * ENTRY_SIZE)
+        fd = self._fd(base)
+        size = (next_log_id - base) * ENTRY_SIZE
         self.next_log_id = next_log_id
-        self._sync_active()
+        if cut or os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+            self._sync_active()
 
     def reset(self, next_log_id: int) -> None:
-        """Drop every entry; the log continues at `next_log_id`."""
+        """Drop every entry; the log continues at `next_log_id` (nothing is written when it
+        is an empty log there already)."""
         old = self._bases
+        if old == [next_log_id] and os.fstat(self._fd(next_log_id)).st_size == 0:
+            self.first_log_id = self.next_log_id = next_log_id
+            return
         self._bases = [next_log_id]
         for base in old:
             if base != next_log_id:
@@ -198,6 +220,7 @@ class CommitLog:
         os.ftruncate(fd, 0)
         os.fdatasync(fd)
         self._unsynced = 0
+        self._found_unsynced = False
         fsync_dir(self.path)
         self.first_log_id = self.next_log_id = next_log_id
 

@@ -50,7 +50,7 @@ import structlog
 
 from commitlog.entry import ENTRY_SIZE, Entry
 from commitlog.entry import decode as decode_entry
-from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog
+from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog, fsync_dir
 
 from .atomic import make_dirs, read_json, write_json_atomic
 from .errors import (AppendError, CommitTimeout, DiskFullError, GapError,  # noqa: F401
@@ -179,14 +179,21 @@ class DiskQueue(GroupCommit, Replicated):
         return q
 
     def _open_sync(self) -> None:
-        for folder in (self.path, self._segments.path, self.commitlog.path):
-            make_dirs(folder)  # on disk before anything in them is acknowledged
         meta_path = os.path.join(self.path, META_FILE)
         meta = read_json(meta_path)
-        if meta is None:
+        if meta is None:  # a new log: its folders on disk (each synced) before its meta.json
+            for folder in (self.path, self._segments.path, self.commitlog.path):
+                make_dirs(folder)
             meta = {"partition": self.partition, "start_offset": 0, "start_count": 0,
                     "start_log_id": 0, "journal_id": new_journal_id()}
             write_json_atomic(meta_path, meta)
+        else:
+            # Its folders were made, each synced into its parent, before meta.json was
+            # written; only meta.json's rename may be unsynced (a crash right after it).
+            for folder in (self._segments.path, self.commitlog.path):
+                if not os.path.isdir(folder):  # lost since: made again, as a new log's
+                    make_dirs(folder)
+            fsync_dir(self.path)
         self._meta = meta
         self._journal_id = meta.get("journal_id", 0)
         self._segments.open(meta["start_offset"])

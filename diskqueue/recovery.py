@@ -206,7 +206,7 @@ def _rebuild(clog: CommitLog, segments: Segments, ranges, last: Entry | None, ep
 
     The cumulative count of a record is the sequence in its message id.
     """
-    log_id = clog.next_log_id
+    log_id = first = clog.next_log_id
     epoch = last.epoch if last is not None else epoch
     count = last.count_after if last is not None else None
     for base, start, end in ranges:
@@ -224,5 +224,6 @@ def _rebuild(clog: CommitLog, segments: Segments, ranges, last: Entry | None, ep
             os.close(fd)
         clog.append(entries)
         result.rebuilt_entries += len(entries)
-    clog.sync()
+    if log_id > first:  # nothing rebuilt: nothing to sync
+        clog.sync()
     return count

@@ -590,6 +590,33 @@ async def test_one_fdatasync_per_durable_batch(tmp_path, queues, monkeypatch):
     assert synced[31:] == ["commitlog"]
 
 
+async def test_a_reopen_syncs_one_folder_and_no_file(tmp_path, queues, monkeypatch):
+    """Opening a log that has its meta.json again syncs the partition's folder only (its
+    folders were synced before meta.json was written), and no file: its commitlog is synced
+    before its first entry after the open (a start of 10,000 partitions spent 5 syncs on
+    each, most of its time: bench/scale.py). An empty log's open syncs nothing more."""
+    for path, n in ((tmp_path / "a", 3), (tmp_path / "empty", 0)):
+        q = await queues(path)
+        await append_singles(q, n)
+        await q.close()
+    synced = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+    def name(fd):
+        return os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)
+
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(name(fd)), real_fsync(fd)))
+    monkeypatch.setattr(os, "fdatasync",
+                        lambda fd: (synced.append(name(fd)), real_fdatasync(fd)))
+    q = await queues(tmp_path / "a")
+    empty = await queues(tmp_path / "empty")
+    assert synced == ["a", "empty"]
+    await append_singles(q, 1, start=3)
+    assert synced[2:] == [os.path.join("a", "commitlog", f"{0:020d}.clog")]  # then the data's
+    assert [r.body for r in await read_all(q)] == [body(i) for i in range(4)]  # (RWF_DSYNC)
+    assert empty.written_count == 0
+
+
 async def test_sync_every_n_messages(tmp_path, queues):
     q = await queues(tmp_path, QueueOptions(sync=SyncPolicy(every_messages=10)))
     await append_singles(q, 25)
