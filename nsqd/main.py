@@ -54,6 +54,7 @@ def build(options: Options) -> NSQD:
 async def serve(options) -> bool:
     """Run a node until SIGTERM/SIGINT; True when it stopped cleanly (NSQD.stop)."""
     nsqd = build(options)
+    tune_gc()  # before the start too: its collections were 2.2 s of a start of 10,000 partitions
     try:
         await nsqd.start()
     except OSError as e:
@@ -64,7 +65,7 @@ async def serve(options) -> bool:
                          else ("--rpc-address", options.rpc_address))
         raise StartError(f"cannot listen on {address} ({flag}): "
                          f"{os.strerror(e.errno).lower()}") from None
-    tune_gc()
+    tune_gc()  # freezes what the start built
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
