@@ -215,7 +215,10 @@ async def test_dead_letters_are_read_back_after_a_restart_and_purged(node):
     await pub.close()
     await n.stop()
     n = await node(msg_timeout_ms=100)
+    ch = n.topics["t"].partition(0).channels["ch"]
+    await _until(lambda: not ch.dead.loading)  # read back from the log after the start
     listed = await _json(n, "GET", "/channel/dead?topic=t&channel=ch&limit=2")
+    assert listed["loading"] == []
     assert listed["count"] == 3 and [d["body"] for d in listed["dead_letters"]] == ["a", "b"]
     rest = await _json(n, "GET", "/channel/dead?topic=t&channel=ch&after="
                        + listed["dead_letters"][-1]["id"])
