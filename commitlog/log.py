@@ -117,6 +117,10 @@ class CommitLog:
             prev = entry
         self._truncate_to(keep)
 
+    def ready(self) -> None:
+        """Open the active file when it is closed, before an append."""
+        self._fd(self._bases[-1])
+
     def close(self) -> None:
         """Close its files (each opens again when next used: an idle log holds none)."""
         for fd in self._fds.values():

@@ -458,6 +458,8 @@ class GroupCommit:
         With the node journal, a batch to sync with nothing unsynced before it is written
         without a sync and journaled instead: its answer waits for the round's journal sync
         (diskqueue/journal.py)."""
+        self._segments.ready()  # the files open first: one that cannot (no descriptor left)
+        self.commitlog.ready()  # fails the batch with nothing written, so nothing to undo
         data_before = self._segments.end
         base_before = self._segments.active_base
         log_before = self.commitlog.next_log_id

@@ -105,7 +105,9 @@ class Segments:
         self.sync()
         self.close()
 
-    def _writable(self) -> None:
+    def ready(self) -> None:
+        """Open the active segment when its file is closed (a released log), before it is
+        written or cut."""
         if self._fd < 0:
             self._open_active()
 
@@ -135,7 +137,7 @@ class Segments:
         as write + fdatasync, for its range, which is all that is unsynced): returns True.
         Such a write that fails raises _Unrecoverable (its sync may have failed, and the
         kernel may have dropped its pages), unless it wrote nothing (a full disk)."""
-        self._writable()
+        self.ready()
         self._make_room(len(data))
         if sync and DSYNC and not self._unsynced:
             try:
@@ -158,7 +160,7 @@ class Segments:
     def write_journaled(self, data) -> tuple[int, int]:
         """Append `data` at `end` without a sync, for the node journal (diskqueue/journal.py),
         rotating first when the active segment is full; returns (segment base, position)."""
-        self._writable()
+        self.ready()
         self._make_room(len(data))
         pos = self.end - self.active_base
         pwrite_all(self._fd, data, pos)
@@ -196,7 +198,7 @@ class Segments:
         """Cut the active segment back to `offset` (a failed write, or a torn tail)."""
         if offset < self.active_base:
             raise ValueError(f"cannot cut to {offset}: before the active segment {self.active_base}")
-        self._writable()
+        self.ready()
         os.ftruncate(self._fd, offset - self.active_base)
         os.fdatasync(self._fd)
         self.end = offset
@@ -238,7 +240,7 @@ class Segments:
                 os.unlink(self.file(base))
                 fsync_dir(self.path)
             self._open_active()
-        self._writable()
+        self.ready()
         os.ftruncate(self._fd, offset - self.active_base)
         os.fdatasync(self._fd)
         self.end = offset

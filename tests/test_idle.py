@@ -3,9 +3,12 @@ checkpoint writes nothing when nothing changed, retention leaves a log that is i
 segment alone to the loop, on real DiskQueues and a real in-process nsqd."""
 
 import asyncio
+import errno
 import os
 
-from diskqueue.queue import DiskQueue, QueueOptions
+import pytest
+
+from diskqueue.queue import AppendError, DiskQueue, QueueOptions
 from nodes import connect, take, until
 from nsqwire.commands import cmd_pub
 from nsqd.nsqd import single_segment
@@ -133,6 +136,33 @@ async def test_a_released_log_holds_no_descriptor_and_writes_again(tmp_path):
     q2 = await DiskQueue.open(str(tmp_path / "q"), QueueOptions(segment_bytes=2048))
     assert (q2.written_end, q2.written_count) == (q.written_end, q.written_count)
     await q2.close()
+
+
+async def test_a_released_log_out_of_descriptors_fails_the_batch_not_the_log(tmp_path,
+                                                                           monkeypatch):
+    """A write to a released log while the process has no descriptor left (a burst to many
+    partitions, before the release loop closes others) fails that batch only: its files
+    could not open, nothing was written, nothing needs undoing; the next write works."""
+    q = await DiskQueue.open(str(tmp_path / "q"), QueueOptions())
+    try:
+        await q.append([b"a"])
+        await q.release_files()
+        real_open = os.open
+
+        def no_descriptor(path, *args, **kw):
+            if str(path).startswith(q.path):
+                raise OSError(errno.EMFILE, "Too many open files (injected)")
+            return real_open(path, *args, **kw)
+
+        monkeypatch.setattr(os, "open", no_descriptor)
+        with pytest.raises(AppendError):
+            await q.append([b"refused"])
+        assert q.failed is None
+        monkeypatch.setattr(os, "open", real_open)
+        await q.append([b"b"])
+        assert [rec.body for rec in await q.reader(q.start_offset).read(10)] == [b"a", b"b"]
+    finally:
+        await q.close()
 
 
 async def test_an_idle_partition_closes_its_files(node, monkeypatch):
