@@ -313,11 +313,16 @@ class Journal:
         over zeros already on disk, and their `fdatasync` has no file size to commit (0.11
         against 0.25 ms a 40 KB round on this project's VM). Replay stops at the zeros as at
         the end of a file (a record of length 0). Without room for the zeros the file grows by
-        each round, as before."""
+        each round, as before, and the zeros that did fit are cut off again (on a nearly full
+        disk they would take the room the round needs)."""
         try:
             pwrite_all(self._fd, bytes(ZERO_AHEAD), end)
         except OSError:
-            self._zeroed = end
+            self._zeroed = self._size
+            try:
+                os.ftruncate(self._fd, self._size)  # past the records: zeros only
+            except OSError:
+                pass
         else:
             self._zeroed = end + ZERO_AHEAD
 

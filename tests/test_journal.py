@@ -348,8 +348,9 @@ async def test_rounds_write_over_zeros_written_ahead(tmp_path, monkeypatch):
     assert len(set(sizes)) < len(sizes) // 4  # most rounds did not grow the file
     pwrite_all = journal_mod.pwrite_all
 
-    def no_room_for_zeros(fd, data, pos):
+    def no_room_for_zeros(fd, data, pos):  # a few zeros fit, then the disk is full
         if len(data) == journal_mod.ZERO_AHEAD and not any(data):
+            pwrite_all(fd, data[:100], pos)
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         pwrite_all(fd, data, pos)
 
