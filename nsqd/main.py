@@ -12,6 +12,7 @@ import asyncio
 import errno
 import functools
 import os
+import resource
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -74,6 +75,19 @@ async def serve(options) -> bool:
     return await nsqd.stop()
 
 
+def raise_open_files_limit() -> None:
+    """The soft limit on open files raised to the hard one, as Go raises it for classic
+    nsqd: a node holds two files a partition while it writes, and a reader's segment while
+    a channel reads (nsqd/README.md, "Descriptors"), so 1,024 (a common soft default) is
+    reached at a few hundred busy partitions."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # not allowed here: the limit stays as it was
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         options = from_args(argv, version_line())
@@ -81,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nsqd: {e}", file=sys.stderr)
         return 2
     configure(options.log_level, options.log_format)
+    raise_open_files_limit()
     try:
         import uvloop
     except ImportError:

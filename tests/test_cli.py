@@ -116,6 +116,36 @@ def test_a_bad_lookupd_address_is_refused_at_start(tmp_path, address):
     one_line_error(r, 2, "invalid nsqlookupd address", repr(address))
 
 
+def test_a_node_raises_its_open_files_limit_to_the_hard_one(tmp_path):
+    """Started with a soft limit of 256 open files, nsqd runs with the hard limit."""
+    import resource
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    tcp, http = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nsqd.main", f"--tcp-address=127.0.0.1:{tcp}",
+                             f"--http-address=127.0.0.1:{http}", f"--data-path={tmp_path}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                  (256, hard)))
+    try:
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/ping", timeout=1) as r:
+                    assert r.read() == b"OK"
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                subprocess.run(["sleep", "0.05"])
+        else:
+            raise AssertionError("nsqd did not start")
+        with open(f"/proc/{proc.pid}/limits") as f:
+            (line,) = [x for x in f if x.startswith("Max open files")]
+        assert line.split()[3:5] == [str(hard), str(hard)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def test_the_start_runs_under_the_gc_policy(tmp_path, monkeypatch):
     """`serve` applies diskqueue.runtime's policy before the node's start, not only after:
     at the default thresholds a start of 10,000 partitions spent 2.2 s collecting."""
