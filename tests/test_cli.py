@@ -44,22 +44,26 @@ def test_single_and_double_dash_flags_with_equals_or_space():
     assert o.data_path == "-odd-folder-name", "a value is never taken for a flag"
 
 
+def until_ping(proc: subprocess.Popen, http: int) -> None:
+    """Wait until the started nsqd answers /ping (it must not exit meanwhile)."""
+    for _ in range(200):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/ping", timeout=1) as r:
+                assert r.read() == b"OK"
+                return
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read()
+            subprocess.run(["sleep", "0.05"])
+    raise AssertionError("nsqd did not start")
+
+
 def test_a_node_starts_with_single_dash_flags(tmp_path):
     tcp, http = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nsqd.main", f"-tcp-address=127.0.0.1:{tcp}",
                              "-http-address", f"127.0.0.1:{http}", f"-data-path={tmp_path}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
     try:
-        for _ in range(200):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/ping", timeout=1) as r:
-                    assert r.read() == b"OK"
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()
-                subprocess.run(["sleep", "0.05"])
-        else:
-            raise AssertionError("nsqd did not start")
+        until_ping(proc, http)
     finally:
         proc.kill()
         proc.wait()
@@ -128,16 +132,7 @@ def test_a_node_raises_its_open_files_limit_to_the_hard_one(tmp_path):
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
                                                                   (256, hard)))
     try:
-        for _ in range(200):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/ping", timeout=1) as r:
-                    assert r.read() == b"OK"
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()
-                subprocess.run(["sleep", "0.05"])
-        else:
-            raise AssertionError("nsqd did not start")
+        until_ping(proc, http)
         with open(f"/proc/{proc.pid}/limits") as f:
             (line,) = [x for x in f if x.startswith("Max open files")]
         assert line.split()[3:5] == [str(hard), str(hard)]
