@@ -79,7 +79,7 @@ def stamped(fn, start, end=None, after=None):
 def stamp_the_round():
     "The phases of a round of the node journal (bench/README.md, pubpath.py)."
     from diskqueue import journal as j
-    j._run_all = stamped(j._run_all, "answers", "answered")
+    j._run_all = stamped(j._run_all, "answers", "answered", after="synced")
     put = j.JournalWorker._put
     j.JournalWorker._put = stamped(lambda self, jobs: put(self, jobs), "handed over",
                                    after="answered")
@@ -171,7 +171,7 @@ uvloop.run(main())
 
 
 PHASES = ("answers -> answered", "answered -> handed over", "handed over -> sync begins",
-          "sync begins -> synced")
+          "sync begins -> synced", "synced -> answers")
 
 
 def one_round(root: str, conns: int, topics: int, seconds: float) -> dict:

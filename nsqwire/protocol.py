@@ -445,6 +445,10 @@ class CommandParser:
         while True:
             state = self._state
             if state == _LINE:
+                if buf.startswith(b"PUB ", self._pos):
+                    command = self._whole_pub(buf)
+                    if command is not None:
+                        return command
                 line = self._line()
                 if line is None:
                     return None
@@ -474,6 +478,33 @@ class CommandParser:
                     raise bad_protocol()
                 self._pos += 4
                 self._state = _LINE
+
+    def _whole_pub(self, buf) -> Pub | None:
+        """A plain `PUB <topic>\n<size><body>` whole in the buffer (what producers send
+        most), read in one step; None when any part of it is missing, has more arguments
+        or fails a check: the general path then reads it and raises the checks' errors."""
+        pos = self._pos
+        nl = buf.find(b"\n", pos + 4, pos + self.max_line_length + 1)
+        if nl < 0:
+            return None
+        at = nl + 5
+        if len(buf) < at:
+            return None
+        size = _I32.unpack_from(buf, nl + 1)[0]
+        end = at + size
+        if size <= 0 or size > self.max_msg_size or len(buf) < end:
+            return None
+        raw = bytes(buf[pos + 4:nl])
+        topic = _valid_name(raw) if len(raw) <= MAX_NAME_LENGTH else None
+        if topic is None:
+            return None
+        if self._state_check is not None:
+            try:
+                self._state_check("PUB")
+            except ProtocolError:
+                return None
+        self._pos = end
+        return Pub(topic, bytes(buf[at:end]))
 
     def _line(self) -> bytes | None:
         buf, pos = self._buf, self._pos

@@ -618,6 +618,57 @@ def test_fin_runs_leave_odd_ids_and_state_errors_to_the_general_path():
         assert parser.buffered == 21  # nothing consumed
 
 
+def outcomes(parser: p.CommandParser, chunks) -> list:
+    """Every command and error the parser gives for `chunks`, fed one after another, up to
+    the first fatal error."""
+    out = []
+    for chunk in chunks:
+        parser.feed(chunk)
+        while True:
+            try:
+                command = parser.next_command()
+            except e.ProtocolError as exc:
+                out.append(exc.text)
+                if exc.fatal:
+                    return out
+                continue
+            if command is None:
+                break
+            out.append(command)
+    return out
+
+
+pub_lines = st.builds(
+    lambda cmd, topic, rest, cr, size, body: (cmd + b" " + topic + rest + cr + b"\n"
+                                              + struct.pack(">i", size) + body),
+    st.sampled_from([b"PUB", b"PUB_EXT", b"PUBX"]),
+    st.sampled_from([b"t", b"t.1#ephemeral", b"bad!", b"", b"t" * 65, b"t" * 64]),
+    st.sampled_from([b"", b" 3", b" -1", b" x", b" 3 4", b" "]),
+    st.sampled_from([b"", b"\r"]),
+    st.integers(-2, 50),
+    st.binary(max_size=50))
+
+
+@settings(max_examples=300)
+@given(st.lists(pub_lines | st.binary(max_size=12), min_size=1, max_size=6))
+def test_a_pub_read_whole_is_the_pub_read_byte_by_byte(pieces):
+    """The whole-PUB step (a PUB all buffered, read at once) gives the commands and errors
+    the general path gives reading the same bytes one at a time."""
+    stream = p.MAGIC_V2 + b"".join(pieces)
+    limits = {"max_msg_size": 40, "max_line_length": 80}
+    whole = outcomes(p.CommandParser(**limits), [stream])
+    by_byte = outcomes(p.CommandParser(**limits), [stream[i:i + 1] for i in range(len(stream))])
+    assert whole == by_byte
+
+
+def test_a_pub_read_whole_still_runs_the_state_check():
+    checked = []
+    parser = p.CommandParser(state_check=checked.append)
+    parser.feed(p.MAGIC_V2 + c.cmd_pub("t", b"hi"))
+    assert parser.next_command() == p.Pub("t", b"hi")
+    assert checked == ["PUB"]
+
+
 class ExtMsg(NamedTuple):
     timestamp: int
     attempts: int
