@@ -480,9 +480,10 @@ class CommandParser:
                 self._state = _LINE
 
     def _whole_pub(self, buf) -> Pub | None:
-        """A plain `PUB <topic>\n<size><body>` whole in the buffer (what producers send
-        most), read in one step; None when any part of it is missing, has more arguments
-        or fails a check: the general path then reads it and raises the checks' errors."""
+        """A plain `PUB <topic>[ <partition>]\n<size><body>` whole in the buffer (what
+        producers send most), read in one step; None when any part of it is missing, has
+        more arguments or fails a check: the general path then reads it and raises the
+        checks' errors."""
         pos = self._pos
         nl = buf.find(b"\n", pos + 4, pos + self.max_line_length + 1)
         if nl < 0:
@@ -494,17 +495,23 @@ class CommandParser:
         end = at + size
         if size <= 0 or size > self.max_msg_size or len(buf) < end:
             return None
-        raw = bytes(buf[pos + 4:nl])
+        raw, _, partition_raw = bytes(buf[pos + 4:nl]).partition(b" ")
         topic = _valid_name(raw) if len(raw) <= MAX_NAME_LENGTH else None
         if topic is None:
             return None
+        partition = None
+        if partition_raw:
+            try:
+                partition = _partition("PUB", [b"PUB", raw, partition_raw], 2)
+            except ProtocolError:
+                return None
         if self._state_check is not None:
             try:
                 self._state_check("PUB")
             except ProtocolError:
                 return None
         self._pos = end
-        return Pub(topic, bytes(buf[at:end]))
+        return Pub(topic, bytes(buf[at:end]), partition)
 
     def _line(self) -> bytes | None:
         buf, pos = self._buf, self._pos
