@@ -7,7 +7,9 @@ place after it), so the worker goes from one sync straight to the next write; a 
 written only where it was encoded for, never after a failed sync. A batch given whole
 (`DiskQueue.write_batch`, a leader's) may be announced when it is encoded, before it is
 written: once its announce says it went out (others may hold it), its place is never given
-to another batch (a failed write fails the queue); it is never handed over ahead.
+to another batch (a failed write fails the queue); it is never handed over ahead. While
+other partitions write in the node journal's rounds, an answered batch's successor lingers
+for the clients it answered (`_linger_after`).
 Invariants and figures: diskqueue/README.md ("Workers", "The commitlog lags the data").
 """
 
@@ -37,6 +39,10 @@ _STALE = object()  # a batch's outcome: not written, the log was not where it wa
 # Upper bounds of the group-commit histograms in `DiskQueue.histograms` (one slot per
 # bound, plus one for larger values; counts per slot, not cumulative): messages per
 # written batch, and seconds per sync.
+# A batch answered while other partitions write in the node journal's rounds: the next one
+# waits at most this long for as many requests as were just answered (see `_linger_after`).
+LINGER = 0.001
+
 BATCH_MESSAGES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 SYNC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -105,7 +111,7 @@ class GroupCommit:
         waiting its turn, the next batch, a sync that is due; or free it. Never raises."""
         if turns_first and self._give_turn():
             return
-        while self._batches:
+        while self._batches and not self._lingering():
             batch = self._take_batch()
             if self.failed is not None:
                 self._fail_batch(batch, self.failed)
@@ -126,6 +132,37 @@ class GroupCommit:
             self._sync_timer = self._loop.call_later(due, self._kick)
         if self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
+
+    def _lingering(self) -> bool:
+        """Whether the next batch waits for the clients a batch just answered (`_linger`):
+        until as many requests are pending as it awaits, its timer ends, or the queue closes
+        or fails."""
+        linger = self._linger
+        if linger is None:
+            return False
+        if (sum(len(b.requests) for b in self._batches) < linger[0]
+                and not self._closing and self.failed is None):
+            return True
+        linger[1].cancel()
+        self._linger = None
+        return False
+
+    def _linger_after(self, batch: _Batch) -> None:
+        """A batch was answered while other partitions write in the node journal's rounds:
+        the next batch waits, at most LINGER, until as many requests again are pending as
+        were answered. The clients just answered send again within a round trip; without
+        the wait, a partition's batch left with the requests that came during the last one,
+        its other clients' came just after and waited a whole round more, and each round
+        carried about half of the clients (as LeaderWriter's linger says of replication)."""
+        if (batch.done is None and self._batches and self._journal is not None
+                and self._journal.writers and not self._closing and self._linger is None):
+            pending = sum(len(b.requests) for b in self._batches)
+            self._linger = (pending + len(batch.requests),
+                            self._loop.call_later(LINGER, self._end_linger))
+
+    def _end_linger(self) -> None:
+        self._linger = None
+        self._kick()
 
     def _take_batch(self) -> _Batch:
         batch = self._batches.popleft()
@@ -379,6 +416,7 @@ class GroupCommit:
         if self.options.auto_commit:
             self._commit(self.written_end, self.written_count)
         if not self._flight:
+            self._linger_after(batch)
             self._write_next()  # the disk works on the next batch while the loop answers this one
         elif self._batches:
             self._kick()  # the next goes ahead of the one in flight, on the next turn

@@ -142,6 +142,7 @@ class DiskQueue(GroupCommit, Replicated):
         self._idle: asyncio.Future | None = None  # close() waits on it for the writer to drain
         self.files_used_at: float | None = None  # monotonic time its files were last used; None: closed
         self._sync_timer: asyncio.TimerHandle | None = None
+        self._linger: tuple[int, asyncio.TimerHandle] | None = None  # (requests awaited, timer)
         self._expiry: asyncio.TimerHandle | None = None  # the next commit deadline (_expire)
         self._closing = False
         self._shut = False  # the files are closed and the workers shut down
@@ -239,8 +240,8 @@ class DiskQueue(GroupCommit, Replicated):
             self._idle = self._loop.create_future()
             self._kick()
             await self._idle
-        for timer in (self._sync_timer, self._expiry):
-            if timer is not None:
+        for timer in (self._sync_timer, self._expiry, self._linger and self._linger[1]):
+            if timer:
                 timer.cancel()
         try:
             await self._exclusive(self._close_sync)

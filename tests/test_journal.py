@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from diskqueue import journal as journal_mod
+from diskqueue import groupcommit, journal as journal_mod
 from diskqueue.journal import Journal
 from diskqueue.queue import DiskQueue, QueueFailedError, QueueOptions
 
@@ -194,6 +194,71 @@ async def test_the_next_round_is_written_while_one_is_synced(tmp_path, monkeypat
     assert await bodies_of(a) == [b"a1", b"a2"]
     for q in (a, b, c, d):
         await q.close()
+    j.close()
+
+
+async def answered_in_order(q: DiskQueue, then_again: bool) -> tuple[list, list]:
+    """r1 is written; r2 comes while r1 is in flight; when r1 is answered, its client sends
+    r3 at once if `then_again`. Returns the answers' (name, loop time) and the batches."""
+    loop = asyncio.get_running_loop()
+    answers, all_done = [], loop.create_future()
+
+    def answer(name: str):
+        def callback(appended, error):
+            assert error is None
+            answers.append((name, loop.time()))
+            if name == "r1" and then_again:
+                q.append([b"r3"], callback=answer("r3"))
+            if len(answers) == (3 if then_again else 2):
+                all_done.set_result(None)
+        return callback
+
+    batches = q.stats["batches"]
+    q.append([b"r1"], callback=answer("r1"))
+    await asyncio.sleep(0)  # r1 goes to the write thread
+    assert len(q._flight) == 1
+    q.append([b"r2"], callback=answer("r2"))
+    await asyncio.wait_for(all_done, 5)
+    return answers, q.stats["batches"] - batches
+
+
+async def test_a_batch_answered_beside_other_writers_waits_for_its_clients(tmp_path):
+    """While other partitions write in the journal's rounds, a partition's next batch waits
+    (at most LINGER) until as many requests are pending as its last batch answered: the
+    client just answered sends again and joins the request that came meanwhile."""
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    j.writers += 1  # another partition writes meanwhile
+    answers, batches = await answered_in_order(q, then_again=True)
+    assert [name for name, _ in answers] == ["r1", "r2", "r3"]
+    assert batches == 2  # r2 and r3 in one
+    answers, batches = await answered_in_order(q, then_again=False)
+    assert batches == 2  # no one came: r2 went alone, once LINGER passed
+    assert answers[1][1] - answers[0][1] >= 0.9 * groupcommit.LINGER
+    j.writers -= 1
+    answers, batches = await answered_in_order(q, then_again=True)
+    assert batches == 3  # writing alone: each batch goes at once (its segment syncs it)
+    assert await bodies_of(q) == [b"r1", b"r2", b"r3", b"r1", b"r2", b"r1", b"r2", b"r3"]
+    await q.close()
+    j.close()
+
+
+async def test_a_lingering_batch_is_written_at_once_when_its_queue_closes(tmp_path, monkeypatch):
+    monkeypatch.setattr(groupcommit, "LINGER", 30.0)
+    j = Journal.open(str(tmp_path))
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    j.writers += 1
+    loop = asyncio.get_running_loop()
+    closed = []
+    q.append([b"r1"], callback=lambda appended, error: closed.append(loop.create_task(q.close())))
+    await asyncio.sleep(0)
+    r2 = q.append([b"r2"])
+    await asyncio.wait_for(r2, 5)  # not 30 s: the close writes what is pending
+    await asyncio.wait_for(closed[0], 5)
+    j.writers -= 1
+    (q,) = await open_queues(str(tmp_path), j, 1)
+    assert await bodies_of(q) == [b"r1", b"r2"]
+    await q.close()
     j.close()
 
 
