@@ -154,8 +154,8 @@ class GroupCommit:
         the wait, a partition's batch left with the requests that came during the last one,
         its other clients' came just after and waited a whole round more, and each round
         carried about half of the clients (as LeaderWriter's linger says of replication)."""
-        if (batch.done is None and self._batches and self._journal is not None
-                and self._journal.writers and not self._closing and self._linger is None):
+        if (batch.done is None and self._batches and self.others_writing()
+                and not self._closing and self._linger is None):
             pending = sum(len(b.requests) for b in self._batches)
             self._linger = (pending + len(batch.requests),
                             self._loop.call_later(LINGER, self._end_linger))
@@ -163,6 +163,11 @@ class GroupCommit:
     def _end_linger(self) -> None:
         self._linger = None
         self._kick()
+
+    def others_writing(self) -> bool:
+        """Whether other partitions (or followers' raw appends) are writing in the node
+        journal's rounds now; asked once this queue's batch is answered."""
+        return self._journal is not None and self._journal.writers > 0
 
     def _take_batch(self) -> _Batch:
         batch = self._batches.popleft()

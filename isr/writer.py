@@ -102,7 +102,7 @@ class LeaderWriter:
         appends of this turn join it), unless a batch is in replication or a linger waits
         for more requests."""
         if self._linger is not None:
-            if len(self._pending) < self._linger[0] and not self.solo and self.closed is None:
+            if len(self._pending) < self._linger[0] and self.closed is None:
                 return
             self._linger[1].cancel()
             self._linger = None
@@ -171,8 +171,10 @@ class LeaderWriter:
         half of the publishers (the pending ones came while theirs were in replication) and
         send again within a round trip, so one push carries both halves instead of each
         taking turns (single PUBs from 100 connections, R=3: about 1.5 times the messages a
-        push). Never when solo or closed."""
-        if answered and self._pending and not self.solo and self.closed is None:
+        push). When solo, only while other partitions write in the node journal's rounds (as
+        DiskQueue's own linger: a batch written alone goes at once); never when closed."""
+        if (answered and self._pending and self.closed is None
+                and (not self.solo or self.q.others_writing())):
             self._linger = (len(self._pending) + answered,
                             self._loop.call_later(LINGER, self._end_linger))
         self._wake()
@@ -182,7 +184,12 @@ class LeaderWriter:
         self._wake()
 
     def set_solo(self, solo: bool) -> None:
+        """Solo: the core commits on the local write alone; a linger for the followers'
+        clients ends (unless other partitions write in the journal's rounds)."""
         self.solo = solo
+        if solo and self._linger is not None and not self.q.others_writing():
+            self._linger[1].cancel()
+            self._linger = None
         self._wake()
 
     # ---- failing ----

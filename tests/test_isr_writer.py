@@ -12,6 +12,7 @@ from test_diskqueue import body, read_all, small_disk  # noqa: F401 (a fixture)
 
 from diskqueue.queue import (AppendError, CommitTimeout, DiskFullError, DiskQueue, NotCommitted,
                              QueueClosedError, QueueFailedError, QueueOptions)
+from diskqueue.journal import Journal
 from isr import writer as writer_module
 from isr.writer import LeaderWriter
 
@@ -189,6 +190,37 @@ async def test_no_linger_when_solo_or_when_nothing_was_answered(leader, monkeypa
     await lw.until_written(6)
     lw.commit()
     assert (await asyncio.wait_for(held, 5)).first_id == 5
+
+
+async def test_a_solo_writer_lingers_while_other_partitions_write_in_the_journal(
+        leader, tmp_path, monkeypatch):
+    """Solo (the leader alone in the ISR), a commit lingers as a DiskQueue's own batch does:
+    only while other partitions write in the node journal's rounds."""
+    monkeypatch.setattr(writer_module, "LINGER", 10.0)
+    j = Journal.open(str(tmp_path / "node"))
+    lw = await leader(QueueOptions(replicated=True, journal=j))
+    lw.solo = True
+    lw.w.set_solo(True)
+
+    async def held_behind(i: int):
+        first = lw.w.append([body(i)])
+        await asyncio.sleep(0)  # in replication (being written)
+        held = lw.w.append([body(i + 1)])
+        await asyncio.wait_for(first, 5)  # written: committed at once (solo)
+        await asyncio.sleep(0.02)
+        return held
+
+    j.writers += 1  # another partition writes meanwhile
+    held = await held_behind(0)
+    assert lw.q.written_count == 1 and not held.done()  # lingering for one more
+    again = lw.w.append([body(2)])  # it came: one batch of both
+    assert [(await f).first_id for f in (held, again)] == [1, 2]
+    assert len(lw.pushed) == 2 and lw.pushed[1][3] == 2
+    j.writers -= 1  # writing alone: no linger
+    held = await held_behind(3)
+    assert (await asyncio.wait_for(held, 5)).first_id == 4
+    await lw.q.close()
+    j.close()
 
 
 async def test_fail_uncommitted_answers_and_keeps_the_data(leader):
