@@ -36,13 +36,13 @@ log = structlog.get_logger("diskqueue")
 _new = tuple.__new__
 _STALE = object()  # a batch's outcome: not written, the log was not where it was encoded for
 
-# Upper bounds of the group-commit histograms in `DiskQueue.histograms` (one slot per
-# bound, plus one for larger values; counts per slot, not cumulative): messages per
-# written batch, and seconds per sync.
 # A batch answered while other partitions write in the node journal's rounds: the next one
 # waits at most this long for as many requests as were just answered (see `_linger_after`).
 LINGER = 0.001
 
+# Upper bounds of the group-commit histograms in `DiskQueue.histograms` (one slot per
+# bound, plus one for larger values; counts per slot, not cumulative): messages per
+# written batch, and seconds per sync.
 BATCH_MESSAGES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 SYNC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 

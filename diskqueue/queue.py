@@ -240,8 +240,9 @@ class DiskQueue(GroupCommit, Replicated):
             self._idle = self._loop.create_future()
             self._kick()
             await self._idle
-        for timer in (self._sync_timer, self._expiry, self._linger and self._linger[1]):
-            if timer:
+        linger = self._linger[1] if self._linger is not None else None
+        for timer in (self._sync_timer, self._expiry, linger):
+            if timer is not None:
                 timer.cancel()
         try:
             await self._exclusive(self._close_sync)
