@@ -197,7 +197,7 @@ async def test_the_next_round_is_written_while_one_is_synced(tmp_path, monkeypat
     j.close()
 
 
-async def answered_in_order(q: DiskQueue, then_again: bool) -> tuple[list, list]:
+async def answered_in_order(q: DiskQueue, then_again: bool) -> tuple[list, int]:
     """r1 is written; r2 comes while r1 is in flight; when r1 is answered, its client sends
     r3 at once if `then_again`. Returns the answers' (name, loop time) and the batches."""
     loop = asyncio.get_running_loop()
