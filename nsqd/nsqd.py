@@ -770,8 +770,8 @@ class NSQD:
         held by its topic's partition (deleted, released, reopened) is left out."""
         for topic in self.topics.values():
             if not topic.ephemeral:
-                state = topic.state()
-                if state != self._topic_states.get(topic.name):
+                state, stored = topic.state(), self._topic_states.get(topic.name)
+                if state is not stored and state != stored:
                     self._put_topic(topic.name, state)
         changed = list(self._changed)
         self._changed.clear()

@@ -70,6 +70,29 @@ async def test_an_idle_node_checkpoints_nothing(node):
     assert n.meta.topics()["t"]["paused"] is True
 
 
+async def test_a_topic_state_is_made_again_only_when_what_it_is_made_of_changed(node):
+    """The checkpoint asks every topic's state every second: the same dict while nothing
+    changed; a new one, then stored, after a change (a floor, pause, sync, retention)."""
+    n = await node(checkpoint_interval_ms=100)
+    pub = await connect(n)
+    await pub.mpub("t", [b"a", b"b"])
+    t = n.topics["t"]
+    state = t.state()
+    assert t.state() is state and state["floors"]["0"] == [0, 0]
+    await n.get_channel("t", "c")
+    await n.delete_channel("t", "c")  # the last channel gone: the floor moves to the end
+    end = t.partitions[0].queue.committed_end
+    assert t.state() is not state and t.state()["floors"]["0"] == [end, 2]
+    await until(lambda: n.meta.topics()["t"]["floors"]["0"][1] == 2)
+    for change, stored in ((t.pause, ("paused", True)),
+                           (lambda: t.set_sync((5, 100)), ("sync", [5, 100])),
+                           (lambda: setattr(t, "retention_ms", 60_000), ("retention_ms", 60_000))):
+        state = t.state()
+        change()
+        assert t.state() is not state and t.state()[stored[0]] == stored[1]
+        await until(lambda: n.meta.topics()["t"].get(stored[0]) == stored[1])
+
+
 async def test_a_restart_opens_every_partition_and_channel_as_stored(node, tmp_path):
     """Partitions open OPEN_AT_ONCE at a time over all topics: each topic ends with its
     partitions in number order, all writable, and every stored channel at its cursor."""
