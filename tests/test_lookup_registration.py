@@ -43,6 +43,13 @@ def lookup(lookupd, topic):
     return get(lookupd.http_address, f"/lookup?topic={topic}")
 
 
+def channels(lookupd, topic):
+    """The topic's channels in the lookupd's /lookup, or None while it does not know the topic
+    (registration is asynchronous: a SUB is answered before the lookupd hears of it)."""
+    status, doc = lookup(lookupd, topic)
+    return doc["channels"] if status == 200 else None
+
+
 def producers(lookupd, topic):
     status, doc = lookup(lookupd, topic)
     return [(p["broadcast_address"], p["tcp_port"], p["http_port"]) for p in doc["producers"]] \
@@ -71,7 +78,7 @@ def test_topics_and_channels_follow_the_node(cluster):
     post(nsqd.http_address, "/pub?topic=reg_a", b"hello")
     until(lambda: producers(lookupd, "reg_a") == [me], what="reg_a registered")
     post(nsqd.http_address, "/channel/create?topic=reg_a&channel=c1")
-    until(lambda: lookup(lookupd, "reg_a")[1]["channels"] == ["c1"], what="c1")
+    until(lambda: channels(lookupd, "reg_a") == ["c1"], what="c1")
     post(nsqd.http_address, "/channel/delete?topic=reg_a&channel=c1")
     until(lambda: producers(lookupd, "reg_a") == [me], what="reg_a still produced")
     assert get(lookupd.http_address, "/nodes")[1]["producers"][0]["topics"] == ["reg_a"]
@@ -88,12 +95,12 @@ def test_node_restart_registers_again(cluster):
     lookupd, nsqd = cluster
     post(nsqd.http_address, "/pub?topic=rs_t", b"x")
     post(nsqd.http_address, "/channel/create?topic=rs_t&channel=rs_c")
-    until(lambda: lookup(lookupd, "rs_t")[1]["channels"] == ["rs_c"], what="registered")
+    until(lambda: channels(lookupd, "rs_t") == ["rs_c"], what="registered")
     assert nsqd.stop() == 0
     until(lambda: producers(lookupd, "rs_t") == [], what="gone with the node")
     nsqd.start()
     until(lambda: producers(lookupd, "rs_t"), what="back after the restart")
-    assert lookup(lookupd, "rs_t")[1]["channels"] == ["rs_c"]
+    assert channels(lookupd, "rs_t") == ["rs_c"]
 
 
 def test_lookupd_restart_gets_everything_again(cluster):
@@ -111,7 +118,7 @@ def test_lookupd_restart_gets_everything_again(cluster):
     lookupd.start()
     for topic in ("lr_t", "lr_u", "lr_new0", "lr_new1"):
         until(lambda: producers(lookupd, topic), timeout=20, what=f"{topic} registered again")
-    assert lookup(lookupd, "lr_t")[1]["channels"] == ["lr_c"]
+    assert channels(lookupd, "lr_t") == ["lr_c"]
 
 
 def test_every_lookupd_sees_a_subscribers_ephemeral_channel_come_and_go(tmp_path):
@@ -125,11 +132,11 @@ def test_every_lookupd_sees_a_subscribers_ephemeral_channel_come_and_go(tmp_path
         sub.sendall(b"  V2SUB eph_t c#ephemeral\n")
         assert sub.recv(100).endswith(b"OK")
         for l in lookupds:
-            until(lambda: lookup(l, "eph_t")[1]["channels"] == ["c#ephemeral"], what="channel")
+            until(lambda: channels(l, "eph_t") == ["c#ephemeral"], what="channel")
             assert producers(l, "eph_t") == [("127.0.0.1", nsqd.tcp_port, nsqd.http_port)]
         sub.close()  # the ephemeral channel goes with its last client
         for l in lookupds:
-            until(lambda: lookup(l, "eph_t")[1]["channels"] == [], what="channel gone")
+            until(lambda: channels(l, "eph_t") == [], what="channel gone")
             assert producers(l, "eph_t")  # the topic stays
     finally:
         nsqd.kill()
@@ -143,7 +150,7 @@ def test_a_node_killed_9_is_gone_from_the_lookupd_at_once(cluster):
     lookupd, nsqd = cluster
     post(nsqd.http_address, "/pub?topic=k9_t", b"x")
     post(nsqd.http_address, "/channel/create?topic=k9_t&channel=k9_c")
-    until(lambda: lookup(lookupd, "k9_t")[1]["channels"] == ["k9_c"], what="registered")
+    until(lambda: channels(lookupd, "k9_t") == ["k9_c"], what="registered")
     nsqd.kill()
     until(lambda: producers(lookupd, "k9_t") == [], timeout=2, what="the node's topic gone")
     assert get(lookupd.http_address, "/nodes")[1]["producers"] == []
