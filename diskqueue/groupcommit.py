@@ -112,6 +112,8 @@ class GroupCommit:
         if turns_first and self._give_turn():
             return
         while self._batches and not self._lingering():
+            if self.failed is None and not self._has_place():
+                break  # given_place kicks the writer again
             batch = self._take_batch()
             if self.failed is not None:
                 self._fail_batch(batch, self.failed)
@@ -132,6 +134,17 @@ class GroupCommit:
             self._sync_timer = self._loop.call_later(due, self._kick)
         if self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
+
+    def _has_place(self) -> bool:
+        """Whether this log may open its files for a batch: it holds a place of the node's
+        FileBudget (diskqueue/budget.py), or takes one now, or has no budget. False: it waits
+        for one (`given_place`); a closing log takes one over the limit."""
+        files = self._files
+        return files is None or self in files.holders or files.take(self, self._closing)
+
+    def given_place(self) -> None:
+        """(FileBudget) A place of the budget is this log's now: its batches go on."""
+        self._kick()
 
     def _lingering(self) -> bool:
         """Whether the next batch waits for the clients a batch just answered (`_linger`):

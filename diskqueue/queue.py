@@ -19,7 +19,9 @@ for its readers' read-ahead; a slow disk call of one partition never delays anot
 With the node journal (`QueueOptions.journal`, diskqueue/journal.py) the writes, syncs and
 exclusive jobs of every queue run on the journal's one thread instead, and a durable batch
 is answered once the round's journal sync is done; with `QueueOptions.read_workers` its
-read-ahead runs on one thread of the node's pool.
+read-ahead runs on one thread of the node's pool. With `QueueOptions.files` (the node's
+FileBudget, diskqueue/budget.py) a batch opens the log's files only once the log holds a
+place of it; till then its batches wait.
 
 Invariants:
 - `committed_end <= written_end`; readers never see past `committed_end`;
@@ -53,6 +55,7 @@ from commitlog.entry import decode as decode_entry
 from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog, fsync_dir
 
 from .atomic import make_dirs, read_json, write_json_atomic
+from .budget import FileBudget
 from .errors import (AppendError, CommitTimeout, DiskFullError, GapError,  # noqa: F401
                      NotCommitted, OffsetOutOfRange, QueueClosedError, QueueFailedError,
                      _Unrecoverable)
@@ -108,6 +111,7 @@ class QueueOptions:
     replicated: bool = False  # one replica of a partition: see diskqueue/replicated.py
     commit_timeout: float = 0.0  # s: every request is answered within it (0: no limit)
     journal: Journal | None = None  # the node's journal: its worker writes, one sync a round
+    files: FileBudget | None = None  # the node's logs with files open (None: no limit)
     read_workers: WorkerPool | None = None  # the node's read threads (None: one of its own)
 
 
@@ -134,6 +138,7 @@ class DiskQueue(GroupCommit, Replicated):
         self.thread_prefix = f"diskqueue:{path}"
         self._write_worker: Worker | None = None
         self._journal = options.journal
+        self._files = options.files
         self._journal_id = 0  # this log's id in the node journal (meta.json)
         self._journal_key: tuple | None = None
         self.read_worker: Worker | None = None
@@ -247,6 +252,8 @@ class DiskQueue(GroupCommit, Replicated):
         try:
             await self._exclusive(self._close_sync)
         finally:
+            if self._files is not None:
+                self._files.give_back(self)
             self._shut_down()
             self._wake_readers()
 
@@ -554,14 +561,19 @@ class DiskQueue(GroupCommit, Replicated):
         return new_start
 
     async def release_files(self) -> None:
-        """Close the log's files (its active segment, synced first, and its commitlog); the
-        next write or job opens them again. For a log idle for a while: an idle partition
-        then holds no descriptor (bench/scale.py)."""
+        """Close the log's files (its active segment, synced first, its commitlog and a
+        replica's committed end); the next write or job opens them again. For a log idle for
+        a while: an idle partition then holds no descriptor (bench/scale.py), and gives its
+        place of the node's FileBudget back."""
         await self._exclusive(self._release_files_sync)
+        if self._files is not None:
+            self._files.give_back(self)
 
     def _release_files_sync(self) -> None:
         self._segments.release()
         self.commitlog.close()
+        if self._committed_file is not None:
+            self._committed_file.release()
         self.files_used_at = None
 
     async def empty(self) -> None:

@@ -92,6 +92,12 @@ class CommittedFile:
     def close(self) -> None:
         if self._fd >= 0:
             os.fsync(self._fd)
+            self.release()
+
+    def release(self) -> None:
+        """Close it unsynced (a released log's files: a lagging one is safe); the next
+        store opens it again."""
+        if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
@@ -170,7 +176,8 @@ class Replicated:
         """`append_raw` with a callback (a follower's pushes: no task, no future when the
         writer slot is free): `done(error)` is called on the loop once the batch is written,
         or found a duplicate (error None), or refused (error: what append_raw raises)."""
-        if self._busy or self._closing or self._shut or self.failed is not None:
+        if (self._busy or self._closing or self._shut or self.failed is not None
+                or not self._has_place()):  # without a place: its files open for it alone
             task = asyncio.ensure_future(self.append_raw(offset, count, entries, data,
                                                          records_checked))
             task.add_done_callback(

@@ -21,15 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import shutil
 import time
 
 import structlog
 
 from diskqueue.atomic import make_dirs
+from diskqueue.budget import FileBudget
 from diskqueue.errors import QueueClosedError
 from diskqueue.journal import Journal
-from diskqueue.queue import QueueOptions
+from diskqueue.queue import DiskQueue, QueueOptions
 from diskqueue.worker import WorkerPool
 
 from .assignment import Assignment
@@ -50,21 +52,31 @@ VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
 OPEN_AT_ONCE = 16  # partitions a start opens at a time (over all topics)
 READ_WORKERS = 8  # threads for every partition's read-ahead (diskqueue.worker.WorkerPool)
-# A log's files (active segment, commitlog) close when it has not used them for FILES_IDLE_S,
-# and, while more than OPEN_LOGS logs hold theirs, the least recently used beyond that number
-# (DiskQueue.release_files), looked at every RELEASE_INTERVAL, or RELEASE_BURST while some
-# were beyond: a node of 10,000 partitions stays under a descriptor limit of 20,000 even when
-# they are all written at once (bench/scale.py).
+# A log's files (active segment, commitlog) are open only while it holds a place of the node's
+# FileBudget (diskqueue/budget.py): at most half of the process's descriptors, three a log
+# (`open_logs_limit`); a log without a place waits for one. The release loop closes the files
+# (DiskQueue.release_files) of a log unused for FILES_IDLE_S and, while more than OPEN_LOGS (or
+# half the budget, if less) logs hold a place, of the least recently used beyond that number;
+# it looks every RELEASE_INTERVAL, and at once when a log waits for a place.
 FILES_IDLE_S = 60.0
 OPEN_LOGS = 1024
 RELEASE_INTERVAL = 1.0
-RELEASE_BURST = 0.1
 # Cluster mode: the longest publishes wait at start for the first view of etcd to be
 # applied; etcd away that long, they go to the assignment the last run stored.
 START_GRACE_S = 2.0
 # sqlitedict logs each failed statement itself, as a multi-line traceback, then raises it
 # to us: on a full disk that was ~80 lines a second. Its errors reach us; we log them.
 logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
+
+
+def open_logs_limit() -> int:
+    """How many logs may hold their files open at once: half of the process's descriptors
+    (its soft RLIMIT_NOFILE), three a log (its active segment, its commitlog, a replica's
+    committed end); the other half is for readers' segments, connections and stores."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(2, soft // 6)
 
 
 def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | None]]:
@@ -107,6 +119,8 @@ class NSQD:
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
         self.journal: Journal | None = None  # opened by start() (none with --journal false)
+        self._release_wanted = asyncio.Event()  # a log waits for a place of `files`
+        self.files = FileBudget(open_logs_limit(), on_full=self._release_wanted.set)
         self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
@@ -148,7 +162,7 @@ class NSQD:
         return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms),
                             commit_timeout=o.commit_timeout_ms / 1000,
                             replicated=bool(o.etcd_endpoints), journal=self.journal,
-                            read_workers=self.read_workers)
+                            files=self.files, read_workers=self.read_workers)
 
     def channel_settings(self) -> dict:
         o = self.options
@@ -802,29 +816,42 @@ class NSQD:
                 self.checkpoint_failures.ok()
 
     async def _release_loop(self) -> None:
-        """Close the files of the logs held here (led or followed) that FILES_IDLE_S and
-        OPEN_LOGS say (above), least recently used first."""
-        excess = 0
+        """Close the files of the logs holding a place of `files` (led or followed) that
+        FILES_IDLE_S and OPEN_LOGS say (above), and as many more as logs wait for a place,
+        least recently used first, all of a pass at once (their jobs reach the write thread
+        together); passes follow each other while logs wait and the last one released some.
+        A failed log keeps its place until it is closed."""
+        files = self.files
+        keep = min(OPEN_LOGS, files.limit // 2)
+        chosen: list[DiskQueue] = []
         while True:
-            await asyncio.sleep(RELEASE_BURST if excess > 0 else RELEASE_INTERVAL)
-            queues = [p.queue for t in list(self.topics.values())
-                      for p in list(t.partitions.values())]
-            if self.cluster is not None:
-                queues += [q for _, _, q, _ in self.cluster.replication.followed_floors()]
-            open_logs = sorted((q for q in queues
-                                if q.files_used_at is not None and q.failed is None),
-                               key=lambda q: q.files_used_at)
-            excess = len(open_logs) - OPEN_LOGS
-            now = time.monotonic()
-            for i, queue in enumerate(open_logs):
-                if i >= excess and now - (queue.files_used_at or now) < FILES_IDLE_S:
-                    break  # the rest were used more recently
+            if not (files.waiting and chosen):
                 try:
-                    await queue.release_files()
-                except QueueClosedError:
+                    async with asyncio.timeout(RELEASE_INTERVAL):
+                        await self._release_wanted.wait()
+                except TimeoutError:
                     pass
-                except Exception:
-                    log.exception("release_files_failed", path=queue.path)
+            self._release_wanted.clear()
+            held = sorted(((max(q.files_used_at or 0.0, taken), q)
+                          for q, taken in files.holders.items() if q.failed is None),
+                          key=lambda item: item[0])
+            excess = len(held) - keep + files.waiting
+            now = time.monotonic()
+            chosen = []
+            for i, (used, queue) in enumerate(held):
+                if i >= excess and now - used < FILES_IDLE_S:
+                    break  # the rest were used more recently
+                chosen.append(queue)
+            await asyncio.gather(*map(self._release_files, chosen))
+
+    @staticmethod
+    async def _release_files(queue: DiskQueue) -> None:
+        try:
+            await queue.release_files()
+        except QueueClosedError:
+            pass
+        except Exception:
+            log.exception("release_files_failed", path=queue.path)
 
     async def _retention_loop(self) -> None:
         """Drop old segments of every partition held here, led or followed (retain's rules:

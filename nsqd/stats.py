@@ -12,7 +12,8 @@ them; ours are additive:
   (unless `--journal false`: syncs (one a round), alone (batches that synced their own segment
   instead: written while no other partition wrote, or a round's one record), records,
   bytes, checkpoints, sync_seconds_total, failed;
-  diskqueue/journal.py);
+  diskqueue/journal.py), `file_budget` (logs that may hold their files open at once:
+  limit, held, waiting for a place, waits since start; diskqueue/budget.py);
 - topic: `partition_num` and `ordered` (its Assignment, nsqd/assignment.py);
   `partitions`, one entry per partition number 0..partition_num-1 and any other held
   here, each with `leader` (this node leads it) and `channels` (the names it has here):
@@ -110,6 +111,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     out["trace"] = nsqd.tracer.state()  # ours: message trace (tracing.py)
     if nsqd.journal is not None:  # ours: the node journal (diskqueue/journal.py)
         out["journal"] = {**nsqd.journal.stats, "failed": nsqd.journal.failed is not None}
+    out["file_budget"] = nsqd.files.stats()  # ours: logs with files open (diskqueue/budget.py)
     if nsqd.cluster is not None:  # ours: cluster mode (cluster.py)
         out["cluster"] = nsqd.cluster.state()
     return out

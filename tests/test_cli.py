@@ -141,6 +141,63 @@ def test_a_node_raises_its_open_files_limit_to_the_hard_one(tmp_path):
         proc.wait()
 
 
+async def test_a_burst_to_more_partitions_than_descriptors_allow_is_all_answered_ok(tmp_path):
+    """A node with 200 descriptors (hard limit: it cannot raise it) takes one PUB to each
+    of 1,000 partitions at once, over 4 connections: every one is answered OK, the logs
+    beyond its FileBudget having waited for a place (without it: E_PUB_FAILED, Too many
+    open files), and the data is all there."""
+    import asyncio
+    import json
+    import resource
+
+    from nsqwire import protocol as p
+    from nsqwire.commands import FrameParser, cmd_pub
+
+    tcp, http = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nsqd.main", f"--tcp-address=127.0.0.1:{tcp}",
+                             f"--http-address=127.0.0.1:{http}", f"--data-path={tmp_path}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                  (200, 200)))
+
+    def request(path: str, method: str = "POST") -> bytes:
+        req = urllib.request.Request(f"http://127.0.0.1:{http}{path}", method=method)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.read()
+
+    async def publish(share: list[int]) -> list[bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", tcp)
+        writer.write(p.MAGIC_V2 + b"".join(cmd_pub("t", b"m%d" % i, i) for i in share))
+        frames, answers = FrameParser(), []
+        while len(answers) < len(share):
+            chunk = await reader.read(1 << 16)
+            assert chunk, f"closed after {len(answers)} answers"
+            frames.feed(chunk)
+            answers += [data for kind, data in frames.frames() if kind != p.FRAME_MESSAGE]
+        writer.close()
+        return answers
+
+    try:
+        until_ping(proc, http)
+        request("/topic/create?topic=t&partition_num=1000")
+        request("/channel/create?topic=t&channel=c")
+        parts = list(range(1000))
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(publish(parts[i::4]) for i in range(4))), 60)
+        assert [a for share in answers for a in share] == [b"OK"] * 1000
+        stats = json.loads(request("/stats?format=json", "GET"))
+        budget = stats["file_budget"]
+        assert budget["limit"] == 200 // 6 and budget["held"] <= budget["limit"]
+        assert budget["waits"] > 0
+        written = {part["partition"]: part["committed_count"]
+                   for part in stats["topics"][0]["partitions"]}
+        assert written == {i: 1 for i in parts}
+        assert stats["topics"][0]["channels"][0]["depth"] == 1000
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def test_the_start_runs_under_the_gc_policy(tmp_path, monkeypatch):
     """`serve` applies diskqueue.runtime's policy before the node's start, not only after:
     at the default thresholds a start of 10,000 partitions spent 2.2 s collecting."""

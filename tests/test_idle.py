@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from diskqueue.budget import FileBudget
 from diskqueue.queue import AppendError, DiskQueue, QueueOptions
 from nodes import connect, take, until
 from nsqwire.commands import cmd_pub
@@ -215,3 +216,86 @@ async def test_beyond_open_logs_the_least_recently_used_close_their_files(node, 
         await asyncio.sleep(0.02)
     await until(lambda: sum(q.files_used_at is not None for q in queues) <= 2)
     assert [q.files_used_at is not None for q in queues] == [False] * 4 + [True] * 2
+
+
+async def test_a_log_without_a_place_waits_for_one_and_fails_nothing(tmp_path):
+    """A budget of two logs, four written at once: two write; two wait, their files shut,
+    nothing failed, and the host is asked to release (`on_full`); a release gives its place
+    to the first waiting, a close to the next, in the order they asked."""
+    asked = []
+    files = FileBudget(2, on_full=lambda: asked.append(True))
+    qs = [await DiskQueue.open(str(tmp_path / f"q{i}"), QueueOptions(files=files))
+          for i in range(4)]
+    try:
+        writes = [q.append([b"m%d" % i]) for i, q in enumerate(qs)]
+        await asyncio.wait_for(asyncio.gather(*writes[:2]), 5)
+        await asyncio.sleep(0.05)
+        assert not writes[2].done() and not writes[3].done() and asked
+        assert list(files.holders) == qs[:2] and files.stats()["waiting"] == 2
+        assert [log_files_open(q.path) > 0 for q in qs] == [True, True, False, False]
+        await qs[0].release_files()
+        await asyncio.wait_for(writes[2], 5)
+        assert not writes[3].done() and log_files_open(qs[0].path) == 0
+        await qs[1].close()
+        await asyncio.wait_for(writes[3], 5)
+        assert list(files.holders) == qs[2:] and files.stats()["waits"] == 2
+        for i, q in enumerate(qs):
+            if i != 1:
+                assert [r.body for r in await q.reader(0).read(10)] == [b"m%d" % i]
+    finally:
+        for q in qs:
+            await q.close()
+    assert not files.holders
+
+
+async def test_a_closing_log_writes_what_waits_for_a_place(tmp_path):
+    """A log closed while its batch waits for a place writes it on its way out (over the
+    limit: a close never waits for others to be released) and gives the place back."""
+    files = FileBudget(1)
+    a = await DiskQueue.open(str(tmp_path / "a"), QueueOptions(files=files))
+    b = await DiskQueue.open(str(tmp_path / "b"), QueueOptions(files=files))
+    await a.append([b"x"])
+    waiting = b.append([b"y"])
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await asyncio.wait_for(b.close(), 5)
+    assert (await waiting).count == 1 and list(files.holders) == [a]
+    await a.close()
+    b = await DiskQueue.open(str(tmp_path / "b"))
+    assert [r.body for r in await b.reader(0).read(10)] == [b"y"]
+    await b.close()
+
+
+async def test_a_follower_without_a_place_writes_with_its_files_open_for_that_write(tmp_path):
+    """A follower's push to a log without a place is written all the same, its files opened
+    for that write alone and closed after; once given a place, its log keeps them open."""
+    leader = await DiskQueue.open(str(tmp_path / "leader"))
+    await leader.append([b"a"])
+    await leader.append([b"b"])
+    first = await leader.read_raw(0, 1)
+    second = await leader.read_raw(first.offset + len(first.data), 1)
+    await leader.close()
+    files = FileBudget(1)
+    other = await DiskQueue.open(str(tmp_path / "other"), QueueOptions(files=files))
+    await other.append([b"x"])  # holds the one place
+    follower = await DiskQueue.open(str(tmp_path / "follower"),
+                                    QueueOptions(replicated=True, files=files))
+    loop = asyncio.get_running_loop()
+
+    async def push(raw):
+        done = loop.create_future()
+        follower.append_raw_then(raw.offset, raw.count, raw.entries, raw.data,
+                                 done.set_result)
+        return await asyncio.wait_for(done, 5)
+
+    try:
+        assert await push(first) is None and follower.written_count == 1
+        assert log_files_open(follower.path) == 0 and follower not in files.holders
+        await other.release_files()  # the place goes to the follower, which asked for it
+        assert list(files.holders) == [follower]
+        await asyncio.sleep(0.01)  # the writer the place kicked runs first
+        assert await push(second) is None and follower.written_count == 2
+        assert log_files_open(follower.path) > 0
+    finally:
+        await other.close()
+        await follower.close()
