@@ -9,11 +9,13 @@ Invariants:
   records;
 - records it decoded are shared with the queue's other Readers (SharedChunks), so
   channels reading near each other decode and checksum each record once;
-- a read that reaches what was committed when it began lets go of the segment's
-  descriptor and of the buffer (all of it decoded: a refill reads whole committed
-  records), so a reader caught up and waiting holds neither; the next refill opens the
-  segment at its offset again. No read is in flight then (a Reader's reads are awaited
-  one at a time), so no worker job holds the descriptor it closes.
+- a reader holds no descriptor: each refill opens its segment, reads and closes it in
+  one job of the read worker (an open and a close a refill of up to `read_ahead` bytes),
+  so a node's readers hold at most one descriptor per read thread, however many
+  channels read;
+- a read that reaches what was committed when it began drops the buffer (all of it
+  decoded: a refill reads whole committed records), so a reader caught up and waiting
+  holds no memory either.
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ from operator import itemgetter
 import aiofiles.os
 
 from .record import CorruptRecordError, Record, decode_all
+from .segments import MissingSegmentError
 
 _offset_of = itemgetter(0)  # Record.offset
 
 
-def _pread(fd: int, path: str, size: int, pos: int) -> tuple[int, bytes]:
-    if fd < 0:
-        fd = os.open(path, os.O_RDONLY)
-    return fd, os.pread(fd, size, pos)
+def _pread(path: str, size: int, pos: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, pos)
+    finally:
+        os.close(fd)
 
 
 _pread_off_loop = aiofiles.os.wrap(_pread)
@@ -98,8 +103,6 @@ class Reader:
     def __init__(self, queue, offset: int, read_ahead: int = 1 << 20):
         self.queue = queue
         self.read_ahead = read_ahead
-        self._fd = -1
-        self._fd_base = -1
         self.seek(offset)
 
     def seek(self, offset: int) -> None:
@@ -110,9 +113,8 @@ class Reader:
         self._pos = 0
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Drop the buffer; a read after it goes on from `offset`."""
+        self.seek(self.offset)
 
     async def read(self, max_count: int = 1024) -> list[Record]:
         """Up to `max_count` committed records from `offset` on; [] when none is committed yet."""
@@ -130,13 +132,8 @@ class Reader:
                 records = self._decode(committed, max_count)
             shared.add(records)
         if self.offset >= committed:
-            self._rest()
+            self.close()  # caught up with what is committed
         return records
-
-    def _rest(self) -> None:
-        """Caught up with what is committed: close the descriptor, drop the buffer."""
-        self.close()
-        self.seek(self.offset)
 
     def _skip_to(self, offset: int) -> None:
         """Go on from `offset` (past records taken from the shared chunks); the buffer stays
@@ -169,9 +166,6 @@ class Reader:
         """Read the buffer again from `offset`: a record cut at the old buffer's end is read
         whole (page cache), rather than copying the old tail in front of the new bytes."""
         path, base, seg_end = self.queue.segment_of(self.offset)
-        if base != self._fd_base:
-            self.close()
-            self._fd_base = base
         have = len(self._buf) - self._pos  # a record's first part: more than this is needed
         want = min(max(self.read_ahead, 2 * have + 4096), min(committed, seg_end) - self.offset)
         if want <= have:
@@ -179,8 +173,11 @@ class Reader:
                 raise CorruptRecordError(self.offset, "record cut short", path)
             return
         start = self.offset
-        self._fd, data = await _pread_off_loop(self._fd, path, want, start - base,
-                                               executor=self.queue.read_worker)
+        try:
+            data = await _pread_off_loop(path, want, start - base,
+                                         executor=self.queue.read_worker)
+        except FileNotFoundError:  # retention dropped it since `segment_of`
+            raise MissingSegmentError(f"{path}: dropped before {start} was read") from None
         if self.offset != start:  # sought elsewhere meanwhile: these bytes are not from there
             return
         if len(data) <= have:

@@ -72,7 +72,7 @@ logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
 def open_logs_limit() -> int:
     """How many logs may hold their files open at once: half of the process's descriptors
     (its soft RLIMIT_NOFILE), three a log (its active segment, its commitlog, a replica's
-    committed end); the other half is for readers' segments, connections and stores."""
+    committed end); the other half is for connections, stores and the read threads."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20

@@ -407,10 +407,10 @@ def open_descriptors(path: str) -> int:
     return found
 
 
-async def test_a_reader_caught_up_holds_no_descriptor(tmp_path, queues):
-    """A read that reaches the committed end closes the segment and drops the buffer; the
-    next read opens it again at its offset. The writer's own descriptor is the only one an
-    idle queue holds on its active segment."""
+async def test_a_reader_holds_no_descriptor(tmp_path, queues):
+    """A refill opens, reads and closes the segment; a read that reaches the committed end
+    drops the buffer. The writer's own descriptor is the only one a queue holds on its
+    active segment, reading or not."""
     q = await queues(tmp_path, QueueOptions(segment_bytes=1 << 20))
     await q.append([body(i, 100) for i in range(50)])
     (active,) = segment_files(q)
@@ -418,7 +418,7 @@ async def test_a_reader_caught_up_holds_no_descriptor(tmp_path, queues):
     r = q.reader(read_ahead=1000)
     first = await r.read(5)
     assert [x.body for x in first] == [body(i, 100) for i in range(5)]
-    assert open_descriptors(active) == 2, "reading, not caught up: the segment stays open"
+    assert open_descriptors(active) == 1 and r._buf, "reading, not caught up: the buffer stays"
     rest = []
     while len(rest) < 45:
         rest += await r.read(1000)
@@ -428,6 +428,24 @@ async def test_a_reader_caught_up_holds_no_descriptor(tmp_path, queues):
     await q.append([body(i, 100) for i in range(50, 53)])
     assert [x.body for x in await r.read(10)] == [body(i, 100) for i in range(50, 53)]
     assert open_descriptors(active) == 1
+    r.close()
+
+
+async def test_a_reader_whose_segment_retention_dropped_meanwhile_says_so(tmp_path, queues):
+    """Retention may drop a segment between a refill finding it and reading it (the reader
+    holds no descriptor to keep it): the read raises MissingSegmentError, as a read of an
+    offset before the log's start does (a channel then seeks to the start)."""
+    q = await queues(tmp_path, QueueOptions(segment_bytes=2048))
+    for i in range(0, 60, 3):
+        await q.append([body(j, 100) for j in range(i, i + 3)])
+    r = q.reader(read_ahead=300)
+    assert [x.body for x in await r.read(2)] == [body(0, 100), body(1, 100)]
+    second = segment_files(q)[1]
+    os.unlink(second)  # the file goes, the log still lists it: as a drop racing the refill
+    with pytest.raises(MissingSegmentError, match="dropped before"):
+        for _ in range(60):  # what the buffer holds, then the refill from the second
+            assert await r.read(2)
+    assert q.segment_of(r.offset)[0] == second
     r.close()
 
 
