@@ -78,6 +78,7 @@ SUFFIX = ".jnl"
 HEAD = struct.Struct(">II")  # crc32, length of what follows
 FIELDS = struct.Struct(">QQQH")  # journal id, segment base, position, path length
 CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed at a round's end
+REPLAY_OPEN = 256  # segments replay holds open at once: past it, they are synced and closed
 ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
 ROUND_POSTS = 1024  # nor for more answers than this
 ZERO_AHEAD = 1024 * 1024  # zeros written past the records, so that rounds overwrite them
@@ -112,6 +113,7 @@ def replay(root: str, files: list[str]) -> dict:
     ids: dict[str, int | None] = {}
     fds: dict[str, int] = {}
     applied = skipped = 0
+    written: set[str] = set()
     try:
         for name in files:
             with open(name, "rb") as f:
@@ -124,15 +126,25 @@ def replay(root: str, files: list[str]) -> dict:
                     skipped += 1
                     continue
                 if segment not in fds:
+                    if len(fds) >= REPLAY_OPEN:
+                        _sync_and_close(fds)
                     fds[segment] = os.open(segment, os.O_WRONLY)
                 pwrite_all(fds[segment], data, pos)
+                written.add(segment)
                 applied += 1
-        for fd in fds.values():
-            os.fdatasync(fd)
+        _sync_and_close(fds)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {"applied": applied, "skipped": skipped, "segments": len(fds)}
+    return {"applied": applied, "skipped": skipped, "segments": len(written)}
+
+
+def _sync_and_close(fds: dict[str, int]) -> None:
+    """Sync every segment replay wrote into, then close them (`fds` emptied)."""
+    for fd in fds.values():
+        os.fdatasync(fd)
+    while fds:
+        os.close(fds.popitem()[1])
 
 
 def _journal_id(folder: str) -> int | None:

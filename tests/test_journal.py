@@ -291,6 +291,30 @@ async def test_replay_restores_what_the_segments_lost(tmp_path):
     assert len(os.listdir(tmp_path / "journal")) == 1
 
 
+async def test_replay_holds_a_bounded_number_of_segments_open(tmp_path, monkeypatch):
+    """Replay syncs and closes the segments it wrote into whenever REPLAY_OPEN are open: a
+    journal covering more segments than the process has descriptors replays all the same
+    (a node of 1,000 partitions at 300 descriptors could not start again: EMFILE)."""
+    j = Journal.open(str(tmp_path))
+    qs = await open_queues(str(tmp_path), j, 5)
+    await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for k in range(3)
+                           for q in qs))
+    for q in qs:  # a crash: nothing closed, and no segment byte ever reached the disk
+        lose_unsynced(q)
+    monkeypatch.setattr(journal_mod, "REPLAY_OPEN", 2)
+    held = []
+    real = journal_mod._sync_and_close
+    monkeypatch.setattr(journal_mod, "_sync_and_close",
+                        lambda fds: (held.append(len(fds)), real(fds)))
+    j2 = Journal.open(str(tmp_path))
+    assert max(held) <= 2 and len(held) >= 3
+    qs2 = await open_queues(str(tmp_path), j2, 5)
+    for q in qs2:
+        assert await bodies_of(q) == [b"%d-%d" % (q.partition, k) for k in range(3)]
+        await q.close()
+    j2.close()
+
+
 async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
     """A replica cuts its log back and writes less at the same place: the journal's older
     record of the longer batch must not come back at replay (the journal id changes). Its
