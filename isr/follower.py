@@ -100,6 +100,11 @@ class FollowerLog:
         return self.core.fence if self.core is not None else 0
 
     @property
+    def opened(self) -> bool:
+        """`open` is done: requests may be taken."""
+        return self.core is not None
+
+    @property
     def end(self) -> tuple[int, int]:
         return self.q.written_end, self.q.written_count
 

@@ -97,7 +97,10 @@ class Replication:
         return self.leaders.get((topic, partition))
 
     def follower_log(self, topic: str, partition: int) -> FollowerLog | None:
-        return self.followers.get((topic, partition))
+        """The follower of a partition once it is open: a push that comes while it opens
+        waits for it (isr/rpc.py `_arrival`) instead of reaching a follower with no core."""
+        follower = self.followers.get((topic, partition))
+        return follower if follower is not None and follower.opened else None
 
     def publish_forwarded(self, frame, answer) -> None:
         """A publish another node forwarded here (nsqd/forward.py); `answer` is called once."""

@@ -379,3 +379,30 @@ async def test_a_node_of_the_old_wire_format_is_refused_at_hello(tmp_path):
     finally:
         await stop(hosts)
         old.close()
+
+
+async def test_a_push_to_a_follower_still_opening_waits_for_it(tmp_path):
+    """nsqd registers a FollowerLog before its `open` is done (a thread reads its fence): a
+    push arriving meanwhile waits for it (the server's arrival wait) instead of reaching a
+    follower with no core, which answered E_FAILED and had its leader drop it from the ISR
+    (seen at 1,000 partitions a node under a low descriptor limit)."""
+    from types import SimpleNamespace
+
+    from diskqueue.queue import DiskQueue, QueueOptions
+    from isr.follower import FollowerLog
+    from nsqd.replication import Replication
+
+    node = SimpleNamespace(options=SimpleNamespace(rpc_address="127.0.0.1:0"))
+    replication = Replication(node, cluster=None)
+    q = await DiskQueue.open(str(tmp_path / "0"), QueueOptions(replicated=True))
+    try:
+        follower = FollowerLog(replication, replication.peers, "t", 0, q)
+        replication.followers[("t", 0)] = follower
+        assert replication.follower_log("t", 0) is None
+        arrival = asyncio.ensure_future(rpc._arrival(replication.follower_log, "t", 0))
+        await asyncio.sleep(0.05)
+        assert not arrival.done()
+        await follower.open()
+        assert await asyncio.wait_for(arrival, 2) is follower
+    finally:
+        await q.close()
