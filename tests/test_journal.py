@@ -274,20 +274,30 @@ async def test_a_round_holds_one_batch_of_a_partition(tmp_path):
     j.close()
 
 
-async def test_replay_restores_what_the_segments_lost(tmp_path):
-    j = Journal.open(str(tmp_path))
-    qs = await open_queues(str(tmp_path), j, 4)
-    await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for k in range(50)
+async def written_then_lost(root: str, partitions: int, per: int) -> None:
+    """`per` messages to each of `partitions` queues, then a crash: nothing closed, and no
+    segment byte ever reached the disk (the journal alone holds them)."""
+    j = Journal.open(root)
+    qs = await open_queues(root, j, partitions)
+    await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for k in range(per)
                            for q in qs))
-    for q in qs:  # a crash: nothing closed, and no segment byte ever reached the disk
+    for q in qs:
         lose_unsynced(q)
-    j2 = Journal.open(str(tmp_path))
-    qs2 = await open_queues(str(tmp_path), j2, 4)
-    for q in qs2:
-        assert await bodies_of(q) == [b"%d-%d" % (q.partition, k) for k in range(50)]
+
+
+async def replayed(root: str, partitions: int, per: int) -> None:
+    """A journal opened again (its replay) gives every queue back all it was written."""
+    j = Journal.open(root)
+    for q in await open_queues(root, j, partitions):
+        assert await bodies_of(q) == [b"%d-%d" % (q.partition, k) for k in range(per)]
         assert q.corrupt == []
         await q.close()
-    j2.close()
+    j.close()
+
+
+async def test_replay_restores_what_the_segments_lost(tmp_path):
+    await written_then_lost(str(tmp_path), 4, 50)
+    await replayed(str(tmp_path), 4, 50)
     assert len(os.listdir(tmp_path / "journal")) == 1
 
 
@@ -295,24 +305,14 @@ async def test_replay_holds_a_bounded_number_of_segments_open(tmp_path, monkeypa
     """Replay syncs and closes the segments it wrote into whenever REPLAY_OPEN are open: a
     journal covering more segments than the process has descriptors replays all the same
     (a node of 1,000 partitions at 300 descriptors could not start again: EMFILE)."""
-    j = Journal.open(str(tmp_path))
-    qs = await open_queues(str(tmp_path), j, 5)
-    await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for k in range(3)
-                           for q in qs))
-    for q in qs:  # a crash: nothing closed, and no segment byte ever reached the disk
-        lose_unsynced(q)
+    await written_then_lost(str(tmp_path), 5, 3)
     monkeypatch.setattr(journal_mod, "REPLAY_OPEN", 2)
     held = []
     real = journal_mod._sync_and_close
     monkeypatch.setattr(journal_mod, "_sync_and_close",
                         lambda fds: (held.append(len(fds)), real(fds)))
-    j2 = Journal.open(str(tmp_path))
+    await replayed(str(tmp_path), 5, 3)
     assert max(held) <= 2 and len(held) >= 3
-    qs2 = await open_queues(str(tmp_path), j2, 5)
-    for q in qs2:
-        assert await bodies_of(q) == [b"%d-%d" % (q.partition, k) for k in range(3)]
-        await q.close()
-    j2.close()
 
 
 async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
