@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import struct
 import threading
 import time
@@ -78,7 +79,9 @@ SUFFIX = ".jnl"
 HEAD = struct.Struct(">II")  # crc32, length of what follows
 FIELDS = struct.Struct(">QQQH")  # journal id, segment base, position, path length
 CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed at a round's end
-REPLAY_OPEN = 256  # segments replay holds open at once: past it, they are synced and closed
+# Segments replay holds open at once (or a quarter of the process's descriptors, if fewer):
+# past it, they are synced and closed.
+REPLAY_OPEN = 256
 ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
 ROUND_POSTS = 1024  # nor for more answers than this
 ZERO_AHEAD = 1024 * 1024  # zeros written past the records, so that rounds overwrite them
@@ -114,6 +117,9 @@ def replay(root: str, files: list[str]) -> dict:
     fds: dict[str, int] = {}
     applied = skipped = 0
     written: set[str] = set()
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most_open = REPLAY_OPEN if soft == resource.RLIM_INFINITY else min(REPLAY_OPEN,
+                                                                       max(1, soft // 4))
     try:
         for name in files:
             with open(name, "rb") as f:
@@ -126,7 +132,7 @@ def replay(root: str, files: list[str]) -> dict:
                     skipped += 1
                     continue
                 if segment not in fds:
-                    if len(fds) >= REPLAY_OPEN:
+                    if len(fds) >= most_open:
                         _sync_and_close(fds)
                     fds[segment] = os.open(segment, os.O_WRONLY)
                 pwrite_all(fds[segment], data, pos)
