@@ -1,7 +1,8 @@
 """FileBudget: how many logs of a node may hold their files open at once.
 
-A log holds its files (its active segment and its commitlog) open while it writes, and none
-once they are released (`DiskQueue.release_files`) or it is closed. Invariants:
+A log holds its files (its active segment, its commitlog, a replica's committed end) open
+while it writes, and none once they are released (`DiskQueue.release_files`) or it is
+closed. Invariants:
 - a log takes a place before a batch of its own opens its files, and gives it back when they
   are closed: at most `limit` logs hold a place;
 - a log that finds no place free fails nothing: its batches wait in its queue, it is given
