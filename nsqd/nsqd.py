@@ -21,17 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import resource
 import shutil
 import time
 
 import structlog
 
 from diskqueue.atomic import make_dirs
-from diskqueue.budget import FileBudget
-from diskqueue.errors import QueueClosedError
 from diskqueue.journal import Journal
-from diskqueue.queue import DiskQueue, QueueOptions
+from diskqueue.queue import QueueOptions
 from diskqueue.worker import WorkerPool
 
 from .assignment import Assignment
@@ -40,6 +37,7 @@ from .errors import NameError_, PartitionNotWritable, StorageError, TopicConflic
 from .health import DiskWatch, FailureLog, node_health
 from .lookup import Lookup
 from .metastore import MetaStore, channel_key, topic_key
+from .openlogs import OpenLogs
 from .options import Options
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 from .timeouts import TimeoutScan
@@ -52,31 +50,12 @@ VERSION = "1.3.0"
 SCAN_INTERVAL = 0.1
 OPEN_AT_ONCE = 16  # partitions a start opens at a time (over all topics)
 READ_WORKERS = 8  # threads for every partition's read-ahead (diskqueue.worker.WorkerPool)
-# A log's files (active segment, commitlog) are open only while it holds a place of the node's
-# FileBudget (diskqueue/budget.py): at most half of the process's descriptors, three a log
-# (`open_logs_limit`); a log without a place waits for one. The release loop closes the files
-# (DiskQueue.release_files) of a log unused for FILES_IDLE_S and, while more than OPEN_LOGS (or
-# half the budget, if less) logs hold a place, of the least recently used beyond that number;
-# it looks every RELEASE_INTERVAL, and at once when a log waits for a place.
-FILES_IDLE_S = 60.0
-OPEN_LOGS = 1024
-RELEASE_INTERVAL = 1.0
 # Cluster mode: the longest publishes wait at start for the first view of etcd to be
 # applied; etcd away that long, they go to the assignment the last run stored.
 START_GRACE_S = 2.0
 # sqlitedict logs each failed statement itself, as a multi-line traceback, then raises it
 # to us: on a full disk that was ~80 lines a second. Its errors reach us; we log them.
 logging.getLogger("sqlitedict").setLevel(logging.CRITICAL)
-
-
-def open_logs_limit() -> int:
-    """How many logs may hold their files open at once: half of the process's descriptors
-    (its soft RLIMIT_NOFILE), three a log (its active segment, its commitlog, a replica's
-    committed end); the other half is for connections, stores and the read threads."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
-    return max(2, soft // 6)
 
 
 def find_tombstones(data_path: str) -> list[tuple[str, str, int | None, str | None]]:
@@ -119,8 +98,7 @@ class NSQD:
         self.start_time = time.time()
         self.checkpoint_failures = FailureLog(log, "checkpoint_failed")
         self.journal: Journal | None = None  # opened by start() (none with --journal false)
-        self._release_wanted = asyncio.Event()  # a log waits for a place of `files`
-        self.files = FileBudget(open_logs_limit(), on_full=self._release_wanted.set)
+        self.open_logs = OpenLogs()  # openlogs.py: logs with files open, and their release
         self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.meta: MetaStore | None = None
@@ -162,7 +140,7 @@ class NSQD:
         return QueueOptions(segment_bytes=o.segment_bytes, sync=sync_policy(every, ms),
                             commit_timeout=o.commit_timeout_ms / 1000,
                             replicated=bool(o.etcd_endpoints), journal=self.journal,
-                            files=self.files, read_workers=self.read_workers)
+                            files=self.open_logs.files, read_workers=self.read_workers)
 
     def channel_settings(self) -> dict:
         o = self.options
@@ -201,7 +179,7 @@ class NSQD:
         self._tasks = [loop.create_task(self._scan_loop()),
                        loop.create_task(self._checkpoint_loop()),
                        loop.create_task(self._retention_loop()),
-                       loop.create_task(self._release_loop())]
+                       loop.create_task(self.open_logs.release_loop())]
         self.lookup.set_addresses(self.options.lookupd_tcp_address)
         if self.options.etcd_endpoints:
             self.cluster = self._make_cluster(self)
@@ -814,44 +792,6 @@ class NSQD:
                 self.checkpoint_failures.failed(e)
             else:
                 self.checkpoint_failures.ok()
-
-    async def _release_loop(self) -> None:
-        """Close the files of the logs holding a place of `files` (led or followed) that
-        FILES_IDLE_S and OPEN_LOGS say (above), and as many more as logs wait for a place,
-        least recently used first, all of a pass at once (their jobs reach the write thread
-        together); passes follow each other while logs wait and the last one released some.
-        A failed log keeps its place until it is closed."""
-        files = self.files
-        keep = min(OPEN_LOGS, files.limit // 2)
-        chosen: list[DiskQueue] = []
-        while True:
-            if not (files.waiting and chosen):
-                try:
-                    async with asyncio.timeout(RELEASE_INTERVAL):
-                        await self._release_wanted.wait()
-                except TimeoutError:
-                    pass
-            self._release_wanted.clear()
-            held = sorted(((max(q.files_used_at or 0.0, taken), q)
-                          for q, taken in files.holders.items() if q.failed is None),
-                          key=lambda item: item[0])
-            excess = len(held) - keep + files.waiting
-            now = time.monotonic()
-            chosen = []
-            for i, (used, queue) in enumerate(held):
-                if i >= excess and now - used < FILES_IDLE_S:
-                    break  # the rest were used more recently
-                chosen.append(queue)
-            await asyncio.gather(*map(self._release_files, chosen))
-
-    @staticmethod
-    async def _release_files(queue: DiskQueue) -> None:
-        try:
-            await queue.release_files()
-        except QueueClosedError:
-            pass
-        except Exception:
-            log.exception("release_files_failed", path=queue.path)
 
     async def _retention_loop(self) -> None:
         """Drop old segments of every partition held here, led or followed (retain's rules:

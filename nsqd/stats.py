@@ -111,7 +111,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     out["trace"] = nsqd.tracer.state()  # ours: message trace (tracing.py)
     if nsqd.journal is not None:  # ours: the node journal (diskqueue/journal.py)
         out["journal"] = {**nsqd.journal.stats, "failed": nsqd.journal.failed is not None}
-    out["file_budget"] = nsqd.files.stats()  # ours: logs with files open (diskqueue/budget.py)
+    out["file_budget"] = nsqd.open_logs.files.stats()  # ours: logs with files open (openlogs.py)
     if nsqd.cluster is not None:  # ours: cluster mode (cluster.py)
         out["cluster"] = nsqd.cluster.state()
     return out

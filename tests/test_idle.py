@@ -190,8 +190,8 @@ async def test_a_released_log_out_of_descriptors_fails_the_batch_not_the_log(tmp
 
 
 async def test_an_idle_partition_closes_its_files(node, monkeypatch):
-    monkeypatch.setattr("nsqd.nsqd.FILES_IDLE_S", 0.2)
-    monkeypatch.setattr("nsqd.nsqd.RELEASE_INTERVAL", 0.1)
+    monkeypatch.setattr("nsqd.openlogs.FILES_IDLE_S", 0.2)
+    monkeypatch.setattr("nsqd.openlogs.RELEASE_INTERVAL", 0.1)
     n = await node()
     pub = await connect(n)
     await pub.pub("t", b"x")
@@ -205,8 +205,8 @@ async def test_an_idle_partition_closes_its_files(node, monkeypatch):
 async def test_beyond_open_logs_the_least_recently_used_close_their_files(node, monkeypatch):
     """Partitions written faster than FILES_IDLE_S passes: past OPEN_LOGS logs with open
     files, the least recently used close theirs, the most recent keep them."""
-    monkeypatch.setattr("nsqd.nsqd.OPEN_LOGS", 2)
-    monkeypatch.setattr("nsqd.nsqd.RELEASE_INTERVAL", 0.1)
+    monkeypatch.setattr("nsqd.openlogs.OPEN_LOGS", 2)
+    monkeypatch.setattr("nsqd.openlogs.RELEASE_INTERVAL", 0.1)
     n = await node()
     await n.create_topic("t", 6)
     pub = await connect(n)
