@@ -106,7 +106,7 @@ from aiohttp import web
 from diskqueue.errors import NotCommitted
 from diskqueue.queue import QueueClosedError
 
-from . import metrics, replay, stats
+from . import metrics, pace, replay, stats
 from .httpargs import (HTTPError, arg, bool_arg, defer_arg, parse_mpub_binary, parse_mpub_text,
                        partition_arg, producer_arg, query, read_body, strict_bool_arg, topic_arg,
                        topic_channel_args)
@@ -120,7 +120,7 @@ from .health import is_disk_full
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from isr.leader import NotWritable
 from nsqwire import adminkey
-from nsqwire.httpapi import V1_HEADER, go_json, v1_answer
+from nsqwire.httpapi import V1_HEADER, go_json, go_json_pieces, v1_answer
 from nsqwire.protocol import valid_topic_name
 
 log = structlog.get_logger("nsqd.http")
@@ -132,9 +132,12 @@ def respond_legacy(status: int, data) -> web.Response:
     """Older nsqd's envelope: {"status_code", "status_txt", "data"}, the same status."""
     if status == 200 and isinstance(data, str):
         return respond_v1(status, data)
-    envelope = {"status_code": status, "status_txt": "OK" if status == 200 else str(data),
-                "data": data if status == 200 else None}
-    return web.Response(status=status, body=go_json(envelope), content_type="application/json",
+    if status == 200 and isinstance(data, bytes):  # JSON already
+        body = b'{"status_code":200,"status_txt":"OK","data":' + data + b"}"
+    else:
+        body = go_json({"status_code": status, "status_txt": "OK" if status == 200 else str(data),
+                        "data": data if status == 200 else None})
+    return web.Response(status=status, body=body, content_type="application/json",
                         charset="utf-8")
 
 
@@ -282,15 +285,24 @@ async def do_info(nsqd, request):
     }
 
 
+async def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool = True,
+                     include_mem: bool = True) -> dict:
+    """stats.node_stats, its topics walked with the loop's turns between them (pace.py)."""
+    await nsqd.disk.read()
+    conns = stats.connections(nsqd)
+    topics = await pace.collect(stats.topic_entries(nsqd, conns, topic, channel,
+                                                    include_clients))
+    return stats.node_stats(nsqd, topics, conns, topic, include_clients, include_mem)
+
+
 async def do_stats(nsqd, request):
     params = query(request)
-    await nsqd.disk.read()
-    doc = stats.node_stats(
+    doc = await node_stats(
         nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
         include_clients=bool_arg(params, "include_clients", True, True),
         include_mem=bool_arg(params, "include_mem", True, True))
-    if arg(params, "format") == "json":
-        return doc
+    if arg(params, "format") == "json":  # bytes: JSON already, encoded a topic at a time
+        return b"".join(await pace.collect(go_json_pieces(doc, "topics")))
     return stats.render_text(doc)
 
 
@@ -622,9 +634,9 @@ async def do_config(nsqd, request, name: str):
 
 
 async def do_metrics(nsqd, request):
-    await nsqd.disk.read()
-    doc = stats.node_stats(nsqd, include_clients=True, include_mem=False)
-    return web.Response(text=metrics.render(doc), headers={"Content-Type": metrics.CONTENT_TYPE})
+    doc = await node_stats(nsqd, include_clients=True, include_mem=False)
+    text = "".join(await pace.collect(metrics.render(doc)))
+    return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
 
 
 # ---- routing ---------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Metrics: the /stats numbers in the Prometheus text exposition format (version 0.0.4).
 
-A pure function of a `stats.node_stats` dict, written by hand (no client library):
-every family has its HELP and TYPE lines and all its samples together; label
+A pure generator over a `stats.node_stats` dict, written by hand (no client library),
+whose pieces joined in order are the exposition (the HTTP edge joins them with the loop's
+turns between: pace.py): every family has its HELP and TYPE lines and all its samples
+together; label
 values are escaped; histograms have cumulative `_bucket{le=...}` samples ending
 at `+Inf`, then `_sum` and `_count`.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import math
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PIECE_LINES = 2000  # lines a piece of render() holds at most
 
 
 def escape_label(value: str) -> str:
@@ -54,194 +57,204 @@ def _number(value) -> str:
 
 
 def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items()) + "}"
+    """The inside of a sample's braces: `k="v",...` ("" for no labels)."""
+    return ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items())
 
 
-class _Exposition:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_text: str, samples) -> None:
-        """samples: iterable of (labels, value)."""
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
-
-    def histogram(self, name: str, help_text: str, samples) -> None:
-        """samples: iterable of (labels, bounds, per-bucket counts (+ overflow), sum)."""
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} histogram")
-        for labels, bounds, counts, total in samples:
-            cumulative = 0
-            for bound, count in zip(list(bounds) + [math.inf], counts):
-                cumulative += count
-                le = "+Inf" if math.isinf(bound) else _number(bound)
-                self.lines.append(f"{name}_bucket{_labels({**labels, 'le': le})} {cumulative}")
-            self.lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
-            self.lines.append(f"{name}_count{_labels(labels)} {cumulative}")
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+def _lines(name: str, samples):
+    """A family's sample lines; samples: (labels inside the braces, value)."""
+    for labels, value in samples:
+        yield f"{name}{{{labels}}} {_number(value)}" if labels else f"{name} {_number(value)}"
 
 
-def render(stats: dict) -> str:
-    """Prometheus text for a node_stats() dict (clients and memory may be left out of it)."""
-    out = _Exposition()
+def _histogram_lines(name: str, samples):
+    """samples: (labels inside the braces, bounds, per-bucket counts (+ overflow), sum)."""
+    for labels, bounds, counts, total in samples:
+        cumulative = 0
+        sep = "," if labels else ""
+        for bound, count in zip(list(bounds) + [math.inf], counts):
+            cumulative += count
+            le = "+Inf" if math.isinf(bound) else _number(bound)
+            yield f'{name}_bucket{{{labels}{sep}le="{le}"}} {cumulative}'
+        braces = f"{{{labels}}}" if labels else ""
+        yield f"{name}_sum{braces} {_number(total)}"
+        yield f"{name}_count{braces} {cumulative}"
+
+
+def _pieces(head: str, lines):
+    """`head` and the lines, as pieces of at most PIECE_LINES lines, each ending in a newline."""
+    chunk = [head]
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) >= PIECE_LINES:
+            yield "\n".join(chunk) + "\n"
+            chunk = []
+    if chunk:
+        yield "\n".join(chunk) + "\n"
+
+
+def family(name: str, kind: str, help_text: str, samples):
+    """Pieces of one family: its HELP and TYPE lines, then all its samples."""
+    head = f"# HELP {name} {help_text}\n# TYPE {name} {kind}"
+    if kind == "histogram":
+        return _pieces(head, _histogram_lines(name, samples))
+    return _pieces(head, _lines(name, samples))
+
+
+def render(stats: dict):
+    """Prometheus text for a node_stats() dict (clients and memory may be left out of it),
+    in pieces (a family, or PIECE_LINES lines of one) to be joined in order. Label texts
+    are made once a topic, partition and channel, not once a sample."""
     topics = stats["topics"]
     held = [(t, p) for t in topics for p in t.get("partitions", [])
             if p.get("leader", True) or p.get("error")]  # served here, or failed here
     partitions = [(t, p) for t, p in held if "committed_offset" in p]  # opened
     channels = [(t, c, cp) for t in topics for c in t["channels"] for cp in c.get("partitions", [])]
+    tl = {id(t): _labels({"topic": t["topic_name"]}) for t in topics}
+    pl = {id(p): f'{tl[id(t)]},partition="{p["partition"]}"'
+          for t in topics for p in t.get("partitions", [])}
+    cl = {id(cp): f'{tl[id(t)]},partition="{cp["partition"]}",channel="'
+                  f'{escape_label(c["channel_name"])}"' for t, c, cp in channels}
 
-    def tl(t):
-        return {"topic": t["topic_name"]}
-
-    def pl(t, p):
-        return {"topic": t["topic_name"], "partition": p["partition"]}
-
-    def cl(t, c, cp):
-        return {"topic": t["topic_name"], "partition": cp["partition"],
-                "channel": c["channel_name"]}
-
-    out.family("nsqd_info", "gauge", "Version of this nsqd.", [({"version": stats["version"]}, 1)])
-    out.family("nsqd_up", "gauge", "1 when the node reports health OK.",
-               [({}, stats["health"] == "OK")])
-    out.family("nsqd_start_time_seconds", "gauge", "Start time of the process (unix seconds).",
-               [({}, stats["start_time"])])
-    out.family("nsqd_clients", "gauge", "TCP client connections.",
-               [({}, stats.get("client_count", 0))])
-    out.family("nsqd_producers", "gauge", "TCP connections that have published.",
-               [({}, len(stats.get("producers") or []))])
-    out.family("nsqd_topics", "gauge", "Topics on this node.", [({}, len(topics))])
+    yield from family("nsqd_info", "gauge", "Version of this nsqd.",
+                      [(_labels({"version": stats["version"]}), 1)])
+    yield from family("nsqd_up", "gauge", "1 when the node reports health OK.",
+                      [("", stats["health"] == "OK")])
+    yield from family("nsqd_start_time_seconds", "gauge",
+                      "Start time of the process (unix seconds).", [("", stats["start_time"])])
+    yield from family("nsqd_clients", "gauge", "TCP client connections.",
+                      [("", stats.get("client_count", 0))])
+    yield from family("nsqd_producers", "gauge", "TCP connections that have published.",
+                      [("", len(stats.get("producers") or []))])
+    yield from family("nsqd_topics", "gauge", "Topics on this node.", [("", len(topics))])
     if stats.get("data_free_bytes") is not None:
-        out.family("nsqd_data_free_bytes", "gauge",
-                   "Bytes free on the file system of the data path.",
-                   [({}, stats["data_free_bytes"])])
+        yield from family("nsqd_data_free_bytes", "gauge",
+                          "Bytes free on the file system of the data path.",
+                          [("", stats["data_free_bytes"])])
 
     journal = stats.get("journal")
     if journal is not None:  # the node journal (diskqueue/journal.py)
-        out.family("nsqd_journal_syncs_total", "counter",
-                   "Rounds of the node journal: one fdatasync for every partition's batches.",
-                   [({}, journal["syncs"])])
-        out.family("nsqd_journal_records_total", "counter",
-                   "Partition batches journaled.", [({}, journal["records"])])
-        out.family("nsqd_journal_bytes_total", "counter",
-                   "Bytes written to the node journal.", [({}, journal["bytes"])])
-        out.family("nsqd_journal_sync_seconds_total", "counter",
-                   "Time in the node journal's writes and syncs.",
-                   [({}, journal["sync_seconds_total"])])
-        out.family("nsqd_journal_checkpoints_total", "counter",
-                   "Journal files retired once their segments were synced.",
-                   [({}, journal["checkpoints"])])
-        out.family("nsqd_journal_up", "gauge",
-                   "0 once the node journal failed: each partition syncs its own segment "
-                   "until the node restarts.",
-                   [({}, not journal["failed"])])
+        yield from family("nsqd_journal_syncs_total", "counter",
+                          "Rounds of the node journal: one fdatasync for every partition's "
+                          "batches.",
+                          [("", journal["syncs"])])
+        yield from family("nsqd_journal_records_total", "counter",
+                          "Partition batches journaled.", [("", journal["records"])])
+        yield from family("nsqd_journal_bytes_total", "counter",
+                          "Bytes written to the node journal.", [("", journal["bytes"])])
+        yield from family("nsqd_journal_sync_seconds_total", "counter",
+                          "Time in the node journal's writes and syncs.",
+                          [("", journal["sync_seconds_total"])])
+        yield from family("nsqd_journal_checkpoints_total", "counter",
+                          "Journal files retired once their segments were synced.",
+                          [("", journal["checkpoints"])])
+        yield from family("nsqd_journal_up", "gauge",
+                          "0 once the node journal failed: each partition syncs its own segment "
+                          "until the node restarts.",
+                          [("", not journal["failed"])])
 
     trace = stats.get("trace")
     if trace is not None:  # message trace (tracing.py)
-        out.family("nsqd_trace_events_written_total", "counter",
-                   "Trace events written to the trace store.", [({}, trace["written"])])
-        out.family("nsqd_trace_events_dropped_total", "counter",
-                   "Trace events dropped: the buffer was full, or the store refused them.",
-                   [({"reason": "buffer_full"}, trace["dropped_full"]),
-                    ({"reason": "store_failed"}, trace["dropped_failed"])])
-        out.family("nsqd_trace_events_buffered", "gauge",
-                   "Trace events waiting for the store.", [({}, trace["buffered"])])
-        out.family("nsqd_trace_sink", "gauge", "The trace store events go to (1).",
-                   [({"sink": trace["sink"]}, 1)])
-        out.family("nsqd_trace_store_retries_total", "counter",
-                   "Batches sent again because the trace store could not be reached.",
-                   [({}, trace["retries"])])
+        yield from family("nsqd_trace_events_written_total", "counter",
+                          "Trace events written to the trace store.", [("", trace["written"])])
+        yield from family("nsqd_trace_events_dropped_total", "counter",
+                          "Trace events dropped: the buffer was full, or the store refused them.",
+                          [('reason="buffer_full"', trace["dropped_full"]),
+                           ('reason="store_failed"', trace["dropped_failed"])])
+        yield from family("nsqd_trace_events_buffered", "gauge",
+                          "Trace events waiting for the store.", [("", trace["buffered"])])
+        yield from family("nsqd_trace_sink", "gauge", "The trace store events go to (1).",
+                          [(_labels({"sink": trace["sink"]}), 1)])
+        yield from family("nsqd_trace_store_retries_total", "counter",
+                          "Batches sent again because the trace store could not be reached.",
+                          [("", trace["retries"])])
 
     cluster = stats.get("cluster")
     if cluster is not None:
-        out.family("nsqd_cluster_etcd_connected", "gauge",
-                   "1 while the node's watch of etcd is connected.",
-                   [({}, cluster["etcd_connected"])])
-        out.family("nsqd_cluster_lease_ok", "gauge",
-                   "1 while the node's registration lease is held in etcd.",
-                   [({}, cluster["lease_ok"])])
-        out.family("nsqd_cluster_partitions_led", "gauge",
-                   "Partitions this node leads, as etcd assigns them.",
-                   [({}, cluster["partitions_led"])])
-        out.family("nsqd_cluster_forwarded_total", "counter",
-                   "Publish requests this node forwarded to a leader, answered OK.",
-                   [({}, cluster["forwarded"])])
-        out.family("nsqd_cluster_forward_failed_total", "counter",
-                   "Publish requests forwarded to a leader that failed or whose outcome is "
-                   "unknown.", [({}, cluster["forward_failed"])])
-        out.family("nsqd_cluster_problems", "gauge",
-                   "Keys in etcd that do not decode, and topics that could not be applied.",
-                   [({}, len(cluster["problems"]))])
+        yield from family("nsqd_cluster_etcd_connected", "gauge",
+                          "1 while the node's watch of etcd is connected.",
+                          [("", cluster["etcd_connected"])])
+        yield from family("nsqd_cluster_lease_ok", "gauge",
+                          "1 while the node's registration lease is held in etcd.",
+                          [("", cluster["lease_ok"])])
+        yield from family("nsqd_cluster_partitions_led", "gauge",
+                          "Partitions this node leads, as etcd assigns them.",
+                          [("", cluster["partitions_led"])])
+        yield from family("nsqd_cluster_forwarded_total", "counter",
+                          "Publish requests this node forwarded to a leader, answered OK.",
+                          [("", cluster["forwarded"])])
+        yield from family("nsqd_cluster_forward_failed_total", "counter",
+                          "Publish requests forwarded to a leader that failed or whose outcome is "
+                          "unknown.", [("", cluster["forward_failed"])])
+        yield from family("nsqd_cluster_problems", "gauge",
+                          "Keys in etcd that do not decode, and topics that could not be applied.",
+                          [("", len(cluster["problems"]))])
 
-    out.family("nsqd_topic_depth", "gauge",
-               "Messages held for channels that do not exist yet.",
-               [(tl(t), t["depth"]) for t in topics])
-    out.family("nsqd_topic_paused", "gauge", "1 when the topic is paused.",
-               [(tl(t), t["paused"]) for t in topics])
-    out.family("nsqd_topic_messages_total", "counter",
-               "Messages published to the topic on this node since start.",
-               [(tl(t), t["message_count"]) for t in topics])
-    out.family("nsqd_topic_message_bytes_total", "counter",
-               "Body bytes published to the topic on this node since start.",
-               [(tl(t), t["message_bytes"]) for t in topics])
+    yield from family("nsqd_topic_depth", "gauge",
+                      "Messages held for channels that do not exist yet.",
+                      [(tl[id(t)], t["depth"]) for t in topics])
+    yield from family("nsqd_topic_paused", "gauge", "1 when the topic is paused.",
+                      [(tl[id(t)], t["paused"]) for t in topics])
+    yield from family("nsqd_topic_messages_total", "counter",
+                      "Messages published to the topic on this node since start.",
+                      [(tl[id(t)], t["message_count"]) for t in topics])
+    yield from family("nsqd_topic_message_bytes_total", "counter",
+                      "Body bytes published to the topic on this node since start.",
+                      [(tl[id(t)], t["message_bytes"]) for t in topics])
 
-    out.family("nsqd_topic_partitions", "gauge", "Partitions of the topic (partition_num).",
-               [(tl(t), t["partition_num"]) for t in topics if "partition_num" in t])
-    out.family("nsqd_partition_leader", "gauge", "1 when this node leads the partition.",
-               [(pl(t, p), p.get("leader", True)) for t in topics
-                for p in t.get("partitions", [])])
-    out.family("nsqd_partition_up", "gauge",
-               "1 while the partition serves; 0 when it failed to open or its log failed.",
-               [(pl(t, p), p.get("error") is None) for t, p in held])
-    out.family("nsqd_partition_depth", "gauge",
-               "Messages of the partition held for channels that do not exist yet.",
-               [(pl(t, p), p["depth"]) for t, p in partitions])
-    out.family("nsqd_partition_start_offset", "gauge",
-               "Virtual offset of the oldest retained byte of the partition.",
-               [(pl(t, p), p["start_offset"]) for t, p in partitions])
-    out.family("nsqd_partition_committed_offset", "gauge",
-               "Virtual offset up to which the partition's log is committed (readable).",
-               [(pl(t, p), p["committed_offset"]) for t, p in partitions])
-    out.family("nsqd_partition_committed_count", "gauge",
-               "Messages in the partition's history up to the committed offset.",
-               [(pl(t, p), p["committed_count"]) for t, p in partitions])
-    out.family("nsqd_partition_written_offset", "gauge",
-               "Virtual offset up to which the partition's log is written.",
-               [(pl(t, p), p["written_offset"]) for t, p in partitions])
-    out.family("nsqd_partition_producers", "gauge",
-               "Idempotent producers the partition knows (their last sequences).",
-               [(pl(t, p), p["producers"]) for t, p in partitions])
-    out.family("nsqd_partition_producer_duplicates_total", "counter",
-               "Idempotent producers' requests answered again, not written.",
-               [(pl(t, p), p["producer_duplicates"]) for t, p in partitions])
-    out.family("nsqd_partition_half_waiting", "gauge",
-               "Half messages of the partition waiting for their commit or rollback.",
-               [(pl(t, p), p["half_waiting"]) for t, p in partitions])
-    out.family("nsqd_partition_half_decided_total", "counter",
-               "Half messages decided since the partition opened here.",
-               [({**pl(t, p), "decision": d}, p[f"half_{d}"]) for t, p in partitions
-                for d in ("committed", "rolled_back")])
-    out.family("nsqd_partition_half_checks_total", "counter",
-               "Check-backs made to half messages' producers.",
-               [(pl(t, p), p["half_checks"]) for t, p in partitions])
-    out.family("nsqd_partition_half_expired_total", "counter",
-               "Half messages rolled back after their last check-back got no decision.",
-               [(pl(t, p), p["half_expired"]) for t, p in partitions])
+    yield from family("nsqd_topic_partitions", "gauge", "Partitions of the topic (partition_num).",
+                      [(tl[id(t)], t["partition_num"]) for t in topics if "partition_num" in t])
+    yield from family("nsqd_partition_leader", "gauge", "1 when this node leads the partition.",
+                      [(pl[id(p)], p.get("leader", True)) for t in topics
+                       for p in t.get("partitions", [])])
+    yield from family("nsqd_partition_up", "gauge",
+                      "1 while the partition serves; 0 when it failed to open or its log failed.",
+                      [(pl[id(p)], p.get("error") is None) for t, p in held])
+    yield from family("nsqd_partition_depth", "gauge",
+                      "Messages of the partition held for channels that do not exist yet.",
+                      [(pl[id(p)], p["depth"]) for t, p in partitions])
+    yield from family("nsqd_partition_start_offset", "gauge",
+                      "Virtual offset of the oldest retained byte of the partition.",
+                      [(pl[id(p)], p["start_offset"]) for t, p in partitions])
+    yield from family("nsqd_partition_committed_offset", "gauge",
+                      "Virtual offset up to which the partition's log is committed (readable).",
+                      [(pl[id(p)], p["committed_offset"]) for t, p in partitions])
+    yield from family("nsqd_partition_committed_count", "gauge",
+                      "Messages in the partition's history up to the committed offset.",
+                      [(pl[id(p)], p["committed_count"]) for t, p in partitions])
+    yield from family("nsqd_partition_written_offset", "gauge",
+                      "Virtual offset up to which the partition's log is written.",
+                      [(pl[id(p)], p["written_offset"]) for t, p in partitions])
+    yield from family("nsqd_partition_producers", "gauge",
+                      "Idempotent producers the partition knows (their last sequences).",
+                      [(pl[id(p)], p["producers"]) for t, p in partitions])
+    yield from family("nsqd_partition_producer_duplicates_total", "counter",
+                      "Idempotent producers' requests answered again, not written.",
+                      [(pl[id(p)], p["producer_duplicates"]) for t, p in partitions])
+    yield from family("nsqd_partition_half_waiting", "gauge",
+                      "Half messages of the partition waiting for their commit or rollback.",
+                      [(pl[id(p)], p["half_waiting"]) for t, p in partitions])
+    yield from family("nsqd_partition_half_decided_total", "counter",
+                      "Half messages decided since the partition opened here.",
+                      [(f'{pl[id(p)]},decision="{d}"', p[f"half_{d}"]) for t, p in partitions
+                       for d in ("committed", "rolled_back")])
+    yield from family("nsqd_partition_half_checks_total", "counter",
+                      "Check-backs made to half messages' producers.",
+                      [(pl[id(p)], p["half_checks"]) for t, p in partitions])
+    yield from family("nsqd_partition_half_expired_total", "counter",
+                      "Half messages rolled back after their last check-back got no decision.",
+                      [(pl[id(p)], p["half_expired"]) for t, p in partitions])
     gc_of = [(t, p, p["group_commit"]) for t, p in partitions if "group_commit" in p]
-    out.histogram("nsqd_group_commit_batch_messages",
-                  "Messages per batch written by the partition's group commit.",
-                  [(pl(t, p), g["batch_messages_histogram"]["le"],
-                    g["batch_messages_histogram"]["counts"], g["batch_messages_total"])
-                   for t, p, g in gc_of])
-    out.histogram("nsqd_group_commit_sync_seconds", "Seconds per sync of the partition's log.",
-                  [(pl(t, p), g["sync_seconds_histogram"]["le"],
-                    g["sync_seconds_histogram"]["counts"], float(g["sync_seconds_total"]))
-                   for t, p, g in gc_of])
+    yield from family("nsqd_group_commit_batch_messages", "histogram",
+                      "Messages per batch written by the partition's group commit.",
+                      [(pl[id(p)], g["batch_messages_histogram"]["le"],
+                        g["batch_messages_histogram"]["counts"], g["batch_messages_total"])
+                       for t, p, g in gc_of])
+    yield from family("nsqd_group_commit_sync_seconds", "histogram",
+                      "Seconds per sync of the partition's log.",
+                      [(pl[id(p)], g["sync_seconds_histogram"]["le"],
+                        g["sync_seconds_histogram"]["counts"], float(g["sync_seconds_total"]))
+                       for t, p, g in gc_of])
 
     gauges = [
         ("nsqd_channel_depth", "depth", "Messages not yet delivered (unread plus requeued)."),
@@ -260,14 +273,14 @@ def render(stats: dict) -> str:
          "Offset before which every message is finished."),
     ]
     for name, key, help_text in gauges:
-        out.family(name, "gauge", help_text, [(cl(*x), x[2][key]) for x in channels])
-    out.family("nsqd_channel_delay_store_up", "gauge",
-               "0 when the channel's delay store failed (deferred messages wait in memory).",
-               [(cl(*x), x[2].get("delay_error") is None) for x in channels])
-    out.family("nsqd_channel_delay_oldest_due_seconds", "gauge",
-               "Unix time at which the oldest message of the disk delay queue is due.",
-               [(cl(*x), x[2]["delay_oldest_due_ms"] / 1000) for x in channels
-                if x[2]["delay_oldest_due_ms"] is not None])
+        yield from family(name, "gauge", help_text, [(cl[id(x[2])], x[2][key]) for x in channels])
+    yield from family("nsqd_channel_delay_store_up", "gauge",
+                      "0 when the channel's delay store failed (deferred messages wait in memory).",
+                      [(cl[id(x[2])], x[2].get("delay_error") is None) for x in channels])
+    yield from family("nsqd_channel_delay_oldest_due_seconds", "gauge",
+                      "Unix time at which the oldest message of the disk delay queue is due.",
+                      [(cl[id(x[2])], x[2]["delay_oldest_due_ms"] / 1000) for x in channels
+                       if x[2]["delay_oldest_due_ms"] is not None])
     counters = [
         ("nsqd_channel_messages_total", "message_count",
          "Messages that reached the channel since it was opened."),
@@ -280,5 +293,4 @@ def render(stats: dict) -> str:
          "Messages moved to the channel's dead letters since it was opened here."),
     ]
     for name, key, help_text in counters:
-        out.family(name, "counter", help_text, [(cl(*x), x[2][key]) for x in channels])
-    return out.text()
+        yield from family(name, "counter", help_text, [(cl[id(x[2])], x[2][key]) for x in channels])

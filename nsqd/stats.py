@@ -1,9 +1,12 @@
 """Stats: the node's numbers in the shape of classic nsqd's /stats, built by pure functions.
 
-`node_stats(nsqd, ...)` reads the node's objects (topics, partitions, channels,
-clients, the diskqueue counters) without I/O and without awaiting, so one call is
-one consistent snapshot; `render_text` prints it like nsqd v1.3.0's text format.
-/stats serves both, /metrics (metrics.py) renders the same dict for Prometheus.
+`topic_entries(nsqd, ...)` makes each topic's entry and `node_stats(nsqd, entries, ...)`
+the document around them, reading the node's objects (topics, partitions, channels,
+clients, the diskqueue counters) without I/O and without awaiting: each topic's entry is
+one consistent snapshot, and the HTTP edge lets the loop run between two (nsqd/pace.py:
+at 10,000 partitions the walk is hundreds of milliseconds); `render_text` prints the
+document like nsqd v1.3.0's text format. /stats serves both, /metrics (metrics.py)
+renders the same dict for Prometheus.
 
 Classic fields keep their names, order and meaning so nsq_stat and nsqadmin read
 them; ours are additive:
@@ -87,24 +90,28 @@ _STATE_INIT, _STATE_SUBSCRIBED, _STATE_CLOSING = 0, 3, 4
 # ---- node ------------------------------------------------------------------
 
 
-def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool = True,
-               include_mem: bool = True) -> dict:
-    """The /stats JSON document; `topic`/`channel` filter as classic nsqd does ("" = all)."""
-    conns = _connections(nsqd)
-    if topic:
-        topics = [nsqd.topics[topic]] if topic in nsqd.topics else []
-    else:
-        topics = [nsqd.topics[name] for name in sorted(nsqd.topics)]
-    topic_list = []
-    for t in topics:
-        entry = topic_stats(t, channel, include_clients, conns)
-        if entry is not None:
-            topic_list.append(entry)
+def topic_entries(nsqd, conns: dict, topic: str = "", channel: str = "",
+                  include_clients: bool = True):
+    """Each topic's /stats entry, one at a time, in name order; `topic`/`channel` filter as
+    classic nsqd does ("" = all). Between two entries the loop may run (nsqd/pace.py): a
+    topic deleted meanwhile is left out."""
+    for name in [topic] if topic else sorted(nsqd.topics):
+        t = nsqd.topics.get(name)
+        if t is not None:
+            entry = topic_stats(t, channel, include_clients, conns)
+            if entry is not None:
+                yield entry
+
+
+def node_stats(nsqd, topics: list[dict], conns: dict, topic: str = "",
+               include_clients: bool = True, include_mem: bool = True) -> dict:
+    """The /stats JSON document around `topics` (topic_entries' for the same `conns` and
+    `topic` filter)."""
     out = {"version": nsqd.version, "health": nsqd.health, "start_time": int(nsqd.start_time),
-           "topics": topic_list}
+           "topics": topics}
     if include_mem:
         out["memory"] = memory_stats()
-    out["producers"] = (producer_stats(conns, topic) if include_clients else [])
+    out["producers"] = producer_stats(conns, topic) if include_clients else []
     out["client_count"] = len(conns)
     out["data_free_bytes"] = nsqd.disk.free
     out["lookupd"] = nsqd.lookup.state()  # ours: each nsqlookupd peer (lookup.py)
@@ -117,7 +124,7 @@ def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool =
     return out
 
 
-def _connections(nsqd) -> dict:
+def connections(nsqd) -> dict:
     """Client -> its connection (for the protocol state and TLS details)."""
     out = {}
     for conn in list(nsqd.connections):

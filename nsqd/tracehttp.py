@@ -27,7 +27,7 @@ from nsqtrace.events import msg_id_hex
 from nsqtrace.query import QueryError, parse_message_get, parse_search
 from nsqtrace.timeline import timelines
 from nsqtrace.store import StoreUnavailable
-from nsqwire.httpapi import V1_HEADER, go_json, go_json_lists
+from nsqwire.httpapi import V1_HEADER, go_json, go_json_pieces
 from nsqwire.protocol import valid_channel_name
 
 from .errors import ClusterUnavailable, http_error
@@ -95,8 +95,9 @@ def _search_answer(tracer, q) -> tuple[int, bytes]:
         return 404, go_json({"message": "TRACE_ID_NOT_FOUND",
                              "detail": f"no trace events with trace id {trace_id}"})
     messages, other = timelines(found)
-    return 200, go_json_lists({"count": len(found), "limit": q.limit}, messages=messages,
-                              other=other)
+    return 200, b"".join(go_json_pieces({"count": len(found), "limit": q.limit,
+                                         "messages": messages, "other": other},
+                                        "messages", "other"))
 
 
 async def do_message_get(nsqd, request):

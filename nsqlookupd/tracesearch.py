@@ -32,7 +32,7 @@ import structlog
 from nsqtrace.events import NO_MESSAGE, parse_msg_id
 from nsqtrace.query import QueryError, parse_message_get, parse_search
 from nsqtrace.timeline import timelines
-from nsqwire.httpapi import go_json_lists
+from nsqwire.httpapi import go_json_pieces
 
 from .http import HTTPError
 
@@ -180,8 +180,9 @@ def _search_answer(search, asked: list[str], results: list, per_node: bool) -> b
                         detail=missing[0].get("detail", ""), nodes=asked,
                         unreachable=unreachable)
     messages, other = _timelines(events, per_node=per_node)
-    return go_json_lists({"count": len(events), "limit": limit}, messages=messages,
-                         other=other, nodes=asked, unreachable=unreachable)
+    return b"".join(go_json_pieces({"count": len(events), "limit": limit, "messages": messages,
+                                    "other": other, "nodes": asked, "unreachable": unreachable},
+                                   "messages", "other"))
 
 
 def _leader(lookupd, topic: str, partition: int | None) -> str:

@@ -42,17 +42,22 @@ def go_json(data) -> bytes:
     return utf8(text)
 
 
-def go_json_lists(head: dict, **lists: list) -> bytes:
-    """go_json({**head, **lists}), each list encoded one item at a time. One json.dumps
-    holds the GIL for the whole value: about 100 ms for a trace search's 10,000 events,
-    which an event loop in another thread waits out; one item takes microseconds."""
-    parts = [go_json(head)[:-1] if head else b"{"]
-    for key, items in lists.items():
-        if len(parts) > 1 or head:
-            parts.append(b",")
-        parts += [go_json(key), b":[", b",".join([go_json(item) for item in items]), b"]"]
-    parts.append(b"}")
-    return b"".join(parts)
+def go_json_pieces(data: dict, *lists: str):
+    """go_json(data) in pieces, joined in order, each list named in `lists` an item a
+    piece. One json.dumps holds the GIL and the caller for the whole value (about 100 ms
+    for a trace search's 10,000 events, 150 ms for /stats at 10,000 partitions); one item
+    takes microseconds, so a thread's or the loop's turn can come between (nsqd/pace.py)."""
+    yield b"{"
+    for i, (key, value) in enumerate(data.items()):
+        yield (b"," if i else b"") + go_json(key) + b":"
+        if key in lists:
+            yield b"["
+            for j, item in enumerate(value):
+                yield (b"," if j else b"") + go_json(item)
+            yield b"]"
+        else:
+            yield go_json(value)
+    yield b"}"
 
 
 V1_HEADER = {"X-NSQ-Content-Type": "nsq; version=1.0"}

@@ -921,12 +921,14 @@ def test_go_json_escapes_like_go():
     assert httpapi.go_json({"m": "\ud800é"}) == '{"m":"\ufffdé"}'.encode()
 
 
-def test_go_json_lists_is_go_json_an_item_at_a_time():
-    head = {"count": 2, "limit": 10, "note": "<&>"}
-    lists = {"messages": [{"a": "\ud800é", "n": [1, 2]}, {}], "other": [], "more": ["x"]}
-    assert httpapi.go_json_lists(head, **lists) == httpapi.go_json({**head, **lists})
-    assert httpapi.go_json_lists({}, one=[1]) == httpapi.go_json({"one": [1]})
-    assert httpapi.go_json_lists({}) == b"{}"
+def test_go_json_pieces_are_go_json_an_item_at_a_time():
+    doc = {"count": 2, "messages": [{"a": "\ud800é", "n": [1, 2]}, {}], "limit": 10,
+           "note": "<&>", "other": [], "more": ["x"]}
+    pieces = list(httpapi.go_json_pieces(doc, "messages", "other", "more"))
+    assert b"".join(pieces) == httpapi.go_json(doc)
+    assert b'{"a":"\xef\xbf\xbd\xc3\xa9","n":[1,2]}' in pieces  # an item a piece
+    assert b"".join(httpapi.go_json_pieces({"one": [1]}, "one")) == httpapi.go_json({"one": [1]})
+    assert b"".join(httpapi.go_json_pieces({})) == b"{}"
 
 
 def test_go_duration():
