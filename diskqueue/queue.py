@@ -428,6 +428,11 @@ class DiskQueue(GroupCommit, Replicated):
     def start_offset(self) -> int:
         return self._segments.start
 
+    @property
+    def segment_count(self) -> int:
+        """Segment files the log holds, its active one included (at least 1)."""
+        return len(self._segments.bases)
+
     def segment_of(self, offset: int) -> tuple[str, int, int]:
         """(file path, segment base, segment end) of the segment holding `offset`."""
         base, end = self._segments.locate(offset)

@@ -84,7 +84,7 @@ def single_segment(queue) -> bool:
     """Whether the log is its active segment alone, which retention never drops: then the
     retention loop skips it without a job on its write worker. (A segment made meanwhile
     waits for the next check.)"""
-    return queue.segment_of(queue.start_offset)[1] == queue.segment_of(queue.written_end)[1]
+    return queue.segment_count == 1
 
 
 class NSQD:

@@ -26,6 +26,7 @@ log = structlog.get_logger("nsqd")
 FILES_IDLE_S = 60.0
 OPEN_LOGS = 1024
 RELEASE_INTERVAL = 1.0
+RELEASE_STEP = 16  # releases given to the write thread at once (each may sync a segment)
 
 
 def open_logs_limit() -> int:
@@ -47,10 +48,12 @@ class OpenLogs:
 
     async def release_loop(self) -> None:
         """Close the files of the logs that FILES_IDLE_S and OPEN_LOGS say (above), and as
-        many more as logs wait for a place, least recently used first, all of a pass at once
-        (their jobs reach the write thread together); passes follow each other while logs
-        wait and the last one released some. A failed log keeps its place until it is
-        closed."""
+        many more as logs wait for a place, least recently used first, RELEASE_STEP at a
+        time: the write thread runs jobs in order, and a release syncs its segment when it
+        has unsynced data, so a burst of them delays every publish queued behind it (after
+        10,000 first writes a pass closes thousands: given at once, a PUB waited half a
+        second); passes follow each other while logs wait and the last one released some.
+        A failed log keeps its place until it is closed."""
         files = self.files
         keep = min(OPEN_LOGS, files.limit // 2)
         chosen: list = []
@@ -72,7 +75,8 @@ class OpenLogs:
                 if i >= excess and now - used < FILES_IDLE_S:
                     break  # the rest were used more recently
                 chosen.append(queue)
-            await asyncio.gather(*map(_release, chosen))
+            for i in range(0, len(chosen), RELEASE_STEP):
+                await asyncio.gather(*map(_release, chosen[i:i + RELEASE_STEP]))
 
 
 async def _release(queue) -> None:
