@@ -218,6 +218,34 @@ async def test_beyond_open_logs_the_least_recently_used_close_their_files(node, 
     assert [q.files_used_at is not None for q in queues] == [False] * 4 + [True] * 2
 
 
+async def test_the_release_loop_gives_the_write_thread_a_few_releases_at_a_time(node,
+                                                                                monkeypatch):
+    """A pass that closes many logs hands them over RELEASE_STEP at a time: each release
+    may sync a segment, and a publish queued behind all of them at once waited for all."""
+    monkeypatch.setattr("nsqd.openlogs.OPEN_LOGS", 2)
+    monkeypatch.setattr("nsqd.openlogs.RELEASE_STEP", 3)
+    monkeypatch.setattr("nsqd.openlogs.RELEASE_INTERVAL", 0.1)
+    in_flight, most = [0], [0]
+    release = DiskQueue.release_files
+
+    async def counted(self):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            await release(self)
+        finally:
+            in_flight[0] -= 1
+
+    monkeypatch.setattr(DiskQueue, "release_files", counted)
+    n = await node()
+    await n.create_topic("t", 12)
+    pub = await connect(n)
+    await asyncio.gather(*(pub.command(cmd_pub("t", b"x", partition=i)) for i in range(12)))
+    queues = [n.topics["t"].partitions[i].queue for i in range(12)]
+    await until(lambda: sum(q.files_used_at is not None for q in queues) <= 2)
+    assert most[0] == 3  # 10 to close, 3 at a time
+
+
 async def test_a_log_without_a_place_waits_for_one_and_fails_nothing(tmp_path):
     """A budget of two logs, four written at once: two write; two wait, their files shut,
     nothing failed, and the host is asked to release (`on_full`); a release gives its place
