@@ -11,7 +11,10 @@ of at most 1,000 partitions, one channel each, one 200-byte message in every par
 - idle CPU: nsqd's CPU time (all threads) over 10 s with nothing happening, 2 s after
   the setup, as % of one core (target < 2%), and its event loop's thread's part;
 - then RSS (VmRSS of the nsqd process), its threads and open file descriptors;
-- `GET /stats?format=json`: median time of 5, and its size;
+- `GET /stats?format=json` and `GET /metrics`: median time of 5, and their sizes; meanwhile
+  one connection PUBs one message at a time, and its longest round trip is printed beside
+  the longest of the same PUBs alone for READ_S before (what a read of every partition
+  costs the publishers: the loop's longest stall);
 - restart: SIGKILL, then started again: the time until it serves HTTP (/ping answers)
   and until it serves every partition: /stats lists each with `"error": null` and the
   channel, and a PUB to the last partition of each topic answers OK (target < 10 s);
@@ -66,6 +69,7 @@ DEPTH = 500  # PUBs in flight a connection
 RESTARTS = 3
 IDLE_S = 10.0
 SETTLE_S = 2.0
+READ_S = 3.0  # PUBs one at a time alone, before the same beside /stats and /metrics
 FASTER_THAN_LINEAR = 1.2  # a ratio above 1.2x N's own is faster than linear
 FIGURES = [  # (key, label, format)
     ("setup_s", "setup: topics, channels, publish (s)", ".2f"),
@@ -76,6 +80,10 @@ FIGURES = [  # (key, label, format)
     ("fds", "open file descriptors", ",d"),
     ("stats_ms", "/stats?format=json (ms, median of 5)", ",.1f"),
     ("stats_bytes", "/stats?format=json size (bytes)", ",d"),
+    ("metrics_ms", "/metrics (ms, median of 5)", ",.1f"),
+    ("metrics_bytes", "/metrics size (bytes)", ",d"),
+    ("pub_alone_longest_ms", "one PUB at a time, nothing else: longest (ms)", ",.1f"),
+    ("pub_beside_reads_longest_ms", "one PUB at a time beside the reads: longest (ms)", ",.1f"),
     ("restart_http_s", "restart: to serving HTTP (s, median of 3)", ".2f"),
     ("restart_serving_s", "restart: to every partition (s, median of 3)", ".2f"),
     ("restart_idle_cpu_pct", "after the restart: idle CPU (% of a core)", ".2f"),
@@ -143,6 +151,49 @@ async def _publish(tcp_address: str, pubs: list[tuple[str, int]], deadline: Dead
 
     async with asyncio.timeout(deadline.left()):
         await asyncio.gather(*(one(pubs[i::CONNS]) for i in range(CONNS)))
+
+
+async def _reads_beside_a_publisher(proc, topic: str, deadline: Deadline) -> dict:
+    """One connection PUBs to `topic` one at a time: alone for READ_S, then while
+    /stats?format=json and /metrics are each read 5 times (from a thread). Returns each
+    path's (times, last body) and the PUBs' round trips: "alone" and "beside" the reads."""
+    host, port = proc.tcp_address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(p.MAGIC_V2)
+    frames = FrameParser()
+
+    async def publish(done) -> list[float]:
+        trips = []
+        while not done():
+            t = time.perf_counter()
+            writer.write(cmd_pub(topic, BODY))
+            answers: list = []
+            while not answers:
+                frames.feed(await asyncio.wait_for(reader.read(1 << 16), deadline.left()))
+                answers = list(frames.frames())
+            if answers != [(p.FRAME_RESPONSE, b"OK")]:
+                raise RuntimeError(f"PUB answered {answers}")
+            trips.append(time.perf_counter() - t)
+        return trips
+
+    out: dict = {}
+    try:
+        end = time.monotonic() + READ_S
+        out["alone"] = await publish(lambda: time.monotonic() > end)
+        reading = True
+        beside = asyncio.ensure_future(publish(lambda: not reading))
+        for path in ("/stats?format=json", "/metrics"):
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                body = await asyncio.to_thread(_request, proc, "GET", path, deadline)
+                times.append(time.perf_counter() - t)
+            out[path] = (times, body)
+        reading = False
+        out["beside"] = await beside
+    finally:
+        writer.close()
+    return out
 
 
 def _counts(pid: int) -> tuple[int, int]:
@@ -251,13 +302,13 @@ def run(report: Report, servers, n: int, base_dir: str | None) -> None:
             add("threads", threads)
             add("fds", fds)
             step = "stats"
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                body = _request(proc, "GET", "/stats?format=json", deadline)
-                times.append(time.perf_counter() - t)
-            add("stats_ms", statistics.median(times) * 1000)
-            add("stats_bytes", len(body))
+            read = asyncio.run(_reads_beside_a_publisher(proc, next(iter(topics)), deadline))
+            for path, key in (("/stats?format=json", "stats"), ("/metrics", "metrics")):
+                times, body = read[path]
+                add(f"{key}_ms", statistics.median(times) * 1000)
+                add(f"{key}_bytes", len(body))
+            add("pub_alone_longest_ms", max(read["alone"]) * 1000)
+            add("pub_beside_reads_longest_ms", max(read["beside"]) * 1000)
             to_http, to_all = [], []
             for i in range(RESTARTS):
                 step = f"restart {i + 1}"
