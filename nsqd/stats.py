@@ -95,7 +95,7 @@ def topic_entries(nsqd, conns: dict, topic: str = "", channel: str = "",
     """Each topic's /stats entry, one at a time, in name order; `topic`/`channel` filter as
     classic nsqd does ("" = all). Between two entries the loop may run (nsqd/pace.py): a
     topic deleted meanwhile is left out."""
-    for name in [topic] if topic else sorted(nsqd.topics):
+    for name in ([topic] if topic else sorted(nsqd.topics)):
         t = nsqd.topics.get(name)
         if t is not None:
             entry = topic_stats(t, channel, include_clients, conns)
