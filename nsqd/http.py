@@ -94,6 +94,8 @@ call changes nothing):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import functools
@@ -124,6 +126,8 @@ from nsqwire.httpapi import V1_HEADER, go_json, go_json_pieces, v1_answer
 from nsqwire.protocol import valid_topic_name
 
 log = structlog.get_logger("nsqd.http")
+
+WALK_WAIT_S = 10.0  # a /stats or /metrics read waits this long for the walk ahead, then 503 BUSY
 
 # ---- encoding ----------------------------------------------------------------
 
@@ -295,15 +299,33 @@ async def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: 
     return stats.node_stats(nsqd, topics, conns, topic, include_clients, include_mem)
 
 
+@contextlib.asynccontextmanager
+async def walk_alone(nsqd):
+    """One walk of every partition (/stats, /metrics) at a time on a node: a walk holds its
+    whole document until answered (at 10,000 partitions, tens of MB), and paced walks
+    overlap, so ten reads at once held ten (3,000 partitions: +92 MB of RSS, against +18
+    MB one at a time). A read that waits WALK_WAIT_S for its turn is answered 503 BUSY."""
+    try:
+        async with asyncio.timeout(WALK_WAIT_S):
+            await nsqd.walking.acquire()
+    except TimeoutError:
+        raise HTTPError(503, "BUSY") from None
+    try:
+        yield
+    finally:
+        nsqd.walking.release()
+
+
 async def do_stats(nsqd, request):
     params = query(request)
-    doc = await node_stats(
-        nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
-        include_clients=bool_arg(params, "include_clients", True, True),
-        include_mem=bool_arg(params, "include_mem", True, True))
-    if arg(params, "format") == "json":  # bytes: JSON already, encoded a topic at a time
-        return b"".join(await pace.collect(go_json_pieces(doc, "topics")))
-    return stats.render_text(doc)
+    async with walk_alone(nsqd):
+        doc = await node_stats(
+            nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
+            include_clients=bool_arg(params, "include_clients", True, True),
+            include_mem=bool_arg(params, "include_mem", True, True))
+        if arg(params, "format") == "json":  # bytes: JSON already, encoded a topic at a time
+            return b"".join(await pace.collect(go_json_pieces(doc, "topics")))
+        return stats.render_text(doc)
 
 
 async def do_pub(nsqd, request):
@@ -634,8 +656,9 @@ async def do_config(nsqd, request, name: str):
 
 
 async def do_metrics(nsqd, request):
-    doc = await node_stats(nsqd, include_clients=True, include_mem=False)
-    text = "".join(await pace.collect(metrics.render(doc)))
+    async with walk_alone(nsqd):
+        doc = await node_stats(nsqd, include_clients=True, include_mem=False)
+        text = "".join(await pace.collect(metrics.render(doc)))
     return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
 
 

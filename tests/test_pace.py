@@ -89,3 +89,43 @@ async def _measure(http, base: str) -> None:
             assert [len(t["partitions"]) for t in topics] == [250] * 8
         # unpaced, the loop waits out the whole walk: its longest gap is most of `took`
         assert ticker.longest < took / 3, (path, ticker.longest, took)
+
+
+async def test_reads_of_every_partition_walk_one_at_a_time(node, monkeypatch):
+    """Paced walks would overlap, each holding its whole document: a flood of reads would
+    multiply the memory. They take turns; one that waits too long is answered 503 BUSY."""
+    import nsqd.http as http_module
+
+    walking, most, walks = [0], [0], [0]
+    node_stats = http_module.node_stats
+
+    async def counted(*args, **kwargs):
+        walking[0] += 1
+        walks[0] += 1
+        most[0] = max(most[0], walking[0])
+        try:
+            return await node_stats(*args, **kwargs)
+        finally:
+            walking[0] -= 1
+
+    monkeypatch.setattr(http_module, "node_stats", counted)
+    monkeypatch.setattr(http_module, "WALK_WAIT_S", 0.3)
+    n = await node()
+    base = f"http://127.0.0.1:{n.http_port}"
+    async with aiohttp.ClientSession() as http:
+        for i in range(4):
+            async with http.post(base + f"/topic/create?topic=w{i}&partition_num=100") as r:
+                assert r.status == 200
+
+        async def read(path: str) -> int:
+            async with http.get(base + path) as r:
+                await r.read()
+                return r.status
+
+        paths = ["/stats?format=json", "/metrics", "/stats"] * 3
+        assert await asyncio.gather(*map(read, paths)) == [200] * len(paths)
+        assert walks[0] == len(paths) and most[0] == 1
+        async with n.walking:  # a walk holds the node past the wait
+            async with http.get(base + "/stats?format=json") as r:
+                assert (r.status, (await r.json())["message"]) == (503, "BUSY")
+        assert walks[0] == len(paths)
