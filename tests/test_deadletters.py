@@ -190,7 +190,8 @@ async def test_other_channels_never_see_dead_or_revived_copies(node):
     await _json(n, "POST", "/channel/dead/requeue?topic=t&channel=ch")
     [(_, revived, _)] = await con.take()
     con.send(c.cmd_fin(revived))
-    other = await Consumer.open(n, "t", "other")
+    # its own timeout: the node's 200 ms would redeliver on a loaded machine before the read
+    other = await Consumer.open(n, "t", "other", {"msg_timeout": 60_000})
     [(_, got, body)] = await other.take()
     assert (got, body) == (msg_id, b"m")  # the message itself, and nothing else
     other.send(c.cmd_fin(got))
