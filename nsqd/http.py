@@ -63,7 +63,7 @@ Ours, beyond classic:
   lookupds and drops the others, as classic). PUT log_level is refused with INVALID_OPTION:
   structlog loggers are cached on first use (logs.py), so a level change would
   not reach them.
-- GET /metrics: Prometheus text (metrics.py).
+- GET /stats and GET /metrics: statshttp.py.
 - Cluster mode: /channel/create (and a SUB) that makes a channel answers once every
   partition's leader made it (503 `CHANNEL_CREATE_FAILED` after 5 s); GET
   /channel/made?topic=&channel= answers `{"partitions": [...]}`, the partitions led here
@@ -94,8 +94,6 @@ call changes nothing):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import json
 import functools
@@ -108,7 +106,7 @@ from aiohttp import web
 from diskqueue.errors import NotCommitted
 from diskqueue.queue import QueueClosedError
 
-from . import metrics, pace, replay, stats
+from . import replay, stats
 from .httpargs import (HTTPError, arg, bool_arg, defer_arg, parse_mpub_binary, parse_mpub_text,
                        partition_arg, producer_arg, query, read_body, strict_bool_arg, topic_arg,
                        topic_channel_args)
@@ -122,12 +120,11 @@ from .health import is_disk_full
 from .options import _DURATIONS, lookupd_host_port, parse_duration_ms
 from isr.leader import NotWritable
 from nsqwire import adminkey
-from nsqwire.httpapi import V1_HEADER, go_json, go_json_pieces, v1_answer
+from nsqwire.httpapi import V1_HEADER, go_json, v1_answer
 from nsqwire.protocol import valid_topic_name
 
 log = structlog.get_logger("nsqd.http")
 
-WALK_WAIT_S = 10.0  # a /stats or /metrics read waits this long for the walk ahead, then 503 BUSY
 
 # ---- encoding ----------------------------------------------------------------
 
@@ -287,45 +284,6 @@ async def do_info(nsqd, request):
         **({"node_id": nsqd.cluster.node_id, "cluster_id": nsqd.cluster.cluster_id}
            if nsqd.cluster is not None else {}),
     }
-
-
-async def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool = True,
-                     include_mem: bool = True) -> dict:
-    """stats.node_stats, its topics walked with the loop's turns between them (pace.py)."""
-    await nsqd.disk.read()
-    conns = stats.connections(nsqd)
-    topics = await pace.collect(stats.topic_entries(nsqd, conns, topic, channel,
-                                                    include_clients))
-    return stats.node_stats(nsqd, topics, conns, topic, include_clients, include_mem)
-
-
-@contextlib.asynccontextmanager
-async def walk_alone(nsqd):
-    """One walk of every partition (/stats, /metrics) at a time on a node: a walk holds its
-    whole document until answered (at 10,000 partitions, tens of MB), and paced walks
-    overlap, so ten reads at once held ten (3,000 partitions: +92 MB of RSS, against +18
-    MB one at a time). A read that waits WALK_WAIT_S for its turn is answered 503 BUSY."""
-    try:
-        async with asyncio.timeout(WALK_WAIT_S):
-            await nsqd.walking.acquire()
-    except TimeoutError:
-        raise HTTPError(503, "BUSY") from None
-    try:
-        yield
-    finally:
-        nsqd.walking.release()
-
-
-async def do_stats(nsqd, request):
-    params = query(request)
-    async with walk_alone(nsqd):
-        doc = await node_stats(
-            nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
-            include_clients=bool_arg(params, "include_clients", True, True),
-            include_mem=bool_arg(params, "include_mem", True, True))
-        if arg(params, "format") == "json":  # bytes: JSON already, encoded a topic at a time
-            return b"".join(await pace.collect(go_json_pieces(doc, "topics")))
-        return stats.render_text(doc)
 
 
 async def do_pub(nsqd, request):
@@ -655,18 +613,10 @@ async def do_config(nsqd, request, name: str):
     return config_value(o, name)
 
 
-async def do_metrics(nsqd, request):
-    async with walk_alone(nsqd):
-        doc = await node_stats(nsqd, include_clients=True, include_mem=False)
-        text = "".join(await pace.collect(metrics.render(doc)))
-    return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
-
-
 # ---- routing ---------------------------------------------------------------------
 
 ROUTES = {
     "/info": {"GET": do_info},
-    "/stats": {"GET": do_stats},
     "/pub": {"POST": do_pub},
     "/mpub": {"POST": do_mpub},
     "/topic/create": {"POST": do_topic_create},
@@ -685,7 +635,6 @@ ROUTES = {
     "/channel/setoffset": {"POST": do_channel_setoffset},
     "/channel/delay/empty": {"POST": do_channel_delay_empty},
     "/channel/delay/requeue": {"POST": do_channel_delay_requeue},
-    "/metrics": {"GET": do_metrics},
 }
 _CONFIG_METHODS = ("GET", "PUT")
 # state-changing calls that need no admin key: data (a half message and its decision too)
@@ -780,11 +729,13 @@ async def start_http(nsqd, tls: ssl.SSLContext | None = None):
     from .readhttp import ROUTES as READ_ROUTES  # /topic/offsets, /topic/read: readhttp.py
     from .deadhttp import ROUTES as DEAD_ROUTES  # /channel/config, /channel/dead*: deadhttp.py
     from .halfhttp import ROUTES as HALF_ROUTES  # /half, /half/commit|rollback: halfhttp.py
+    from .statshttp import ROUTES as STATS_ROUTES  # /stats, /metrics: statshttp.py
 
     ROUTES.update(TRACE_ROUTES)
     ROUTES.update(READ_ROUTES)
     ROUTES.update(DEAD_ROUTES)
     ROUTES.update(HALF_ROUTES)
+    ROUTES.update(STATS_ROUTES)
     stats.install_gc_timer()
     o = nsqd.options
     gate = Gate(adminkey.read_secret(o.admin_secret_file) if o.admin_secret_file else "",

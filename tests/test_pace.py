@@ -94,7 +94,7 @@ async def _measure(http, base: str) -> None:
 async def test_reads_of_every_partition_walk_one_at_a_time(node, monkeypatch):
     """Paced walks would overlap, each holding its whole document: a flood of reads would
     multiply the memory. They take turns; one that waits too long is answered 503 BUSY."""
-    import nsqd.http as http_module
+    import nsqd.statshttp as http_module
 
     walking, most, walks = [0], [0], [0]
     node_stats = http_module.node_stats
