@@ -129,7 +129,7 @@ def decode_all(buf: bytes, pos: int, end: int, base_offset: int, max_count: int)
     first bad record (None if none), and `new_pos` points at it, so the records
     before it are still delivered and the bad one is never skipped.
     """
-    records = []
+    records: list[Record] = []
     append = records.append
     view = memoryview(buf)
     try:

@@ -19,6 +19,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 from .ext import RESERVED_HEADER_KEYS, check_url_ok, producer_of, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
@@ -380,7 +381,7 @@ class CommandParser:
         """Bytes received and not yet parsed."""
         return len(self._buf) - self._pos
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Take bytes read. When every byte before them was parsed (a client waiting for
         its answers sends whole commands) they become the buffer as they are, uncopied;
         a rest waiting for more goes on in a bytearray."""
@@ -394,7 +395,7 @@ class CommandParser:
             with memoryview(buf) as view:
                 buf = self._buf = bytearray(view[pos:])
         else:
-            del buf[:pos]
+            del cast(bytearray, buf)[:pos]
         self._scan = max(0, self._scan - pos)
         self._pos = 0
         buf += data
@@ -442,6 +443,7 @@ class CommandParser:
 
     def _next(self) -> Command | None:
         buf = self._buf
+        command: Command | None
         while True:
             state = self._state
             if state == _LINE:

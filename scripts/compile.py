@@ -1,0 +1,63 @@
+"""Compile the per-message modules with mypyc, from their own .py files (issue #31, item 2).
+
+    .venv/bin/python scripts/compile.py [--clean] [MODULE.py ...]
+
+The extension modules go to build/mypyc/ (a tree of packages holding only .so files);
+each compiled package's __init__ puts its folder there first on its __path__
+(nsqwire/_compiled.py), so `import nsqwire.protocol` takes the compiled module and every
+other module stays the .py. NSQ_PURE=1 in the environment selects the pure modules: the
+compiled ones are never looked at. The sources are unchanged by the build: one source
+for every rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "build", "mypyc")
+TMP = os.path.join(ROOT, "build", "mypyc-tmp")
+
+# The modules a durable PUB runs per message (bench/pubpath.py under py-spy: their own
+# Python time, most first).
+MODULES = [
+    "nsqd/tcp.py",
+    "diskqueue/groupcommit.py",
+    "nsqwire/protocol.py",
+    "commitlog/entry.py",
+    "diskqueue/record.py",
+]
+
+MYPY_ARGS = ["--follow-imports=silent", "--ignore-missing-imports", "--python-version=3.11"]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--clean"]:
+        shutil.rmtree(OUT, ignore_errors=True)
+        shutil.rmtree(TMP, ignore_errors=True)
+        argv = argv[1:]
+    modules = argv or MODULES
+    os.chdir(ROOT)
+    sys.path.insert(0, ROOT)
+    from mypyc.build import mypycify
+    from setuptools import setup
+
+    from nsqwire._compiled import MANIFEST, digest
+
+    sources = {m: digest(os.path.join(ROOT, m)) for m in modules}
+    ext_modules = mypycify(MYPY_ARGS + modules, opt_level="3", debug_level="0",
+                           target_dir=TMP, group_name="nsq_hot")
+    shutil.rmtree(OUT, ignore_errors=True)
+    setup(name="nsq-compiled", ext_modules=ext_modules, script_args=[
+        "build_ext", "--build-lib", OUT, "--build-temp", os.path.join(TMP, "obj"), "-q"])
+    with open(MANIFEST, "w") as f:
+        json.dump({"sources": sources}, f, indent=1)
+    print(f"compiled {len(modules)} modules into {os.path.relpath(OUT, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
