@@ -19,7 +19,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Final, cast
 
 from .ext import RESERVED_HEADER_KEYS, check_url_ok, producer_of, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
@@ -32,19 +32,19 @@ from .errors import (ProtocolError, _go_quote, _raw, bad_channel, bad_partition,
                      invalid_message_size, invalid_mpub_message_size, invalid_msg_id, invalid_parameter_count,
                      invalid_start, line_too_long, message_too_big, unparsable_number)
 
-MAX_NAME_LENGTH = 64
+MAX_NAME_LENGTH: Final = 64
 
-_I32 = struct.Struct(">i")
-_U16 = struct.Struct(">H")
+_I32: Final = struct.Struct(">i")
+_U16: Final = struct.Struct(">H")
 
 
 # ---------------------------------------------------------------- names, ids, JSON
 
-_NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
+_NAME: Final = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
 _START = re.compile(r"(timestamp|offset|count|virtual_queue|msgcount):([0-9]{1,19})")
 _START_ALIASES = {"virtual_queue": "offset", "msgcount": "count"}  # Youzan's names
-_FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
+_FIN_RUN: Final = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
 
 
 def valid_topic_name(name: str) -> bool:
@@ -263,7 +263,12 @@ _NOP = Nop()
 
 # ---------------------------------------------------------------- server-side parser
 
-_MAGIC, _LINE, _SIZE, _BODY, _MPUB = range(5)
+# the parser's states
+_MAGIC: Final = 0
+_LINE: Final = 1
+_SIZE: Final = 2
+_BODY: Final = 3
+_MPUB: Final = 4
 
 
 def _decide(command: str, params: list[bytes], commit: bool) -> "Decide":
@@ -766,7 +771,7 @@ class CommandParser:
         return _NOP
 
 
-_HANDLERS: dict[str, Callable[[CommandParser, list[bytes]], Command | None]] = {
+_HANDLERS: Final[dict[str, Callable[[CommandParser, list[bytes]], Command | None]]] = {
     "IDENTIFY": CommandParser._identify,
     "AUTH": CommandParser._auth,
     "SUB": CommandParser._sub,
