@@ -128,7 +128,9 @@ class ClientConnection(asyncio.Protocol):
         self._publishing: deque[_Publish] = deque()  # in command order
         self._loading: Any = None  # the Partition whose producer table a publish waits for
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
-        self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
+        # the loop's handles are Any: uvloop's Handle and TimerHandle are no asyncio.Handle,
+        # and a compiled attribute checks its type on every assignment
+        self._turn: Any = None  # the next turn of work (a Handle), when one is due
         self.state = self.INIT
         self.transport: Any = None  # uvloop's, asyncio's or a test's: duck-typed
         self.client: Client | None = None
@@ -137,14 +139,14 @@ class ClientConnection(asyncio.Protocol):
         self._inflater: Any = None  # deflate: a zlib decompressobj, inflated in bounded steps
         self._deflated = b""  # deflate input not inflated yet
         self._last_read = time.monotonic()
-        self._heartbeat: asyncio.TimerHandle | None = None
-        self._read_deadline: asyncio.TimerHandle | None = None  # nsqd's read deadline: 2 heartbeat intervals of silence
+        self._heartbeat: Any = None
+        self._read_deadline: Any = None  # nsqd's read deadline: 2 heartbeat intervals of silence
         self._parser_dead = False  # no more commands run (a fatal error was met)
         self._backlog = False  # whole commands may wait unrun: reading paused until they run
         self._write_blocked = False  # the client reads slower than we write: reading paused
         self._reading = True
         self._eof = False  # the client half-closed: close once its commands are answered
-        self._write_watch: asyncio.TimerHandle | None = None  # while writing is paused: the progress check
+        self._write_watch: Any = None  # while writing is paused: the progress check
 
     # ---- transport events ------------------------------------------------
 
@@ -878,8 +880,9 @@ async def start_tcp(nsqd, tls: ssl.SSLContext | None = None):
     loop = asyncio.get_running_loop()
     turn_flush = TurnFlush()
     limits = identify_limits(nsqd, tls)
-    server = await loop.create_server(lambda: ClientConnection(nsqd, limits, tls, turn_flush),
-                                      host, port, reuse_address=True)
+    # Any: uvloop's Server.sockets is a list, typeshed's a tuple (a compiled read checks it)
+    server: Any = await loop.create_server(
+        lambda: ClientConnection(nsqd, limits, tls, turn_flush), host, port, reuse_address=True)
     return server, server.sockets[0].getsockname()[1]
 
 
