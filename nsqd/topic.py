@@ -32,6 +32,7 @@ import operator
 import os
 import shutil
 import time
+from typing import Any, cast
 
 import structlog
 
@@ -228,7 +229,7 @@ class Partition:
 
     def _producer_written(self, producer, waiters: list, since: int, appended, exc) -> None:
         maybe_stored = isinstance(exc, NotCommitted) and not getattr(exc, "unwritten", False)
-        self.producers.settle(*producer, waiters, appended, maybe_stored)
+        self.producers.settle(*producer, waiters, appended, maybe_stored)  # type: ignore[call-arg]
         settle(waiters[0], appended, exc)
         if len(waiters) > 1:  # retries that came while it was in flight
             again = appended._replace(duplicate=True) if appended is not None else None
@@ -421,8 +422,8 @@ class Topic:
         self._next = 0
         self.message_count = 0  # messages published through this node since start
         self.message_bytes = 0
-        self.tracer = None  # the node's Tracer (nsqd/tracing.py), which sets `trace`
-        self.trace = None  # that Tracer while this topic's PUB events are on
+        self.tracer: Any = None  # the node's Tracer (nsqd/tracing.py), which sets `trace`
+        self.trace: Any = None  # that Tracer while this topic's PUB events are on
 
     async def open(self, partitions: list[int], floors: dict[str, list[int]],
                    create: bool = False, at_once: asyncio.Semaphore | None = None) -> None:
@@ -438,7 +439,8 @@ class Topic:
         async def one(number: int) -> None:
             floor = floors.get(str(number))
             async with at_once:
-                await self._open_partition(number, tuple(floor) if floor else None, create,
+                await self._open_partition(number, cast(tuple[int, int], tuple(floor))
+                                           if floor else None, create,
                                            listed)
 
         await asyncio.gather(*(one(number) for number in partitions))
@@ -476,7 +478,8 @@ class Topic:
         floor = floor or self._floors.pop(number, None) or (queue.start_offset,
                                                             queue.start_count)
         self._floors.pop(number, None)
-        self.partitions[number] = part = Partition(self, number, queue, tuple(floor))
+        self.partitions[number] = part = Partition(self, number, queue,
+                                                   cast(tuple[int, int], tuple(floor)))
         part.start()
         return None
 
@@ -599,6 +602,7 @@ class Topic:
         await first."""
         if partition is None and producer is not None:  # its retries land where it did
             partition = partition_of(producer[0], self.assignment.partition_num)
+        part: Partition | None  # None: check_partition raises why
         if partition is None:
             if self.assignment.ordered:  # a key's order needs its partition named
                 raise PartitionNotFound(None)
@@ -620,7 +624,8 @@ class Topic:
             if callback is not None:
                 return part.append_named(producer, bodies, trace_id, ext, trace_ids=trace_ids,
                                          exts=exts, callback=callback)
-            return self._named(part, producer, bodies, trace_id, ext, trace_ids, exts, source)
+            return self._named(cast(Partition, part), producer, bodies, trace_id, ext, trace_ids,
+                               exts, source)
         appended = part.writer.append(bodies, trace_id, ext, callback=callback,
                                       trace_ids=trace_ids, exts=exts)
         if callback is None:
