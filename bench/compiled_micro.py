@@ -82,9 +82,39 @@ def case_parser(m):
     return run
 
 
+def case_mpub(m):
+    body = b"x" * 200
+    cmd = (b"MPUB bench\n" + (4 + 200 * 204).to_bytes(4, "big") + (200).to_bytes(4, "big")
+           + ((200).to_bytes(4, "big") + body) * 200)
+    parser = m.CommandParser(state_check=lambda name: None)
+    parser.feed(m.MAGIC_V2)
+    parser.next_command()
+
+    def run(n):  # n messages: n / 200 MPUBs
+        feed, nxt = parser.feed, parser.next_command
+        for _ in range(n // 200):
+            feed(cmd)
+            nxt()
+            nxt()
+    return run
+
+
+def case_records200(m):
+    enc = m.encode_records
+    bodies = [b"x" * 200] * 200
+
+    def run(n):  # n records, 200 a call
+        for i in range(n // 200):
+            pieces: list = []
+            enc(pieces.append, [], 4096 * i, i, 0, 1_700_000_000_000_000_000, 0, b"", bodies)
+    return run
+
+
 CASES = {"commitlog.entry": ("encode_fields (one entry a request)", case_entry),
          "diskqueue.record": ("encode_records (one 200-byte body)", case_record),
-         "nsqwire.protocol": ("CommandParser.feed + next_command x2 (one PUB)", case_parser)}
+         "nsqwire.protocol": ("CommandParser.feed + next_command x2 (one PUB)", case_parser),
+         "nsqwire.protocol:mpub": ("MPUB of 200 x 200 B parsed, per message", case_mpub),
+         "diskqueue.record:200": ("encode_records of 200 bodies, per record", case_records200)}
 EXTRA: dict = {}  # more cases, added as modules are compiled
 
 
@@ -95,9 +125,11 @@ def main() -> int:
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     out = {}
-    for name, (label, case) in {**CASES, **EXTRA}.items():
-        if args.only and name not in args.only.split(","):
+    for key, (label, case) in {**CASES, **EXTRA}.items():
+        if args.only and key not in args.only.split(","):
             continue
+        name = key
+        name, _, _variant = name.partition(":")
         compiled = importlib.import_module(name)
         if not compiled.__file__.endswith(".so"):
             print(f"{name}: not compiled ({compiled.__file__}); run scripts/compile.py")
@@ -109,9 +141,9 @@ def main() -> int:
             t_pure.append(best(case(p), args.n, args.repeat))
             t_comp.append(best(case(compiled), args.n, args.repeat))
         tp, tc = min(t_pure), min(t_comp)
-        out[name] = {"pure_us": round(tp, 4), "compiled_us": round(tc, 4),
+        out[key] = {"pure_us": round(tp, 4), "compiled_us": round(tc, 4),
                      "ratio": round(tc / tp, 3)}
-        print(f"{name:22} {label:48} pure {tp:7.3f} µs  compiled {tc:7.3f} µs  "
+        print(f"{key:22} {label:48} pure {tp:7.3f} µs  compiled {tc:7.3f} µs  "
               f"compiled/pure {tc / tp:5.2f}")
     print(json.dumps(out))
     return 0

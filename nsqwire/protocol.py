@@ -486,7 +486,7 @@ class CommandParser:
                 self._pos += 4
                 self._state = _LINE
 
-    def _whole_pub(self, buf) -> Pub | None:
+    def _whole_pub(self, buf: bytes | bytearray) -> Pub | None:
         """A plain `PUB <topic>[ <partition>]\n<size><body>` whole in the buffer (what
         producers send most), read in one step; None when any part of it is missing, has
         more arguments or fails a check: the general path then reads it and raises the
@@ -498,7 +498,7 @@ class CommandParser:
         at = nl + 5
         if len(buf) < at:
             return None
-        size = _I32.unpack_from(buf, nl + 1)[0]
+        size: int = _I32.unpack_from(buf, nl + 1)[0]
         end = at + size
         if size <= 0 or size > self.max_msg_size or len(buf) < end:
             return None
@@ -601,10 +601,10 @@ class CommandParser:
         bodies = self._bodies
         count, consumed = self._count, self._consumed
         max_msg_size, max_body_size = self.max_msg_size, self.max_body_size
-        unpack, add = _I32.unpack_from, bodies.append
+        unpack = _I32.unpack_from
         with memoryview(buf) as view:  # one copy per body (a bytearray slice would be two)
             while len(bodies) < count and end - pos >= 4:
-                size = unpack(buf, pos)[0]
+                size: int = unpack(buf, pos)[0]
                 start = pos + 4
                 stop = start + size
                 if size <= 0 or size > max_msg_size or consumed + 4 + size > max_body_size:
@@ -612,7 +612,7 @@ class CommandParser:
                     raise self._mpub_size_error(len(bodies), size)
                 if stop > end:
                     break
-                add(bytes(view[start:stop]))
+                bodies.append(bytes(view[start:stop]))
                 pos = stop
                 consumed += 4 + size
         self._pos, self._consumed = pos, consumed
