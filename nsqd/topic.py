@@ -174,7 +174,9 @@ class Partition:
         # `await push_channel(channel)` (replicas hold the channel's state now). Solo when
         # not replicated; else the writer of its replication while it leads here (set by
         # nsqd/replication.py), STARTING until then.
-        self.writer = STARTING if queue.options.replicated else Solo(queue)
+        # Any: any writer (Solo, NotLed, replication's _Led, a test's stand-in); a compiled
+        # attribute would check a union of the classes named here
+        self.writer: Any = STARTING if queue.options.replicated else Solo(queue)
         # The idempotent producers' sequences (producers.py): read from the log's tail on
         # the first request that names a producer, then kept as requests are written.
         self.producers: ProducerTable | None = None
