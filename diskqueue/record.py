@@ -73,9 +73,9 @@ def encode_into(out: bytearray, msg_id: int, trace_id: int, timestamp: int,
                           (body,))
 
 
-def encode_records(add: Callable[[bytes], object], offsets: list[int], offset: int,
+def encode_records(add: Callable[[bytes | memoryview], object], offsets: list[int], offset: int,
                    first_id: int, trace_id: int, timestamp: int, attempts: int, ext: bytes,
-                   bodies: Iterable[bytes]) -> int:
+                   bodies: Iterable[bytes | memoryview]) -> int:
     """Encode consecutive records (ids first_id, first_id + 1, ...) as pieces passed to `add`.
 
     Appends each record's virtual offset to `offsets`, starting at `offset`;

@@ -184,7 +184,10 @@ class Partition:
         self._finding: asyncio.Task | None = None  # what UNKNOWN requests became
         self._unknown_since = 0  # the log's written end before the first UNKNOWN request
         # Its half messages (halves.py): read back from the log's tail at `start`.
-        self.halves = Halves(queue, topic.name, lambda: self.writer, check_back,
+        def writer() -> Any:  # the writer of the moment: replication gives it another
+            return self.writer  # (a compiled lambda would check the type __init__ gave)
+
+        self.halves = Halves(queue, topic.name, writer, check_back,
                              check_after_s=topic.half_check[0], max_checks=topic.half_check[1])
 
     @property
