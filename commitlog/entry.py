@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
-_BODY = struct.Struct(">QQQQQQIII")
-ENTRY_SIZE = 64
-_CRC = struct.Struct(">I")
-_pack = _BODY.pack
-SYNCED_BEFORE = 1
+_BODY: Final = struct.Struct(">QQQQQQIII")
+ENTRY_SIZE: Final = 64
+_CRC: Final = struct.Struct(">I")
+_pack: Final = _BODY.pack
+_crc32: Final = zlib.crc32
+SYNCED_BEFORE: Final = 1
 
 
 class CorruptEntryError(Exception):
@@ -49,12 +50,13 @@ class Entry(NamedTuple):
         return self.count_before + self.msg_count
 
 
-def encode_fields(log_id: int, epoch: int, first_msg_id: int, offset: int, count_before: int,
-                  timestamp: int, size: int, msg_count: int, flags: int = 0) -> bytes:
+def encode_fields(log_id: object, epoch: object, first_msg_id: object, offset: object,
+                  count_before: object, timestamp: object, size: object, msg_count: object,
+                  flags: object = 0) -> bytes:
     """Encode one entry from its fields (the write path's form: no Entry object)."""
     body = _pack(log_id, epoch, first_msg_id, offset, count_before, timestamp, size, msg_count,
                  flags)
-    return body + zlib.crc32(body).to_bytes(4, "big")
+    return body + _crc32(body).to_bytes(4, "big")
 
 
 def encode(e: Entry) -> bytes:

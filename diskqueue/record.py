@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Final, NamedTuple
 
-PREFIX = struct.Struct(">II")  # crc32, length
-FIELDS = struct.Struct(">IQQQHH")  # length, msg_id, trace_id, timestamp_ns, attempts, ext_len
-HEAD = struct.Struct(">IIQQQHH")  # the whole fixed head, for decoding
-HEAD_SIZE = HEAD.size  # 36
-FIXED_LENGTH = FIELDS.size - 4  # length of the fixed fields counted by `length` (28)
-MAX_EXT = 0xFFFF
-MAX_RECORD = 64 * 1024 * 1024  # sanity bound on `length` while scanning
+PREFIX: Final = struct.Struct(">II")  # crc32, length
+FIELDS: Final = struct.Struct(">IQQQHH")  # length, msg_id, trace_id, timestamp_ns, attempts, ext_len
+HEAD: Final = struct.Struct(">IIQQQHH")  # the whole fixed head, for decoding
+HEAD_SIZE: Final = HEAD.size  # 36
+FIXED_LENGTH: Final = FIELDS.size - 4  # length of the fixed fields counted by `length` (28)
+MAX_EXT: Final = 0xFFFF
+MAX_RECORD: Final = 64 * 1024 * 1024  # sanity bound on `length` while scanning
 
-_crc32 = zlib.crc32
-_pack_fields = FIELDS.pack
-_unpack_head = HEAD.unpack_from
-_new = tuple.__new__
+_crc32: Final = zlib.crc32
+_pack_fields: Final = FIELDS.pack
+_unpack_head: Final = HEAD.unpack_from
+_new: Final = tuple.__new__
 
 
 class CorruptRecordError(Exception):
@@ -72,8 +73,9 @@ def encode_into(out: bytearray, msg_id: int, trace_id: int, timestamp: int,
                           (body,))
 
 
-def encode_records(add, offsets: list, offset: int, first_id: int, trace_id: int,
-                   timestamp: int, attempts: int, ext: bytes, bodies) -> int:
+def encode_records(add: Callable[[bytes | memoryview], object], offsets: list[int], offset: int,
+                   first_id: int, trace_id: int, timestamp: int, attempts: int, ext: bytes,
+                   bodies: Iterable[bytes | memoryview]) -> int:
     """Encode consecutive records (ids first_id, first_id + 1, ...) as pieces passed to `add`.
 
     Appends each record's virtual offset to `offsets`, starting at `offset`;
@@ -129,7 +131,7 @@ def decode_all(buf: bytes, pos: int, end: int, base_offset: int, max_count: int)
     first bad record (None if none), and `new_pos` points at it, so the records
     before it are still delivered and the bad one is never skipped.
     """
-    records = []
+    records: list[Record] = []
     append = records.append
     view = memoryview(buf)
     try:

@@ -24,6 +24,8 @@ import ssl
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Final, cast
 
 import structlog
 
@@ -47,9 +49,9 @@ log = structlog.get_logger("nsqd.tcp")
 _PUBLISH = {p.Pub: "PUB", p.Mpub: "MPUB", p.Dpub: "DPUB", p.PubExt: "PUB_EXT",
             p.MpubExt: "MPUB_EXT", p.PubTrace: "PUB_TRACE", p.MpubTrace: "MPUB_TRACE"}
 _TRACE_REPLY = ("PUB_TRACE", "MPUB_TRACE")  # answered with the first message's id and trace id
-MAX_PIPELINE = 64  # publishes of one connection in flight at once, answered in order
-TURN_BUDGET = 256  # commands one connection runs per turn of the event loop
-INFLATE_STEP = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
+MAX_PIPELINE: Final = 64  # publishes of one connection in flight at once, answered in order
+TURN_BUDGET: Final = 256  # commands one connection runs per turn of the event loop
+INFLATE_STEP: Final = 256 * 1024  # deflate output taken per turn: a small read may inflate a lot
 
 
 def identify_limits(nsqd, tls: ssl.SSLContext | None) -> IdentifyLimits:
@@ -84,26 +86,29 @@ class _Publish:
     __slots__ = ("conn", "done", "error", "topic", "bodies", "command", "trace_id",
                  "trace_ids", "appended", "here")
 
-    def __init__(self, conn, topic, bodies, command: str, trace_id: int, trace_ids) -> None:
+    def __init__(self, conn: ClientConnection, topic: Any, bodies: Sequence[bytes],
+                 command: str, trace_id: int, trace_ids: Any) -> None:
         self.conn = conn
         self.done = False
-        self.error = None
+        self.error: BaseException | None = None
         self.topic = topic
         self.bodies = bodies
         self.command = command
         self.trace_id = trace_id
         self.trace_ids = trace_ids
-        self.appended = None
+        self.appended: Any = None
         self.here = True
 
-    def __call__(self, appended, error) -> None:
+    def __call__(self, appended: Any, error: BaseException | None) -> None:
         self.done, self.error, self.appended = True, error, appended
         self.conn._published(self)
 
 
 class ClientConnection(asyncio.Protocol):
-    INIT, SUBSCRIBED, CLOSING = range(3)
-    _ALLOWED_STATES = {**dict.fromkeys(("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"),
+    INIT: Final = 0
+    SUBSCRIBED: Final = 1
+    CLOSING: Final = 2
+    _ALLOWED_STATES: ClassVar[dict[str, tuple[int, ...]]] = {**dict.fromkeys(("IDENTIFY", "AUTH", "SUB", "SUB_ORDERED", "SUB_ADVANCED"),
                                        (INIT,)),
                        **dict.fromkeys(("RDY", "FIN", "REQ", "TOUCH"), (SUBSCRIBED, CLOSING)),
                        "CLS": (SUBSCRIBED,)}
@@ -119,27 +124,29 @@ class ClientConnection(asyncio.Protocol):
                                       max_defer_ms=o.max_req_timeout_ms,
                                       state_check=self._state_check)
         self.busy = False  # an awaited step runs (IDENTIFY, AUTH, SUB; a publish's await)
-        self._held = None  # a command (or parser error) that answers after the publishes
+        self._held: p.Command | errors.ProtocolError | None = None  # a command (or parser error) that answers after the publishes
         self._publishing: deque[_Publish] = deque()  # in command order
-        self._loading = None  # the Partition whose producer table a publish waits for
+        self._loading: Any = None  # the Partition whose producer table a publish waits for
         self._finished: list = []  # messages FIN'd in this run: handed to the channel at once
-        self._turn: asyncio.Handle | None = None  # the next turn of work, when one is due
+        # the loop's handles are Any: uvloop's Handle and TimerHandle are no asyncio.Handle,
+        # and a compiled attribute checks its type on every assignment
+        self._turn: Any = None  # the next turn of work (a Handle), when one is due
         self.state = self.INIT
-        self.transport = None
+        self.transport: Any = None  # uvloop's, asyncio's or a test's: duck-typed
         self.client: Client | None = None
         self.limits = limits
-        self._decompress = None  # snappy: a stream's decompress(data)
-        self._inflater = None  # deflate: a zlib decompressobj, inflated in bounded steps
+        self._decompress: Callable[[bytes], bytes] | None = None  # snappy: a stream's decompress(data)
+        self._inflater: Any = None  # deflate: a zlib decompressobj, inflated in bounded steps
         self._deflated = b""  # deflate input not inflated yet
         self._last_read = time.monotonic()
-        self._heartbeat = None
-        self._read_deadline = None  # nsqd's read deadline: 2 heartbeat intervals of silence
+        self._heartbeat: Any = None
+        self._read_deadline: Any = None  # nsqd's read deadline: 2 heartbeat intervals of silence
         self._parser_dead = False  # no more commands run (a fatal error was met)
         self._backlog = False  # whole commands may wait unrun: reading paused until they run
         self._write_blocked = False  # the client reads slower than we write: reading paused
         self._reading = True
         self._eof = False  # the client half-closed: close once its commands are answered
-        self._write_watch = None  # while writing is paused: the progress check
+        self._write_watch: Any = None  # while writing is paused: the progress check
 
     # ---- transport events ------------------------------------------------
 
@@ -341,16 +348,16 @@ class ClientConnection(asyncio.Protocol):
                 self._held = cmd  # its answer must follow the answers of the publishes
                 break
             if kind is errors.ProtocolError:
-                self._fail(cmd)
+                self._fail(cast(errors.ProtocolError, cmd))
                 continue
-            handler = self._inline_handlers.get(kind)
+            handler = _INLINE_HANDLERS.get(kind)
             if handler is not None:
                 try:
                     handler(self, cmd)
                 except errors.ProtocolError as e:
                     self._fail(e)
                 continue
-            self._run_async(self._async_handlers[kind](self, cmd))
+            self._run_async(_ASYNC_HANDLERS[kind](self, cmd))
         if self._finished:
             done, self._finished = self._finished, []
             self.client.finish_count += len(done)
@@ -399,7 +406,10 @@ class ClientConnection(asyncio.Protocol):
         if topic is None or not nsqd.serving.is_set():
             return False
         kind = type(cmd)
-        trace_id, extension, trace_ids, exts, producer = 0, b"", None, None, None
+        trace_id, extension, producer = 0, b"", None
+        trace_ids: Any = None
+        exts: Any = None
+        bodies: list[bytes]
         if kind is p.Pub:
             bodies = [cmd.body]
         elif kind is p.Mpub:
@@ -409,8 +419,8 @@ class ClientConnection(asyncio.Protocol):
             trace_ids, exts = zip(*[ext.stored(header) for header, _ in cmd.messages])
             producer = cmd.producer
         elif kind is p.MpubTrace:
-            trace_ids, bodies = zip(*cmd.messages)
-            bodies, exts, trace_id = list(bodies), [b""] * len(bodies), trace_ids[0]
+            trace_ids, traced = zip(*cmd.messages)
+            bodies, exts, trace_id = list(traced), [b""] * len(traced), trace_ids[0]
         else:
             bodies = [cmd.body]
             if kind is p.Dpub:
@@ -667,8 +677,6 @@ class ClientConnection(asyncio.Protocol):
     def _nop(self, cmd: p.Nop) -> None:
         pass
 
-    _inline_handlers = {p.Rdy: _rdy, p.Fin: _fin, p.Req: _req, p.Touch: _touch, p.Cls: _cls,
-                      p.Nop: _nop}
 
     # ---- commands: identify, auth, subscribe (awaited) --------------------
 
@@ -697,7 +705,8 @@ class ClientConnection(asyncio.Protocol):
     async def _upgrade_tls(self) -> None:
         loop = asyncio.get_running_loop()
         self.transport.pause_reading()
-        transport = await loop.start_tls(self.transport, self, self.tls_context,
+        transport = await loop.start_tls(self.transport, self,
+                                         cast(ssl.SSLContext, self.tls_context),
                                          server_side=True)
         self.transport = transport
         self.client.attach(transport)
@@ -839,9 +848,20 @@ class ClientConnection(asyncio.Protocol):
             return random.choice(led)
         raise tcp_error(command, PartitionNotLed(number), number)
 
-    _async_handlers = {p.Identify: _identify, p.Auth: _auth, p.Sub: _sub,
-                       p.SubOrdered: _sub, p.SubAdvanced: _sub, p.Half: _half,
-                       p.Decide: _decide}
+
+
+# The handlers of the commands that are not publishes, by command type: inline ones run in
+# `_work`; awaited ones run in a task while later commands wait. Module tables (a compiled
+# class's body holds no table of its own methods).
+_INLINE_HANDLERS: Final[dict[type, Callable[[ClientConnection, Any], None]]] = {
+    p.Rdy: ClientConnection._rdy, p.Fin: ClientConnection._fin,
+    p.Req: ClientConnection._req, p.Touch: ClientConnection._touch,
+    p.Cls: ClientConnection._cls, p.Nop: ClientConnection._nop}
+_ASYNC_HANDLERS: Final[dict[type, Callable[[ClientConnection, Any], Any]]] = {
+    p.Identify: ClientConnection._identify, p.Auth: ClientConnection._auth,
+    p.Sub: ClientConnection._sub, p.SubOrdered: ClientConnection._sub,
+    p.SubAdvanced: ClientConnection._sub, p.Half: ClientConnection._half,
+    p.Decide: ClientConnection._decide}
 
 
 def _half_error(command: str, e: Exception, partition: int) -> errors.ProtocolError:
@@ -860,8 +880,9 @@ async def start_tcp(nsqd, tls: ssl.SSLContext | None = None):
     loop = asyncio.get_running_loop()
     turn_flush = TurnFlush()
     limits = identify_limits(nsqd, tls)
-    server = await loop.create_server(lambda: ClientConnection(nsqd, limits, tls, turn_flush),
-                                      host, port, reuse_address=True)
+    # Any: uvloop's Server.sockets is a list, typeshed's a tuple (a compiled read checks it)
+    server: Any = await loop.create_server(
+        lambda: ClientConnection(nsqd, limits, tls, turn_flush), host, port, reuse_address=True)
     return server, server.sockets[0].getsockname()[1]
 
 

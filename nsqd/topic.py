@@ -32,6 +32,7 @@ import operator
 import os
 import shutil
 import time
+from typing import Any, cast
 
 import structlog
 
@@ -173,7 +174,9 @@ class Partition:
         # `await push_channel(channel)` (replicas hold the channel's state now). Solo when
         # not replicated; else the writer of its replication while it leads here (set by
         # nsqd/replication.py), STARTING until then.
-        self.writer = STARTING if queue.options.replicated else Solo(queue)
+        # Any: any writer (Solo, NotLed, replication's _Led, a test's stand-in); a compiled
+        # attribute would check a union of the classes named here
+        self.writer: Any = STARTING if queue.options.replicated else Solo(queue)
         # The idempotent producers' sequences (producers.py): read from the log's tail on
         # the first request that names a producer, then kept as requests are written.
         self.producers: ProducerTable | None = None
@@ -181,7 +184,10 @@ class Partition:
         self._finding: asyncio.Task | None = None  # what UNKNOWN requests became
         self._unknown_since = 0  # the log's written end before the first UNKNOWN request
         # Its half messages (halves.py): read back from the log's tail at `start`.
-        self.halves = Halves(queue, topic.name, lambda: self.writer, check_back,
+        def writer() -> Any:  # the writer of the moment: replication gives it another
+            return self.writer  # (a compiled lambda would check the type __init__ gave)
+
+        self.halves = Halves(queue, topic.name, writer, check_back,
                              check_after_s=topic.half_check[0], max_checks=topic.half_check[1])
 
     @property
@@ -228,7 +234,7 @@ class Partition:
 
     def _producer_written(self, producer, waiters: list, since: int, appended, exc) -> None:
         maybe_stored = isinstance(exc, NotCommitted) and not getattr(exc, "unwritten", False)
-        self.producers.settle(*producer, waiters, appended, maybe_stored)
+        self.producers.settle(*producer, waiters, appended, maybe_stored)  # type: ignore[call-arg]
         settle(waiters[0], appended, exc)
         if len(waiters) > 1:  # retries that came while it was in flight
             again = appended._replace(duplicate=True) if appended is not None else None
@@ -421,8 +427,8 @@ class Topic:
         self._next = 0
         self.message_count = 0  # messages published through this node since start
         self.message_bytes = 0
-        self.tracer = None  # the node's Tracer (nsqd/tracing.py), which sets `trace`
-        self.trace = None  # that Tracer while this topic's PUB events are on
+        self.tracer: Any = None  # the node's Tracer (nsqd/tracing.py), which sets `trace`
+        self.trace: Any = None  # that Tracer while this topic's PUB events are on
 
     async def open(self, partitions: list[int], floors: dict[str, list[int]],
                    create: bool = False, at_once: asyncio.Semaphore | None = None) -> None:
@@ -438,7 +444,8 @@ class Topic:
         async def one(number: int) -> None:
             floor = floors.get(str(number))
             async with at_once:
-                await self._open_partition(number, tuple(floor) if floor else None, create,
+                await self._open_partition(number, cast(tuple[int, int], tuple(floor))
+                                           if floor else None, create,
                                            listed)
 
         await asyncio.gather(*(one(number) for number in partitions))
@@ -476,7 +483,8 @@ class Topic:
         floor = floor or self._floors.pop(number, None) or (queue.start_offset,
                                                             queue.start_count)
         self._floors.pop(number, None)
-        self.partitions[number] = part = Partition(self, number, queue, tuple(floor))
+        self.partitions[number] = part = Partition(self, number, queue,
+                                                   cast(tuple[int, int], tuple(floor)))
         part.start()
         return None
 
@@ -599,6 +607,7 @@ class Topic:
         await first."""
         if partition is None and producer is not None:  # its retries land where it did
             partition = partition_of(producer[0], self.assignment.partition_num)
+        part: Partition | None  # None: check_partition raises why
         if partition is None:
             if self.assignment.ordered:  # a key's order needs its partition named
                 raise PartitionNotFound(None)
@@ -620,7 +629,8 @@ class Topic:
             if callback is not None:
                 return part.append_named(producer, bodies, trace_id, ext, trace_ids=trace_ids,
                                          exts=exts, callback=callback)
-            return self._named(part, producer, bodies, trace_id, ext, trace_ids, exts, source)
+            return self._named(cast(Partition, part), producer, bodies, trace_id, ext, trace_ids,
+                               exts, source)
         appended = part.writer.append(bodies, trace_id, ext, callback=callback,
                                       trace_ids=trace_ids, exts=exts)
         if callback is None:

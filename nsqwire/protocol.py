@@ -19,6 +19,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Final, cast
 
 from .ext import RESERVED_HEADER_KEYS, check_url_ok, producer_of, trace_id_of  # noqa: F401
 from .frames import (CLOSE_WAIT, FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, HEARTBEAT,  # noqa: F401
@@ -31,19 +32,19 @@ from .errors import (ProtocolError, _go_quote, _raw, bad_channel, bad_partition,
                      invalid_message_size, invalid_mpub_message_size, invalid_msg_id, invalid_parameter_count,
                      invalid_start, line_too_long, message_too_big, unparsable_number)
 
-MAX_NAME_LENGTH = 64
+MAX_NAME_LENGTH: Final = 64
 
-_I32 = struct.Struct(">i")
-_U16 = struct.Struct(">H")
+_I32: Final = struct.Struct(">i")
+_U16: Final = struct.Struct(">H")
 
 
 # ---------------------------------------------------------------- names, ids, JSON
 
-_NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
+_NAME: Final = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
 _HEADER_KEY = re.compile(r"[0-9a-zA-Z_#-]+")
 _START = re.compile(r"(timestamp|offset|count|virtual_queue|msgcount):([0-9]{1,19})")
 _START_ALIASES = {"virtual_queue": "offset", "msgcount": "count"}  # Youzan's names
-_FIN_RUN = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
+_FIN_RUN: Final = re.compile(rb"(?:FIN [0-9A-Za-z]{16}\n)+")  # see CommandParser.next_fins
 
 
 def valid_topic_name(name: str) -> bool:
@@ -262,7 +263,12 @@ _NOP = Nop()
 
 # ---------------------------------------------------------------- server-side parser
 
-_MAGIC, _LINE, _SIZE, _BODY, _MPUB = range(5)
+# the parser's states
+_MAGIC: Final = 0
+_LINE: Final = 1
+_SIZE: Final = 2
+_BODY: Final = 3
+_MPUB: Final = 4
 
 
 def _decide(command: str, params: list[bytes], commit: bool) -> "Decide":
@@ -380,7 +386,7 @@ class CommandParser:
         """Bytes received and not yet parsed."""
         return len(self._buf) - self._pos
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Take bytes read. When every byte before them was parsed (a client waiting for
         its answers sends whole commands) they become the buffer as they are, uncopied;
         a rest waiting for more goes on in a bytearray."""
@@ -394,7 +400,7 @@ class CommandParser:
             with memoryview(buf) as view:
                 buf = self._buf = bytearray(view[pos:])
         else:
-            del buf[:pos]
+            del cast(bytearray, buf)[:pos]
         self._scan = max(0, self._scan - pos)
         self._pos = 0
         buf += data
@@ -442,6 +448,7 @@ class CommandParser:
 
     def _next(self) -> Command | None:
         buf = self._buf
+        command: Command | None
         while True:
             state = self._state
             if state == _LINE:
@@ -479,7 +486,7 @@ class CommandParser:
                 self._pos += 4
                 self._state = _LINE
 
-    def _whole_pub(self, buf) -> Pub | None:
+    def _whole_pub(self, buf: bytes | bytearray) -> Pub | None:
         """A plain `PUB <topic>[ <partition>]\n<size><body>` whole in the buffer (what
         producers send most), read in one step; None when any part of it is missing, has
         more arguments or fails a check: the general path then reads it and raises the
@@ -491,7 +498,7 @@ class CommandParser:
         at = nl + 5
         if len(buf) < at:
             return None
-        size = _I32.unpack_from(buf, nl + 1)[0]
+        size: int = _I32.unpack_from(buf, nl + 1)[0]
         end = at + size
         if size <= 0 or size > self.max_msg_size or len(buf) < end:
             return None
@@ -594,10 +601,10 @@ class CommandParser:
         bodies = self._bodies
         count, consumed = self._count, self._consumed
         max_msg_size, max_body_size = self.max_msg_size, self.max_body_size
-        unpack, add = _I32.unpack_from, bodies.append
+        unpack = _I32.unpack_from
         with memoryview(buf) as view:  # one copy per body (a bytearray slice would be two)
             while len(bodies) < count and end - pos >= 4:
-                size = unpack(buf, pos)[0]
+                size: int = unpack(buf, pos)[0]
                 start = pos + 4
                 stop = start + size
                 if size <= 0 or size > max_msg_size or consumed + 4 + size > max_body_size:
@@ -605,7 +612,7 @@ class CommandParser:
                     raise self._mpub_size_error(len(bodies), size)
                 if stop > end:
                     break
-                add(bytes(view[start:stop]))
+                bodies.append(bytes(view[start:stop]))
                 pos = stop
                 consumed += 4 + size
         self._pos, self._consumed = pos, consumed
@@ -764,7 +771,7 @@ class CommandParser:
         return _NOP
 
 
-_HANDLERS: dict[str, Callable[[CommandParser, list[bytes]], Command | None]] = {
+_HANDLERS: Final[dict[str, Callable[[CommandParser, list[bytes]], Command | None]]] = {
     "IDENTIFY": CommandParser._identify,
     "AUTH": CommandParser._auth,
     "SUB": CommandParser._sub,

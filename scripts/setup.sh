@@ -43,11 +43,21 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+# NSQ_COMPILE=1: also build the compiled hot path (scripts/compile.py, mypyc) into
+# build/mypyc; NSQ_PURE=1 at run time still selects the .py modules.
+compile_hot_path() {
+  if [ "${NSQ_COMPILE:-0}" = 1 ]; then
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[compile]'
+    .venv/bin/python scripts/compile.py --clean >/dev/null
+  fi
+}
 if [ "$run_only" = 1 ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e .
+  compile_hot_path
   exit 0
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+compile_hot_path
 
 # nsqjs for tests/compat (node_modules is not committed; package-lock.json is).
 # npm ci only when the lock file changed since the last install.

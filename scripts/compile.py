@@ -1,0 +1,81 @@
+"""Compile the per-message modules with mypyc, from their own .py files (issue #31, item 2).
+
+    .venv/bin/python scripts/compile.py [--clean] [MODULE.py ...]
+
+The extension modules go to build/mypyc/ (a tree of packages holding only .so files);
+each compiled package's __init__ puts its folder there first on its __path__
+(nsqwire/_compiled.py), so `import nsqwire.protocol` takes the compiled module and every
+other module stays the .py. NSQ_PURE=1 in the environment selects the pure modules: the
+compiled ones are never looked at. The sources are unchanged by the build: one source
+for every rule.
+
+What a compiled module asks of its source (each was a TypeError or an import error here):
+- an annotation is checked at run time: `feed(data: bytes)` refuses a bytearray; a loop
+  handle typed asyncio.Handle refuses uvloop's (no subclass); typeshed's Server.sockets is
+  a tuple, uvloop's a list. Duck-typed things are `Any`.
+- an attribute assigned only None (or only one class) in __init__ is typed that: set to a
+  Tracer, or to replication's writer, it raises. Type such attributes where they are made.
+- a class body holds annotated assignments and methods only: no `A, B = range(2)`, no table
+  of its own methods (they are module tables after the class).
+- a compiled class takes no new attribute and no patched method at run time: the classes
+  tests patch (Client, DiskQueue) and the mixins (GroupCommit) stay Python.
+- `int` parameters are unboxed and boxed again for every C call they go to: a function
+  that only hands them on to struct.pack runs slower compiled (entry.encode_fields takes
+  `object`); locals read from a C call (`size: int = unpack(...)[0]`) gain from a type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "build", "mypyc")
+TMP = os.path.join(ROOT, "build", "mypyc-tmp")
+
+# The modules a durable PUB runs per message (bench/pubpath.py under py-spy: their own
+# Python time, most first). diskqueue/groupcommit.py (10%, second) is not here: it is
+# DiskQueue's mixin, whose attributes DiskQueue sets (136 type errors as it stands).
+MODULES = [
+    "nsqd/tcp.py",
+    "nsqwire/protocol.py",
+    "nsqd/topic.py",
+    "commitlog/entry.py",
+    "diskqueue/record.py",
+]
+
+MYPY_ARGS = ["--follow-imports=silent", "--ignore-missing-imports", "--python-version=3.11",
+             # an Optional attribute set once connected (ClientConnection.client): the
+             # compiled access checks it at run time, as Python does
+             "--disable-error-code=union-attr"]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--clean"]:
+        shutil.rmtree(OUT, ignore_errors=True)
+        shutil.rmtree(TMP, ignore_errors=True)
+        argv = argv[1:]
+    modules = argv or MODULES
+    os.chdir(ROOT)
+    sys.path.insert(0, ROOT)
+    from mypyc.build import mypycify
+    from setuptools import setup
+
+    from nsqwire._compiled import MANIFEST, digest
+
+    sources = {m: digest(os.path.join(ROOT, m)) for m in modules}
+    ext_modules = mypycify(MYPY_ARGS + modules, opt_level="3", debug_level="0",
+                           target_dir=TMP, group_name="nsq_hot")
+    shutil.rmtree(OUT, ignore_errors=True)
+    setup(name="nsq-compiled", ext_modules=ext_modules, script_args=[
+        "build_ext", "--build-lib", OUT, "--build-temp", os.path.join(TMP, "obj"), "-q"])
+    with open(MANIFEST, "w") as f:
+        json.dump({"sources": sources}, f, indent=1)
+    print(f"compiled {len(modules)} modules into {os.path.relpath(OUT, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
