@@ -2,6 +2,9 @@
 
     .venv/bin/python scripts/compile.py [--clean] [MODULE.py ...]
 
+Without --clean, a build whose manifest names the same modules with the same source
+bytes is kept (scripts/setup.sh runs this on every ./test.sh and ./run.sh).
+
 The extension modules go to build/mypyc/ (a tree of packages holding only .so files);
 each compiled package's __init__ puts its folder there first on its __path__
 (nsqwire/_compiled.py), so `import nsqwire.protocol` takes the compiled module and every
@@ -66,6 +69,13 @@ def main(argv: list[str]) -> int:
     from nsqwire._compiled import MANIFEST, digest
 
     sources = {m: digest(os.path.join(ROOT, m)) for m in modules}
+    try:
+        with open(MANIFEST) as f:
+            if json.load(f)["sources"] == sources:
+                print(f"compiled modules up to date in {os.path.relpath(OUT, ROOT)}")
+                return 0
+    except (OSError, ValueError, KeyError):
+        pass
     ext_modules = mypycify(MYPY_ARGS + modules, opt_level="3", debug_level="0",
                            target_dir=TMP, group_name="nsq_hot")
     shutil.rmtree(OUT, ignore_errors=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up what the project needs on a fresh Debian machine. Idempotent: a second run only
 # checks.
-#   scripts/setup.sh --run   what running needs (./run.sh): Python with venv, etcd, and a
-#                            virtualenv in .venv with the project
+#   scripts/setup.sh --run   what running needs (./run.sh): Python with venv, etcd, a
+#                            virtualenv in .venv with the project, and the compiled hot
+#                            path in build/mypyc (gcc)
 #   scripts/setup.sh         that, plus the test tools (./test.sh): the test extra, node and
 #                            the npm clients, FUSE, iptables, faketime, chromium, Java
 # Debian packages come without recommended extras; apt-get waits for a dpkg lock another
@@ -16,6 +17,10 @@ need_apt=()
 # Python 3.11+ with venv and ensurepip (Debian ships venv apart, in python3-venv).
 python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
   || need_apt+=(python3 python3-venv)
+# scripts/compile.py builds C extensions: gcc and the Python headers
+command -v gcc >/dev/null || need_apt+=(gcc)
+python3 -c 'import os, sysconfig; os.stat(sysconfig.get_paths()["include"] + "/Python.h")' \
+  2>/dev/null || need_apt+=(python3-dev)
 # cluster mode: the real etcd server, started by tests and the run command on loopback
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 if [ "$run_only" = 0 ]; then
@@ -43,21 +48,16 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-# NSQ_COMPILE=1: also build the compiled hot path (scripts/compile.py, mypyc) into
-# build/mypyc; NSQ_PURE=1 at run time still selects the .py modules.
-compile_hot_path() {
-  if [ "${NSQ_COMPILE:-0}" = 1 ]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[compile]'
-    .venv/bin/python scripts/compile.py --clean >/dev/null
-  fi
-}
+# The compiled hot path (scripts/compile.py, mypyc, from the same .py files) goes to
+# build/mypyc, rebuilt only when a compiled source changed; NSQ_PURE=1 at run time selects
+# the .py modules instead.
 if [ "$run_only" = 1 ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e .
-  compile_hot_path
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[compile]'
+  .venv/bin/python scripts/compile.py >/dev/null
   exit 0
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-compile_hot_path
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,compile]'
+.venv/bin/python scripts/compile.py >/dev/null
 
 # nsqjs for tests/compat (node_modules is not committed; package-lock.json is).
 # npm ci only when the lock file changed since the last install.

@@ -10,13 +10,18 @@ def pytest_addoption(parser):
 
 
 def pytest_report_header(config):
-    """The free disk where the tests write (a CI run once failed on a full disk)."""
+    """The free disk where the tests write (a CI run once failed on a full disk), and
+    whether the hot path runs compiled (scripts/compile.py) or pure (NSQ_PURE=1)."""
     import tempfile
+
+    import nsqwire.protocol
     where = config.option.basetemp or tempfile.gettempdir()
     while not os.path.exists(where):
         where = os.path.dirname(where)
     free = shutil.disk_usage(where).free
-    return f"free disk under {where}: {free / 2**30:.1f} GiB (the suite's peak is about 0.9 GiB)"
+    compiled = nsqwire.protocol.__file__.endswith(".so")
+    return [f"free disk under {where}: {free / 2**30:.1f} GiB (the suite's peak is about 0.9 GiB)",
+            f"hot path: {'compiled (build/mypyc)' if compiled else 'pure .py modules'}"]
 
 
 def pytest_collection_modifyitems(config, items):
