@@ -1,7 +1,7 @@
 """scripts/setup.sh on a machine that lacks the Debian packages: what it asks apt-get and pip
 for, run for ./run.sh (`--run`: what running needs) and for ./test.sh (everything), in a
-copy of the repository's skeleton with apt-get, pip and npm replaced by recorders (the real
-ones would install). The PATH holds only the tools the script needs, so every package
+copy of the repository's skeleton with apt-get, pip, npm and the virtualenv's python (which
+runs scripts/compile.py) replaced by recorders (the real ones would install and build). The PATH holds only the tools the script needs, so every package
 looks missing."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run_setup(tmp_path, *args: str) -> list[str]:
     recorder(str(bin_dir / "apt-get"), str(log))
     recorder(str(bin_dir / "npm"), str(log), then="mkdir -p node_modules")
     recorder(str(repo / ".venv" / "bin" / "pip"), str(log))
-    os.symlink(sys.executable, repo / ".venv" / "bin" / "python")
+    recorder(str(repo / ".venv" / "bin" / "python"), str(log))  # scripts/compile.py's mypyc
     os.symlink(sys.executable, bin_dir / "python3")
     for tool in TOOLS:
         os.symlink(shutil.which(tool), bin_dir / tool)
@@ -56,8 +56,9 @@ def test_the_run_command_installs_only_what_running_needs(tmp_path):
     calls = run_setup(tmp_path, "--run")
     assert calls[0].startswith("apt-get -qq -o DPkg::Lock::Timeout=300 update")
     packages = installed(calls)
-    assert "etcd-server" in packages and not packages & TEST_ONLY, packages
-    assert calls[-1] == "pip install -q --disable-pip-version-check -e ."
+    assert {"etcd-server", "gcc"} <= packages and not packages & TEST_ONLY, packages
+    assert calls[-2:] == ["pip install -q --disable-pip-version-check -e .[compile]",
+                          "python scripts/compile.py"]
     assert not [c for c in calls if c.startswith("npm")]
 
 
@@ -65,5 +66,6 @@ def test_the_test_command_installs_the_test_tools_too(tmp_path):
     calls = run_setup(tmp_path)
     packages = installed(calls)
     assert {"etcd-server", *TEST_ONLY} - {"npm"} <= packages, packages  # npm: the recorder
-    assert "pip install -q --disable-pip-version-check -e .[test]" in calls
+    assert "pip install -q --disable-pip-version-check -e .[test,compile]" in calls
+    assert "python scripts/compile.py" in calls
     assert any(c.startswith("npm ci") for c in calls)
