@@ -1,8 +1,8 @@
 """scripts/setup.sh on a machine that lacks the Debian packages: what it asks apt-get and pip
 for, run for ./run.sh (`--run`: what running needs) and for ./test.sh (everything), in a
 copy of the repository's skeleton with apt-get, pip, npm and the virtualenv's python (which
-runs scripts/compile.py) replaced by recorders (the real ones would install and build). The PATH holds only the tools the script needs, so every package
-looks missing."""
+runs scripts/compile.py) replaced by recorders (the real ones would install and build). The
+PATH holds only the tools the script needs, so every package looks missing."""
 
 from __future__ import annotations
 
