@@ -101,7 +101,7 @@ class NSQD:
         self.open_logs = OpenLogs()  # openlogs.py: logs with files open, and their release
         self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
-        self.walking = asyncio.Lock()  # a /stats or /metrics walk of every partition (http.py)
+        self.walking = asyncio.Lock()  # a /stats or /metrics walk of every partition (statshttp.py)
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
         self._unsaved: set[Channel] = set()  # made by _create_channel, not on disk yet

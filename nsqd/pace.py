@@ -11,20 +11,38 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterable, TypeVar
+from typing import AsyncIterator, Iterable, Iterator, TypeVar
 
 SLICE_S = 0.005  # work between two turns of the loop
 
 T = TypeVar("T")
 
 
-async def collect(pieces: Iterable[T]) -> list[T]:
-    """list(pieces), with a turn of the loop once SLICE_S has passed since the last."""
-    out: list[T] = []
+async def paced(pieces: Iterable[T]) -> AsyncIterator[T]:
+    """Each piece, with a turn of the loop once SLICE_S has passed since the last."""
     since = time.perf_counter()
     for piece in pieces:
-        out.append(piece)
+        yield piece
         if time.perf_counter() - since >= SLICE_S:
             await asyncio.sleep(0)
             since = time.perf_counter()
-    return out
+
+
+async def collect(pieces: Iterable[T]) -> list[T]:
+    """list(pieces), with a turn of the loop once SLICE_S has passed since the last."""
+    return [piece async for piece in paced(pieces)]
+
+
+def chunks(pieces: Iterable[str], size: int) -> Iterator[bytes]:
+    """The text of `pieces` in UTF-8 chunks of about `size` characters (a piece is never
+    split; the last chunk may be shorter)."""
+    group: list[str] = []
+    chars = 0
+    for piece in pieces:
+        group.append(piece)
+        chars += len(piece)
+        if chars >= size:
+            yield "".join(group).encode()
+            group, chars = [], 0
+    if group:
+        yield "".join(group).encode()

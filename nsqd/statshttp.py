@@ -7,7 +7,7 @@ http.py's ROUTES at start.
 
 Both are built and encoded in pieces with the loop's turns between (pace.py), one walk at
 a time on a node (walk_alone); a read that waits WALK_WAIT_S for its turn is answered 503
-BUSY.
+BUSY. /metrics is sent as it is made, in chunks (send_text), within SEND_S.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import structlog
 from aiohttp import web
 
 from nsqwire.httpapi import go_json_pieces
@@ -22,7 +23,11 @@ from nsqwire.httpapi import go_json_pieces
 from . import metrics, pace, stats
 from .httpargs import HTTPError, arg, bool_arg, query
 
+log = structlog.get_logger("nsqd.statshttp")
+
 WALK_WAIT_S = 10.0  # a read waits this long for the walk ahead, then 503 BUSY
+SEND_S = 30.0  # a reader takes a whole answer within this, or its connection is closed
+CHUNK_CHARS = 256 * 1024  # text sent a chunk at a time
 
 
 async def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: bool = True,
@@ -67,8 +72,27 @@ async def do_stats(nsqd, request):
 async def do_metrics(nsqd, request):
     async with walk_alone(nsqd):
         doc = await node_stats(nsqd, include_clients=True, include_mem=False)
-        text = "".join(await pace.collect(metrics.render(doc)))
-    return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
+        return await send_text(request, metrics.render(doc), metrics.CONTENT_TYPE)
+
+
+async def send_text(request, pieces, content_type: str) -> web.StreamResponse:
+    """Answer the text of `pieces` as it is made, in chunks (at 10,000 partitions /metrics
+    is 47 MB: never held whole). A reader that has not taken it all within SEND_S, or that
+    went away, has its connection closed without the last chunk, so it cannot take a cut
+    answer for a whole one."""
+    resp = web.StreamResponse(headers={"Content-Type": content_type})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    try:
+        async with asyncio.timeout(SEND_S):
+            async for chunk in pace.paced(pace.chunks(pieces, CHUNK_CHARS)):
+                await resp.write(chunk)
+    except (TimeoutError, ConnectionError) as e:
+        log.warning("stats_send_cut", path=request.path, error=repr(e))
+        request.transport.close()
+        return resp
+    await resp.write_eof()
+    return resp
 
 
 ROUTES = {

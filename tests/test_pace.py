@@ -129,3 +129,49 @@ async def test_reads_of_every_partition_walk_one_at_a_time(node, monkeypatch):
             async with http.get(base + "/stats?format=json") as r:
                 assert (r.status, (await r.json())["message"]) == (503, "BUSY")
         assert walks[0] == len(paths)
+
+
+def test_chunks_join_whole_pieces_to_about_the_size():
+    pieces = ["ab", "cdé", "f", "ghij", "k"]
+    got = list(pace.chunks(pieces, 4))
+    assert got == ["abcdé".encode(), "fghij".encode(), b"k"]
+
+
+async def test_metrics_goes_out_in_chunks_and_a_slow_answer_is_cut_not_ended(node, monkeypatch):
+    """/metrics is sent as it is made; one not taken within SEND_S has its connection closed
+    without the last chunk (the reader sees an error, not a shorter exposition), and the
+    walk is free again for the next read."""
+    import nsqd.statshttp as http_module
+
+    n = await node()
+    base = f"http://127.0.0.1:{n.http_port}"
+    async with aiohttp.ClientSession() as http:
+        for path in ("/topic/create?topic=m&partition_num=20", "/channel/create?topic=m&channel=c"):
+            async with http.post(base + path) as r:
+                assert r.status == 200
+        async with http.get(base + "/metrics") as r:
+            whole = await r.read()
+            assert r.headers["Transfer-Encoding"] == "chunked"
+        assert whole.count(b'nsqd_channel_depth{topic="m",') == 20
+        monkeypatch.setattr(http_module, "CHUNK_CHARS", 1024)
+        monkeypatch.setattr(http_module, "SEND_S", 0.2)
+        chunks = pace.chunks
+
+        def slow(pieces, size):
+            for chunk in chunks(pieces, size):
+                time.sleep(0.01)  # the loop's own time counts too: 0.2 s after ~20 chunks
+                yield chunk
+
+        monkeypatch.setattr(pace, "chunks", slow)
+        async with http.get(base + "/metrics") as r:
+            assert r.status == 200
+            try:
+                await r.read()
+            except aiohttp.ClientPayloadError:
+                pass
+            else:
+                raise AssertionError("a cut answer was ended as if whole")
+        monkeypatch.setattr(pace, "chunks", chunks)
+        async with http.get(base + "/metrics") as r:  # the walk was let go
+            assert r.status == 200
+            assert (await r.read()).count(b'nsqd_channel_depth{topic="m",') == 20
