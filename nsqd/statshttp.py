@@ -78,8 +78,8 @@ async def do_metrics(nsqd, request):
 async def send_text(request, pieces, content_type: str) -> web.StreamResponse:
     """Answer the text of `pieces` as it is made, in chunks (at 10,000 partitions /metrics
     is 47 MB: never held whole). A reader that has not taken it all within SEND_S, or that
-    went away, has its connection closed without the last chunk, so it cannot take a cut
-    answer for a whole one."""
+    went away, or a piece that failed, has its connection closed without the last chunk,
+    so it cannot take a cut answer for a whole one."""
     resp = web.StreamResponse(headers={"Content-Type": content_type})
     resp.enable_chunked_encoding()
     await resp.prepare(request)
@@ -89,9 +89,13 @@ async def send_text(request, pieces, content_type: str) -> web.StreamResponse:
                 await resp.write(chunk)
     except (TimeoutError, ConnectionError) as e:
         log.warning("stats_send_cut", path=request.path, error=repr(e))
-        request.transport.close()
+    except Exception:  # a bug costs this answer, never the server
+        log.exception("stats_send_failed", path=request.path)
+    else:
+        await resp.write_eof()
         return resp
-    await resp.write_eof()
+    if request.transport is not None:
+        request.transport.close()
     return resp
 
 

@@ -3,7 +3,9 @@
     .venv/bin/python scripts/compile.py [--clean] [MODULE.py ...]
 
 Without --clean, a build whose manifest names the same modules with the same source
-bytes is kept (scripts/setup.sh runs this on every ./test.sh and ./run.sh).
+bytes, built for this interpreter (its extension suffix), is kept (scripts/setup.sh runs
+this on every ./test.sh and ./run.sh). One build at a time (a lock on build/compile.lock):
+two setups at once never write the same files.
 
 The extension modules go to build/mypyc/ (a tree of packages holding only .so files);
 each compiled package's __init__ puts its folder there first on its __path__
@@ -29,10 +31,12 @@ What a compiled module asks of its source (each was a TypeError or an import err
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import sys
+import sysconfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "build", "mypyc")
@@ -56,6 +60,13 @@ MYPY_ARGS = ["--follow-imports=silent", "--ignore-missing-imports", "--python-ve
 
 
 def main(argv: list[str]) -> int:
+    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    with open(os.path.join(ROOT, "build", "compile.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build(argv)
+
+
+def build(argv: list[str]) -> int:
     if argv[:1] == ["--clean"]:
         shutil.rmtree(OUT, ignore_errors=True)
         shutil.rmtree(TMP, ignore_errors=True)
@@ -68,21 +79,22 @@ def main(argv: list[str]) -> int:
 
     from nsqwire._compiled import MANIFEST, digest
 
-    sources = {m: digest(os.path.join(ROOT, m)) for m in modules}
+    manifest = {"sources": {m: digest(os.path.join(ROOT, m)) for m in modules},
+                "abi": sysconfig.get_config_var("EXT_SUFFIX")}
     try:
         with open(MANIFEST) as f:
-            if json.load(f)["sources"] == sources:
+            if json.load(f) == manifest:
                 print(f"compiled modules up to date in {os.path.relpath(OUT, ROOT)}")
                 return 0
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         pass
     ext_modules = mypycify(MYPY_ARGS + modules, opt_level="3", debug_level="0",
                            target_dir=TMP, group_name="nsq_hot")
     shutil.rmtree(OUT, ignore_errors=True)
     setup(name="nsq-compiled", ext_modules=ext_modules, script_args=[
         "build_ext", "--build-lib", OUT, "--build-temp", os.path.join(TMP, "obj"), "-q"])
-    with open(MANIFEST, "w") as f:
-        json.dump({"sources": sources}, f, indent=1)
+    with open(MANIFEST, "w") as f:  # last: the build is whole once it names its sources
+        json.dump(manifest, f, indent=1)
     print(f"compiled {len(modules)} modules into {os.path.relpath(OUT, ROOT)}")
     return 0
 

@@ -50,14 +50,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The compiled hot path (scripts/compile.py, mypyc, from the same .py files) goes to
 # build/mypyc, rebuilt only when a compiled source changed; NSQ_PURE=1 at run time selects
-# the .py modules instead.
+# the .py modules instead. A build that fails leaves the .py modules to run, and says so
+# (the test suite then fails in tests/test_compiled.py).
+compile_hot_path() {
+  .venv/bin/python scripts/compile.py >/dev/null || echo "setup: the compiled hot path" \
+    "did not build: the .py modules run (.venv/bin/python scripts/compile.py says why)" >&2
+}
 if [ "$run_only" = 1 ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[compile]'
-  .venv/bin/python scripts/compile.py >/dev/null
+  compile_hot_path
   exit 0
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test,compile]'
-.venv/bin/python scripts/compile.py >/dev/null
+compile_hot_path
 
 # nsqjs for tests/compat (node_modules is not committed; package-lock.json is).
 # npm ci only when the lock file changed since the last install.

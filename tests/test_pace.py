@@ -8,6 +8,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from nsqd import pace
 
@@ -138,9 +139,9 @@ def test_chunks_join_whole_pieces_to_about_the_size():
 
 
 async def test_metrics_goes_out_in_chunks_and_a_slow_answer_is_cut_not_ended(node, monkeypatch):
-    """/metrics is sent as it is made; one not taken within SEND_S has its connection closed
-    without the last chunk (the reader sees an error, not a shorter exposition), and the
-    walk is free again for the next read."""
+    """/metrics is sent as it is made; one not taken within SEND_S, or whose making failed,
+    has its connection closed without the last chunk (the reader sees an error, not a
+    shorter exposition), and the walk is free again for the next read."""
     import nsqd.statshttp as http_module
 
     n = await node()
@@ -165,12 +166,16 @@ async def test_metrics_goes_out_in_chunks_and_a_slow_answer_is_cut_not_ended(nod
         monkeypatch.setattr(pace, "chunks", slow)
         async with http.get(base + "/metrics") as r:
             assert r.status == 200
-            try:
+            with pytest.raises(aiohttp.ClientPayloadError):  # ended, it would look whole
                 await r.read()
-            except aiohttp.ClientPayloadError:
-                pass
-            else:
-                raise AssertionError("a cut answer was ended as if whole")
+        def failing(pieces, size):
+            yield from chunks(pieces, size)
+            raise RuntimeError("a bug in the last piece")
+
+        monkeypatch.setattr(pace, "chunks", failing)
+        async with http.get(base + "/metrics") as r:  # cut too: never a whole-looking answer
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()
         monkeypatch.setattr(pace, "chunks", chunks)
         async with http.get(base + "/metrics") as r:  # the walk was let go
             assert r.status == 200
