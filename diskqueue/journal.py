@@ -8,13 +8,13 @@ of them is written into its segment without a sync and added to the round as a j
 record. A round ends when the thread has no job left (or the round is full); its records
 are then written and synced with one `fdatasync`, whatever the number of partitions that
 wrote in them (as BookKeeper's journal, shared by every ledger of a bookie), and only then
-is every answer of the round handed to the loop, in one call. A round that every writing
-partition is in (`Journal.writers`), ended with no job left, is synced by the write thread
-itself: no partition can give it a job before the round is answered, and the hand-off to
-the sync thread and back cost 16 topics of single PUBs 7-9% of their msgs/s. Any other
-round goes to the journal's sync thread, and the write thread goes on with the next jobs
-while the next round grows: the rounds are pipelined, one being synced and one being
-written.
+is every answer of the round handed to the loop, in one call. A round that ends with no
+job left is synced by the write thread itself: a job given meanwhile waits for that sync,
+as it would for its own round's, and loses only the overlap of its write with it, where
+the hand-off to the sync thread and back cost 16 topics of single PUBs 7-9% of their
+msgs/s. A round that ends with jobs left (full, or a partition's second batch) goes to
+the journal's sync thread, and the write thread goes on with the next jobs while the next
+round grows: the rounds are pipelined, one being synced and one being written.
 A partition writing alone syncs its own segment in the write's system call, as without a
 journal; so does a round that ended with one record (nothing written twice). Jobs that
 journaled nothing have their answers go at once.
@@ -91,8 +91,7 @@ ROUND_POSTS = 1024  # nor for more answers than this
 ZERO_AHEAD = 1024 * 1024  # zeros written past the records, so that rounds overwrite them
 ALONE_SYNCS_ITS_SEGMENT = True  # a partition writing alone, and a round of one record, sync
 # their segment instead of the journal
-WRITER_SYNCS_WHOLE_ROUND = True  # a round every writing partition is in is synced by the
-# write thread itself
+IDLE_WRITER_SYNCS = True  # a round that ends with no job left is synced by the write thread
 
 
 def encode(journal_id: int, path: bytes, base: int, pos: int, data) -> bytes:
@@ -255,8 +254,8 @@ class Journal:
 
     def flush(self, wait: bool = True, last: bool = False) -> None:
         """End the round (worker): hand its records and answers to the sync thread, once
-        that holds no other round; or, when `last` (no job is left) and every partition
-        writing has a record in it, write and sync it on this thread. With `wait` False and
+        that holds no other round; or, when `last` (no job is left), write and sync it on
+        this thread. With `wait` False and
         a round being synced, the round keeps growing instead (the sync thread wakes the
         worker when it is done). Answers of jobs that journaled nothing go to the loop at
         once when no record waits."""
@@ -285,8 +284,7 @@ class Journal:
         self._syncing = keys
         self._idle.clear()
         posts = self.worker.take_posts()
-        # `writers` is the loop's: a job given since may be missed, and then waits one sync
-        if last and WRITER_SYNCS_WHOLE_ROUND and len(keys) >= self.writers:
+        if last and IDLE_WRITER_SYNCS:
             self._sync_round(data, records, keys, alone, posts)
         else:
             self._syncer.call(self._sync_round, data, records, keys, alone, posts)

@@ -161,13 +161,13 @@ async def test_the_jobs_of_one_turn_reach_the_thread_in_one_hand_over(tmp_path, 
     j.close()
 
 
-async def test_a_round_every_writer_is_in_is_synced_by_the_write_thread(tmp_path, monkeypatch):
-    """No partition outside the round writes: the write thread syncs it itself (the sync
-    thread's hand-off saved). One that writes outside it (a job the loop has given and not
-    handed over yet): the round goes to the sync thread, and the write thread is free for
-    that job."""
+async def test_a_round_that_ends_with_no_job_left_is_synced_by_the_write_thread(
+        tmp_path, monkeypatch):
+    """No job left: the write thread syncs the round itself (the sync thread's hand-off
+    saved). Jobs left (here: a round full at 2 answers): the round goes to the sync
+    thread, and the write thread goes on with them."""
     j = Journal.open(str(tmp_path))
-    qs = await open_queues(str(tmp_path), j, 4)
+    qs = await open_queues(str(tmp_path), j, 8)
     threads = []
     write_round = j._write_round
 
@@ -176,17 +176,14 @@ async def test_a_round_every_writer_is_in_is_synced_by_the_write_thread(tmp_path
         return write_round(*args)
 
     monkeypatch.setattr(j, "_write_round", named_write_round)
-    await asyncio.gather(*(q.append([b"m"]) for q in qs))
+    await asyncio.gather(*(q.append([b"m"]) for q in qs[:4]))
     assert threads and set(threads) == {"diskqueue:journal"}
     threads.clear()
-    j.writers += 1  # a partition given a job the loop has not handed over yet
-    try:
-        await asyncio.gather(*(q.append([b"n"]) for q in qs))
-    finally:
-        j.writers -= 1
-    assert threads and set(threads) == {"diskqueue:journal-sync"}
-    for q in qs:
-        assert await bodies_of(q) == [b"m", b"n"]
+    monkeypatch.setattr(journal_mod, "ROUND_POSTS", 2)
+    await asyncio.gather(*(q.append([b"n"]) for q in qs))
+    assert "diskqueue:journal-sync" in threads, threads
+    for i, q in enumerate(qs):
+        assert await bodies_of(q) == ([b"m", b"n"] if i < 4 else [b"n"])
         await q.close()
     j.close()
 
@@ -195,9 +192,9 @@ async def test_the_next_round_is_written_while_one_is_synced(tmp_path, monkeypat
     """The sync thread holds a round of partitions a and b (its sync held up here): c and d
     are written meanwhile, into the next round; a's next batch waits until a's round is
     synced (at most one batch of a partition is not durable); all are answered after. (A
-    round every writing partition is in is synced by the write thread itself, the test
-    above: here the sync thread takes every round.)"""
-    monkeypatch.setattr(journal_mod, "WRITER_SYNCS_WHOLE_ROUND", False)
+    round that ends with no job left is synced by the write thread itself, the test above:
+    here the sync thread takes every round.)"""
+    monkeypatch.setattr(journal_mod, "IDLE_WRITER_SYNCS", False)
     j = Journal.open(str(tmp_path))
     a, b, c, d = await open_queues(str(tmp_path), j, 4)
     held, release = asyncio.Event(), threading.Event()
