@@ -255,10 +255,9 @@ class Journal:
     def flush(self, wait: bool = True, last: bool = False) -> None:
         """End the round (worker): hand its records and answers to the sync thread, once
         that holds no other round; or, when `last` (no job is left), write and sync it on
-        this thread. With `wait` False and
-        a round being synced, the round keeps growing instead (the sync thread wakes the
-        worker when it is done). Answers of jobs that journaled nothing go to the loop at
-        once when no record waits."""
+        this thread. With `wait` False and a round being synced, the round keeps growing
+        instead (the sync thread wakes the worker when it is done). Answers of jobs that
+        journaled nothing go to the loop at once when no record waits."""
         if not self._round:
             if posts := self.worker.take_posts():
                 self.worker.deliver(posts, {})
@@ -296,9 +295,9 @@ class Journal:
 
     def _sync_round(self, data: bytes, records: int, keys: dict, alone: bool,
                     posts: list) -> None:
-        """(sync thread, or the write thread: `flush`) Write and sync a round (`alone`: sync its one record's segment
-        instead), then hand its answers to the loop (with the journal's failure for those
-        that needed a record, if it failed)."""
+        """(sync thread, or the write thread: `flush`) Write and sync a round (`alone`:
+        sync its one record's segment instead), then hand its answers to the loop (with the
+        journal's failure for those that needed a record, if it failed)."""
         failed: dict = {}
         try:
             failed = self._sync_alone(keys) if alone else self._write_round(data, records, keys)
@@ -339,11 +338,10 @@ class Journal:
         """(the thread syncing a round) Before a round that ends at `end`, past the zeros
         written ahead: ZERO_AHEAD bytes of zeros from `end`, synced with the round. Later
         rounds then write over zeros already on disk, and their `fdatasync` has no file size
-        to commit (0.11
-        against 0.25 ms a 40 KB round on this project's VM). Replay stops at the zeros as at
-        the end of a file (a record of length 0). Without room for the zeros the file grows by
-        each round, as before, and the zeros that did fit are cut off again (on a nearly full
-        disk they would take the room the round needs)."""
+        to commit (0.11 against 0.25 ms a 40 KB round on this project's VM). Replay stops
+        at the zeros as at the end of a file (a record of length 0). Without room for the
+        zeros the file grows by each round, as before, and the zeros that did fit are cut
+        off again (on a nearly full disk they would take the room the round needs)."""
         try:
             pwrite_all(self._fd, bytes(ZERO_AHEAD), end)
         except OSError:
