@@ -71,3 +71,11 @@ class Server(web.Server):
         request = super()._make_request(message, payload, protocol, writer, task)
         protocol.received, protocol.answered = request, False
         return request
+
+
+def cut(request: web.BaseRequest) -> None:
+    """End a chunked answer early: the connection closes without the last chunk, so the
+    reader sees an error, never a shorter answer that looks whole (a no-op once the
+    connection is gone)."""
+    if request.transport is not None:
+        request.transport.close()

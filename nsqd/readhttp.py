@@ -48,6 +48,7 @@ from nsqwire.httpapi import V1_HEADER
 from nsqwire.httpapi import parse_time_ns as wire_time_ns
 
 from .httpargs import HTTPError, arg, partition_arg, query, topic_arg
+from .httpconn import cut
 
 log = structlog.get_logger("nsqd.readhttp")
 
@@ -258,7 +259,7 @@ async def stream(request, q, start: int, limit: int) -> web.StreamResponse:
         return resp
     except Exception as e:  # the reader sees the answer end early and asks again
         log.warning("read_stream_failed", offset=pos, error=repr(e))
-        request.transport.close()
+        cut(request)
         return resp
     finally:
         if state.get("fd") is not None:

@@ -22,6 +22,7 @@ from nsqwire.httpapi import go_json_pieces
 
 from . import metrics, pace, stats
 from .httpargs import HTTPError, arg, bool_arg, query
+from .httpconn import cut
 
 log = structlog.get_logger("nsqd.statshttp")
 
@@ -94,8 +95,7 @@ async def send_text(request, pieces, content_type: str) -> web.StreamResponse:
     else:
         await resp.write_eof()
         return resp
-    if request.transport is not None:
-        request.transport.close()
+    cut(request)
     return resp
 
 
