@@ -387,9 +387,13 @@ async def test_a_checkpoint_syncs_the_segments_and_starts_a_new_file(tmp_path, m
     j = Journal.open(str(tmp_path))
     qs = await open_queues(str(tmp_path), j, 3)
     k = 0
-    while k < 40 or not os.path.getsize(j_file := journal_file(tmp_path)):
+    while True:  # until a checkpoint has deleted the file before the current one
         await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for q in qs))
         k += 1
+        assert await asyncio.to_thread(j._checkpointed.wait, 10)
+        if k >= 40 and len(os.listdir(tmp_path / "journal")) == 1:
+            break
+    j_file = journal_file(tmp_path)
     assert j.stats["checkpoints"] >= 5
     name = os.path.basename(j_file)
     with open(tmp_path / "journal" / name, "rb") as f:
@@ -399,6 +403,52 @@ async def test_a_checkpoint_syncs_the_segments_and_starts_a_new_file(tmp_path, m
     assert first
     for q in qs:
         lose_unsynced(q, keep=first.get(f"p{q.partition}", q._segments.end))
+    j2 = Journal.open(str(tmp_path))
+    qs2 = await open_queues(str(tmp_path), j2, 3)
+    for q in qs2:
+        assert await bodies_of(q) == [b"%d-%d" % (q.partition, i) for i in range(k)]
+        await q.close()
+    j2.close()
+
+
+async def test_rounds_go_on_while_a_checkpoint_syncs(tmp_path, monkeypatch):
+    """A checkpoint syncs the segments its files cover on a thread of its own: rounds are
+    answered while its syncs wait, its old file stays until they are done, and every body
+    is there after a restart."""
+    monkeypatch.setattr(journal_mod, "CHECKPOINT_BYTES", 1024)
+    gate = threading.Event()
+    real_fdatasync = os.fdatasync
+
+    synced = set()  # the files the checkpoint thread synced
+
+    def fdatasync(fd):
+        if threading.current_thread().name == "diskqueue:journal-checkpoint":
+            gate.wait(10)
+            synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    j = Journal.open(str(tmp_path))
+    qs = await open_queues(str(tmp_path), j, 3)
+    k = 0
+    try:
+        while j._checkpointed.is_set():  # until a checkpoint begins, and waits at its syncs
+            await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for q in qs))
+            k += 1
+        for _ in range(20):
+            await asyncio.wait_for(asyncio.gather(
+                *(q.append([b"%d-%d" % (q.partition, k)]) for q in qs)), 5)
+            k += 1
+        assert len(os.listdir(tmp_path / "journal")) == 2  # the file it checkpoints, and the next
+        assert j.stats["checkpoints"] == 0
+    finally:
+        gate.set()
+    assert await asyncio.to_thread(j._checkpointed.wait, 10)
+    assert j.stats["checkpoints"] >= 1
+    assert {q._segments.file(q._segments.active_base) for q in qs} <= synced
+    for q in qs:
+        await q.close()
+    j.close()
     j2 = Journal.open(str(tmp_path))
     qs2 = await open_queues(str(tmp_path), j2, 3)
     for q in qs2:
