@@ -64,6 +64,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import resource
 import struct
@@ -90,6 +91,7 @@ CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed 
 # Segments replay holds open at once (or a quarter of the process's descriptors, if fewer):
 # past it, they are synced and closed.
 REPLAY_OPEN = 256
+OPEN_WAIT_S = 10.0  # a checkpoint waits this long for a free descriptor to sync a segment
 ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
 ROUND_POSTS = 1024  # nor for more answers than this
 ZERO_AHEAD = 1024 * 1024  # zeros written past the records, so that rounds overwrite them
@@ -164,11 +166,20 @@ def _sync_and_close(fds: dict[str, int]) -> None:
 
 def _sync_file(path: str) -> None:
     """fdatasync the file at `path` through a descriptor of its own; a file that is gone
-    needs none."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
+    needs none. With every descriptor of the process in use it waits for one, at most
+    OPEN_WAIT_S (a burst of connections must not turn the journal off)."""
+    waited = 0.0
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            break
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE) or waited >= OPEN_WAIT_S:
+                raise
+            time.sleep(0.01)
+            waited += 0.01
     try:
         os.fdatasync(fd)
     finally:

@@ -457,6 +457,29 @@ async def test_rounds_go_on_while_a_checkpoint_syncs(tmp_path, monkeypatch):
     j2.close()
 
 
+def test_a_checkpoint_waits_for_a_free_descriptor(tmp_path, monkeypatch):
+    """A segment sync that finds every descriptor in use waits for one (bounded), rather
+    than failing the checkpoint and turning the journal off."""
+    path = tmp_path / "segment"
+    path.write_bytes(b"x")
+    real_open, refused = os.open, []
+
+    def busy_open(name, flags, *args):
+        if len(refused) < 3:
+            refused.append(name)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", busy_open)
+    journal_mod._sync_file(str(path))
+    assert len(refused) == 3
+    refused.clear()
+    monkeypatch.setattr(journal_mod, "OPEN_WAIT_S", 0.01)
+    with pytest.raises(OSError) as e:
+        journal_mod._sync_file(str(path))
+    assert e.value.errno == errno.EMFILE
+
+
 def journal_file(root) -> str:
     (name,) = os.listdir(os.path.join(root, "journal"))
     return os.path.join(root, "journal", name)
