@@ -37,6 +37,17 @@ def lose_unsynced(q: DiskQueue, keep: int = 0) -> None:
     os.truncate(seg.file(seg.active_base), keep)
 
 
+async def bodies_after_restart(root, n: int) -> list[list[bytes]]:
+    """The bodies of queues p0 .. p<n-1>, opened again with the journal (its replay first)."""
+    journal = Journal.open(str(root))
+    out = []
+    for q in await open_queues(str(root), journal, n):
+        out.append(await bodies_of(q))
+        await q.close()
+    journal.close()
+    return out
+
+
 async def bodies_of(q: DiskQueue) -> list[bytes]:
     r = q.reader(q.start_offset)
     out = []
@@ -403,12 +414,8 @@ async def test_a_checkpoint_syncs_the_segments_and_starts_a_new_file(tmp_path, m
     assert first
     for q in qs:
         lose_unsynced(q, keep=first.get(f"p{q.partition}", q._segments.end))
-    j2 = Journal.open(str(tmp_path))
-    qs2 = await open_queues(str(tmp_path), j2, 3)
-    for q in qs2:
-        assert await bodies_of(q) == [b"%d-%d" % (q.partition, i) for i in range(k)]
-        await q.close()
-    j2.close()
+    assert await bodies_after_restart(tmp_path, 3) == [
+        [b"%d-%d" % (p, i) for i in range(k)] for p in range(3)]
 
 
 async def test_rounds_go_on_while_a_checkpoint_syncs(tmp_path, monkeypatch):
@@ -449,12 +456,8 @@ async def test_rounds_go_on_while_a_checkpoint_syncs(tmp_path, monkeypatch):
     for q in qs:
         await q.close()
     j.close()
-    j2 = Journal.open(str(tmp_path))
-    qs2 = await open_queues(str(tmp_path), j2, 3)
-    for q in qs2:
-        assert await bodies_of(q) == [b"%d-%d" % (q.partition, i) for i in range(k)]
-        await q.close()
-    j2.close()
+    assert await bodies_after_restart(tmp_path, 3) == [
+        [b"%d-%d" % (p, i) for i in range(k)] for p in range(3)]
 
 
 def test_a_checkpoint_waits_for_a_free_descriptor(tmp_path, monkeypatch):
@@ -552,11 +555,8 @@ async def test_rounds_write_over_zeros_written_ahead(tmp_path, monkeypatch):
     assert j.failed is None and os.path.getsize(journal_file(tmp_path)) == j._size
     for q in qs:  # a crash: only the journal holds what was written
         lose_unsynced(q)
-    j2 = Journal.open(str(tmp_path))
-    for q in await open_queues(str(tmp_path), j2, 2):
-        assert await bodies_of(q) == [b"%d-%d" % (q.partition, k) for k in range(60)]
-        await q.close()
-    j2.close()
+    assert await bodies_after_restart(tmp_path, 2) == [
+        [b"%d-%d" % (p, k) for k in range(60)] for p in range(2)]
 
 
 async def test_replay_stops_at_a_torn_record(tmp_path):
