@@ -54,7 +54,8 @@ Invariants:
   its segment and takes a new journal id (`DiskQueue._leave_journal`), so no record is
   replayed over what follows; a partition opened again while the journal holds records of
   it does the same;
-- a checkpoint (once the journal file passes CHECKPOINT_BYTES) starts a new file at once;
+- a checkpoint (once the journal file passes `checkpoint_bytes`: nsqd's
+  --journal-checkpoint-bytes, CHECKPOINT_BYTES by default) starts a new file at once;
   the checkpoint thread then syncs every segment journaled since the old file began (the
   one active when the checkpoint began: rotation syncs a segment before the next is
   made) and deletes the old files, while the rounds go on into the new one; one runs at a
@@ -196,8 +197,9 @@ class Journal:
     and rounds handed over, on its worker's thread; a round is written and synced on its
     sync thread, one round at a time, while the worker goes on with the next jobs."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, checkpoint_bytes: int | None = None):
         self.root = root
+        self.checkpoint_bytes = checkpoint_bytes or CHECKPOINT_BYTES
         self.folder = os.path.join(root, FOLDER)
         self.worker = JournalWorker(self)
         self._syncer = Worker("diskqueue:journal-sync")
@@ -224,10 +226,11 @@ class Journal:
                       "sync_seconds_total": 0.0, "alone": 0}
 
     @classmethod
-    def open(cls, root: str) -> "Journal":
+    def open(cls, root: str, checkpoint_bytes: int | None = None) -> "Journal":
         """Replay what the journal holds, then start a new journal file (blocking: run it
-        before any partition of `root` opens)."""
-        j = cls(root)
+        before any partition of `root` opens). A file of `checkpoint_bytes` (default
+        CHECKPOINT_BYTES) is checkpointed."""
+        j = cls(root, checkpoint_bytes)
         os.makedirs(j.folder, exist_ok=True)
         files = sorted(n for n in os.listdir(j.folder) if n.endswith(SUFFIX))
         paths = [os.path.join(j.folder, n) for n in files]
@@ -303,7 +306,7 @@ class Journal:
             self._idle.wait()
         if self.failed is not None:
             self._retire()
-        elif self._size >= CHECKPOINT_BYTES:
+        elif self._size >= self.checkpoint_bytes:
             self._checkpoint()
         data = b"".join(self._round)
         records = len(self._round)
@@ -442,7 +445,7 @@ class Journal:
         since the old one began and then delete it (worker, with the sync thread idle): the
         rounds go on meanwhile (syncing 1,000 segments here held every partition's round
         for 0.23 s). One at a time: while one runs, the new file grows past
-        CHECKPOINT_BYTES."""
+        `checkpoint_bytes`."""
         if not self._checkpointed.is_set():
             return
         try:

@@ -162,7 +162,8 @@ class NSQD:
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs, self.options.data_path)
         if self.options.journal:  # replayed before any partition opens
-            self.journal = await asyncio.to_thread(Journal.open, self.options.data_path)
+            self.journal = await asyncio.to_thread(Journal.open, self.options.data_path,
+                                                   self.options.journal_checkpoint_bytes)
         self.meta = MetaStore(os.path.join(self.options.data_path, "nsqd.meta.sqlite"))
         await self._finish_deletes()
         await asyncio.to_thread(self.tracer.start, self.meta)

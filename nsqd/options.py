@@ -68,6 +68,7 @@ class Options:
     sync_every: int = 1  # messages per sync; 1 = every batch is synced before OK (durable)
     sync_timeout_ms: int = 2000  # with sync_every > 1, also sync when data is this old
     journal: bool = True  # journal durable batches: one sync a round (diskqueue/journal.py)
+    journal_checkpoint_bytes: int = 64 * 1024 * 1024  # a journal file this long is checkpointed
     mem_queue_size: int = 10000  # accepted for compatibility; every message goes to disk
     retention_max_age_ms: int = 0  # 0: keep what a channel still needs, forever
     retention_min_age_ms: int = 0  # keep history this long even when every channel is past it
@@ -214,6 +215,10 @@ _HELP = {
     "journal": "write every partition on one thread and sync the durable batches of a round "
                "together, one fdatasync of the node journal (false: a write thread a "
                "partition, each batch synced in its own write call; see diskqueue/README.md)",
+    "journal_checkpoint_bytes": "once the node journal's file holds this much, a checkpoint "
+                                "syncs the segments it covers, on a thread of its own, and "
+                                "the next file begins (bytes; the journal's disk and a "
+                                "restart's replay grow with it)",
     "test_ack_before_sync": "TEST ONLY, a deliberately broken build: answer a TCP publish "
                             "OK before its batch is written and synced (jepsen shows the "
                             "loss); never use it",
@@ -418,6 +423,8 @@ def build(values: dict) -> Options:
         raise ValueError("--half-check-timeout must be between 100ms and 7 days (168h)")
     if not 1 <= options.half_check_max <= 1000:
         raise ValueError("--half-check-max must be 1..1000")
+    if not 64 * 1024 <= options.journal_checkpoint_bytes <= 1 << 40:
+        raise ValueError("--journal-checkpoint-bytes must be 64 KiB..1 TiB")
     if options.trace_es_url:
         url = urllib.parse.urlsplit(options.trace_es_url)
         try:
