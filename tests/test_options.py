@@ -71,3 +71,11 @@ def test_bool_flags_take_true_and_false(argv, on):
     assert {f.name for f in dataclasses.fields(Options) if f.type in ("bool", bool)} <= _BOOLS
     assert from_args(argv).journal is on
 
+
+
+def test_journal_checkpoint_bytes_is_bounded():
+    assert from_args([]).journal_checkpoint_bytes == 64 * 1024 * 1024
+    assert from_args(["--journal-checkpoint-bytes", "65536"]).journal_checkpoint_bytes == 65536
+    for bad in ("1000", "0", str(2 << 40)):
+        with pytest.raises(ValueError, match="--journal-checkpoint-bytes"):
+            from_args(["--journal-checkpoint-bytes", bad])
