@@ -10,6 +10,9 @@ aiohttp does not.
 - A malformed request (aiohttp's parser refuses it with a plain-text 400, as Go's
   net/http does) costs one `http_bad_request` log line, never a traceback: a client
   must not be able to fill the log cheaply.
+
+`cut(request)` ends a chunked answer early (/stats, /metrics, /read streams) so that its
+reader sees an error, never a shorter answer that looks whole.
 """
 
 from __future__ import annotations
