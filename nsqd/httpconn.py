@@ -11,8 +11,8 @@ aiohttp does not.
   net/http does) costs one `http_bad_request` log line, never a traceback: a client
   must not be able to fill the log cheaply.
 
-`cut(request)` ends a chunked answer early (/stats, /metrics, /read streams) so that its
-reader sees an error, never a shorter answer that looks whole.
+`cut(request)` ends a chunked answer early (/metrics, /read) so that its reader sees an
+error, never a shorter answer that looks whole.
 """
 
 from __future__ import annotations
