@@ -425,7 +425,6 @@ async def test_rounds_go_on_while_a_checkpoint_syncs(tmp_path, monkeypatch):
     monkeypatch.setattr(journal_mod, "CHECKPOINT_BYTES", 1024)
     gate = threading.Event()
     real_fdatasync = os.fdatasync
-
     synced = set()  # the files the checkpoint thread synced
 
     def fdatasync(fd):
@@ -440,6 +439,7 @@ async def test_rounds_go_on_while_a_checkpoint_syncs(tmp_path, monkeypatch):
     k = 0
     try:
         while j._checkpointed.is_set():  # until a checkpoint begins, and waits at its syncs
+            assert k < 1000, "no checkpoint began"
             await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for q in qs))
             k += 1
         for _ in range(20):
