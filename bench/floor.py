@@ -1,24 +1,28 @@
 """How far is nsqd from the floor? Single PUBs against bench/floor_server.py and our nsqd,
 in one run, with the same load generator.
 
-    .venv/bin/python bench/floor.py [--quick] [--rounds N]
+    .venv/bin/python bench/floor.py [--quick] [--rounds N] [--topics 1,6,16] [--kinds K,...]
 
-Five servers: the floor in `ack` mode (answer at once, keep nothing), the floor in `sync`
+Seven servers: the floor in `ack` mode (answer at once, keep nothing), the floor in `sync`
 mode (the simplest durable group commit: a file and a thread per topic, one write and one
 fdatasync a batch), the floor in `journal` mode (the simplest node-wide group commit: one
-thread, a write per topic and one journal write and fdatasync a round), nsqd with its
-defaults (durable: one fdatasync of the node journal a round) and nsqd with `--journal false`
-(each batch synced in its own segment by its partition's thread). Each takes 100 producer
-connections, one 200-byte PUB at a time each, on 1 topic (bench/nsqd.py's (a)), spread
-over 6 topics (bench/cluster.py's partitions) and over 16 (bench/nsqd.py's (g)). Each
-gives msgs/s and the server's CPU per message, split into its event loop's thread and the
-others (bench/nsqd.py's `Phase`), and the ratios to 1 topic. The rounds alternate the
-five servers; every figure is the median of the rounds.
+thread, a write per topic and one journal write and fdatasync a round), in `behind` mode
+(the same with each topic's write made after the round is answered), in `once` mode (no
+write per topic: the data written once, the design of RocketMQ's CommitLog), nsqd with its
+defaults (durable: one fdatasync of the node journal a round) and nsqd with `--journal
+false` (each batch synced in its own segment by its partition's thread); `--kinds` picks
+some. Each takes 100 producer connections, one 200-byte PUB at a time each, on 1 topic
+(bench/nsqd.py's (a)), spread over 6 topics (bench/cluster.py's partitions) and over 16
+(bench/nsqd.py's (g)), or over the counts `--topics` gives (nsqd's topics are made before
+the timing). Each gives msgs/s and the server's CPU per message, split into its event
+loop's thread and the others (bench/nsqd.py's `Phase`), and the ratios to 1 topic. The
+rounds alternate the servers; every figure is the median of the rounds.
 
 What it answers: issue #31's targets are nsqd's CPU per durable single PUB at most the
 `sync` floor's, and 16 topics at least 0.9x one topic. Each floor spends what any Python
 asyncio server of its design spends at least (a thread per partition; one journal a node);
-if a floor misses a target, no change inside nsqd of that design meets it on this machine.
+if a floor misses a target, no change inside nsqd of that design meets it on this machine;
+if another design's floor meets it, that design is the step.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from nsqwire.commands import cmd_pub  # noqa: E402
 
 TOPIC_COUNTS = (1, 6, 16)  # (a), the cluster bench's 6 partitions, (g)
 CONNS = 100
-KINDS = ("floor-ack", "floor-sync", "floor-journal", "nsqd", "nsqd-threads")
+KINDS = ("floor-ack", "floor-sync", "floor-journal", "floor-behind", "floor-once", "nsqd",
+         "nsqd-threads")
 
 
 class FloorProcess:
@@ -92,14 +97,18 @@ def per_msg(phase, rate: float) -> dict:
             "threads_us": (t["threads_user"] + t["threads_sys"]) / msgs * 1e6}
 
 
-def one_round(kind: str, warm_s: float, dur_s: float, args) -> dict:
+def one_round(kind: str, topic_counts: list[int], warm_s: float, dur_s: float, args) -> dict:
     """One server of `kind`: each topic count in turn, the same 100 connections spread over
     that many topics; per count its msgs/s and CPU per message."""
     body = b"x" * BODY_LEN
     out = {}
     with server(kind, args.dir) as srv:
-        for n in TOPIC_COUNTS:
-            cmds = [cmd_pub(f"floor{i:02d}", body) for i in range(n)]
+        made = 1
+        for n in topic_counts:
+            cmds = [cmd_pub(f"floor{i:04d}", body) for i in range(n)]
+            if isinstance(srv, Server) and n > made:  # nsqd's topics made before the timing
+                srv.command(b"".join(cmds[made:]), replies=n - made)
+                made = n
             rate, _, phase = timed_produce(srv, cmds[0], 1, CONNS, warm_s, dur_s, args,
                                            cmds=cmds)
             out[n] = {"msgs_per_s": rate, **per_msg(phase, rate)}
@@ -112,7 +121,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2 s a part, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--dir", default=None, help="where the data goes (default: /tmp)")
+    parser.add_argument("--topics", default=",".join(map(str, TOPIC_COUNTS)),
+                        help="topic counts, 1 among them (default %(default)s)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="servers to run (default %(default)s)")
     args = parser.parse_args()
+    topic_counts = sorted({1, *(int(x) for x in args.topics.split(","))})
+    kinds = args.kinds.split(",")
+    if any(k not in KINDS for k in kinds):
+        parser.error(f"--kinds: each one of {', '.join(KINDS)}")
     args.procs, args.py_spy_rate, args.py_spy_native = 1, 0, False  # timed_produce's
     warm_s, dur_s = (0.5, 2.0) if args.quick else (1.0, 5.0)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -120,19 +137,18 @@ def main() -> int:
     report = Report("floor")
     report.figures.update(common.machine_info())
     report.section(f"{CONNS} connections, one {BODY_LEN}-byte PUB at a time each, spread over "
-                   f"{', '.join(map(str, TOPIC_COUNTS))} topics; the floor server (ack, sync, "
-                   f"journal) and nsqd (durable; with its journal and with a thread a partition), alternated, "
+                   f"{', '.join(map(str, topic_counts))} topics; {', '.join(kinds)}, alternated, "
                    f"{rounds} rounds, medians")
-    got: dict[str, list[dict]] = {k: [] for k in KINDS}
+    got: dict[str, list[dict]] = {k: [] for k in kinds}
     for r in range(rounds):
         report.note(f"round {r + 1} of {rounds} ...")
-        for kind in KINDS:
-            got[kind].append(one_round(kind, warm_s, dur_s, args))
-    for kind in KINDS:
+        for kind in kinds:
+            got[kind].append(one_round(kind, topic_counts, warm_s, dur_s, args))
+    for kind in kinds:
         key = kind.replace("-", "_")
         med = {n: {f: statistics.median(x[n][f] for x in got[kind]) for f in got[kind][0][n]}
-               for n in TOPIC_COUNTS}
-        for n in TOPIC_COUNTS:
+               for n in topic_counts}
+        for n in topic_counts:
             m = med[n]
             report.add(f"{key}_{n}_topics_msgs_per_s", m["msgs_per_s"],
                        f"{kind}, {n} topic(s): msgs/s", fmt=",.0f")
@@ -144,7 +160,7 @@ def main() -> int:
                 report.add(f"{key}_{n}_to_1_ratio", m["msgs_per_s"] / med[1]["msgs_per_s"],
                            f"{kind}: {n} topics / 1 topic, msgs/s", fmt=".2f")
         report.figures[f"{key}_rounds"] = {str(n): [x[n] for x in got[kind]]
-                                          for n in TOPIC_COUNTS}
+                                          for n in topic_counts}
     report.emit_json()
     return 0
 

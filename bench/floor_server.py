@@ -3,7 +3,7 @@
 Not a queue. It speaks just enough of the NSQ TCP protocol for bench/loadgen.py's
 producers (the magic, `PUB <topic>\\n` or `MPUB <topic>\\n` with its 4-byte size and body,
 kept as one blob, the `OK` answer), on uvloop with one asyncio.Protocol per connection, as
-nsqd does. Two modes:
+nsqd does. Its modes:
 
 - `ack`: every PUB is answered at once; nothing is kept. What the protocol, uvloop and
   the kernel's loopback TCP cost a message, with none of nsqd's work.
@@ -17,9 +17,15 @@ nsqd does. Two modes:
   wait and become the next round, each topic's part of it one `os.write` to its file
   (no sync), all of it one `os.write` to one journal file and one `os.fdatasync`, then
   every PUB of the round is answered (one `call_soon_threadsafe` a round).
+- `behind`: `journal` with each topic's write made after the round's answers are handed
+  to the loop (the journal holds the data until then): the writes leave the round's path.
+- `once`: `journal` without the write per topic: the data written once, to the node's one
+  file (RocketMQ's CommitLog, whose queues are indexes into it; the index costs nothing
+  here). One `os.write` and one `os.fdatasync` a round.
 
 Whatever nsqd spends beyond `sync` (or `journal`) is its own; what they spend is the floor
-that no Python design with a thread per partition (or one journal a node) goes under.
+that no Python design with a thread per partition (or one journal a node) goes under;
+`once` is the floor of a design that writes a message once.
 
 Replication (for bench/floor_replication.py): `--follow-port` also takes pushes, a thread
 per connection with blocking sockets (a frame: 4-byte topic length, 4-byte batch length,
@@ -108,10 +114,11 @@ class TopicLog:
 
 class NodeJournal:
     """Every topic's file and one journal, written by one thread in rounds; `append`
-    answers each PUB once its round's journal is synced."""
+    answers each PUB once its round's journal is synced. `topic_files`: "before" the sync,
+    "after" the answers, or "" for none (mode `once`)."""
 
-    def __init__(self, loop, data_dir: str):
-        self.loop, self.dir = loop, data_dir
+    def __init__(self, loop, data_dir: str, topic_files: str):
+        self.loop, self.dir, self.topic_files = loop, data_dir, topic_files
         self.fds: dict[bytes, int] = {}
         self.journal = os.open(os.path.join(data_dir, "journal"),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -137,17 +144,23 @@ class NodeJournal:
         while True:
             batches = self.jobs.get()
             parts = []
-            for topic, batch in batches.items():
-                fd = self.fds.get(topic)
-                if fd is None:
-                    fd = self.fds[topic] = os.open(os.path.join(self.dir, topic.decode()),
-                                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                data = b"".join(body for _, body in batch)
-                os.write(fd, data)
-                parts.append(data)
+            for batch in batches.values():
+                parts.append(b"".join(body for _, body in batch))
+            if self.topic_files == "before":
+                self._write_topics(batches, parts)
             os.write(self.journal, b"".join(parts))
             os.fdatasync(self.journal)
             self.loop.call_soon_threadsafe(self._done, batches)
+            if self.topic_files == "after":
+                self._write_topics(batches, parts)
+
+    def _write_topics(self, batches: dict, parts: list) -> None:
+        for topic, data in zip(batches, parts):
+            fd = self.fds.get(topic)
+            if fd is None:
+                fd = self.fds[topic] = os.open(os.path.join(self.dir, topic.decode()),
+                                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(fd, data)
 
     def _done(self, batches: dict) -> None:
         self.busy = False
@@ -195,8 +208,10 @@ class FloorServer:
     def __init__(self, loop, mode: str, data_dir: str, followers: list[tuple[str, int]]):
         self.loop, self.mode, self.dir, self.followers = loop, mode, data_dir, followers
         self.logs: dict[bytes, TopicLog] = {}
-        self.journal = NodeJournal(loop, data_dir) if mode == "journal" else None
-        self.answer = {"ack": self._ack, "sync": self._sync, "journal": self._journal}[mode]
+        files = {"journal": "before", "behind": "after", "once": ""}
+        self.journal = NodeJournal(loop, data_dir, files[mode]) if mode in files else None
+        self.answer = self._journal if mode in files else {"ack": self._ack,
+                                                           "sync": self._sync}[mode]
 
     def _journal(self, transport, topic: bytes, body: bytes) -> None:
         self.journal.append(transport, topic, body)
@@ -253,7 +268,8 @@ async def serve(mode: str, port: int, data_dir: str, follow_port: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ack", "sync", "journal"), required=True)
+    parser.add_argument("--mode", choices=("ack", "sync", "journal", "behind", "once"),
+                        required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--follow-port", type=int, default=0)
