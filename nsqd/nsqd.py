@@ -102,6 +102,7 @@ class NSQD:
         self.read_workers = WorkerPool("diskqueue:read", READ_WORKERS)  # every log's reads
         self.disk = DiskWatch(options.data_path)  # read by /ping, /stats, /metrics
         self.walking = asyncio.Lock()  # a /stats or /metrics walk of every partition (statshttp.py)
+        self.metrics_sending = asyncio.Lock()  # a /metrics answer being sent (statshttp.py)
         self.meta: MetaStore | None = None
         self._create_lock = asyncio.Lock()
         self._unsaved: set[Channel] = set()  # made by _create_channel, not on disk yet

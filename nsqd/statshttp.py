@@ -6,8 +6,10 @@ http.py's ROUTES at start.
 - `GET /metrics`: the same numbers in Prometheus text (metrics.py).
 
 Both are built and encoded in pieces with the loop's turns between (pace.py), one walk at
-a time on a node (walk_alone); a read that waits WALK_WAIT_S for its turn is answered 503
-BUSY. /metrics is sent as it is made, in chunks (send_text), within SEND_S.
+a time on a node (`NSQD.walking`). /metrics is sent as it is made, in chunks (send_text),
+within SEND_S, one answer at a time (`NSQD.metrics_sending`), so a reader that takes it
+slowly holds back only other /metrics reads, never /stats. A read that waits WALK_WAIT_S
+for its turn is answered 503 BUSY.
 """
 
 from __future__ import annotations
@@ -42,25 +44,30 @@ async def node_stats(nsqd, topic: str = "", channel: str = "", include_clients: 
 
 
 @contextlib.asynccontextmanager
-async def walk_alone(nsqd):
-    """One walk of every partition (/stats, /metrics) at a time on a node: a walk holds its
-    whole document until answered (at 10,000 partitions, tens of MB), and paced walks
-    overlap, so ten reads at once held ten (3,000 partitions: +92 MB of RSS, against +18
-    MB one at a time). A read that waits WALK_WAIT_S for its turn is answered 503 BUSY."""
+async def turn(lock: asyncio.Lock):
+    """Hold `lock`, waiting at most WALK_WAIT_S for it; else 503 BUSY.
+
+    A walk of every partition holds its whole document until answered (at 10,000
+    partitions, tens of MB), and paced walks overlap, so ten reads at once held ten
+    (3,000 partitions: +92 MB of RSS, against +18 MB one at a time): walks take turns on
+    `NSQD.walking`. A /metrics answer holds its document while it is sent, up to SEND_S
+    to a slow reader: those take turns on `NSQD.metrics_sending`, outside the walk. So at
+    most two documents are made or streamed at once, and a reader that does not read
+    delays no /stats."""
     try:
         async with asyncio.timeout(WALK_WAIT_S):
-            await nsqd.walking.acquire()
+            await lock.acquire()
     except TimeoutError:
         raise HTTPError(503, "BUSY") from None
     try:
         yield
     finally:
-        nsqd.walking.release()
+        lock.release()
 
 
 async def do_stats(nsqd, request):
     params = query(request)
-    async with walk_alone(nsqd):
+    async with turn(nsqd.walking):
         doc = await node_stats(
             nsqd, topic=arg(params, "topic") or "", channel=arg(params, "channel") or "",
             include_clients=bool_arg(params, "include_clients", True, True),
@@ -71,8 +78,9 @@ async def do_stats(nsqd, request):
 
 
 async def do_metrics(nsqd, request):
-    async with walk_alone(nsqd):
-        doc = await node_stats(nsqd, include_clients=True, include_mem=False)
+    async with turn(nsqd.metrics_sending):
+        async with turn(nsqd.walking):
+            doc = await node_stats(nsqd, include_clients=True, include_mem=False)
         return await send_text(request, metrics.render(doc), metrics.CONTENT_TYPE)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import socket
 import time
 
 import aiohttp
@@ -180,3 +181,49 @@ async def test_metrics_goes_out_in_chunks_and_a_slow_answer_is_cut_not_ended(nod
         async with http.get(base + "/metrics") as r:  # the walk was let go
             assert r.status == 200
             assert (await r.read()).count(b'nsqd_channel_depth{topic="m",') == 20
+
+
+async def test_a_metrics_reader_that_does_not_read_holds_back_no_stats(node, monkeypatch):
+    """A client that asks for /metrics and reads nothing holds one /metrics answer for up to
+    SEND_S: other /metrics reads wait for it (503 BUSY past WALK_WAIT_S), /stats does not,
+    and once it is cut /metrics answers again. The node's sends go through a 4 KiB socket
+    buffer, as on a slow link, so 100 partitions' exposition cannot all leave."""
+    import nsqd.statshttp as http_module
+
+    monkeypatch.setattr(http_module, "WALK_WAIT_S", 0.5)
+    monkeypatch.setattr(http_module, "SEND_S", 3.0)
+    send_text = http_module.send_text
+
+    async def slow_link(request, *args):
+        request.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return await send_text(request, *args)
+
+    monkeypatch.setattr(http_module, "send_text", slow_link)
+    n = await node()
+    base = f"http://127.0.0.1:{n.http_port}"
+    async with aiohttp.ClientSession() as http:
+        for path in ("/topic/create?topic=m&partition_num=100", "/channel/create?topic=m&channel=c"):
+            async with http.post(base + path) as r:
+                assert r.status == 200
+        loop = asyncio.get_running_loop()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.setblocking(False)
+        try:
+            await loop.sock_connect(stalled, ("127.0.0.1", n.http_port))
+            await loop.sock_sendall(stalled, b"GET /metrics HTTP/1.1\r\nHost: n\r\n\r\n")
+            await asyncio.sleep(0.3)  # its walk is done; its answer waits for the reader
+            async with http.get(base + "/stats?format=json") as r:
+                assert r.status == 200
+                assert len((await r.json())["topics"][0]["partitions"]) == 100
+            async with http.get(base + "/metrics") as r:
+                assert (r.status, (await r.json())["message"]) == (503, "BUSY")
+            async with asyncio.timeout(5):  # cut within SEND_S of its start
+                while n.metrics_sending.locked():
+                    await asyncio.sleep(0.1)
+        finally:
+            stalled.close()
+        async with http.get(base + "/metrics") as r:
+            assert r.status == 200
+            assert (await r.read()).count(b'nsqd_channel_depth{topic="m",') == 100
