@@ -76,9 +76,14 @@ class Server(web.Server):
         return request
 
 
-def cut(request: web.BaseRequest) -> None:
+def cut(request: web.BaseRequest, stalled: bool = False) -> None:
     """End a chunked answer early: the connection closes without the last chunk, so the
     reader sees an error, never a shorter answer that looks whole (a no-op once the
-    connection is gone)."""
+    connection is gone). A `stalled` reader (one that took nothing within its deadline) is
+    dropped at once: a close waits until what is buffered is taken, which kept its
+    connection open for as long as it stayed connected."""
     if request.transport is not None:
-        request.transport.close()
+        if stalled:
+            request.transport.abort()
+        else:
+            request.transport.close()

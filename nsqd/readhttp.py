@@ -24,7 +24,9 @@ http.py's ROUTES at start.
   early (this replica's committed end is behind `end`, or an error after the first byte):
   the reader knows from the offset after the last whole record it got, and asks again
   from there, here or at another replica. The header `X-NSQ-Start` is the offset of the
-  first record sent.
+  first record sent. A reader that takes no chunk within TAKE_S has its connection
+  closed without the answer's end: a stalled reader held its connection, a coroutine and
+  a segment's descriptor for as long as it stayed connected.
 
 Errors (JSON `{"message": CODE, ...}`): 400 MISSING_ARG_TOPIC, INVALID_TOPIC,
 BAD_PARTITION, MISSING_ARG_PARTITION, INVALID_OFFSET, INVALID_END, INVALID_SINCE,
@@ -53,6 +55,7 @@ from .httpconn import cut
 log = structlog.get_logger("nsqd.readhttp")
 
 CHUNK_BYTES = 1 << 20  # the most one read (and one chunk of the answer) holds
+TAKE_S = 30.0  # a reader takes each chunk within this, or its connection is closed
 _unpack_prefix = PREFIX.unpack_from
 
 
@@ -251,11 +254,16 @@ async def stream(request, q, start: int, limit: int) -> web.StreamResponse:
                 size = min(MAX_RECORD + 8, size * 4)
                 continue
             size = CHUNK_BYTES
-            await resp.write(data)
+            async with asyncio.timeout(TAKE_S):
+                await resp.write(data)
             pos += len(data)
             if done:
                 break
     except ConnectionError:  # the reader went away
+        return resp
+    except TimeoutError:
+        log.warning("read_stream_cut", offset=pos, reason=f"no chunk taken within {TAKE_S:g} s")
+        cut(request, stalled=True)
         return resp
     except Exception as e:  # the reader sees the answer end early and asks again
         log.warning("read_stream_failed", offset=pos, error=repr(e))

@@ -92,18 +92,20 @@ async def send_text(request, pieces, content_type: str) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": content_type})
     resp.enable_chunked_encoding()
     await resp.prepare(request)
+    stalled = False
     try:
         async with asyncio.timeout(SEND_S):
             async for chunk in pace.paced(pace.chunks(pieces, CHUNK_CHARS)):
                 await resp.write(chunk)
     except (TimeoutError, ConnectionError) as e:
         log.warning("stats_send_cut", path=request.path, error=repr(e))
+        stalled = isinstance(e, TimeoutError)
     except Exception:  # a bug costs this answer, never the server
         log.exception("stats_send_failed", path=request.path)
     else:
         await resp.write_eof()
         return resp
-    cut(request)
+    cut(request, stalled)
     return resp
 
 

@@ -827,6 +827,67 @@ async def test_oversized_bodies_are_not_buffered(small_nsqd):
     await ok(nsqd, "GET", "/ping")
 
 
+async def test_a_reader_that_takes_nothing_of_topic_read_is_dropped(node, monkeypatch, tmp_path):
+    """/topic/read to a reader that takes nothing: once TAKE_S passes with no chunk taken,
+    its connection is dropped without the answer's last chunk and the segment's descriptor
+    is closed (before, both stayed for as long as the reader stayed connected). The node's
+    sends go through a 4 KiB socket buffer, as on a slow link."""
+    from nsqd import readhttp
+
+    monkeypatch.setattr(readhttp, "TAKE_S", 0.5)
+    stream = readhttp.stream
+
+    async def slow_link(request, *args):
+        request.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return await stream(request, *args)
+
+    monkeypatch.setattr(readhttp, "stream", slow_link)
+    n = await node()
+    body = b"r" * 100_000
+    mpub = struct.pack(">I", 20) + (struct.pack(">I", len(body)) + body) * 20
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{n.http_port}/mpub?topic=r&binary=true",
+                             data=mpub) as r:
+            assert r.status == 200, await r.text()
+
+    def segments_open() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{fd}").endswith(".dat")
+                   for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    loop = asyncio.get_running_loop()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.setblocking(False)
+    got = b""
+    before = segments_open()  # the log's own (its writer's), until its release
+    try:
+        await loop.sock_connect(stalled, ("127.0.0.1", n.http_port))
+        await loop.sock_sendall(stalled, b"GET /topic/read?topic=r&partition=0&offset=0 "
+                                         b"HTTP/1.1\r\nHost: n\r\n\r\n")
+        await asyncio.sleep(0.2)
+        during = segments_open()  # and the stream's own
+        await asyncio.sleep(1.0)  # nothing taken: dropped once TAKE_S passed
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    data = await loop.sock_recv(stalled, 65536)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                got += data
+    finally:
+        stalled.close()
+    assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n")
+    # dropped: only what the kernel's buffers held comes, not the rest of the 1 MiB chunk
+    # a close would wait to send first
+    assert len(got) < 256 * 1024, len(got)
+    after = segments_open()
+    assert after <= before and during > after, (before, during, after)
+
+
 async def raw_http(nsqd, data: bytes, half_close: bool = False) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", nsqd.http_port)
     try:
