@@ -1,6 +1,6 @@
 """A request's arguments and body as nsqd's HTTP API reads them (classic names and codes):
-each bad one is an HTTPError, answered `{"message": code}` with its status (400, or 413
-for a body or message too large). Shared by every HTTP module of the node (http.py,
+each bad one is an HTTPError, answered `{"message": code}` with its status (400, 413 for a
+body or message too large, 408 for a body that stopped coming). Shared by every HTTP module of the node (http.py,
 readhttp.py, tracehttp.py)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _INT = re.compile(r"[+-]?[0-9]+")
 _BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.IncompleteReadError,
                 OSError)
+BODY_S = 60.0  # a request's body arrives whole within this, or 408 BODY_TIMEOUT
 
 
 class HTTPError(Exception):
@@ -120,16 +121,23 @@ def bool_arg(params, name: str, default: bool, unknown: bool) -> bool:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes | None:
-    """The body, or None when it is longer than `limit` (at most limit + 1 bytes are read)."""
+    """The body, or None when it is longer than `limit` (at most limit + 1 bytes are read).
+    One that has not arrived whole within BODY_S is 408 BODY_TIMEOUT (aiohttp then reads
+    and drops the rest for up to 10 s, its lingering time, and closes the connection);
+    before, a client that stopped sending held the request for as long as it stayed
+    connected."""
     if request.content_length is not None and request.content_length > limit:
         return None
     buf = bytearray()
     try:
-        while len(buf) <= limit:
-            chunk = await request.content.read(limit + 1 - len(buf))
-            if not chunk:
-                break
-            buf += chunk
+        async with asyncio.timeout(BODY_S):
+            while len(buf) <= limit:
+                chunk = await request.content.read(limit + 1 - len(buf))
+                if not chunk:
+                    break
+                buf += chunk
+    except TimeoutError:
+        raise HTTPError(408, "BODY_TIMEOUT") from None
     except _BODY_ERRORS as e:  # truncated or malformed body, or the peer went away
         raise HTTPError(400, "BAD_BODY") from e
     return None if len(buf) > limit else bytes(buf)

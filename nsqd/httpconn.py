@@ -11,6 +11,11 @@ aiohttp does not.
   net/http does) costs one `http_bad_request` log line, never a traceback: a client
   must not be able to fill the log cheaply.
 
+A connection with no whole request for IDLE_S is closed: idle between requests, or a
+request's line and headers arriving too slowly (aiohttp's keepalive timer covers both; its
+default is an hour, which let a client that sends half a request hold a descriptor that
+long).
+
 `cut(request)` ends a chunked answer early (/metrics, /read) so that its reader sees an
 error, never a shorter answer that looks whole.
 """
@@ -23,6 +28,8 @@ from aiohttp.http_exceptions import HttpProcessingError, PayloadEncodingError
 from aiohttp.web_protocol import RequestHandler
 
 log = structlog.get_logger("nsqd.http")
+
+IDLE_S = 75.0  # a connection's next whole request comes within this, or it is closed
 
 
 class Connection(RequestHandler):
@@ -65,10 +72,11 @@ class Connection(RequestHandler):
 
 
 class Server(web.Server):
-    """aiohttp's low-level server, making a Connection per client."""
+    """aiohttp's low-level server, making a Connection per client (closed when idle for
+    IDLE_S)."""
 
     def __call__(self) -> RequestHandler:
-        return Connection(self, loop=self._loop, **self._kwargs)
+        return Connection(self, loop=self._loop, keepalive_timeout=IDLE_S, **self._kwargs)
 
     def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         request = super()._make_request(message, payload, protocol, writer, task)

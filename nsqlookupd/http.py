@@ -30,10 +30,15 @@ start_http (in classic mode the RegistrationDB fed by nsqd over TCP). Requests a
 through `lookupd.routes`: ROUTES here, or cluster_http.ROUTES in cluster mode, which keeps
 the read handlers of /topics and /channels and brings its own for the rest; in both modes
 with tracesearch.ROUTES (the cluster-wide /trace/search and /message/get).
+
+Every request has an end: a connection with no whole request for IDLE_S is closed (idle,
+or its line and headers coming too slowly: aiohttp's keepalive timer, an hour by default),
+and a body that has not come within BODY_S is 408 BODY_TIMEOUT.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import time
@@ -48,6 +53,9 @@ from nsqwire.httpapi import V1_HEADER, parse_query, v1_answer
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
 log = structlog.get_logger("nsqlookupd.http")
+
+IDLE_S = 75.0  # a connection's next whole request comes within this, or it is closed
+BODY_S = 60.0  # a request's body comes within this, or 408 BODY_TIMEOUT
 
 
 
@@ -196,7 +204,11 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
         handler = methods[request.method]
         args = (lookupd, _query(request))
         if getattr(handler, "takes_body", 0):  # at most that many bytes (setoffset.py)
-            args += (await request.content.read(handler.takes_body),)
+            try:
+                async with asyncio.timeout(BODY_S):
+                    args += (await request.content.read(handler.takes_body),)
+            except TimeoutError:
+                return respond(408, "BODY_TIMEOUT")
         data = handler(*args)
         if inspect.isawaitable(data):
             data = await data
@@ -243,7 +255,7 @@ class _Connection(RequestHandler):
 
 class _Server(web.Server):
     def __call__(self) -> RequestHandler:
-        return _Connection(self, loop=self._loop, **self._kwargs)
+        return _Connection(self, loop=self._loop, keepalive_timeout=IDLE_S, **self._kwargs)
 
     def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         request = super()._make_request(message, payload, protocol, writer, task)

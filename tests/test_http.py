@@ -888,6 +888,58 @@ async def test_a_reader_that_takes_nothing_of_topic_read_is_dropped(node, monkey
     assert after <= before and during > after, (before, during, after)
 
 
+async def _until_closed(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """Everything the server sends until it closes the connection, within `seconds`."""
+    got = b""
+    async with asyncio.timeout(seconds):
+        while chunk := await reader.read(65536):
+            got += chunk
+    return got
+
+
+async def test_a_body_that_stops_coming_is_408(node, monkeypatch):
+    """A client that sends part of a body and stops: 408 BODY_TIMEOUT once BODY_S passes,
+    nothing published (before, the request waited for as long as the client stayed
+    connected)."""
+    from nsqd import httpargs
+
+    monkeypatch.setattr(httpargs, "BODY_S", 0.5)
+    n = await node()
+    reader, writer = await asyncio.open_connection("127.0.0.1", n.http_port)
+    got = b""
+    try:
+        writer.write(b"POST /pub?topic=slow HTTP/1.1\r\nHost: n\r\nContent-Length: 100\r\n\r\n"
+                     + b"x" * 10)
+        async with asyncio.timeout(5):
+            while not got.endswith(b"}"):
+                got += await reader.read(65536)
+    finally:
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 408 ") and got.endswith(b'{"message":"BODY_TIMEOUT"}'), got
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{n.http_port}/stats?format=json&topic=slow") as r:
+            assert sum(t["message_count"] for t in (await r.json())["topics"]) == 0
+
+
+async def test_half_a_request_line_is_closed_after_idle_s(node, monkeypatch):
+    """A client that sends half a request line and stops is closed once IDLE_S passes
+    (aiohttp's default, an hour, let it hold a descriptor that long); a whole request on
+    another connection is answered meanwhile."""
+    from nsqd import httpconn
+
+    monkeypatch.setattr(httpconn, "IDLE_S", 0.5)
+    n = await node()
+    reader, writer = await asyncio.open_connection("127.0.0.1", n.http_port)
+    try:
+        writer.write(b"GET /pi")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{n.http_port}/ping") as r:
+                assert (r.status, await r.text()) == (200, "OK")
+        assert await _until_closed(reader, 5) == b""
+    finally:
+        writer.close()
+
+
 async def raw_http(nsqd, data: bytes, half_close: bool = False) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", nsqd.http_port)
     try:

@@ -267,6 +267,50 @@ def test_a_half_closed_client_gets_its_answer(lookupd):
     assert exchange(b"GET /ping HTTP/1.1\r\n") == b""  # half a request: nothing to answer
 
 
+async def test_every_request_has_an_end(monkeypatch):
+    """Half a request line is closed once IDLE_S passes (aiohttp's default keepalive, an
+    hour, let it hold a descriptor that long), and a body that stops coming is 408
+    BODY_TIMEOUT once BODY_S passes (before, it waited for as long as the client stayed
+    connected). The body is read as for /channel/setoffset (cluster mode), through a
+    route of the same kind added for the test."""
+    import asyncio
+
+    from nsqlookupd import http
+    from nsqlookupd.nsqlookupd import NSQLookupd
+    from nsqlookupd.options import from_args
+
+    monkeypatch.setattr(http, "IDLE_S", 0.5)
+    monkeypatch.setattr(http, "BODY_S", 0.5)
+
+    def echo(lookupd, params, body):
+        return {"body": body.decode()}
+
+    echo.takes_body = 100
+    lookupd = NSQLookupd(from_args(["--tcp-address", "127.0.0.1:0",
+                                    "--http-address", "127.0.0.1:0"], "test"))
+    await lookupd.start()
+    lookupd.routes["/echo"] = {"POST": echo}
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", lookupd.http_port)
+        writer.write(b"GET /pi")
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", lookupd.http_port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: l\r\nContent-Length: 100\r\n\r\n")
+        got = b""
+        async with asyncio.timeout(5):
+            while not got.endswith(b"}"):
+                got += await reader.read(65536)
+        writer.write(b"x" * 100)  # the rest, late: read and dropped (aiohttp lingers 10 s)
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # then closed, idle
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 408 ") and got.endswith(b'{"message":"BODY_TIMEOUT"}')
+    finally:
+        await lookupd.stop()
+
+
 # ---- CLI ----------------------------------------------------------------------------
 
 
