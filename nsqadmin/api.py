@@ -17,7 +17,7 @@ from . import actions, auth, views
 
 async def _args(request) -> dict:
     args = dict(request.query)
-    if request.can_read_body:
+    if request.body_exists:
         try:
             body = json.loads(await request.read() or b"{}")
         except ValueError:

@@ -18,7 +18,7 @@ from aiohttp import web
 from nsqwire import adminkey
 
 from . import auth
-from .app import make_app
+from .app import make_app, make_runner
 from .options import from_args, split_address
 from .source import Source
 
@@ -61,7 +61,7 @@ async def serve(options) -> None:
     source = Source(options, secret)
     app = make_app(source, auth.Auth(users, options.require_login_for_reads),
                    refresh_s=max(2.0, options.poll_interval))
-    runner = web.AppRunner(app, access_log=None)
+    runner = make_runner(app)
     await runner.setup()
     host, port = split_address(options.http_address)
     try:

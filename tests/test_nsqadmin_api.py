@@ -9,6 +9,7 @@ letters with a raw consumer that REQs; half messages committed and rolled back),
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 
@@ -18,6 +19,7 @@ from admin_env import (PASSWORD, Classic, Client, NsqadminProcess, RawConsumer,
                        ThreadConsumer, password_file, post_nsqd, publish, publish_half,
                        until)
 from cluster import Cluster, http_json, wait_until
+from servers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -731,3 +733,45 @@ async def test_an_action_reads_the_cluster_again_when_no_lookupd_answered_the_la
     seen = Source([{"address": "a:4161", "error": "/info: no answer"},
                    {"address": "b:4161", "error": ""}])
     assert await actions._snapshot(seen) is seen.snapshot and seen.polls == 0
+
+
+async def test_every_request_has_an_end(monkeypatch):
+    """Half a request line is closed once IDLE_S passes (aiohttp's own timer is an hour),
+    and a POST whose body stops coming is 408 BODY_TIMEOUT once BODY_S passes (before, it
+    waited for as long as the client stayed connected)."""
+    from aiohttp import web
+
+    from nsqadmin import app as admin_app
+    from nsqadmin import auth
+    from nsqadmin.options import from_args
+    from nsqadmin.source import Source
+
+    monkeypatch.setattr(admin_app, "IDLE_S", 0.5)
+    monkeypatch.setattr(admin_app, "BODY_S", 0.5)
+    options = from_args(["--lookupd-http-address", f"127.0.0.1:{free_port()}"], "test")
+    runner = admin_app.make_runner(admin_app.make_app(Source(options), auth.Auth({}, False),
+                                                      2.0))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /pi")
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /api/topics HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n{")
+        got = b""
+        async with asyncio.timeout(5):
+            while b"BODY_TIMEOUT" not in got:
+                got += await reader.read(65536)
+        writer.write(b"x" * 99)  # the rest, late: read and dropped
+        async with asyncio.timeout(5):
+            while await reader.read(65536):  # then closed, idle
+                pass
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 408 "), got
+    finally:
+        await runner.cleanup()
