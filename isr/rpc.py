@@ -8,7 +8,9 @@ another's answers; the order of one partition's PUSHes is kept by its FollowerLo
 most `MAX_IN_FLIGHT` requests of a connection are unanswered: the frames beyond wait, and
 it stops reading until they are taken; it also stops reading while its unsent answers
 pass `MAX_UNSENT` (bounded memory). The first frame must be HELLO of this cluster and of
-`wire.VERSION` (else E_BAD_CLUSTER / E_BAD_VERSION, and the connection is closed). A frame
+`wire.VERSION` (else E_BAD_CLUSTER / E_BAD_VERSION, and the connection is closed), within
+HELLO_S of the connection (else it is dropped: a client that connects and sends nothing
+held a descriptor for as long as it stayed connected). A frame
 that does not decode or a request that does not check is answered with one ERROR
 E_BAD_FRAME, then the connection is closed. PUSH and CHANNELS go to `host.follower_log`,
 FETCH, EPOCH_END and JOIN to `host.leader_log` (absent: E_NOT_REPLICA / E_NOT_LEADER);
@@ -30,6 +32,7 @@ import structlog
 from . import wire
 from .wire import BadFrame, Decoder, Frame, Kind
 
+HELLO_S = 10.0  # a connection's HELLO comes within this, or the connection is dropped
 ARRIVAL_S = 0.5  # how long a request waits for its partition's side to open (< repl timeout)
 log = structlog.get_logger("isr.rpc")
 
@@ -159,17 +162,28 @@ class _Connection(asyncio.Protocol):
         self._unsent: list[bytes] = []  # answers to write at the end of this loop turn
         self._writing_paused = False
         self._reading_paused = False
+        self._hello_due: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
         transport.set_write_buffer_limits(high=MAX_UNSENT)
         self.server._connections.add(self)
+        self._hello_due = asyncio.get_running_loop().call_later(HELLO_S, self._no_hello)
 
     def connection_lost(self, exc) -> None:
         self.closing = True
         self._waiting.clear()
         self.server._connections.discard(self)
+        if self._hello_due is not None:
+            self._hello_due.cancel()
+
+    def _no_hello(self) -> None:
+        self._hello_due = None
+        if not self.hello and not self.closing:
+            log.warning("rpc_no_hello", peer=self.peer, within_s=HELLO_S)
+            self.closing = True
+            self.transport.abort()
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -277,6 +291,9 @@ class _Connection(asyncio.Protocol):
             self._answer(frame.rid, error(wire.E_BAD_CLUSTER, f"this is cluster {cluster!r}"))
             return False
         self.hello = True
+        if self._hello_due is not None:
+            self._hello_due.cancel()
+            self._hello_due = None
         self._answer(frame.rid, (Kind.OK, {"node": self.server.host.node_id,
                                            "version": wire.VERSION}, b""))
         return True

@@ -42,6 +42,38 @@ async def exchange(port: int, raw: bytes, hello=True):
     return frames[1:] if hello else frames, closed
 
 
+async def test_a_connection_without_hello_is_dropped_after_hello_s(tmp_path, monkeypatch):
+    """A client that connects to the replication port and sends nothing is dropped once
+    HELLO_S passes (before, it held a descriptor for as long as it stayed connected); a
+    peer that said HELLO may stay silent as long as it likes."""
+    monkeypatch.setattr(rpc, "HELLO_S", 0.3)
+    states, hosts = await cluster(tmp_path)
+    try:
+        port = hosts[1].rpc.port
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        greeted = await asyncio.open_connection("127.0.0.1", port)
+        greeted[1].write(wire.encode(Kind.HELLO, 0, {"cluster": CLUSTER, "node": "127.0.0.1:9",
+                                                     "version": wire.VERSION}))
+        async with asyncio.timeout(5):
+            try:
+                assert await silent[0].read() == b""
+            except ConnectionResetError:
+                pass
+        await asyncio.sleep(0.3)  # past HELLO_S for the greeted one too
+        greeted[1].write(wire.encode(Kind.PING, 3, {}))
+        d, frames = Decoder(), []
+        async with asyncio.timeout(5):
+            while len(frames) < 2:
+                chunk = await greeted[0].read(65536)
+                assert chunk, "the greeted connection was closed"
+                frames += d.feed(chunk)
+        assert [(f.kind, f.rid) for f in frames] == [(Kind.OK, 0), (Kind.OK, 3)]
+        for _, writer in (silent, greeted):
+            writer.close()
+    finally:
+        await stop(hosts)
+
+
 def push_header(q, **over):
     return {"topic": T, "partition": 0, "epoch": 1, "leader": A, "offset": q.written_end,
             "count": q.written_count, "n": 0, "data_len": 0, "commit": [0, 0], **over}
