@@ -7,6 +7,9 @@ closed (all V1 errors are fatal, as in Go nsqlookupd). In cluster mode IDENTIFY 
 refused (E_INVALID): nodes register in etcd. When the connection closes, its
 nsqd produces nothing any more: every registration of it is removed. Reading pauses
 while the answers wait to be written, so a peer that does not read costs bounded memory.
+A connection that has not identified within IDENTIFY_S gets E_INVALID and is closed (nsqd
+identifies at once; before, a client that connected and sent nothing held a descriptor for
+as long as it stayed connected).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .registry import PeerInfo
 
 log = structlog.get_logger("nsqlookupd.tcp")
 
+IDENTIFY_S = 10.0  # a connection identifies within this, or it is closed
+
 
 def remote_address(transport) -> str:
     """`host:port` as Go prints a net.Addr (`[v6]:port` for IPv6)."""
@@ -42,14 +47,27 @@ class PeerConnection(asyncio.Protocol):
         self.peer: PeerInfo | None = None
         self.transport: asyncio.Transport | None = None
         self.address = ""
+        self._identify_due: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.address = remote_address(transport)
         self.lookupd.connections.add(self)
+        self._identify_due = asyncio.get_running_loop().call_later(IDENTIFY_S,
+                                                                   self._not_identified)
         log.debug("peer_connected", remote_address=self.address)
 
+    def _not_identified(self) -> None:
+        self._identify_due = None
+        if self.peer is None and not self.transport.is_closing():
+            log.warning("peer_not_identified", remote_address=self.address, within_s=IDENTIFY_S)
+            self.transport.write(v1.error_response(ProtocolError(
+                "E_INVALID", f"IDENTIFY must come within {IDENTIFY_S:g} s")))
+            self.transport.close()
+
     def connection_lost(self, exc) -> None:
+        if self._identify_due is not None:
+            self._identify_due.cancel()
         self.lookupd.connections.discard(self)
         if self.peer is not None:
             self.lookupd.db.disconnected(self.peer)
@@ -87,6 +105,9 @@ class PeerConnection(asyncio.Protocol):
                                                  "(--etcd-endpoints), not over TCP")
             self.peer = PeerInfo(id=self.address, remote_address=self.address,
                                  last_update=time.time(), **command.info)
+            if self._identify_due is not None:
+                self._identify_due.cancel()
+                self._identify_due = None
             db.identify(self.peer)
             log.info("peer_identified", remote_address=self.address, node=self.peer.node,
                      hostname=self.peer.hostname, version=self.peer.version)

@@ -267,6 +267,33 @@ def test_a_half_closed_client_gets_its_answer(lookupd):
     assert exchange(b"GET /ping HTTP/1.1\r\n") == b""  # half a request: nothing to answer
 
 
+async def _identify_within(lookupd, monkeypatch) -> None:
+    """TCP: a connection that has not identified within IDENTIFY_S gets E_INVALID and is
+    closed (before, one that sent nothing stayed as long as it was connected); one that
+    identified may then be quiet."""
+    import asyncio
+
+    from nsqlookupd import tcp
+
+    monkeypatch.setattr(tcp, "IDENTIFY_S", 0.3)
+    silent = await asyncio.open_connection("127.0.0.1", lookupd.tcp_port)
+    known = await asyncio.open_connection("127.0.0.1", lookupd.tcp_port)
+    silent[1].write(v1.MAGIC_V1)
+    known[1].write(v1.MAGIC_V1 + v1.cmd_identify(INFO))
+    async with asyncio.timeout(5):
+        got = await silent[0].read()
+    assert got == v1.error_response(v1.ProtocolError("E_INVALID", "IDENTIFY must come within 0.3 s"))
+    await asyncio.sleep(0.3)
+    known[1].write(v1.PING)
+    async with asyncio.timeout(5):
+        size = struct.unpack(">i", await known[0].readexactly(4))[0]
+        assert json.loads(await known[0].readexactly(size))["tcp_port"] == lookupd.tcp_port
+        size = struct.unpack(">i", await known[0].readexactly(4))[0]
+        assert await known[0].readexactly(size) == v1.OK
+    for _, writer in (silent, known):
+        writer.close()
+
+
 async def test_every_request_has_an_end(monkeypatch):
     """Half a request line is closed once IDLE_S passes (aiohttp's default keepalive, an
     hour, let it hold a descriptor that long), and a body that stops coming is 408
@@ -291,6 +318,7 @@ async def test_every_request_has_an_end(monkeypatch):
     await lookupd.start()
     lookupd.routes["/echo"] = {"POST": echo}
     try:
+        await _identify_within(lookupd, monkeypatch)
         reader, writer = await asyncio.open_connection("127.0.0.1", lookupd.http_port)
         writer.write(b"GET /pi")
         async with asyncio.timeout(5):
