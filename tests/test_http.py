@@ -45,6 +45,7 @@ from nsqwire.commands import (FrameParser, cmd_fin, cmd_identify, cmd_nop, cmd_p
 from nsqd import httpargs
 from nsqwire import httpapi
 from nsqwire import protocol as p
+from stalled import slow_link, stalled_client
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nsqd-v1.3.0.json").read_text())["http"]
 ACCEPT_V1 = {"Accept": "application/vnd.nsq; version=1.0"}
@@ -835,14 +836,7 @@ async def test_a_reader_that_takes_nothing_of_topic_read_is_dropped(node, monkey
     from nsqd import readhttp
 
     monkeypatch.setattr(readhttp, "TAKE_S", 0.5)
-    stream = readhttp.stream
-
-    async def slow_link(request, *args):
-        request.transport.get_extra_info("socket").setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        return await stream(request, *args)
-
-    monkeypatch.setattr(readhttp, "stream", slow_link)
+    slow_link(monkeypatch, readhttp, "stream")
     n = await node()
     body = b"r" * 100_000
     mpub = struct.pack(">I", 20) + (struct.pack(">I", len(body)) + body) * 20
@@ -857,15 +851,11 @@ async def test_a_reader_that_takes_nothing_of_topic_read_is_dropped(node, monkey
                    if os.path.exists(f"/proc/self/fd/{fd}"))
 
     loop = asyncio.get_running_loop()
-    stalled = socket.socket()
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stalled.setblocking(False)
     got = b""
     before = segments_open()  # the log's own (its writer's), until its release
+    stalled = await stalled_client(n.http_port, b"GET /topic/read?topic=r&partition=0&offset=0 "
+                                                b"HTTP/1.1\r\nHost: n\r\n\r\n")
     try:
-        await loop.sock_connect(stalled, ("127.0.0.1", n.http_port))
-        await loop.sock_sendall(stalled, b"GET /topic/read?topic=r&partition=0&offset=0 "
-                                         b"HTTP/1.1\r\nHost: n\r\n\r\n")
         await asyncio.sleep(0.2)
         during = segments_open()  # and the stream's own
         await asyncio.sleep(1.0)  # nothing taken: dropped once TAKE_S passed

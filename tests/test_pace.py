@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import socket
 import time
 
 import aiohttp
 import pytest
 
 from nsqd import pace
+from stalled import slow_link, stalled_client
 
 
 def _busy(seconds: float) -> None:
@@ -139,6 +139,14 @@ def test_chunks_join_whole_pieces_to_about_the_size():
     assert got == ["abcdé".encode(), "fghij".encode(), b"k"]
 
 
+async def _make_m(http, base: str, partitions: int) -> None:
+    """Topic `m` of `partitions` partitions, with channel `c`."""
+    for path in (f"/topic/create?topic=m&partition_num={partitions}",
+                 "/channel/create?topic=m&channel=c"):
+        async with http.post(base + path) as r:
+            assert r.status == 200
+
+
 async def test_metrics_goes_out_in_chunks_and_a_slow_answer_is_cut_not_ended(node, monkeypatch):
     """/metrics is sent as it is made; one not taken within SEND_S, or whose making failed,
     has its connection closed without the last chunk (the reader sees an error, not a
@@ -148,9 +156,7 @@ async def test_metrics_goes_out_in_chunks_and_a_slow_answer_is_cut_not_ended(nod
     n = await node()
     base = f"http://127.0.0.1:{n.http_port}"
     async with aiohttp.ClientSession() as http:
-        for path in ("/topic/create?topic=m&partition_num=20", "/channel/create?topic=m&channel=c"):
-            async with http.post(base + path) as r:
-                assert r.status == 200
+        await _make_m(http, base, 20)
         async with http.get(base + "/metrics") as r:
             whole = await r.read()
             assert r.headers["Transfer-Encoding"] == "chunked"
@@ -192,27 +198,13 @@ async def test_a_metrics_reader_that_does_not_read_holds_back_no_stats(node, mon
 
     monkeypatch.setattr(http_module, "WALK_WAIT_S", 0.5)
     monkeypatch.setattr(http_module, "SEND_S", 3.0)
-    send_text = http_module.send_text
-
-    async def slow_link(request, *args):
-        request.transport.get_extra_info("socket").setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        return await send_text(request, *args)
-
-    monkeypatch.setattr(http_module, "send_text", slow_link)
+    slow_link(monkeypatch, http_module, "send_text")
     n = await node()
     base = f"http://127.0.0.1:{n.http_port}"
     async with aiohttp.ClientSession() as http:
-        for path in ("/topic/create?topic=m&partition_num=100", "/channel/create?topic=m&channel=c"):
-            async with http.post(base + path) as r:
-                assert r.status == 200
-        loop = asyncio.get_running_loop()
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stalled.setblocking(False)
+        await _make_m(http, base, 100)
+        stalled = await stalled_client(n.http_port, b"GET /metrics HTTP/1.1\r\nHost: n\r\n\r\n")
         try:
-            await loop.sock_connect(stalled, ("127.0.0.1", n.http_port))
-            await loop.sock_sendall(stalled, b"GET /metrics HTTP/1.1\r\nHost: n\r\n\r\n")
             await asyncio.sleep(0.3)  # its walk is done; its answer waits for the reader
             async with http.get(base + "/stats?format=json") as r:
                 assert r.status == 200
