@@ -7,7 +7,7 @@
   framing, the id's partition) and turned into Arrow record batches. A node that fails,
   or whose committed end is behind the split (a follower a little behind its leader), is
   left for the next one of the split's nodes (leader first, then the ISR), from the offset
-  after the last whole record received, until `retry_s` has passed.
+  after the last whole record received, until `retry_s` has passed without a record.
 
 Invariants: a split holds the records whose first byte lies in [start, end), so splits cut
 at any byte offsets hold every record of the window exactly once; a record is handed out
@@ -449,6 +449,7 @@ def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0, log=
                     places, used = frame(buf, pos, split.partition)
                     if places:
                         yield to_batch(split.topic, split.partition, buf[:used], pos, places)
+                        deadline = time.monotonic() + retry_s  # progress: the wait starts again
                     pos += used
                     rest = buf[used:]
             finally:
@@ -464,7 +465,7 @@ def read_split(split: Split, timeout_s: float = 5.0, retry_s: float = 30.0, log=
         attempt += 1
         if time.monotonic() > deadline:
             raise NsqSourceError(f"partition {split.partition} [{split.start}, {split.end}): "
-                                 f"stopped at offset {pos} after {retry_s:g} s: "
+                                 f"stopped at offset {pos} after {retry_s:g} s without a record: "
                                  + "; ".join(failures[-len(split.nodes) - 1:]))
         if attempt % len(split.nodes) == 0:
             time.sleep(min(1.0, 0.1 * attempt))

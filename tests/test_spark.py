@@ -17,6 +17,8 @@ import datetime
 import http.client
 import json
 import os
+import socket
+import struct
 import sys
 import threading
 import time
@@ -292,6 +294,82 @@ def test_records_to_arrow_fields_ext_and_a_flipped_bit():
         assert len(got) < 3, i  # a changed length hides the rest: never a wrong record
     with pytest.raises(client.NsqSourceError, match="not of partition 2"):
         client.frame(bytes(buf), 0, 2)
+
+
+class CuttingProxy:
+    """A TCP proxy to `target` that cuts its first connection once `cut_after` bytes of the
+    answer went through (a node that fails half-way through a read); the later ones pass
+    whole."""
+
+    def __init__(self, target: str, cut_after: int):
+        self.target, self.cut_after = target, cut_after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            limit = self.cut_after if self.connections == 1 else None
+            host, port = self.target.rsplit(":", 1)
+            upstream = socket.create_connection((host, int(port)), timeout=10)
+            threading.Thread(target=self._pump, args=(downstream, upstream, None),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, downstream, limit),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := src.recv(65536):
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[:limit - sent])
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for sock in (src, dst):  # shut down first: wakes the other direction's recv
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_long_read_cut_late_goes_on_from_its_last_record(node):
+    """A split read for longer than `retry_s` (its consumer is slow), then cut by its node:
+    the read goes on from the last whole record, since its wait for a record starts again
+    with each batch (before, the wait ran from the split's start and the task failed)."""
+    body = struct.pack(">I", 100) + b"".join(
+        struct.pack(">I", 1000) + b"%06d" % i + b"x" * 994 for i in range(100))
+    for _ in range(30):  # 3 MB: three of READ_BYTES
+        host, port = node.http_address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/mpub?topic=long&binary=true", body=body)
+        assert conn.getresponse().status == 200
+        conn.close()
+    _, w = get(node.http_address, "/topic/offsets?topic=long&partition=0")
+    proxy = CuttingProxy(node.http_address, cut_after=5 * (1 << 20) // 2)
+    try:
+        split = client.Split("long", 0, w["start"], w["end"], [proxy.address])
+        got = []
+        for batch in client.read_split(split, retry_s=0.3):
+            got += batch.column("body").to_pylist()
+            time.sleep(0.4)  # longer than retry_s: a slow consumer
+        assert proxy.connections == 2  # the cut one, then the rest
+        assert [b[:6] for b in got] == [b"%06d" % i for i in range(100)] * 30
+    finally:
+        proxy.close()
 
 
 def test_bad_options_fail_at_load_before_any_job(spark, node, groups):
