@@ -105,14 +105,13 @@ class Connection:
         self._writer.write(c.cmd_rdy(count))
 
     async def close(self) -> None:
+        """Close the socket and wait for the reader task to end. A cancellation of the
+        caller meanwhile still raises: only the reader's own end is not an error here."""
         if self._writer is not None:
             self._writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.wait([self._reader_task])
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         frames = c.FrameParser()

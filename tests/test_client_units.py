@@ -251,3 +251,34 @@ async def test_a_connection_reset_by_the_server_ends_the_connection_quietly():
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_cancel_that_lands_in_close_is_not_swallowed():
+    """A task cancelled while it closes a connection (cleanup in a `finally`, as the
+    producer does on its way out) stays cancelled: close() used to swallow that
+    CancelledError with the reader task's, so the task went on, and a harness waiting for
+    its tasks to end on Ctrl-C waited for good."""
+    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    went_on = []
+    try:
+        conn = await Connection("127.0.0.1", port).connect()
+
+        async def user():
+            try:
+                await asyncio.sleep(10)
+            finally:
+                await conn.close()
+                went_on.append(True)  # must not run: the task was cancelled in close()
+
+        task = asyncio.ensure_future(user())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0)  # user() is in close(), waiting for the reader task
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2)
+        assert went_on == []
+    finally:
+        server.close()
+        await server.wait_closed()
