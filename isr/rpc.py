@@ -9,9 +9,8 @@ most `MAX_IN_FLIGHT` requests of a connection are unanswered: the frames beyond 
 it stops reading until they are taken; it also stops reading while its unsent answers
 pass `MAX_UNSENT` (bounded memory). The first frame must be HELLO of this cluster and of
 `wire.VERSION` (else E_BAD_CLUSTER / E_BAD_VERSION, and the connection is closed), within
-HELLO_S of the connection (else it is dropped: a client that connects and sends nothing
-held a descriptor for as long as it stayed connected). A frame
-that does not decode or a request that does not check is answered with one ERROR
+HELLO_S of the connection (else it is dropped, so a client that connects and sends nothing
+holds a descriptor for HELLO_S at most). A frame that does not decode or a request that does not check is answered with one ERROR
 E_BAD_FRAME, then the connection is closed. PUSH and CHANNELS go to `host.follower_log`,
 FETCH, EPOCH_END and JOIN to `host.leader_log` (absent: E_NOT_REPLICA / E_NOT_LEADER);
 each answers with `(kind, header, payload)`. PUBLISH, a node's forwarded publish, goes to

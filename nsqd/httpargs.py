@@ -1,7 +1,7 @@
 """A request's arguments and body as nsqd's HTTP API reads them (classic names and codes):
 each bad one is an HTTPError, answered `{"message": code}` with its status (400, 413 for a
-body or message too large, 408 for a body that stopped coming). Shared by every HTTP module of the node (http.py,
-readhttp.py, tracehttp.py)."""
+body or message too large, 408 for a body that stopped coming). Shared by every HTTP module
+of the node (http.py, readhttp.py, tracehttp.py)."""
 
 from __future__ import annotations
 
@@ -123,9 +123,8 @@ def bool_arg(params, name: str, default: bool, unknown: bool) -> bool:
 async def read_body(request: web.Request, limit: int) -> bytes | None:
     """The body, or None when it is longer than `limit` (at most limit + 1 bytes are read).
     One that has not arrived whole within BODY_S is 408 BODY_TIMEOUT (aiohttp then reads
-    and drops the rest for up to 10 s, its lingering time, and closes the connection);
-    before, a client that stopped sending held the request for as long as it stayed
-    connected."""
+    and drops the rest for up to 10 s, its lingering time, and closes the connection), so a
+    client that stops sending never holds its request for longer."""
     if request.content_length is not None and request.content_length > limit:
         return None
     buf = bytearray()

@@ -12,8 +12,8 @@ aiohttp does not.
   must not be able to fill the log cheaply.
 
 A connection with no whole request for IDLE_S is closed: idle between requests, or a
-request's line and headers arriving too slowly (aiohttp's keepalive timer covers both; its
-default is an hour, which let a client that sends half a request hold a descriptor that
+request's line and headers arriving too slowly (aiohttp's keepalive timer covers both; at
+its default, an hour, a client that sends half a request would hold a descriptor that
 long).
 
 `cut(request)` ends a chunked answer early (/metrics, /read) so that its reader sees an
@@ -88,8 +88,8 @@ def cut(request: web.BaseRequest, stalled: bool = False) -> None:
     """End a chunked answer early: the connection closes without the last chunk, so the
     reader sees an error, never a shorter answer that looks whole (a no-op once the
     connection is gone). A `stalled` reader (one that took nothing within its deadline) is
-    dropped at once: a close waits until what is buffered is taken, which kept its
-    connection open for as long as it stayed connected."""
+    dropped at once: a close waits until what is buffered is taken, which a reader that
+    takes nothing never lets happen."""
     if request.transport is not None:
         if stalled:
             request.transport.abort()

@@ -24,9 +24,9 @@ http.py's ROUTES at start.
   early (this replica's committed end is behind `end`, or an error after the first byte):
   the reader knows from the offset after the last whole record it got, and asks again
   from there, here or at another replica. The header `X-NSQ-Start` is the offset of the
-  first record sent. A reader that takes no chunk within TAKE_S has its connection
-  closed without the answer's end: a stalled reader held its connection, a coroutine and
-  a segment's descriptor for as long as it stayed connected.
+  first record sent. A reader that takes no chunk within TAKE_S is dropped without the
+  answer's end, so a stalled reader holds its connection, a coroutine and a segment's
+  descriptor for TAKE_S at most.
 
 Errors (JSON `{"message": CODE, ...}`): 400 MISSING_ARG_TOPIC, INVALID_TOPIC,
 BAD_PARTITION, MISSING_ARG_PARTITION, INVALID_OFFSET, INVALID_END, INVALID_SINCE,

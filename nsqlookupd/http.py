@@ -58,7 +58,6 @@ IDLE_S = 75.0  # a connection's next whole request comes within this, or it is c
 BODY_S = 60.0  # a request's body comes within this, or 408 BODY_TIMEOUT
 
 
-
 class HTTPError(Exception):
     """An answer `{"message": code}` with an HTTP status (cluster mode adds `extra` keys,
     such as the master's address beside NOT_MASTER)."""

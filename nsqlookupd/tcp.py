@@ -8,8 +8,8 @@ refused (E_INVALID): nodes register in etcd. When the connection closes, its
 nsqd produces nothing any more: every registration of it is removed. Reading pauses
 while the answers wait to be written, so a peer that does not read costs bounded memory.
 A connection that has not identified within IDENTIFY_S gets E_INVALID and is closed (nsqd
-identifies at once; before, a client that connected and sent nothing held a descriptor for
-as long as it stayed connected).
+identifies at once), so a client that connects and sends nothing holds a descriptor for
+IDENTIFY_S at most.
 """
 
 from __future__ import annotations
