@@ -19,6 +19,9 @@ nsqd does. Its modes:
   every PUB of the round is answered (one `call_soon_threadsafe` a round).
 - `behind`: `journal` with each topic's write made after the round's answers are handed
   to the loop (the journal holds the data until then): the writes leave the round's path.
+- `bulk`: `journal` with each topic's data kept in memory and written to its file once
+  BULK_BYTES of all topics wait (BookKeeper's write cache, flushed to its entry logs): one
+  write a topic a flush, after that round's answers, instead of one a round.
 - `once`: `journal` without the write per topic: the data written once, to the node's one
   file (RocketMQ's CommitLog, whose queues are indexes into it; the index costs nothing
   here). One `os.write` and one `os.fdatasync` a round.
@@ -54,6 +57,7 @@ MAGIC = b"  V2"
 OK = struct.pack(">ii", 6, 0) + b"OK"
 SIZE = struct.Struct(">i")
 PUSH = struct.Struct(">ii")  # topic length, batch length
+BULK_BYTES = 4 << 20  # mode bulk: the topics' data written once this much waits
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -115,11 +119,14 @@ class TopicLog:
 class NodeJournal:
     """Every topic's file and one journal, written by one thread in rounds; `append`
     answers each PUB once its round's journal is synced. `topic_files`: "before" the sync,
-    "after" the answers, or "" for none (mode `once`)."""
+    "after" the answers, "bulk" (after the answers, once BULK_BYTES wait) or "" for none
+    (mode `once`)."""
 
     def __init__(self, loop, data_dir: str, topic_files: str):
         self.loop, self.dir, self.topic_files = loop, data_dir, topic_files
         self.fds: dict[bytes, int] = {}
+        self.cached: dict[bytes, list[bytes]] = {}  # bulk: each topic's data not written yet
+        self.cached_bytes = 0
         self.journal = os.open(os.path.join(data_dir, "journal"),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.pending: dict[bytes, list] = {}  # topic -> (transport, body) for the next round
@@ -153,6 +160,13 @@ class NodeJournal:
             self.loop.call_soon_threadsafe(self._done, batches)
             if self.topic_files == "after":
                 self._write_topics(batches, parts)
+            elif self.topic_files == "bulk":
+                for topic, data in zip(batches, parts):
+                    self.cached.setdefault(topic, []).append(data)
+                    self.cached_bytes += len(data)
+                if self.cached_bytes >= BULK_BYTES:
+                    cached, self.cached, self.cached_bytes = self.cached, {}, 0
+                    self._write_topics(cached, [b"".join(c) for c in cached.values()])
 
     def _write_topics(self, batches: dict, parts: list) -> None:
         for topic, data in zip(batches, parts):
@@ -208,7 +222,7 @@ class FloorServer:
     def __init__(self, loop, mode: str, data_dir: str, followers: list[tuple[str, int]]):
         self.loop, self.mode, self.dir, self.followers = loop, mode, data_dir, followers
         self.logs: dict[bytes, TopicLog] = {}
-        files = {"journal": "before", "behind": "after", "once": ""}
+        files = {"journal": "before", "behind": "after", "bulk": "bulk", "once": ""}
         self.journal = NodeJournal(loop, data_dir, files[mode]) if mode in files else None
         self.answer = self._journal if mode in files else {"ack": self._ack,
                                                            "sync": self._sync}[mode]
@@ -268,7 +282,7 @@ async def serve(mode: str, port: int, data_dir: str, follow_port: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ack", "sync", "journal", "behind", "once"),
+    parser.add_argument("--mode", choices=("ack", "sync", "journal", "behind", "bulk", "once"),
                         required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", required=True)
