@@ -8,7 +8,7 @@ mode (the simplest durable group commit: a file and a thread per topic, one writ
 fdatasync a batch), the floor in `journal` mode (the simplest node-wide group commit: one
 thread, a write per topic and one journal write and fdatasync a round), in `behind` mode
 (the same with each topic's write made after the round is answered), in `bulk` mode (the
-topics' data kept and written once 4 MiB of it waits, a write a topic), in `once` mode (no
+topics' data kept and written once 64 MiB of it waits, a write a topic), in `once` mode (no
 write per topic: the data written once, the design of RocketMQ's CommitLog), nsqd with its
 defaults (durable: one fdatasync of the node journal a round) and nsqd with `--journal
 false` (each batch synced in its own segment by its partition's thread); `--kinds` picks

@@ -57,7 +57,7 @@ MAGIC = b"  V2"
 OK = struct.pack(">ii", 6, 0) + b"OK"
 SIZE = struct.Struct(">i")
 PUSH = struct.Struct(">ii")  # topic length, batch length
-BULK_BYTES = 4 << 20  # mode bulk: the topics' data written once this much waits
+BULK_BYTES = 64 << 20  # mode bulk: the topics' data written once this much waits (nsqd's checkpoint)
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
