@@ -16,6 +16,8 @@ from urllib.parse import quote, unquote
 
 from aiohttp import web
 
+from nsqwire import httpapi
+
 from . import actions, api, auth, pages, views
 from .actions import ActionError
 
@@ -23,8 +25,6 @@ STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 FLASH_COOKIE = "nsqadmin_flash"
 FRAGMENT_HEADER = "X-Nsqadmin-Fragment"
 OPEN_PATHS = ("/login", "/api/login", "/api/csrf", "/ping", "/favicon.ico")
-IDLE_S = 75.0  # a connection's next whole request comes within this, or it is closed
-BODY_S = 60.0  # a POST's body comes whole within this, or 408 BODY_TIMEOUT
 STATIC_TYPES = {"admin.css": "text/css", "admin.js": "text/javascript",
                 "favicon.svg": "image/svg+xml"}
 
@@ -90,18 +90,18 @@ async def timing(request, handler):
 @web.middleware
 async def guard(request, handler):
     """CSRF cookie for every browser; login for reads (when required) and for actions; a
-    POST's body read first, within BODY_S (else 408 BODY_TIMEOUT)."""
+    POST's body read first, within httpapi.BODY_S (else 408 BODY_TIMEOUT)."""
     token, new = auth.csrf_token(request)
     request["csrf"] = token
     a: auth.Auth = request.app["auth"]
     path = request.path
     if request.method == "POST":
         try:
-            async with asyncio.timeout(BODY_S):
+            async with asyncio.timeout(httpapi.BODY_S):
                 await request.read()  # kept: post() and read() give it again
         except TimeoutError:
             return _error(request, 408, "BODY_TIMEOUT",
-                          f"the request's body did not come within {BODY_S:g} s")
+                          f"the request's body did not come within {httpapi.BODY_S:g} s")
         form = {} if _is_api(request) else await request.post()
         request["form"] = form
         sent = request.headers.get("X-CSRF-Token") or form.get("csrf")
@@ -294,9 +294,9 @@ async def ping(request):
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    """The app's server: a connection with no whole request for IDLE_S is closed (idle, or
+    """The app's server: a connection with no whole request for httpapi.IDLE_S is closed (idle, or
     its request line and headers coming that slowly; aiohttp's own timer is an hour)."""
-    return web.AppRunner(app, access_log=None, keepalive_timeout=IDLE_S)
+    return web.AppRunner(app, access_log=None, keepalive_timeout=httpapi.IDLE_S)
 
 
 def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:

@@ -12,6 +12,7 @@ from aiohttp import ClientError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from nsqwire.ext import checked_producer
+from nsqwire import httpapi
 from nsqwire.httpapi import parse_query
 from nsqwire.protocol import MAX_PARTITION, valid_channel_name, valid_topic_name
 
@@ -19,7 +20,6 @@ _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _INT = re.compile(r"[+-]?[0-9]+")
 _BODY_ERRORS = (ClientError, HttpProcessingError, ConnectionError, asyncio.IncompleteReadError,
                 OSError)
-BODY_S = 60.0  # a request's body arrives whole within this, or 408 BODY_TIMEOUT
 
 
 class HTTPError(Exception):
@@ -122,14 +122,14 @@ def bool_arg(params, name: str, default: bool, unknown: bool) -> bool:
 
 async def read_body(request: web.Request, limit: int) -> bytes | None:
     """The body, or None when it is longer than `limit` (at most limit + 1 bytes are read).
-    One that has not arrived whole within BODY_S is 408 BODY_TIMEOUT (aiohttp then reads
+    One that has not arrived whole within httpapi.BODY_S is 408 BODY_TIMEOUT (aiohttp then reads
     and drops the rest for up to 10 s, its lingering time, and closes the connection), so a
     client that stops sending never holds its request for longer."""
     if request.content_length is not None and request.content_length > limit:
         return None
     buf = bytearray()
     try:
-        async with asyncio.timeout(BODY_S):
+        async with asyncio.timeout(httpapi.BODY_S):
             while len(buf) <= limit:
                 chunk = await request.content.read(limit + 1 - len(buf))
                 if not chunk:

@@ -11,10 +11,10 @@ aiohttp does not.
   net/http does) costs one `http_bad_request` log line, never a traceback: a client
   must not be able to fill the log cheaply.
 
-A connection with no whole request for IDLE_S is closed: idle between requests, or a
-request's line and headers arriving too slowly (aiohttp's keepalive timer covers both; at
-its default, an hour, a client that sends half a request would hold a descriptor that
-long).
+A connection with no whole request for nsqwire.httpapi.IDLE_S is closed: idle between
+requests, or a request's line and headers arriving too slowly (aiohttp's keepalive timer
+covers both; at its default, an hour, a client that sends half a request would hold a
+descriptor that long).
 
 `cut(request)` ends a chunked answer early (/metrics, /read) so that its reader sees an
 error, never a shorter answer that looks whole.
@@ -27,9 +27,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, PayloadEncodingError
 from aiohttp.web_protocol import RequestHandler
 
-log = structlog.get_logger("nsqd.http")
+from nsqwire import httpapi
 
-IDLE_S = 75.0  # a connection's next whole request comes within this, or it is closed
+log = structlog.get_logger("nsqd.http")
 
 
 class Connection(RequestHandler):
@@ -73,10 +73,11 @@ class Connection(RequestHandler):
 
 class Server(web.Server):
     """aiohttp's low-level server, making a Connection per client (closed when idle for
-    IDLE_S)."""
+    httpapi.IDLE_S)."""
 
     def __call__(self) -> RequestHandler:
-        return Connection(self, loop=self._loop, keepalive_timeout=IDLE_S, **self._kwargs)
+        return Connection(self, loop=self._loop, keepalive_timeout=httpapi.IDLE_S,
+                          **self._kwargs)
 
     def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         request = super()._make_request(message, payload, protocol, writer, task)

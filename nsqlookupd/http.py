@@ -31,9 +31,8 @@ through `lookupd.routes`: ROUTES here, or cluster_http.ROUTES in cluster mode, w
 the read handlers of /topics and /channels and brings its own for the rest; in both modes
 with tracesearch.ROUTES (the cluster-wide /trace/search and /message/get).
 
-Every request has an end: a connection with no whole request for IDLE_S is closed (idle,
-or its line and headers coming too slowly: aiohttp's keepalive timer, an hour by default),
-and a body that has not come within BODY_S is 408 BODY_TIMEOUT.
+Every request has an end: nsqwire.httpapi's IDLE_S for a whole request on a connection,
+BODY_S for a body (408 BODY_TIMEOUT).
 """
 
 from __future__ import annotations
@@ -48,14 +47,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from nsqwire import adminkey
+from nsqwire import adminkey, httpapi
 from nsqwire.httpapi import V1_HEADER, parse_query, v1_answer
 from nsqwire.protocol import valid_channel_name, valid_topic_name
 
 log = structlog.get_logger("nsqlookupd.http")
-
-IDLE_S = 75.0  # a connection's next whole request comes within this, or it is closed
-BODY_S = 60.0  # a request's body comes within this, or 408 BODY_TIMEOUT
 
 
 class HTTPError(Exception):
@@ -204,7 +200,7 @@ async def dispatch(lookupd, request: web.BaseRequest) -> web.StreamResponse:
         args = (lookupd, _query(request))
         if getattr(handler, "takes_body", 0):  # at most that many bytes (setoffset.py)
             try:
-                async with asyncio.timeout(BODY_S):
+                async with asyncio.timeout(httpapi.BODY_S):
                     args += (await request.content.read(handler.takes_body),)
             except TimeoutError:
                 return respond(408, "BODY_TIMEOUT")
@@ -254,7 +250,8 @@ class _Connection(RequestHandler):
 
 class _Server(web.Server):
     def __call__(self) -> RequestHandler:
-        return _Connection(self, loop=self._loop, keepalive_timeout=IDLE_S, **self._kwargs)
+        return _Connection(self, loop=self._loop, keepalive_timeout=httpapi.IDLE_S,
+                           **self._kwargs)
 
     def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         request = super()._make_request(message, payload, protocol, writer, task)

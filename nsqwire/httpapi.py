@@ -1,6 +1,10 @@
 """The pieces of NSQ's HTTP APIs (nsqd 4151, nsqlookupd 4161) that are bytes, not I/O:
 JSON as Go's encoding/json writes it and query strings as Go's url.ParseQuery reads
-them, and the V1 answer. Both daemons' HTTP servers build their answers with these."""
+them, and the V1 answer. Both daemons' HTTP servers build their answers with these, and
+every HTTP server of the project (nsqd, nsqlookupd, nsqadmin) keeps the same two deadlines:
+a connection with no whole request for IDLE_S is closed (idle, or its request line and
+headers coming that slowly; aiohttp's own keepalive timer is an hour), and a body that has
+not come whole within BODY_S is 408 BODY_TIMEOUT."""
 
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ _BAD_ESCAPE = re.compile(r"%(?![0-9a-fA-F]{2})")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_MS = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+IDLE_S = 75.0  # a connection's next whole request comes within this, or it is closed
+BODY_S = 60.0  # a request's body comes whole within this, or 408 BODY_TIMEOUT
 
 
 def go_duration_ms(text: str) -> float:

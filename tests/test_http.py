@@ -891,9 +891,7 @@ async def test_a_body_that_stops_coming_is_408(node, monkeypatch):
     """A client that sends part of a body and stops: 408 BODY_TIMEOUT once BODY_S passes,
     nothing published (before, the request waited for as long as the client stayed
     connected)."""
-    from nsqd import httpargs
-
-    monkeypatch.setattr(httpargs, "BODY_S", 0.5)
+    monkeypatch.setattr(httpapi, "BODY_S", 0.5)
     n = await node()
     reader, writer = await asyncio.open_connection("127.0.0.1", n.http_port)
     got = b""
@@ -915,9 +913,7 @@ async def test_half_a_request_line_is_closed_after_idle_s(node, monkeypatch):
     """A client that sends half a request line and stops is closed once IDLE_S passes
     (aiohttp's default, an hour, let it hold a descriptor that long); a whole request on
     another connection is answered meanwhile."""
-    from nsqd import httpconn
-
-    monkeypatch.setattr(httpconn, "IDLE_S", 0.5)
+    monkeypatch.setattr(httpapi, "IDLE_S", 0.5)
     n = await node()
     reader, writer = await asyncio.open_connection("127.0.0.1", n.http_port)
     try:

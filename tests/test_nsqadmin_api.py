@@ -745,9 +745,10 @@ async def test_every_request_has_an_end(monkeypatch):
     from nsqadmin import auth
     from nsqadmin.options import from_args
     from nsqadmin.source import Source
+    from nsqwire import httpapi
 
-    monkeypatch.setattr(admin_app, "IDLE_S", 0.5)
-    monkeypatch.setattr(admin_app, "BODY_S", 0.5)
+    monkeypatch.setattr(httpapi, "IDLE_S", 0.5)
+    monkeypatch.setattr(httpapi, "BODY_S", 0.5)
     options = from_args(["--lookupd-http-address", f"127.0.0.1:{free_port()}"], "test")
     runner = admin_app.make_runner(admin_app.make_app(Source(options), auth.Auth({}, False),
                                                       2.0))

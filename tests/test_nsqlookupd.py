@@ -302,12 +302,12 @@ async def test_every_request_has_an_end(monkeypatch):
     route of the same kind added for the test."""
     import asyncio
 
-    from nsqlookupd import http
+    from nsqwire import httpapi
     from nsqlookupd.nsqlookupd import NSQLookupd
     from nsqlookupd.options import from_args
 
-    monkeypatch.setattr(http, "IDLE_S", 0.5)
-    monkeypatch.setattr(http, "BODY_S", 0.5)
+    monkeypatch.setattr(httpapi, "IDLE_S", 0.5)
+    monkeypatch.setattr(httpapi, "BODY_S", 0.5)
 
     def echo(lookupd, params, body):
         return {"body": body.decode()}
