@@ -4,7 +4,8 @@ of a topic, following leader changes.
 It looks up the topic every `lookup_interval`, at once when a subscription is lost, and
 again with a growing backoff (up to `max_backoff`) while a lookup fails or a partition
 has no working subscription: subscriptions to nodes that no longer lead their partition
-are closed, the new leaders are subscribed. A classic topic (no partition map) is
+are closed, the new leaders are subscribed. Following never stops before `close()`: an
+unexpected error is logged (`consumer_follow_failed`) and retried as a failed lookup. A classic topic (no partition map) is
 subscribed without a partition number on each producer. `max_in_flight` is spread as
 RDY over the subscriptions, at least 1 each. Each message runs `handler(message)` (a
 function or a coroutine function) in its own task: FIN when it returns, REQ when it
@@ -131,6 +132,9 @@ class Consumer:
             except LookupFailed as e:
                 log.info("consumer_lookup_failed", topic=self.topic, error=str(e))
                 complete = False
+            except Exception:  # a bug here must not end the consumer without a word
+                log.exception("consumer_follow_failed", topic=self.topic)
+                complete = False
             if complete:
                 delay, wait = self.backoff, self.lookup_interval
             else:
@@ -146,7 +150,9 @@ class Consumer:
         partition has a leader and a working subscription."""
         wanted = targets(tmap)
         for target in [t for t in self.subscriptions if t not in wanted]:
-            conn = self.subscriptions.pop(target)
+            conn = self.subscriptions.pop(target, None)
+            if conn is None:  # lost while an earlier one closed: _watch forgot it
+                continue
             log.info("consumer_leader_moved", topic=self.topic, partition=target[1],
                      old=target[0].address)
             await conn.close()
