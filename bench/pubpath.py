@@ -4,7 +4,8 @@
                                       [--nsqd-root DIR]
 
 A real node (nsqd.main.build, default durable options, the node journal) runs in this
-process on uvloop, in a temporary folder. `--conns` connections are
+process on uvloop, in a temporary folder, under nsqd's process policy
+(`diskqueue.runtime.tune_gc`: its collector thresholds and switch interval). `--conns` connections are
 `nsqd.tcp.ClientConnection`s on a transport that keeps no socket: each gets one
 `PUB <topic>` (200-byte body) and sends the next when its OK is written, as bench/loadgen.py's
 producers do (100 connections, one in flight each; `--topics` spreads them over that many
@@ -46,6 +47,7 @@ ROOT = os.path.dirname(HERE)
 CHILD = r"""
 import asyncio, json, statistics, sys, tempfile, time
 import uvloop
+from diskqueue.runtime import tune_gc
 from nsqd.main import build
 from nsqd.options import from_args
 from nsqd.tcp import ClientConnection, TurnFlush, identify_limits
@@ -126,6 +128,7 @@ async def main():
     with tempfile.TemporaryDirectory(prefix="bench-pubpath-") as d:
         nsqd = build(from_args(["--data-path", d, "--tcp-address", "127.0.0.1:0",
                                 "--http-address", "127.0.0.1:0", "--log-level", "warn"]))
+        tune_gc()  # nsqd's process policy, before and after the start, as `nsqd` runs
         await nsqd.start()
         limits, flush = identify_limits(nsqd, None), TurnFlush()
         transports = []
@@ -139,6 +142,7 @@ async def main():
             transports.append(t)
         for t in transports:
             t.conn.data_received(t.cmd)
+        tune_gc()  # freezes what the start and the topics built
         await asyncio.sleep(0.5)  # warm
         global timing
         timing = True
