@@ -219,19 +219,25 @@ async def start_node(tmp_path, name: str):
     return n
 
 
+async def following_a(a, b, lookup: StaticLookup, got: list) -> Consumer:
+    """Node a leads every partition of topic t, node b none, and `lookup` says so; returns
+    a consumer that follows `lookup` (messages into `got`), subscribed to each partition."""
+    await a.apply_assignment("t", N, range(N))
+    await b.apply_assignment("t", N, ())
+    lookup.set("t", N, {n: f"127.0.0.1:{a.tcp_port}" for n in range(N)})
+    consumer = await Consumer("t", "ch", handler=got.append, max_in_flight=10,
+                              lookup=lookup, lookup_interval=60, backoff=0.05).start()
+    await until(lambda: len(consumer.subscriptions) == N)
+    return consumer
+
+
 async def test_leader_moves_producer_and_consumer_follow(tmp_path):
     """Partition 1 moves from node a to node b: the producer gets E_FAILED_ON_NOT_LEADER
     and retries, the consumer's subscription to it is closed by a; both follow the new map."""
     a, b = await start_node(tmp_path, "a"), await start_node(tmp_path, "b")
     try:
-        await a.apply_assignment("t", N, range(N))
-        await b.apply_assignment("t", N, ())
-        lookup = StaticLookup()
-        lookup.set("t", N, {n: f"127.0.0.1:{a.tcp_port}" for n in range(N)})
-        got = []
-        consumer = await Consumer("t", "ch", handler=got.append, max_in_flight=10,
-                                  lookup=lookup, lookup_interval=60, backoff=0.05).start()
-        await until(lambda: len(consumer.subscriptions) == N)
+        lookup, got = StaticLookup(), []
+        consumer = await following_a(a, b, lookup, got)
         _, stats = await asyncio.to_thread(  # the node runs in this loop: never block it
             http, f"127.0.0.1:{a.http_port}", "GET", "/stats?format=json&topic=t")
         clients = stats["topics"][0]["channels"][0]["clients"]
@@ -291,12 +297,8 @@ async def test_a_subscription_lost_while_another_closes_does_not_stop_the_consum
                     closing.append(asyncio.ensure_future(consumer.subscriptions[stale[-1]].close()))
                 return await super().lookup(topic, access)
 
-        lookup = Moving()
-        lookup.set("t", N, {n: f"127.0.0.1:{a.tcp_port}" for n in range(N)})
-        got = []
-        consumer = await Consumer("t", "ch", handler=got.append, max_in_flight=10,
-                                  lookup=lookup, lookup_interval=60, backoff=0.05).start()
-        await until(lambda: len(consumer.subscriptions) == N)
+        lookup, got = Moving(), []
+        consumer = await following_a(a, b, lookup, got)
         with capture_logs() as logs:
             lookup.armed = True
             consumer._wake.set()  # look up now, as a lost subscription makes it
