@@ -12,7 +12,7 @@ import json
 
 from aiohttp import web
 
-from . import actions, auth, views
+from . import actions, auth, keys, views
 
 
 async def _args(request) -> dict:
@@ -29,7 +29,7 @@ async def _args(request) -> dict:
 
 
 def _source(request):
-    return request.app["source"]
+    return request.app[keys.SOURCE]
 
 
 async def cluster(request):
@@ -122,13 +122,13 @@ async def balance(request):
 
 
 async def csrf(request):
-    return web.json_response({"csrf": request["csrf"], "cookie": auth.CSRF_COOKIE,
+    return web.json_response({"csrf": request[keys.CSRF], "cookie": auth.CSRF_COOKIE,
                               "header": "X-CSRF-Token"})
 
 
 async def login(request):
     args = await _args(request)
-    a: auth.Auth = request.app["auth"]
+    a = request.app[keys.AUTH]
     if not a.enabled:
         return web.json_response({"message": "LOGIN_NOT_ENABLED",
                                   "detail": "no --admin-user: anyone may act"}, status=400)
@@ -142,7 +142,7 @@ async def login(request):
 
 
 async def logout(request):
-    request.app["auth"].logout(request.cookies.get(auth.SESSION_COOKIE))
+    request.app[keys.AUTH].logout(request.cookies.get(auth.SESSION_COOKIE))
     resp = web.json_response({"ok": True})
     resp.del_cookie(auth.SESSION_COOKIE, path="/")
     return resp

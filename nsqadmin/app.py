@@ -18,7 +18,7 @@ from aiohttp import web
 
 from nsqwire import httpapi
 
-from . import actions, api, auth, pages, views
+from . import actions, api, auth, keys, pages, views
 from .actions import ActionError
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
@@ -38,10 +38,10 @@ def _json_error(status: int, code: str, detail: str = "", **extra) -> web.Respon
 
 
 def _ctx(request) -> dict:
-    a: auth.Auth = request.app["auth"]
-    return {"csrf": request["csrf"], "auth": a.enabled, "user": a.user(request),
+    a = request.app[keys.AUTH]
+    return {"csrf": request[keys.CSRF], "auth": a.enabled, "user": a.user(request),
             "flash": unquote(request.cookies.get(FLASH_COOKIE, "")),
-            "refresh": request.app["refresh_s"]}
+            "refresh": request.app[keys.REFRESH_S]}
 
 
 def html_page(request, title_main: tuple[str, str], status: int = 200,
@@ -92,8 +92,8 @@ async def guard(request, handler):
     """CSRF cookie for every browser; login for reads (when required) and for actions; a
     POST's body read first, within httpapi.BODY_S (else 408 BODY_TIMEOUT)."""
     token, new = auth.csrf_token(request)
-    request["csrf"] = token
-    a: auth.Auth = request.app["auth"]
+    request[keys.CSRF] = token
+    a = request.app[keys.AUTH]
     path = request.path
     if request.method == "POST":
         try:
@@ -103,7 +103,7 @@ async def guard(request, handler):
             return _error(request, 408, "BODY_TIMEOUT",
                           f"the request's body did not come within {httpapi.BODY_S:g} s")
         form = {} if _is_api(request) else await request.post()
-        request["form"] = form
+        request[keys.FORM] = form
         sent = request.headers.get("X-CSRF-Token") or form.get("csrf")
         if not auth.csrf_ok(request, sent):
             resp = _error(request, 403, "BAD_CSRF_TOKEN",
@@ -133,7 +133,7 @@ def _login_needed(request, why: str) -> web.Response:
 # ---- pages ------------------------------------------------------------------------------
 
 def _source(request):
-    return request.app["source"]
+    return request.app[keys.SOURCE]
 
 
 async def cluster(request):
@@ -203,8 +203,8 @@ def _safe_next(url: str) -> str:
 
 
 async def login(request):
-    form = request["form"]
-    a: auth.Auth = request.app["auth"]
+    form = request[keys.FORM]
+    a = request.app[keys.AUTH]
     if not a.enabled:
         raise web.HTTPSeeOther("/")
     if not a.check(str(form.get("user", "")), str(form.get("password", ""))):
@@ -218,7 +218,7 @@ async def login(request):
 
 
 async def logout(request):
-    request.app["auth"].logout(request.cookies.get(auth.SESSION_COOKIE))
+    request.app[keys.AUTH].logout(request.cookies.get(auth.SESSION_COOKIE))
     resp = web.HTTPSeeOther("/")
     resp.del_cookie(auth.SESSION_COOKIE, path="/")
     raise resp
@@ -231,7 +231,7 @@ def _after(request, outcome: actions.Outcome, where: str):
 
 
 async def topic_create(request):
-    form = request["form"]
+    form = request[keys.FORM]
     name = str(form.get("topic", "")).strip()
     out = await actions.topic_action(_source(request), "create", name, form)
     _after(request, out, f"/topics/{pages.u(name)}" if out.ok else "/topics")
@@ -239,7 +239,7 @@ async def topic_create(request):
 
 async def topic_act(request):
     name, action = request.match_info["topic"], request.match_info["action"]
-    form = request["form"]
+    form = request[keys.FORM]
     if action == "channel_create":
         ch = str(form.get("channel", "")).strip()
         out = await actions.channel_action(_source(request), "create", name, ch, form)
@@ -257,7 +257,7 @@ async def topic_act(request):
 
 async def channel_act(request):
     t, c, action = (request.match_info[k] for k in ("topic", "channel", "action"))
-    out = await actions.channel_action(_source(request), action, t, c, request["form"])
+    out = await actions.channel_action(_source(request), action, t, c, request[keys.FORM])
     if action == "delete" and out.ok:
         _after(request, out, f"/topics/{pages.u(t)}")
     if action in ("dead_requeue", "dead_purge"):
@@ -267,7 +267,7 @@ async def channel_act(request):
 
 async def node_act(request):
     http, action = request.match_info["node"], request.match_info["action"]
-    out = await actions.node_action(_source(request), action, http, request["form"])
+    out = await actions.node_action(_source(request), action, http, request[keys.FORM])
     _after(request, out, f"/nodes/{pages.u(http)}")
 
 
@@ -301,7 +301,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
 
 def make_app(source, a: auth.Auth, refresh_s: float) -> web.Application:
     app = web.Application(middlewares=[timing, guard], client_max_size=64 * 1024)
-    app["source"], app["auth"], app["refresh_s"] = source, a, refresh_s
+    app[keys.SOURCE], app[keys.AUTH], app[keys.REFRESH_S] = source, a, refresh_s
     app.router.add_get("/", topics)  # the front page is the topic list, as Go nsqadmin's
     app.router.add_get("/cluster", cluster)
     app.router.add_get("/ping", ping)
