@@ -2,15 +2,16 @@
 of a topic, following leader changes.
 
 It looks up the topic every `lookup_interval`, at once when a subscription is lost, and
-again with a growing backoff (up to `max_backoff`) while a lookup fails or a partition
-has no working subscription: subscriptions to nodes that no longer lead their partition
-are closed, the new leaders are subscribed. Following never stops before `close()`: an
-unexpected error is logged (`consumer_follow_failed`) and retried as a failed lookup. A classic topic (no partition map) is
-subscribed without a partition number on each producer. `max_in_flight` is spread as
-RDY over the subscriptions, at least 1 each. Each message runs `handler(message)` (a
-function or a coroutine function) in its own task: FIN when it returns, REQ when it
-raises (with the error's repr as the REQ's reason, which a dead letter keeps). `close()` sends RDY 0, waits (up to `drain_timeout`) for the handlers running,
-requeues what still arrives, then CLS and closes.
+again with a growing backoff (up to `max_backoff`) while a lookup fails or a partition has
+no working subscription: subscriptions to nodes that no longer lead their partition are
+closed, the new leaders are subscribed. Following never stops before `close()`: an
+unexpected error is logged (`consumer_follow_failed`) and retried as a failed lookup. A
+classic topic (no partition map) is subscribed without a partition number on each
+producer. `max_in_flight` is spread as RDY over the subscriptions, at least 1 each. Each
+message runs `handler(message)` (a function or a coroutine function) in its own task: FIN
+when it returns, REQ when it raises (with the error's repr as the REQ's reason, which a
+dead letter keeps). `close()` sends RDY 0, waits (up to `drain_timeout`) for the handlers
+running, requeues what still arrives, then CLS and closes.
 
 `ordered=True`: `SUB_ORDERED` (the server has one message of a partition out at a time,
 whatever RDY says), and the handler runs for one message of a partition at a time, in

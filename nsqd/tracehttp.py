@@ -23,6 +23,7 @@ import base64
 
 from aiohttp import web
 
+from diskqueue.queue import QueueClosedError
 from nsqtrace.events import msg_id_hex
 from nsqtrace.query import QueryError, parse_message_get, parse_search
 from nsqtrace.timeline import timelines
@@ -113,19 +114,21 @@ async def do_message_get(nsqd, request):
         raise HTTPError(400, "BAD_PARTITION" if number >= topic.assignment.partition_num
                         else "E_FAILED_ON_NOT_LEADER")
     queue = part.queue
-    clog = queue.commitlog
-    entry = (clog.find_by_msg_id(msg_id) if msg_id is not None
-             else clog.find_by_offset(offset))
-    if entry is None or entry.offset >= queue.committed_end or (
-            offset is not None and offset >= entry.end_offset):
-        return _not_found("MSG_NOT_FOUND", "no such message in the partition's log")
-    reader = queue.reader(entry.offset, read_ahead=max(entry.size, 4096))
-    try:
-        records = await reader.read(entry.msg_count)
-    except OSError:  # its segment went with retention
-        return _not_found("MSG_NOT_FOUND", "the message's segment is gone (retention)")
-    finally:
-        reader.close()
+    try:  # the commitlog is searched on the write worker, never on the loop (diskqueue)
+        entry = await (queue.find("msg_id", msg_id) if msg_id is not None
+                       else queue.find("offset", offset))
+        if entry is None or entry.offset >= queue.committed_end or (
+                offset is not None and offset >= entry.end_offset):
+            return _not_found("MSG_NOT_FOUND", "no such message in the partition's log")
+        reader = queue.reader(entry.offset, read_ahead=max(entry.size, 4096))
+        try:
+            records = await reader.read(entry.msg_count)
+        except OSError:  # its segment went with retention
+            return _not_found("MSG_NOT_FOUND", "the message's segment is gone (retention)")
+        finally:
+            reader.close()
+    except QueueClosedError:  # the partition closed meanwhile (it moved, or the node stops)
+        raise HTTPError(503, "EXITING") from None
     for rec in records:
         if rec.msg_id == msg_id or (offset is not None and rec.offset == offset):
             return _record(name, number, rec)
