@@ -9,7 +9,9 @@ import os
 import pickle
 import sqlite3
 import struct
+import threading
 import time
+import types
 
 import pytest
 
@@ -714,39 +716,28 @@ async def test_a_switch_stats_show_is_applied_before_it_is_stored(node):
     await pub.close()
 
 
-async def test_message_get_searches_the_commitlog_off_the_loop(tmp_path, monkeypatch):
+async def test_message_get_searches_the_commitlog_off_the_loop(node, monkeypatch):
     """/message/get finds its message with the queue's `find`, an exclusive job of the write
     worker. It searched the commitlog with `pread`s on the loop, beside the write thread,
     which may close that file meanwhile: a full run's replication test got a 500 (EBADF)
     from a node that had just become the partition's leader."""
-    import threading
-    import types
+    n = await node()
+    address = types.SimpleNamespace(http_address=f"127.0.0.1:{n.http_port}")
+    for body in (b"first", b"second", b"third"):
+        status, _ = await asyncio.to_thread(http, address, "POST", "/pub?topic=t", body)
+        assert status == 200
+    loop_thread, on_loop, real = threading.get_ident(), [], os.pread
 
-    from nsqd.main import build
-    from nsqd.options import Options
+    def pread(fd, size, offset):
+        if threading.get_ident() == loop_thread:
+            on_loop.append((fd, size, offset))
+        return real(fd, size, offset)
 
-    n = build(Options(tcp_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                      data_path=str(tmp_path / "n"), log_level="warning"))
-    await n.start()
-    try:
-        node = types.SimpleNamespace(http_address=f"127.0.0.1:{n.http_port}")
-        for body in (b"first", b"second", b"third"):
-            status, _ = await asyncio.to_thread(http, node, "POST", "/pub?topic=t", body)
-            assert status == 200
-        loop_thread, on_loop, real = threading.get_ident(), [], os.pread
-
-        def pread(fd, size, offset):
-            if threading.get_ident() == loop_thread:
-                on_loop.append((fd, size, offset))
-            return real(fd, size, offset)
-
-        monkeypatch.setattr(os, "pread", pread)
-        status, got = await asyncio.to_thread(
-            http, node, "GET", "/message/get?topic=t&partition=0&msg_id=0000000000000001")
-        assert status == 200 and got["body"] == "second", got
-        status, again = await asyncio.to_thread(
-            http, node, "GET", f"/message/get?topic=t&partition=0&offset={got['offset']}")
-        assert status == 200 and again == got
-        assert on_loop == []
-    finally:
-        await n.stop()
+    monkeypatch.setattr(os, "pread", pread)
+    status, got = await asyncio.to_thread(
+        http, address, "GET", "/message/get?topic=t&partition=0&msg_id=0000000000000001")
+    assert status == 200 and got["body"] == "second", got
+    status, again = await asyncio.to_thread(
+        http, address, "GET", f"/message/get?topic=t&partition=0&offset={got['offset']}")
+    assert status == 200 and again == got
+    assert on_loop == []
