@@ -3,13 +3,15 @@ in one run, with the same load generator.
 
     .venv/bin/python bench/floor.py [--quick] [--rounds N] [--topics 1,6,16] [--kinds K,...]
 
-Eight servers: the floor in `ack` mode (answer at once, keep nothing), the floor in `sync`
+Nine servers: the floor in `ack` mode (answer at once, keep nothing), the floor in `sync`
 mode (the simplest durable group commit: a file and a thread per topic, one write and one
 fdatasync a batch), the floor in `journal` mode (the simplest node-wide group commit: one
 thread, a write per topic and one journal write and fdatasync a round), in `behind` mode
 (the same with each topic's write made after the round is answered), in `bulk` mode (the
 topics' data kept and written once 64 MiB of it waits, a write a topic), in `once` mode (no
-write per topic: the data written once, the design of RocketMQ's CommitLog), nsqd with its
+write per topic: the data written once, the design of RocketMQ's CommitLog), in `index`
+mode (`once` with its partitions encoded as nsqd's, ids, offsets and commitlog entries
+kept: the floor of that design with partitions that are real), nsqd with its
 defaults (durable: one fdatasync of the node journal a round) and nsqd with `--journal
 false` (each batch synced in its own segment by its partition's thread); `--kinds` picks
 some. Each takes 100 producer connections, one 200-byte PUB at a time each, on 1 topic
@@ -52,7 +54,7 @@ from nsqwire.commands import cmd_pub  # noqa: E402
 TOPIC_COUNTS = (1, 6, 16)  # (a), the cluster bench's 6 partitions, (g)
 CONNS = 100
 KINDS = ("floor-ack", "floor-sync", "floor-journal", "floor-behind", "floor-bulk", "floor-once",
-         "nsqd", "nsqd-threads")
+         "floor-index", "nsqd", "nsqd-threads")
 
 
 class FloorProcess:

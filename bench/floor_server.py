@@ -25,6 +25,13 @@ nsqd does. Its modes:
 - `once`: `journal` without the write per topic: the data written once, to the node's one
   file (RocketMQ's CommitLog, whose queues are indexes into it; the index costs nothing
   here). One `os.write` and one `os.fdatasync` a round.
+- `index`: `once` with what a partition of that design must do at least, on the loop as
+  nsqd does it: each message encoded as nsqd's record (diskqueue/record.py: CRC, id,
+  offset) and given a commitlog entry (commitlog/entry.py), kept in memory as the
+  partition's index (its file writes, one a MiB, are left out); each topic's part of a
+  round one journal record (a CRC and a header); the partition's end, count, next log id
+  and committed end kept and moved a round. The floor of a write-once design whose
+  partitions are real, not of a queue: no futures, stats, readers or checks.
 
 Whatever nsqd spends beyond `sync` (or `journal`) is its own; what they spend is the floor
 that no Python design with a thread per partition (or one journal a node) goes under;
@@ -49,15 +56,57 @@ import os
 import queue
 import socket
 import struct
+import sys
 import threading
+import time
+import zlib
 
 import uvloop
+
+sys.path[0] = os.path.dirname(sys.path[0])  # the repository: mode index uses nsqd's encoders
+from commitlog.entry import encode_fields  # noqa: E402
+from diskqueue.record import encode_records  # noqa: E402
 
 MAGIC = b"  V2"
 OK = struct.pack(">ii", 6, 0) + b"OK"
 SIZE = struct.Struct(">i")
 PUSH = struct.Struct(">ii")  # topic length, batch length
 BULK_BYTES = 64 << 20  # mode bulk: the topics' data written once this much waits (nsqd's checkpoint)
+HEAD = struct.Struct(">II")  # mode index, a journal record: crc32, length of what follows;
+FIELDS = struct.Struct(">QQ")  # then partition and offset, then the records
+INDEX_BYTES = 1 << 20  # mode index: a partition's index this long is dropped (written, in a queue)
+
+
+class Partition:
+    """Mode `index`: what a partition of a write-once design keeps (see the module
+    docstring). Its round's records are encoded on the loop, before the round is handed
+    to the journal thread; `committed` moves once the round is synced."""
+
+    __slots__ = ("number", "prefix", "end", "count", "log_id", "committed", "index")
+
+    def __init__(self, number: int):
+        self.number = number
+        self.prefix = number << 50  # nsqd's message ids: partition << 50 | sequence
+        self.end = self.count = self.log_id = self.committed = 0
+        self.index = bytearray()  # its commitlog entries
+
+    def encode(self, batch: list, ts: int) -> bytes:
+        """The batch's records, as one journal record; the index and the ends moved."""
+        pieces: list = []
+        add = pieces.append
+        offset, seq, log_id, index = self.end, self.count, self.log_id, self.index
+        for _transport, body in batch:
+            first_id = self.prefix | seq
+            start = offset
+            offset = encode_records(add, [], offset, first_id, 0, ts, 0, b"", (body,))
+            index += encode_fields(log_id, 1, first_id, start, seq, ts, offset - start, 1, 0)
+            seq += 1
+            log_id += 1
+        if len(index) > INDEX_BYTES:
+            del index[:]
+        body = FIELDS.pack(self.number, self.end) + b"".join(pieces)
+        self.end, self.count, self.log_id = offset, seq, log_id
+        return HEAD.pack(zlib.crc32(body), len(body)) + body
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -120,7 +169,7 @@ class NodeJournal:
     """Every topic's file and one journal, written by one thread in rounds; `append`
     answers each PUB once its round's journal is synced. `topic_files`: "before" the sync,
     "after" the answers, "bulk" (after the answers, once BULK_BYTES wait) or "" for none
-    (mode `once`)."""
+    (mode `once`), or "index" (mode `index`: `once` with its partitions encoded)."""
 
     def __init__(self, loop, data_dir: str, topic_files: str):
         self.loop, self.dir, self.topic_files = loop, data_dir, topic_files
@@ -130,6 +179,7 @@ class NodeJournal:
         self.journal = os.open(os.path.join(data_dir, "journal"),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.pending: dict[bytes, list] = {}  # topic -> (transport, body) for the next round
+        self.partitions: dict[bytes, Partition] | None = {} if topic_files == "index" else None
         self.busy = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, daemon=True).start()
@@ -145,14 +195,24 @@ class NodeJournal:
     def _submit(self) -> None:
         batches, self.pending = self.pending, {}
         self.busy = True
-        self.jobs.put(batches)
+        partitions = self.partitions
+        if partitions is None:
+            self.jobs.put((batches, None))
+            return
+        ts = time.time_ns()
+        records = []
+        for topic, batch in batches.items():
+            part = partitions.get(topic)
+            if part is None:
+                part = partitions[topic] = Partition(len(partitions))
+            records.append(part.encode(batch, ts))
+        self.jobs.put((batches, records))
 
     def _run(self) -> None:
         while True:
-            batches = self.jobs.get()
-            parts = []
-            for batch in batches.values():
-                parts.append(b"".join(body for _, body in batch))
+            batches, parts = self.jobs.get()
+            if parts is None:
+                parts = [b"".join(body for _, body in batch) for batch in batches.values()]
             if self.topic_files == "before":
                 self._write_topics(batches, parts)
             os.write(self.journal, b"".join(parts))
@@ -178,6 +238,11 @@ class NodeJournal:
 
     def _done(self, batches: dict) -> None:
         self.busy = False
+        if self.partitions is not None:
+            partitions = self.partitions
+            for topic in batches:
+                part = partitions[topic]
+                part.committed = part.end
         if self.pending:
             self._submit()
         for batch in batches.values():
@@ -222,7 +287,8 @@ class FloorServer:
     def __init__(self, loop, mode: str, data_dir: str, followers: list[tuple[str, int]]):
         self.loop, self.mode, self.dir, self.followers = loop, mode, data_dir, followers
         self.logs: dict[bytes, TopicLog] = {}
-        files = {"journal": "before", "behind": "after", "bulk": "bulk", "once": ""}
+        files = {"journal": "before", "behind": "after", "bulk": "bulk", "once": "",
+                 "index": "index"}
         self.journal = NodeJournal(loop, data_dir, files[mode]) if mode in files else None
         self.answer = self._journal if mode in files else {"ack": self._ack,
                                                            "sync": self._sync}[mode]
@@ -282,7 +348,8 @@ async def serve(mode: str, port: int, data_dir: str, follow_port: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ack", "sync", "journal", "behind", "bulk", "once"),
+    parser.add_argument("--mode", choices=("ack", "sync", "journal", "behind", "bulk", "once",
+                                                   "index"),
                         required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", required=True)
