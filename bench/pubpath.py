@@ -9,7 +9,8 @@ process on uvloop, in a temporary folder, under nsqd's process policy
 connections are `nsqd.tcp.ClientConnection`s on a transport that keeps no socket: each
 gets one `PUB <topic>` (200-byte body) and sends the next when its OK is written, as
 bench/loadgen.py's producers do (100 connections, one in flight each; `--topics` spreads
-them over that many topics). The loop's CPU (its thread's own time) and the whole
+them over that many topics, and with more topics than connections each connection sends
+to its topics in turn: connection i to topics i, i + 100, ...). The loop's CPU (its thread's own time) and the whole
 process's are read over `--seconds`, for `--rounds` rounds, with the journal's rounds (one
 topic writes alone: none); each figure is the median.
 
@@ -94,16 +95,20 @@ stamp_the_round()
 
 
 class Transport:
-    "A transport with no socket: an OK written makes its connection send the next PUB."
+    "A transport with no socket: an OK written makes its connection send its next PUB."
 
-    def __init__(self, cmd):
-        self.cmd, self.conn, self.oks, self.closing = cmd, None, 0, False
+    def __init__(self, cmds):
+        self.cmds, self.turn, self.conn, self.oks, self.closing = cmds, 0, None, 0, False
+
+    def next_cmd(self):
+        self.turn += 1
+        return self.cmds[self.turn % len(self.cmds)]
 
     def write(self, data):
         n = data.count(OK)
         self.oks += n
         for _ in range(n):
-            asyncio.get_running_loop().call_soon(self.conn.data_received, self.cmd)
+            asyncio.get_running_loop().call_soon(self.conn.data_received, self.next_cmd())
 
     def get_extra_info(self, name, default=None):
         return ("127.0.0.1", 1) if name == "peername" else default
@@ -132,16 +137,17 @@ async def main():
         await nsqd.start()
         limits, flush = identify_limits(nsqd, None), TurnFlush()
         transports = []
-        for i in range(conns_n):
-            topic = f"pub{i % topics_n}"
-            await nsqd.get_topic(topic)
-            t = Transport(cmd_pub(topic, b"x" * 200))
+        for i in range(topics_n):
+            await nsqd.get_topic(f"pub{i}")
+        for i in range(conns_n):  # as bench/loadgen.py: topics i, i + conns_n, ... in turn
+            topics = [f"pub{t}" for t in range(i % topics_n, topics_n, conns_n)]
+            t = Transport([cmd_pub(topic, b"x" * 200) for topic in topics])
             t.conn = ClientConnection(nsqd, limits, None, flush)
             t.conn.connection_made(t)
             t.conn.data_received(p.MAGIC_V2)
             transports.append(t)
         for t in transports:
-            t.conn.data_received(t.cmd)
+            t.conn.data_received(t.cmds[0])
         tune_gc()  # freezes what the start and the topics built
         await asyncio.sleep(0.5)  # warm
         global timing
