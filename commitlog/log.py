@@ -55,6 +55,9 @@ def fsync_dir(path: str) -> None:
 class CommitLog:
     """The commitlog of one partition, in folder `path`."""
 
+    __slots__ = ("_bases", "_fds", "_found_unsynced", "_unsynced", "entries_per_segment",
+                 "first_log_id", "next_log_id", "path", "sync_every")
+
     def __init__(self, path: str, entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT,
                  sync_every: int = DEFAULT_SYNC_EVERY):
         self.path = path

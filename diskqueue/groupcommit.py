@@ -96,6 +96,8 @@ def settle(waiter, result, error) -> None:
 class GroupCommit:
     """The write path of DiskQueue (see the module docstring)."""
 
+    __slots__ = ()  # its state is the queue's (DiskQueue.__slots__)
+
     def _kick(self) -> None:
         """Have the writer look at its work on the next turn of the loop (so the appends of
         this turn join the batch); with one batch in flight, hand the next one over then."""

@@ -105,6 +105,8 @@ class CommittedFile:
 class Replicated:
     """The replica side of a DiskQueue (a mixin: every attribute lives on the queue)."""
 
+    __slots__ = ()  # its state is the queue's (DiskQueue.__slots__)
+
     def _init_replication(self) -> None:
         self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
         self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;

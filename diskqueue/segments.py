@@ -53,6 +53,8 @@ def pwrite_all(fd: int, data, pos: int, flags: int = 0) -> None:
 
 
 class Segments:
+    __slots__ = ("_fd", "_journaled", "_unsynced", "bases", "end", "path", "segment_bytes")
+
     def __init__(self, path: str, segment_bytes: int):
         self.path = path
         self.segment_bytes = segment_bytes

@@ -14,11 +14,12 @@ import time
 import pytest
 
 from commitlog.entry import ENTRY_SIZE
+from commitlog.log import CommitLog
 from diskqueue.queue import (AppendError, DiskFullError, DiskQueue, QueueFailedError,
                              QueueClosedError, QueueOptions, SyncPolicy)
 from nsqwire.ids import PARTITION_SHIFT
 from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, Record, encode_into
-from diskqueue.segments import DSYNC, MissingSegmentError
+from diskqueue.segments import DSYNC, MissingSegmentError, Segments
 
 
 def body(i: int, size: int | None = None) -> bytes:
@@ -499,7 +500,7 @@ async def test_close_writes_what_is_pending(tmp_path, queues):
 
 # ---- partitions apart: each queue's own workers -------------------------------
 
-async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queues):
+async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queues, monkeypatch):
     """Eight partitions whose data sync takes a second (more partitions than a shared
     thread pool of 2 cores has threads) and one healthy partition: the healthy one's
     appends and reads finish long before any slow sync does.
@@ -510,12 +511,15 @@ async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queue
     slow = [await queues(tmp_path / f"slow{i}") for i in range(8)]
     healthy = await queues(tmp_path / "healthy")
     await healthy.append([b"before"])
-    for q in slow:
-        def sleepy_write(data, sync=False, real=q._segments.write):
-            if sync:
-                time.sleep(1.0)
-            return real(data, sync)
-        q._segments.write = sleepy_write
+    slow_segments = {q._segments for q in slow}
+    real_write = Segments.write
+
+    def sleepy_write(segments, data, sync=False):
+        if sync and segments in slow_segments:
+            time.sleep(1.0)
+        return real_write(segments, data, sync)
+
+    monkeypatch.setattr(Segments, "write", sleepy_write)
     stuck = [q.append([b"waits for a slow disk"]) for q in slow]
     await asyncio.sleep(0.1)  # every slow partition is in its sync now
     t0 = time.monotonic()
@@ -527,8 +531,7 @@ async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queue
     assert not any(f.done() for f in stuck)
     assert elapsed < 0.5, f"the healthy partition took {elapsed:.2f} s"
     await asyncio.gather(*stuck)
-    for q in slow:
-        del q._segments.write  # the real one again, for close
+    monkeypatch.setattr(Segments, "write", real_write)  # the real one again, for close
 
 
 def queue_threads(q) -> list[str]:
@@ -1464,19 +1467,20 @@ async def test_full_disk(small_disk, queues):
 
 
 
-async def test_find_waits_for_retention(tmp_path, queues):
+async def test_find_waits_for_retention(tmp_path, queues, monkeypatch):
     """A search never reads commitlog segments while retention is dropping them."""
     q = await queues(tmp_path, QueueOptions(segment_bytes=1024, clog_entries_per_segment=4))
     done = [await q.append([body(i)]) for i in range(100)]
     dropping, release = threading.Event(), threading.Event()
-    drop = q.commitlog.drop_before_offset
+    drop = CommitLog.drop_before_offset
 
-    def slow_drop(offset):
-        dropping.set()
-        release.wait(5)
-        return drop(offset)
+    def slow_drop(clog, offset):
+        if clog is q.commitlog:
+            dropping.set()
+            release.wait(5)
+        return drop(clog, offset)
 
-    q.commitlog.drop_before_offset = slow_drop
+    monkeypatch.setattr(CommitLog, "drop_before_offset", slow_drop)
     retain = asyncio.create_task(q.retain(before_offset=done[-1].offset))
     await asyncio.get_running_loop().run_in_executor(None, dropping.wait, 5)
     find = asyncio.create_task(q.find("msg_id", done[-1].first_id))

@@ -16,6 +16,7 @@ import pytest
 from diskqueue import groupcommit, journal as journal_mod
 from diskqueue.journal import Journal
 from diskqueue.queue import DiskQueue, QueueFailedError, QueueOptions
+from diskqueue.segments import Segments
 
 
 @pytest.fixture(autouse=True)
@@ -488,7 +489,7 @@ def journal_file(root) -> str:
     return os.path.join(root, "journal", name)
 
 
-async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_path):
+async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_path, monkeypatch):
     """The journal's write fails: the round's batches are synced in their own segments
     instead (answered OK), unless that sync fails too (that queue fails); the journal is
     off from then on, and each partition syncs its own segment."""
@@ -499,10 +500,14 @@ async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_pat
     os.close(j._fd)
     j._fd = os.open(os.path.join(tmp_path, "journal"), os.O_RDONLY)  # its writes fail
 
-    def failing_sync(force=False):
-        raise OSError(errno.EIO, "Input/output error (injected)")
+    real_sync = Segments.sync
 
-    sick._segments.sync = failing_sync
+    def failing_sync(segments, force=False):
+        if segments is sick._segments:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real_sync(segments, force)
+
+    monkeypatch.setattr(Segments, "sync", failing_sync)
     with pytest.raises(QueueFailedError):
         await sick.append([b"lost"])
     assert j.failed is not None
@@ -515,7 +520,7 @@ async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_pat
     with pytest.raises(QueueFailedError):
         sick.append([b"refused"])
     await well.close()
-    del sick._segments.sync
+    monkeypatch.setattr(Segments, "sync", real_sync)
     await sick.close()
     j.close()
     j2 = Journal.open(str(tmp_path))
