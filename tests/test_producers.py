@@ -265,19 +265,20 @@ async def test_a_write_whose_outcome_is_unknown_is_answered_once_the_log_shows_i
     assert reply == b"OK" and await bodies_of(n, "t") == [b"a", b"b"]
 
 
-async def test_a_table_that_cannot_be_read_fails_the_publish_and_is_read_again_next(node):
+async def test_a_table_that_cannot_be_read_fails_the_publish_and_is_read_again_next(node,
+                                                                                  monkeypatch):
     n = await node()
     pub = await connect(n)
     await pub.command(c.cmd_pub("t", b"plain"))  # the topic, its partition open
     q = n.topics["t"].partition(0).queue
-    real, failures = q.marked_requests, [OSError("EIO (test)")]
+    real, failures = DiskQueue.marked_requests, [OSError("EIO (test)")]
 
-    async def failing_once(*args, **kwargs):
-        if failures:
+    async def failing_once(queue, *args, **kwargs):
+        if queue is q and failures:
             raise failures.pop()
-        return await real(*args, **kwargs)
+        return await real(queue, *args, **kwargs)
 
-    q.marked_requests = failing_once
+    monkeypatch.setattr(DiskQueue, "marked_requests", failing_once)
     with pytest.raises(NSQError, match="E_PUB_FAILED.*producers could not be read.*EIO"):
         await pub.command(_pub("t", b"a", "p1", 0))
     pub = await connect(n)  # E_PUB_FAILED is fatal, as in classic nsqd
