@@ -192,19 +192,6 @@ def _journal_id(folder: str) -> int | None:
     return None if meta is None else meta.get("journal_id", 0)
 
 
-class JournalKey:
-    """A partition's records in the journal while it holds one journal id: its folder
-    (relative to the data path) and that id. Compared and hashed by identity, as each
-    batch looks its key up several times (a queue keeps one until it leaves the journal,
-    and takes a new one with a new id)."""
-
-    __slots__ = ("path", "journal_id")
-
-    def __init__(self, path: bytes, journal_id: int):
-        self.path = path
-        self.journal_id = journal_id
-
-
 class Journal:
     """The journal of one node's data path (see the module docstring). Records are added,
     and rounds handed over, on its worker's thread; a round is written and synced on its
@@ -254,8 +241,8 @@ class Journal:
         j._start_file(paths)
         return j
 
-    def key(self, queue_path: str, journal_id: int) -> "JournalKey":
-        return JournalKey(os.path.relpath(queue_path, self.root).encode(), journal_id)
+    def key(self, queue_path: str, journal_id: int) -> tuple[bytes, int]:
+        return os.path.relpath(queue_path, self.root).encode(), journal_id
 
     def holds(self, key) -> bool:
         """Whether a record of `key` may be in the journal (written since its file began,
@@ -285,7 +272,7 @@ class Journal:
 
     def record(self, key, segments, where: tuple[int, int], data) -> None:
         """Add a batch written whole at `where` (segment base, position) to this round."""
-        path, journal_id = key.path, key.journal_id
+        path, journal_id = key
         rec = encode(journal_id, path, where[0], where[1], data)
         self._round.append(rec)
         self._round_bytes += len(rec)

@@ -69,7 +69,7 @@ from .groupcommit import (BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS, Appended
                           GroupCommit, _Batch)
 from .replicated import Replicated
 from .segments import MissingSegmentError, Segments
-from .journal import Journal, JournalKey
+from .journal import Journal
 from .worker import Worker, WorkerPool
 
 log = structlog.get_logger("diskqueue")
@@ -155,7 +155,7 @@ class DiskQueue(GroupCommit, Replicated):
         self._journal = options.journal
         self._files = options.files
         self._journal_id = 0  # this log's id in the node journal (meta.json)
-        self._journal_key: JournalKey | None = None
+        self._journal_key: tuple | None = None
         self.read_worker: Worker | None = None
         self._busy = False  # the writer slot is taken (see _write_next)
         self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot

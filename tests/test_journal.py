@@ -375,6 +375,29 @@ async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
     j2.close()
 
 
+async def test_a_log_opened_again_then_cut_back_is_never_replayed_over(tmp_path):
+    """As above, with the replica closed and opened again between its long batch and the
+    cut, while the journal still holds that batch's record: it takes a new journal id at
+    open, so the record is not replayed over what it writes at that place after the cut."""
+    j = Journal.open(str(tmp_path))
+    q, other = await open_queues(str(tmp_path), j, 2, replicated=True)
+    first = await q.append([b"a"])
+    await asyncio.gather(q.append([b"L%02d" % i for i in range(20)]), other.append([b"o"]))
+    assert j.holds(q._journal_key)  # written while another partition wrote: journaled
+    await q.close()
+    q = await DiskQueue.open(os.path.join(tmp_path, "p0"),
+                             QueueOptions(partition=0, journal=j, replicated=True))
+    await q.truncate_to(first.end_offset, 1)
+    await q.append([b"new"])
+    lose_unsynced(q, keep=first.end_offset)  # what truncate_to synced survives
+    j2 = Journal.open(str(tmp_path))
+    (q2,) = await open_queues(str(tmp_path), j2, 1, replicated=True)
+    assert await bodies_of_written(q2) == [b"a", b"new"]
+    await q2.close()
+    await other.close()
+    j2.close()
+
+
 async def bodies_of_written(q: DiskQueue) -> list[bytes]:
     q.commit_to(q.written_end, q.written_count)
     return await bodies_of(q)
