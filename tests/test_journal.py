@@ -365,14 +365,7 @@ async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
     (q,) = await open_queues(str(tmp_path), j, 1, replicated=True)
     first = await q.append([b"a"])
     await q.append([b"L%02d" % i for i in range(20)])
-    await q.truncate_to(first.end_offset, 1)
-    await q.append([b"new"])
-    lose_unsynced(q, keep=first.end_offset)  # what truncate_to synced survives
-    j2 = Journal.open(str(tmp_path))
-    (q2,) = await open_queues(str(tmp_path), j2, 1, replicated=True)
-    assert await bodies_of_written(q2) == [b"a", b"new"]
-    await q2.close()
-    j2.close()
+    assert await cut_back_then_replayed(tmp_path, q, first) == [b"a", b"new"]
 
 
 async def test_a_log_opened_again_then_cut_back_is_never_replayed_over(tmp_path):
@@ -387,15 +380,24 @@ async def test_a_log_opened_again_then_cut_back_is_never_replayed_over(tmp_path)
     await q.close()
     q = await DiskQueue.open(os.path.join(tmp_path, "p0"),
                              QueueOptions(partition=0, journal=j, replicated=True))
+    assert await cut_back_then_replayed(tmp_path, q, first) == [b"a", b"new"]
+    await other.close()
+
+
+async def cut_back_then_replayed(root, q: DiskQueue, first) -> list[bytes]:
+    """Cut replica `q` (of partition 0) back to the end of `first`, write b"new" there, lose
+    what was not synced (a power cut), and return the bodies its log holds after the
+    journal's replay."""
     await q.truncate_to(first.end_offset, 1)
     await q.append([b"new"])
     lose_unsynced(q, keep=first.end_offset)  # what truncate_to synced survives
-    j2 = Journal.open(str(tmp_path))
-    (q2,) = await open_queues(str(tmp_path), j2, 1, replicated=True)
-    assert await bodies_of_written(q2) == [b"a", b"new"]
-    await q2.close()
-    await other.close()
-    j2.close()
+    j2 = Journal.open(str(root))
+    (q2,) = await open_queues(str(root), j2, 1, replicated=True)
+    try:
+        return await bodies_of_written(q2)
+    finally:
+        await q2.close()
+        j2.close()
 
 
 async def bodies_of_written(q: DiskQueue) -> list[bytes]:
