@@ -10,9 +10,10 @@ connections are `nsqd.tcp.ClientConnection`s on a transport that keeps no socket
 gets one `PUB <topic>` (200-byte body) and sends the next when its OK is written, as
 bench/loadgen.py's producers do (100 connections, one in flight each; `--topics` spreads
 them over that many topics, and with more topics than connections each connection sends
-to its topics in turn: connection i to topics i, i + 100, ...). The loop's CPU (its thread's own time) and the whole
-process's are read over `--seconds`, for `--rounds` rounds, with the journal's rounds (one
-topic writes alone: none); each figure is the median.
+to its topics in turn: connection i to topics i, i + 100, ...). The loop's CPU (its
+thread's own time) and the whole process's are read over `--seconds`, for `--rounds`
+rounds, with the journal's rounds (one topic writes alone: none); each figure is the
+median.
 
 With one PUB in flight a connection the work goes in a cycle, and the bench stamps its
 phases (medians, in ms; the journal's functions are wrapped in the child to stamp them):
