@@ -45,8 +45,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from bench.common import Report, machine_info, percentile  # noqa: E402
-import diskqueue.queue  # noqa: E402
+from bench.common import HistoryClock, Report, machine_info, percentile  # noqa: E402
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy  # noqa: E402
 from diskqueue.runtime import tune_gc  # noqa: E402
 from jepsen.ports import free_port  # noqa: E402
@@ -100,25 +99,6 @@ class Nsqd:
                 self.proc.wait()
 
 
-class HistoryClock:
-    """The writer's clock while filling: from SPAN_S ago to now in even steps, one per
-    batch, so the records span a month and a search by time can land anywhere (a fill
-    of a few seconds would give a handful of distinct seconds). Everything else of `time`
-    is the real one."""
-
-    def __init__(self, batches: int):
-        self.now = time.time_ns()
-        self.t = self.now - SPAN_S * 10**9
-        self.step = SPAN_S * 10**9 // max(batches, 1)
-
-    def time_ns(self) -> int:
-        self.t = min(self.t + self.step, self.now)
-        return self.t
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 async def fill(path: str, size: int) -> tuple[float, int, int, int, list[float]]:
     """Write `size` bytes of records to the partition at `path`: (seconds, entries, first
     timestamp ns, last timestamp ns, microseconds of each of LOCATES searches by time,
@@ -128,17 +108,16 @@ async def fill(path: str, size: int) -> tuple[float, int, int, int, list[float]]
     bodies = [os.urandom(BODY // 2).hex().encode() for _ in range(PER_REQUEST)]
     request_bytes = PER_REQUEST * (BODY + 36)
     requests = size // request_bytes
-    diskqueue.queue.time = HistoryClock(requests // IN_FLIGHT)
     t0 = time.perf_counter()
     done = 0
-    while done < requests:
-        n = min(IN_FLIGHT, requests - done)
-        await asyncio.gather(*(q.append(bodies) for _ in range(n)))
-        done += n
+    with HistoryClock(requests // IN_FLIGHT, SPAN_S):  # about one step a batch
+        while done < requests:
+            n = min(IN_FLIGHT, requests - done)
+            await asyncio.gather(*(q.append(bodies) for _ in range(n)))
+            done += n
     seconds = time.perf_counter() - t0
     entries = len(q.commitlog)
     first, last = q.commitlog.get(q.commitlog.first_log_id), q.commitlog.last()
-    diskqueue.queue.time = time
     rng = random.Random(9)
     searches = []
     for _ in range(LOCATES):

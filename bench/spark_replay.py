@@ -5,7 +5,7 @@ directly through diskqueue's writer (nsqd stopped meanwhile; publishing is not w
 measured here):
 - `million`: `--messages` (1,000,000) bodies of 200 B, 100 per write request;
 - `big`: `--big-gib` GiB of 1 KiB bodies, 10 per request, timestamps spread over a month
-  (the HistoryClock of bench/setoffset.py), for the time to the first row of a window.
+  (bench/common.py's HistoryClock), for the time to the first row of a window.
 
 Then, in one run:
 1. `python_client_rows_per_s`: the Python client (nsqclient.conn, SUB to a channel made
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import os
 import shutil
@@ -43,31 +44,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from bench.common import Report, machine_info  # noqa: E402
+from bench.common import HistoryClock, Report, machine_info  # noqa: E402
 from bench.setoffset import Nsqd  # noqa: E402
-import diskqueue.queue  # noqa: E402
 from diskqueue.queue import DiskQueue, QueueOptions, SyncPolicy  # noqa: E402
 from diskqueue.runtime import tune_gc  # noqa: E402
 
 GIB = 1 << 30
 SPAN_S = 30 * 86400
-
-
-class Clock:
-    """The writer's clock while filling `big`: SPAN_S ago to now in even steps, one per
-    batch (everything else of `time` is the real one)."""
-
-    def __init__(self, batches: int):
-        self.now = time.time_ns()
-        self.t = self.now - SPAN_S * 10**9
-        self.step = SPAN_S * 10**9 // max(batches, 1)
-
-    def time_ns(self) -> int:
-        self.t = min(self.t + self.step, self.now)
-        return self.t
-
-    def __getattr__(self, name):
-        return getattr(time, name)
 
 
 async def fill(path: str, body: int, per_request: int, requests: int, in_flight: int,
@@ -77,17 +60,13 @@ async def fill(path: str, body: int, per_request: int, requests: int, in_flight:
     tune_gc()
     q = await DiskQueue.open(path, QueueOptions(sync=SyncPolicy(every_messages=1 << 30)))
     bodies = [os.urandom(body // 2).hex().encode() for _ in range(per_request)]
-    if spread:
-        diskqueue.queue.time = Clock(requests // in_flight)
     t0 = time.perf_counter()
     done = 0
-    try:
+    with HistoryClock(requests // in_flight, SPAN_S) if spread else contextlib.nullcontext():
         while done < requests:
             n = min(in_flight, requests - done)
             await asyncio.gather(*(q.append(bodies) for _ in range(n)))
             done += n
-    finally:
-        diskqueue.queue.time = time
     seconds = time.perf_counter() - t0
     total = requests * per_request
     marks = [q.commitlog.find_by_count(c).timestamp
