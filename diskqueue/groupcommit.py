@@ -1,5 +1,5 @@
-"""GroupCommit: the write path of a DiskQueue (a mixin: it uses the queue's state, made in
-DiskQueue.__init__). Appends wait in batches; one writer slot (the loop hands it on) takes
+"""GroupCommit: the write path of a DiskQueue (a class of its chain, diskqueue/state.py; its
+fields are set in DiskQueue.__init__). Appends wait in batches; one writer slot (the loop hands it on) takes
 each batch in turn: encoded on the loop, written and synced by the partition's write
 worker, then answered. Exclusive jobs (retain, find, truncate) take the same slot between
 batches. A durable queue hands its next batch over while one is in flight (encoded for the
@@ -20,7 +20,7 @@ import bisect
 import errno
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -30,11 +30,18 @@ from nsqwire.ids import PARTITION_SHIFT
 from .errors import (AppendError, CommitTimeout, DiskFullError, NotCommitted, QueueClosedError,
                      QueueFailedError, _Unrecoverable)
 from .record import encode_records
+from .state import QueueState
 
 log = structlog.get_logger("diskqueue")
 
 _new = tuple.__new__
-_STALE = object()  # a batch's outcome: not written, the log was not where it was encoded for
+
+
+class _Stale(Exception):
+    """A batch's outcome: not written, the log was not where it was encoded for."""
+
+
+_STALE = _Stale()
 
 # A batch answered while other partitions write in the node journal's rounds: the next one
 # waits at most this long for as many requests as were just answered (see `_linger_after`).
@@ -51,7 +58,7 @@ class Appended(NamedTuple):
     """What one `append` call wrote: ids first_id .. first_id + count - 1."""
 
     first_id: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named as a method of tuple
     offset: int  # virtual offset of the first record
     end_offset: int  # just past the last record
     log_id: int  # its commitlog entry
@@ -64,7 +71,7 @@ class _Batch:
     __slots__ = ("ahead", "announce", "bytes", "count", "deadline", "done", "pushed",
                  "requests")
 
-    def __init__(self, announce=None, done=None):
+    def __init__(self, announce: Any = None, done: Any = None) -> None:
         self.requests: list = []  # (future, bodies, trace_id, ext, attempts); lists: per record
         self.bytes = 0
         self.count = 0
@@ -93,10 +100,29 @@ def settle(waiter, result, error) -> None:
         log.exception("append_callback_failed")
 
 
-class GroupCommit:
-    """The write path of DiskQueue (see the module docstring)."""
+class GroupCommit(QueueState):
+    """The write path of DiskQueue (see the module docstring); its fields are set in
+    DiskQueue.__init__."""
 
-    __slots__ = ()  # its state is the queue's (DiskQueue.__slots__)
+    __slots__ = ("_ahead", "_ahead_due", "_batches", "_busy", "_clog_epoch", "_expiry",
+                 "_flight", "_idle", "_last_ts", "_linger", "_open", "_sync_timer", "_turns",
+                 "_unsynced_messages", "_unsynced_since", "_write_broken")
+    _batches: deque[_Batch]  # waiting for the writer, oldest first
+    _open: _Batch | None  # the batch appends join (the last of `_batches`)
+    _flight: deque[_Batch]  # handed to the write worker, not back yet
+    _ahead: tuple[int, int, int, int]  # (end, count, log id, ts) after the batches in flight
+    _ahead_due: bool  # a `_submit_ahead` is scheduled
+    _write_broken: bool  # write worker: a failed sync or undo, no batch is written after
+    _busy: bool  # the writer slot is taken (see _write_next)
+    _turns: deque[Any]  # futures of the exclusive jobs waiting for the slot
+    _idle: Any  # a future close() waits on for the writer to drain, or None
+    _sync_timer: Any  # the loop's timer handle for a sync by time, or None
+    _linger: tuple[int, Any] | None  # (requests awaited, timer handle): see _linger_after
+    _expiry: Any  # the timer handle of the next commit deadline (_expire), or None
+    _unsynced_messages: int
+    _unsynced_since: float
+    _last_ts: int  # the timestamp of the last batch written
+    _clog_epoch: int  # write worker: the highest epoch whose entries the commitlog synced
 
     def _kick(self) -> None:
         """Have the writer look at its work on the next turn of the loop (so the appends of
@@ -303,7 +329,7 @@ class GroupCommit:
         for batch in waiting:
             if batch.deadline <= now:
                 self._answer_now(batch, unknown)
-        kept = deque()
+        kept: deque[_Batch] = deque()
         for batch in self._batches:
             if batch.deadline > now:
                 kept.append(batch)
@@ -381,7 +407,7 @@ class GroupCommit:
         failed sync or undo: else it comes back `_STALE`, written nowhere (a batch handed
         over ahead, whose predecessor failed)."""
         t0 = time.perf_counter()
-        error = None
+        error: BaseException | None = None
         if self._write_broken or at != (self._segments.end, self.commitlog.next_log_id):
             error = _STALE
         else:
@@ -411,7 +437,7 @@ class GroupCommit:
             error = _Unrecoverable("the log's files are not where the writer expected them")
         if error is not None:
             announced = batch.pushed
-            err = self._batch_error(error, announced)
+            err: Exception = self._batch_error(error, announced)
             if announced:  # the followers may hold it, and a new leader may commit it
                 err = NotCommitted(f"not written here ({err}): it may still be delivered")
             self._fail_batch(batch, err)
@@ -466,7 +492,7 @@ class GroupCommit:
 
         The hot loop of the write path: no per-record object but the pieces joined once.
         """
-        parts = []
+        parts: list[bytes | memoryview] = []
         add = parts.append
         clog = []
         results = []
@@ -476,7 +502,7 @@ class GroupCommit:
         for _fut, bodies, trace_id, ext, attempts in requests:
             start = offset
             first_id = prefix | seq
-            offsets = []
+            offsets: list[int] = []
             if ext.__class__ is bytes:
                 offset = encode_records(add, offsets, offset, first_id, trace_id, ts, attempts,
                                         ext, bodies)

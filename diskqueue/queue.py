@@ -52,10 +52,9 @@ import structlog
 
 from commitlog.entry import ENTRY_SIZE, Entry
 from commitlog.entry import decode as decode_entry
-from commitlog.log import DEFAULT_ENTRIES_PER_SEGMENT, DEFAULT_SYNC_EVERY, CommitLog, fsync_dir
+from commitlog.log import CommitLog, fsync_dir
 
 from .atomic import make_dirs, read_json, write_json_atomic
-from .budget import FileBudget
 from .errors import (AppendError, CommitTimeout, DiskFullError, GapError,  # noqa: F401
                      NotCommitted, OffsetOutOfRange, QueueClosedError, QueueFailedError,
                      _Unrecoverable)
@@ -66,72 +65,23 @@ from .locate import KINDS, NotABoundary, Position, locate  # noqa: F401  (import
 from .reader import Reader, SharedChunks
 from .recovery import recover
 from .groupcommit import (BATCH_MESSAGES_BUCKETS, SYNC_SECONDS_BUCKETS, Appended,  # noqa: F401
-                          GroupCommit, _Batch)
+                          _Batch)
 from .replicated import Replicated
+from .state import META_FILE, QueueOptions, SyncPolicy, new_journal_id
 from .segments import MissingSegmentError, Segments
-from .journal import Journal
-from .worker import Worker, WorkerPool
+from .worker import Worker
 
 log = structlog.get_logger("diskqueue")
 _EXT_LEN = struct.Struct(">H")  # a record head's last field
 _ENTRY_OFFSET = struct.Struct(">24xQ32x")  # a commitlog entry's `offset` (commitlog/entry.py)
 MARKED_PER_JOB = 16384  # requests `marked_requests` reads while the writer waits (~40 ms)
 
-META_FILE = "meta.json"
 
+class DiskQueue(Replicated):
+    """The data and commitlog of one partition, in folder `path`: the last class of the
+    chain QueueState <- GroupCommit <- Replicated <- DiskQueue (diskqueue/state.py)."""
 
-def new_journal_id() -> int:
-    """A log's id in the node journal: random, so a log made again in the same folder never
-    takes the records of the one before (diskqueue/journal.py)."""
-    return int.from_bytes(os.urandom(8), "big")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SyncPolicy:
-    """When the writer syncs. The default syncs every batch before acknowledging it (durable)."""
-
-    every_messages: int = 1  # sync once this many messages are unsynced; 1 = every batch
-    every_ms: int = 0  # also sync when the oldest unsynced write is this old; 0 = never by time
-
-    @property
-    def durable(self) -> bool:
-        return self.every_messages <= 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QueueOptions:
-    partition: int = 0
-    segment_bytes: int = 100 * 1024 * 1024
-    sync: SyncPolicy = SyncPolicy()
-    max_batch_bytes: int = 4 * 1024 * 1024
-    max_batch_count: int = 20_000
-    clog_entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT
-    clog_sync_every: int = DEFAULT_SYNC_EVERY  # the most commitlog entries ever unsynced
-    auto_commit: bool = True  # commit as soon as written; replication turns this off
-    replicated: bool = False  # one replica of a partition: see diskqueue/replicated.py
-    commit_timeout: float = 0.0  # s: every request is answered within it (0: no limit)
-    journal: Journal | None = None  # the node's journal: its worker writes, one sync a round
-    files: FileBudget | None = None  # the node's logs with files open (None: no limit)
-    read_workers: WorkerPool | None = None  # the node's read threads (None: one of its own)
-
-
-class DiskQueue(GroupCommit, Replicated):
-    """The data and commitlog of one partition, in folder `path`."""
-
-    # Every attribute of a queue, its mixins' too: each batch touches them, and slots keep
-    # them in the queue's own object (with Segments' and CommitLog's, 11% of the CPU a
-    # message at 1,000 busy partitions; bench/README.md, "Partition state in slots").
-    __slots__ = (
-        "_ahead", "_ahead_due", "_batches", "_busy", "_clog_epoch", "_closing",
-        "_commit_limit", "_committed_at", "_committed_file", "_committed_waiters", "_expiry",
-        "_files", "_flight", "_idle", "_journal", "_journal_id", "_journal_key", "_last_ts",
-        "_linger", "_loop", "_meta", "_open", "_segments", "_shut", "_sync_timer", "_tail_end",
-        "_tail_epoch", "_turns", "_unsynced_messages", "_unsynced_since", "_write_broken",
-        "_write_worker", "commit_listeners", "commitlog", "committed_count", "committed_end",
-        "corrupt", "epoch", "failed", "files_used_at", "histograms", "options", "partition",
-        "path", "read_worker", "shared_chunks", "start_count", "stats", "thread_prefix",
-        "written_count", "written_end",
-    )
+    __slots__ = ()  # its fields are declared where they are first used, up the chain
 
     def __init__(self, path: str, options: QueueOptions = QueueOptions()):
         self.path = path
@@ -141,42 +91,42 @@ class DiskQueue(GroupCommit, Replicated):
         self._segments = Segments(os.path.join(path, "data"), options.segment_bytes)
         self.commitlog = CommitLog(os.path.join(path, "commitlog"), options.clog_entries_per_segment,
                                    options.clog_sync_every)
-        self._batches: deque[_Batch] = deque()
-        self._open: _Batch | None = None
-        self._flight: deque[_Batch] = deque()  # handed to the write worker, not back yet
-        self._ahead: tuple[int, int, int, int] = (0, 0, 0, 0)  # (end, count, log id, ts) after them
-        self._ahead_due = False  # a `_submit_ahead` is scheduled
-        self._write_broken = False  # write worker: a failed sync or undo, no batch is written after
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by open()
+        self._batches = deque()
+        self._open = None
+        self._flight = deque()
+        self._ahead = (0, 0, 0, 0)
+        self._ahead_due = False
+        self._write_broken = False
+        self._loop = None  # set by open()
         # This queue's own workers, made by open() and shut down by close(): one thread for
         # writes, syncs and exclusive jobs, one for its readers' read-ahead.
         self.thread_prefix = f"diskqueue:{path}"
-        self._write_worker: Worker | None = None
+        self._write_worker = None
         self._journal = options.journal
         self._files = options.files
-        self._journal_id = 0  # this log's id in the node journal (meta.json)
-        self._journal_key: tuple | None = None
-        self.read_worker: Worker | None = None
-        self._busy = False  # the writer slot is taken (see _write_next)
-        self._turns: deque[asyncio.Future] = deque()  # exclusive jobs waiting for the slot
-        self._idle: asyncio.Future | None = None  # close() waits on it for the writer to drain
-        self.files_used_at: float | None = None  # monotonic time its files were last used; None: closed
-        self._sync_timer: asyncio.TimerHandle | None = None
-        self._linger: tuple[int, asyncio.TimerHandle] | None = None  # (requests awaited, timer)
-        self._expiry: asyncio.TimerHandle | None = None  # the next commit deadline (_expire)
+        self._journal_id = 0
+        self._journal_key = None
+        self.read_worker = None
+        self._busy = False
+        self._turns = deque()
+        self._idle = None
+        self.files_used_at = None
+        self._sync_timer = None
+        self._linger = None
+        self._expiry = None
         self._closing = False
-        self._shut = False  # the files are closed and the workers shut down
-        self.failed: QueueFailedError | None = None
-        self._committed_waiters: list[asyncio.Future] = []
-        self.commit_listeners: list = []  # plain callables, called when committed_end moves
+        self._shut = False
+        self.failed = None
+        self._committed_waiters = []
+        self.commit_listeners = []
         self._unsynced_messages = 0
         self._unsynced_since = 0.0
         self._last_ts = 0
         self.written_end = self.committed_end = 0
         self.written_count = self.committed_count = 0
         self.start_count = 0
-        self.corrupt: list[tuple[int, str]] = []
-        self.shared_chunks = SharedChunks()  # what its Readers decoded lately, for each other
+        self.corrupt = []
+        self.shared_chunks = SharedChunks()
         self.stats = {"batches": 0, "syncs": 0, "batch_messages_total": 0, "sync_seconds_total": 0.0}
         self.histograms = {"batch_messages": [0] * (len(BATCH_MESSAGES_BUCKETS) + 1),
                            "sync_seconds": [0] * (len(SYNC_SECONDS_BUCKETS) + 1)}
@@ -304,8 +254,8 @@ class DiskQueue(GroupCommit, Replicated):
         With `callback`, no future is made: the writer calls `callback(appended, error)`
         (one of the two is None) and `append` returns None; the hot path of TCP publishing.
         """
-        bodies, trace_id, ext, attempts, size = self.request(bodies, trace_id, ext, attempts,
-                                                             trace_ids=trace_ids, exts=exts)
+        bodies, traced, headers, attempts, size = self.request(bodies, trace_id, ext, attempts,
+                                                               trace_ids=trace_ids, exts=exts)
         batch = self._open
         if batch is None or (batch.count and (
                 batch.bytes + size > self.options.max_batch_bytes
@@ -317,7 +267,7 @@ class DiskQueue(GroupCommit, Replicated):
                 if self._expiry is None:
                     self._expiry = self._loop.call_at(batch.deadline, self._expire)
         fut = self._loop.create_future() if callback is None else None
-        batch.requests.append((fut or callback, bodies, trace_id, ext, attempts))
+        batch.requests.append((fut or callback, bodies, traced, headers, attempts))
         batch.bytes += size
         batch.count += len(bodies)
         self._kick()
@@ -335,13 +285,15 @@ class DiskQueue(GroupCommit, Replicated):
             raise self.failed
         if not bodies:
             raise ValueError("a write request needs at least one message")
+        traced: int | list[int] = trace_id
+        headers: bytes | list[bytes] = ext
         if exts is not None:  # one (trace id, ext) per record: kept in the request as lists
-            trace_id, ext = list(trace_ids), list(exts)
-            if len(ext) != len(bodies) or len(trace_id) != len(bodies):
+            traced, headers = list(trace_ids or ()), list(exts)
+            if len(headers) != len(bodies) or len(traced) != len(bodies):
                 raise ValueError("one trace id and one ext header per message")
-            ext_len = max(map(len, ext))
-            ext_bytes = sum(map(len, ext))
-            traces_ok = all(0 <= t < 1 << 64 for t in trace_id)
+            ext_len = max(map(len, headers))
+            ext_bytes = sum(map(len, headers))
+            traces_ok = all(0 <= t < 1 << 64 for t in traced)
         else:
             ext_len = len(ext)
             ext_bytes = ext_len * len(bodies)
@@ -354,7 +306,7 @@ class DiskQueue(GroupCommit, Replicated):
                 and FIXED_LENGTH + ext_len + max(map(len, bodies)) > MAX_RECORD):
             raise ValueError(f"a body may hold at most {MAX_RECORD - FIXED_LENGTH - ext_len} bytes")
         size = HEAD_SIZE * len(bodies) + ext_bytes + body_bytes
-        return bodies, trace_id, ext, attempts, size
+        return bodies, traced, headers, attempts, size
 
     def write_batch(self, requests: Sequence[tuple], announce=None, done=None) -> None:
         """Write `requests` (each from `request`) as one batch of their own, in the order
@@ -403,25 +355,6 @@ class DiskQueue(GroupCommit, Replicated):
             end_offset, count = limit
         self._commit(end_offset, count)
 
-    def _commit(self, end_offset: int, count: int) -> None:
-        if end_offset <= self.committed_end:
-            return
-        self.committed_end = end_offset
-        self.committed_count = count
-        self._committed_at = (end_offset, count)
-        self._wake_readers()
-        for listener in self.commit_listeners:
-            try:
-                listener()
-            except Exception:  # a listener's bug must never stop the writer
-                log.exception("commit_listener_failed", path=self.path)
-
-    def _wake_readers(self) -> None:
-        waiters, self._committed_waiters = self._committed_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
     async def wait_committed(self, offset: int, timeout: float | None = None) -> bool:
         """Wait until data past `offset` is committed; False on timeout or close."""
         if self.committed_end > offset:
@@ -438,10 +371,6 @@ class DiskQueue(GroupCommit, Replicated):
         return self.committed_end > offset
 
     # ---- reading, searching ----------------------------------------------
-
-    @property
-    def start_offset(self) -> int:
-        return self._segments.start
 
     @property
     def segment_count(self) -> int:
@@ -589,13 +518,6 @@ class DiskQueue(GroupCommit, Replicated):
         if self._files is not None:
             self._files.give_back(self)
 
-    def _release_files_sync(self) -> None:
-        self._segments.release()
-        self.commitlog.close()
-        if self._committed_file is not None:
-            self._committed_file.release()
-        self.files_used_at = None
-
     async def empty(self) -> None:
         """Drop every message; offsets, counts and ids continue where they were."""
         await self._exclusive(self._empty_sync)
@@ -607,22 +529,3 @@ class DiskQueue(GroupCommit, Replicated):
         self._write_meta(end, count, next_log_id)
         self._segments.reset(end)
         self.commitlog.reset(next_log_id)
-
-    def _leave_journal(self) -> None:
-        """(write worker) Before the log is cut or emptied, or when it opens again: no record
-        the node journal holds of it may be replayed over what comes next. Syncs what those
-        records cover, then takes a new journal id (meta.json, durable)."""
-        if self._journal is None or not self._journal.holds(self._journal_key):
-            return
-        self._segments.sync(force=True)
-        self._journal_id = new_journal_id()
-        self._journal_key = self._journal.key(self.path, self._journal_id)
-        self._write_meta(self._meta["start_offset"], self._meta["start_count"],
-                         self._meta["start_log_id"])
-
-    def _write_meta(self, start_offset: int, start_count: int, start_log_id: int) -> None:
-        self._meta = {"partition": self.partition, "start_offset": start_offset,
-                      "start_count": start_count, "start_log_id": start_log_id,
-                      "journal_id": self._journal_id}
-        self.start_count = start_count
-        write_json_atomic(os.path.join(self.path, META_FILE), self._meta)

@@ -2,8 +2,8 @@
 reads of whole batches, epochs, cutting a diverged tail, and the persisted committed end.
 It knows nothing of leaders or followers (isr/ drives it).
 
-`Replicated` is a part of `DiskQueue` (its base class), kept here because it is one concept:
-the queue as one replica of a partition (see diskqueue/README.md, "Replication API").
+`Replicated` is a class of DiskQueue's chain (diskqueue/state.py), kept here because it is one
+concept: the queue as one replica of a partition (see diskqueue/README.md, "Replication API").
 Positions are (offset, count) pairs, never log ids (they differ between replicas).
 
 Invariants (with `QueueOptions.replicated`):
@@ -23,7 +23,6 @@ import dataclasses
 import os
 import struct
 import time
-import zlib
 
 import structlog
 
@@ -31,6 +30,7 @@ from commitlog import entry as clog_entry
 from commitlog.entry import ENTRY_SIZE, SYNCED_BEFORE, same_entries
 
 from .atomic import fsync_dir
+from .committed import COMMITTED_FILE, CommittedFile
 from .errors import (
     Diverged,
     GapError,
@@ -38,81 +38,29 @@ from .errors import (
     QueueClosedError,
     _Unrecoverable,
 )
+from .groupcommit import GroupCommit
 from .raw import RawBatch, check_batch, renumber
 
 log = structlog.get_logger("diskqueue")
 
-COMMITTED_FILE = "committed"
-_POSITION = struct.Struct(">QQI")  # committed end offset, count, crc32 of the first 16 bytes
-LINGER = 0.002  # s: how long a writer released by a commit waits for the clients it answered
 _READ_ENTRIES = 4096  # entries read from the commitlog at a time by read_raw
 _ENTRY_SIZE_FIELD = struct.Struct(">48xI12x")  # an entry's `size` (commitlog/entry.py)
 
 
-def encode_position(end_offset: int, count: int) -> bytes:
-    head = _POSITION.pack(end_offset, count, 0)[:16]
-    return head + zlib.crc32(head).to_bytes(4, "big")
+class Replicated(GroupCommit):
+    """The replica side of a DiskQueue; its fields are set in `_init_replication`."""
 
-
-def decode_position(buf: bytes) -> tuple[int, int] | None:
-    """(offset, count), or None for a short or bad record."""
-    if len(buf) < _POSITION.size:
-        return None
-    end_offset, count, crc = _POSITION.unpack_from(buf)
-    return (end_offset, count) if zlib.crc32(buf[:16]) == crc else None
-
-
-class CommittedFile:
-    """The persisted committed end of one partition: 20 bytes rewritten in place, never synced
-    on its own (a torn or stale one fails its checksum or lags: both are safe)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._fd = -1
-        self._failed = False
-
-    def load(self) -> tuple[int, int] | None:
-        try:
-            with open(self.path, "rb") as f:
-                return decode_position(f.read(_POSITION.size))
-        except FileNotFoundError:
-            return None
-
-    def store(self, position: tuple[int, int]) -> None:
-        """Write it (write worker); a failure is logged once and costs only laziness."""
-        try:
-            if self._fd < 0:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-            os.pwrite(self._fd, encode_position(*position), 0)
-        except OSError as e:
-            if not self._failed:
-                log.warning("committed_end_not_stored", path=self.path, error=str(e))
-            self._failed = True
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.fsync(self._fd)
-            self.release()
-
-    def release(self) -> None:
-        """Close it unsynced (a released log's files: a lagging one is safe); the next
-        store opens it again."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-class Replicated:
-    """The replica side of a DiskQueue (a mixin: every attribute lives on the queue)."""
-
-    __slots__ = ()  # its state is the queue's (DiskQueue.__slots__)
+    __slots__ = ("_commit_limit", "_tail_end", "_tail_epoch")
+    _tail_epoch: int  # the epoch of the last entry up to `_tail_end`;
+    _tail_end: int  # entries written past it carry `self.epoch`
+    _commit_limit: tuple[int, int] | None  # a truncation's point, while it runs
 
     def _init_replication(self) -> None:
-        self._committed_at = (0, 0)  # (committed_end, committed_count), one object for the worker
-        self._tail_epoch = 0  # the epoch of the last entry up to `_tail_end`;
-        self._tail_end = 0  # entries written past it carry `self.epoch`
-        self._commit_limit: tuple[int, int] | None = None  # a truncation's point, while it runs
-        self._committed_file: CommittedFile | None = None
+        self._committed_at = (0, 0)
+        self._tail_epoch = 0
+        self._tail_end = 0
+        self._commit_limit = None
+        self._committed_file = None
         if self.options.replicated:
             self._committed_file = CommittedFile(os.path.join(self.path, COMMITTED_FILE))
             # The queue commits on write only when solo: `auto_commit` says whether it does.
@@ -146,11 +94,6 @@ class Replicated:
         return self.epoch if self.written_end > self._tail_end else self._tail_epoch
 
     # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
-
-    def _store_committed(self) -> None:
-        """Write worker, with each batch: the committed end as the loop last set it."""
-        if self._committed_file is not None:
-            self._committed_file.store(self._committed_at)
 
     async def append_raw(self, offset: int, count: int, entries: bytes, data: bytes,
                          records_checked: bool = False) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from commitlog.entry import ENTRY_SIZE, CorruptEntryError, decode as decode_entry
 from diskqueue.record import decode_all
-from diskqueue.replicated import decode_position
+from diskqueue.committed import decode_position
 
 
 @dataclass

@@ -25,7 +25,7 @@ from diskqueue.queue import (
     QueueOptions,
 )
 from diskqueue.raw import BadBatch, check_batch, renumber
-from diskqueue.replicated import COMMITTED_FILE, decode_position, encode_position
+from diskqueue.committed import COMMITTED_FILE, decode_position, encode_position
 from nsqwire.ids import PARTITION_SHIFT
 
 WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repl_writer.py")

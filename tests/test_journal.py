@@ -129,9 +129,11 @@ async def test_followers_appending_at_once_share_rounds(tmp_path, monkeypatch):
     a, b = await followers(j)
     journaled = []  # (segment file, position, size) of every journaled batch
     record = j.record
-    monkeypatch.setattr(j, "record", lambda key, segments, where, data: (
-        journaled.append((segments.file(where[0]), where[1], len(data))),
-        record(key, segments, where, data)))
+
+    def noted(key, segments, where, data) -> None:  # returns None, as Journal.record does
+        journaled.append((segments.file(where[0]), where[1], len(data)))
+        record(key, segments, where, data)
+    monkeypatch.setattr(j, "record", noted)
     await a.append_raw(raws[0].offset, raws[0].count, raws[0].entries, raws[0].data)
     assert j.stats["alone"] == 1 and j.stats["records"] == 0 and j.writers == 0
 
