@@ -95,8 +95,9 @@ class Replicated(GroupCommit):
 
     # ---- raw batches (a follower's appends, a leader's catch-up reads) -------
 
-    async def append_raw(self, offset: int, count: int, entries: bytes, data: bytes,
-                         records_checked: bool = False) -> tuple[int, int]:
+    async def append_raw(self, offset: int, count: int, entries: bytes | memoryview,
+                         data: bytes | memoryview, records_checked: bool = False
+                         ) -> tuple[int, int]:
         """Append a leader's batch starting at (offset, count) and return the written end,
         once it is written and synced as the sync policy says. A batch wholly at or before
         the written end (a duplicate) returns at once; one that does not start there raises
