@@ -1,15 +1,15 @@
 """GroupCommit: the write path of a DiskQueue (a class of its chain, diskqueue/state.py; its
-fields are set in DiskQueue.__init__). Appends wait in batches; one writer slot (the loop hands it on) takes
-each batch in turn: encoded on the loop, written and synced by the partition's write
-worker, then answered. Exclusive jobs (retain, find, truncate) take the same slot between
-batches. A durable queue hands its next batch over while one is in flight (encoded for the
-place after it), so the worker goes from one sync straight to the next write; a batch is
-written only where it was encoded for, never after a failed sync. A batch given whole
-(`DiskQueue.write_batch`, a leader's) may be announced when it is encoded, before it is
-written: once its announce says it went out (others may hold it), its place is never given
-to another batch (a failed write fails the queue); it is never handed over ahead. While
-other partitions write in the node journal's rounds, an answered batch's successor lingers
-for the clients it answered (`_linger_after`).
+fields are set in DiskQueue.__init__). Appends wait in batches; one writer slot (the loop
+hands it on) takes each batch in turn: encoded on the loop, written and synced by the
+partition's write worker, then answered. Exclusive jobs (retain, find, truncate) take the
+same slot between batches. A durable queue hands its next batch over while one is in flight
+(encoded for the place after it), so the worker goes from one sync straight to the next
+write; a batch is written only where it was encoded for, never after a failed sync. A batch
+given whole (`DiskQueue.write_batch`, a leader's) may be announced when it is encoded,
+before it is written: once its announce says it went out (others may hold it), its place is
+never given to another batch (a failed write fails the queue); it is never handed over
+ahead. While other partitions write in the node journal's rounds, an answered batch's
+successor lingers for the clients it answered (`_linger_after`).
 Invariants and figures: diskqueue/README.md ("Workers", "The commitlog lags the data").
 """
 
