@@ -519,7 +519,8 @@ class JournalWorker(Worker):
     def __init__(self, journal: Journal):
         super().__init__("diskqueue:journal")
         self.journal = journal
-        self.job_key = None  # the key of the record the running job added, if any
+        self.job_key: tuple[bytes, int] | None = None  # the key of the record the running
+        # job added, if any
         self._posts: list = []
         self._turn: list = []  # jobs given in this turn of the loop, not handed over yet
 

@@ -24,7 +24,7 @@ What a compiled module asks of its source (each was a TypeError or an import err
   of its own methods (they are module tables after the class).
 - a compiled class takes no new attribute at run time, and a method patched on it is not
   what compiled callers call: the classes tests patch (Client) stay Python, and tests of
-  the partition's log patch what DiskQueue calls (Segments, CommitLog, Journal);
+  the partition's log hook the `os` calls its files go through (tests/fdhooks.py);
 - a native class has one base class: DiskQueue's parts are one chain, not mixins
   (diskqueue/state.py), each declaring its fields; and a Python function called from
   compiled code returns what it is typed to (a patched `-> None` returning a tuple raises).
@@ -47,8 +47,9 @@ OUT = os.path.join(ROOT, "build", "mypyc")
 TMP = os.path.join(ROOT, "build", "mypyc-tmp")
 
 # The modules a durable PUB runs per message (bench/pubpath.py under py-spy: their own
-# Python time, most first), and the partition's log: DiskQueue's chain of classes
-# (diskqueue/state.py), compiled together as native classes.
+# Python time, most first), the partition's log: DiskQueue's chain of classes
+# (diskqueue/state.py), compiled together as native classes, and what the node's write
+# thread runs a batch: its segment and commitlog writes, and the journal.
 MODULES = [
     "nsqd/tcp.py",
     "nsqwire/protocol.py",
@@ -59,6 +60,9 @@ MODULES = [
     "diskqueue/groupcommit.py",
     "diskqueue/replicated.py",
     "diskqueue/queue.py",
+    "diskqueue/segments.py",
+    "commitlog/log.py",
+    "diskqueue/journal.py",
 ]
 
 MYPY_ARGS = ["--follow-imports=silent", "--ignore-missing-imports", "--python-version=3.11",

@@ -13,13 +13,13 @@ import time
 
 import pytest
 
+import fdhooks
 from commitlog.entry import ENTRY_SIZE
-from commitlog.log import CommitLog
 from diskqueue.queue import (AppendError, DiskFullError, DiskQueue, QueueFailedError,
                              QueueClosedError, QueueOptions, SyncPolicy)
 from nsqwire.ids import PARTITION_SHIFT
 from diskqueue.record import HEAD_SIZE, MAX_EXT, MAX_RECORD, CorruptRecordError, Record, encode_into
-from diskqueue.segments import DSYNC, MissingSegmentError, Segments
+from diskqueue.segments import DSYNC, MissingSegmentError
 
 
 def body(i: int, size: int | None = None) -> bytes:
@@ -505,21 +505,16 @@ async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queue
     thread pool of 2 cores has threads) and one healthy partition: the healthy one's
     appends and reads finish long before any slow sync does.
 
-    The slowness is a test hook on the slow queues' data files (their `Segments.write`
-    of a synced batch sleeps, then writes and syncs): this machine's kernel has no device-mapper
-    (no dm-delay), and no FUSE binding is installed for a slow file system."""
+    The slowness is a test hook on the slow queues' files (their synced writes and syncs
+    sleep first): this machine's kernel has no device-mapper (no dm-delay), and no FUSE
+    binding is installed for a slow file system."""
     slow = [await queues(tmp_path / f"slow{i}") for i in range(8)]
     healthy = await queues(tmp_path / "healthy")
     await healthy.append([b"before"])
-    slow_segments = {q._segments for q in slow}
-    real_write = Segments.write
-
-    def sleepy_write(segments, data, sync=False):
-        if sync and segments in slow_segments:
-            time.sleep(1.0)
-        return real_write(segments, data, sync)
-
-    monkeypatch.setattr(Segments, "write", sleepy_write)
+    real = os.pwritev, os.fdatasync
+    for name in ("pwritev", "fdatasync"):
+        fdhooks.hook(monkeypatch, name, fdhooks.under(*(q.path for q in slow)),
+                     lambda *_: time.sleep(1.0))
     stuck = [q.append([b"waits for a slow disk"]) for q in slow]
     await asyncio.sleep(0.1)  # every slow partition is in its sync now
     t0 = time.monotonic()
@@ -531,7 +526,8 @@ async def test_a_slow_sync_of_one_partition_never_delays_another(tmp_path, queue
     assert not any(f.done() for f in stuck)
     assert elapsed < 0.5, f"the healthy partition took {elapsed:.2f} s"
     await asyncio.gather(*stuck)
-    monkeypatch.setattr(Segments, "write", real_write)  # the real one again, for close
+    for name, fn in zip(("pwritev", "fdatasync"), real):
+        monkeypatch.setattr(os, name, fn)  # the real ones again, for close
 
 
 def queue_threads(q) -> list[str]:
@@ -1472,15 +1468,12 @@ async def test_find_waits_for_retention(tmp_path, queues, monkeypatch):
     q = await queues(tmp_path, QueueOptions(segment_bytes=1024, clog_entries_per_segment=4))
     done = [await q.append([body(i)]) for i in range(100)]
     dropping, release = threading.Event(), threading.Event()
-    drop = CommitLog.drop_before_offset
 
-    def slow_drop(clog, offset):
-        if clog is q.commitlog:
-            dropping.set()
-            release.wait(5)
-        return drop(clog, offset)
+    def slow_drop(*_):  # the unlink of a commitlog segment that retention drops
+        dropping.set()
+        release.wait(5)
 
-    monkeypatch.setattr(CommitLog, "drop_before_offset", slow_drop)
+    fdhooks.hook(monkeypatch, "unlink", fdhooks.under(q.commitlog.path), slow_drop)
     retain = asyncio.create_task(q.retain(before_offset=done[-1].offset))
     await asyncio.get_running_loop().run_in_executor(None, dropping.wait, 5)
     find = asyncio.create_task(q.find("msg_id", done[-1].first_id))

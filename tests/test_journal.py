@@ -13,10 +13,11 @@ import threading
 
 import pytest
 
+import fdhooks
 from diskqueue import groupcommit, journal as journal_mod
 from diskqueue.journal import Journal
 from diskqueue.queue import DiskQueue, QueueFailedError, QueueOptions
-from diskqueue.segments import Segments
+from diskqueue.segments import segment_name
 
 
 @pytest.fixture(autouse=True)
@@ -127,13 +128,6 @@ async def test_followers_appending_at_once_share_rounds(tmp_path, monkeypatch):
 
     j = Journal.open(str(root))
     a, b = await followers(j)
-    journaled = []  # (segment file, position, size) of every journaled batch
-    record = j.record
-
-    def noted(key, segments, where, data) -> None:  # returns None, as Journal.record does
-        journaled.append((segments.file(where[0]), where[1], len(data)))
-        record(key, segments, where, data)
-    monkeypatch.setattr(j, "record", noted)
     await a.append_raw(raws[0].offset, raws[0].count, raws[0].entries, raws[0].data)
     assert j.stats["alone"] == 1 and j.stats["records"] == 0 and j.writers == 0
 
@@ -149,10 +143,13 @@ async def test_followers_appending_at_once_share_rounds(tmp_path, monkeypatch):
     assert j.stats["records"] >= 2 * (len(raws) - 1) - 2  # the first two may go alone
     assert j.stats["syncs"] < j.stats["records"]
     assert j.writers == 0
-    for path, position, size in journaled:  # lost: only the journal has them
-        with open(path, "r+b") as f:
+    with open(journal_file(root), "rb") as f:
+        journaled = list(journal_mod.decode(f.read()))
+    assert len(journaled) == j.stats["records"]
+    for _id, path, base, position, data in journaled:  # lost: only the journal has them
+        with open(os.path.join(root, path, "data", segment_name(base)), "r+b") as f:
             f.seek(position)
-            f.write(b"\0" * size)
+            f.write(b"\0" * len(data))
     j2 = Journal.open(str(root))  # no close: a crash
     for q in await followers(j2):
         assert await bodies_of_written(q) == [b"m%d" % k for k in range(20)]
@@ -182,14 +179,9 @@ async def test_a_round_that_ends_with_no_job_left_is_synced_by_the_write_thread(
     thread, and the write thread goes on with them."""
     j = Journal.open(str(tmp_path))
     qs = await open_queues(str(tmp_path), j, 8)
-    threads = []
-    write_round = j._write_round
-
-    def named_write_round(*args):
-        threads.append(threading.current_thread().name)
-        return write_round(*args)
-
-    monkeypatch.setattr(j, "_write_round", named_write_round)
+    threads = []  # of each round's journal sync
+    fdhooks.hook(monkeypatch, "fdatasync", fdhooks.under(j.folder),
+                 lambda *_: threads.append(threading.current_thread().name))
     await asyncio.gather(*(q.append([b"m"]) for q in qs[:4]))
     assert threads and set(threads) == {"diskqueue:journal"}
     threads.clear()
@@ -213,14 +205,12 @@ async def test_the_next_round_is_written_while_one_is_synced(tmp_path, monkeypat
     a, b, c, d = await open_queues(str(tmp_path), j, 4)
     held, release = asyncio.Event(), threading.Event()
     loop = asyncio.get_running_loop()
-    write_round = j._write_round
 
-    def slow_write_round(*args):
+    def slow_sync(*_):  # the journal's sync of a round
         loop.call_soon_threadsafe(held.set)
         release.wait(10)
-        return write_round(*args)
 
-    monkeypatch.setattr(j, "_write_round", slow_write_round)
+    fdhooks.hook(monkeypatch, "fdatasync", fdhooks.under(j.folder), slow_sync)
     first = asyncio.gather(a.append([b"a1"]), b.append([b"b1"]))
     await asyncio.wait_for(held.wait(), 5)
     a_size = os.path.getsize(a._segments.file(a._segments.active_base))
@@ -351,12 +341,28 @@ async def test_replay_holds_a_bounded_number_of_segments_open(tmp_path, monkeypa
     (a node of 1,000 partitions at 300 descriptors could not start again: EMFILE)."""
     await written_then_lost(str(tmp_path), 5, 3)
     monkeypatch.setattr(journal_mod, "REPLAY_OPEN", 2)
-    held = []
-    real = journal_mod._sync_and_close
-    monkeypatch.setattr(journal_mod, "_sync_and_close",
-                        lambda fds: (held.append(len(fds)), real(fds)))
+    is_segment = fdhooks.under(*(tmp_path / f"p{i}" / "data" for i in range(5)))
+    open_now, most, opened = set(), [0], [0]
+    real_open, real_close = os.open, os.close
+
+    def opening(path, *args):
+        fd = real_open(path, *args)
+        if is_segment(path):
+            open_now.add(fd)
+            opened[0] += 1
+            most[0] = max(most[0], len(open_now))
+        return fd
+
+    def closing(fd):
+        open_now.discard(fd)
+        real_close(fd)
+
+    with monkeypatch.context() as m:  # replay alone: the queues opened after it are not
+        m.setattr(os, "open", opening)
+        m.setattr(os, "close", closing)
+        Journal.open(str(tmp_path)).close()
+    assert most[0] == 2 and opened[0] >= 5 and not open_now
     await replayed(str(tmp_path), 5, 3)
-    assert max(held) <= 2 and len(held) >= 3
 
 
 async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
@@ -527,14 +533,12 @@ async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_pat
     os.close(j._fd)
     j._fd = os.open(os.path.join(tmp_path, "journal"), os.O_RDONLY)  # its writes fail
 
-    real_sync = Segments.sync
+    real_sync = os.fdatasync
 
-    def failing_sync(segments, force=False):
-        if segments is sick._segments:
-            raise OSError(errno.EIO, "Input/output error (injected)")
-        return real_sync(segments, force)
+    def failing_sync(*_):
+        raise OSError(errno.EIO, "Input/output error (injected)")
 
-    monkeypatch.setattr(Segments, "sync", failing_sync)
+    fdhooks.hook(monkeypatch, "fdatasync", fdhooks.under(sick._segments.path), failing_sync)
     with pytest.raises(QueueFailedError):
         await sick.append([b"lost"])
     assert j.failed is not None
@@ -547,7 +551,7 @@ async def test_a_failed_journal_falls_back_to_each_segment_and_turns_off(tmp_pat
     with pytest.raises(QueueFailedError):
         sick.append([b"refused"])
     await well.close()
-    monkeypatch.setattr(Segments, "sync", real_sync)
+    monkeypatch.setattr(os, "fdatasync", real_sync)
     await sick.close()
     j.close()
     j2 = Journal.open(str(tmp_path))
@@ -573,15 +577,14 @@ async def test_rounds_write_over_zeros_written_ahead(tmp_path, monkeypatch):
     assert j.stats["records"] >= 40 and j._size > 4096
     assert sizes[-1] == j._zeroed > j._size  # zeros past the records
     assert len(set(sizes)) < len(sizes) // 4  # most rounds did not grow the file
-    pwrite_all = journal_mod.pwrite_all
+    real_pwrite = os.pwrite
 
     def no_room_for_zeros(fd, data, pos):  # a few zeros fit, then the disk is full
         if len(data) == journal_mod.ZERO_AHEAD and not any(data):
-            pwrite_all(fd, data[:100], pos)
+            real_pwrite(fd, data[:100], pos)
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        pwrite_all(fd, data, pos)
 
-    monkeypatch.setattr(journal_mod, "pwrite_all", no_room_for_zeros)
+    fdhooks.hook(monkeypatch, "pwrite", fdhooks.under(j.folder), no_room_for_zeros)
     for k in range(40, 60):
         await asyncio.gather(*(q.append([b"%d-%d" % (q.partition, k)]) for q in qs))
     assert j.failed is None and os.path.getsize(journal_file(tmp_path)) == j._size

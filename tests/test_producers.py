@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from commitlog.log import CommitLog
+import fdhooks
 from diskqueue.errors import DiskFullError, NotCommitted
 from diskqueue.groupcommit import Appended
 from diskqueue.queue import DiskQueue
@@ -271,15 +271,14 @@ async def test_a_table_that_cannot_be_read_fails_the_publish_and_is_read_again_n
     n = await node()
     pub = await connect(n)
     await pub.command(c.cmd_pub("t", b"plain"))  # the topic, its partition open
-    clog = n.topics["t"].partition(0).queue.commitlog
-    real, failures = CommitLog.read_encoded, [OSError("EIO (test)")]
+    failures = [OSError("EIO (test)")]
 
-    def failing_once(log, *args):  # the table's read of this partition's commitlog
-        if log is clog and failures:
+    def failing_once(*_):  # the table's read of this partition's commitlog
+        if failures:
             raise failures.pop()
-        return real(log, *args)
 
-    monkeypatch.setattr(CommitLog, "read_encoded", failing_once)
+    fdhooks.hook(monkeypatch, "pread",
+                 fdhooks.under(n.topics["t"].partition(0).queue.commitlog.path), failing_once)
     with pytest.raises(NSQError, match="E_PUB_FAILED.*producers could not be read.*EIO"):
         await pub.command(_pub("t", b"a", "p1", 0))
     pub = await connect(n)  # E_PUB_FAILED is fatal, as in classic nsqd
