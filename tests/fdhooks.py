@@ -8,6 +8,7 @@ each call, in both builds, so a test hooks them here instead."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 
 def fd_path(fd: int) -> str:
@@ -15,7 +16,7 @@ def fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
-def hook(monkeypatch, name: str, picks, before) -> None:
+def hook(monkeypatch, name: str, picks: Callable[[str], bool], before: Callable) -> None:
     """Have `os.<name>` call `before(*args)` first when its file is one `picks(path)`
     accepts (its first argument is a descriptor, or a path for `unlink`); `before` may
     raise, as the call would. Undone with the test's monkeypatch."""
@@ -30,7 +31,7 @@ def hook(monkeypatch, name: str, picks, before) -> None:
     monkeypatch.setattr(os, name, hooked)
 
 
-def under(*folders) -> callable:
+def under(*folders) -> Callable[[str], bool]:
     """`picks` for the files inside any of `folders`."""
     roots = tuple(os.path.join(os.path.realpath(str(f)), "") for f in folders)
     return lambda path: os.path.realpath(path).startswith(roots)
