@@ -48,8 +48,9 @@ Invariants:
 - replay (at `Journal.open`, before any partition opens) writes each record back into its
   segment, in journal order, when the partition's `meta.json` holds the record's journal
   id and the segment file exists (a missing file was dropped by retention), up to the
-  first torn or bad record or the zeros; then syncs what it wrote and starts a new journal
-  file (a file is never reused: no record of an earlier one can follow its last);
+  first torn or bad record or the zeros; then syncs what it wrote (REPLAY_SYNCS segments
+  at a time) and starts a new journal file (a file is never reused: no record of an
+  earlier one can follow its last);
 - a partition whose log is cut or emptied while the journal holds its records first syncs
   its segment and takes a new journal id (`DiskQueue._leave_journal`), so no record is
   replayed over what follows; a partition opened again while the journal holds records of
@@ -65,6 +66,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import os
 import resource
@@ -92,6 +94,9 @@ CHECKPOINT_BYTES = 64 * 1024 * 1024  # a journal file this long is checkpointed 
 # Segments replay holds open at once (or a quarter of the process's descriptors, if fewer):
 # past it, they are synced and closed.
 REPLAY_OPEN = 256
+# Segment syncs replay runs at once: the disk takes them together (10,000 segments of one
+# record each after a kill -9: 0.97-1.29 s against 1.6-2.1 s one by one; diskqueue/README.md).
+REPLAY_SYNCS = 16
 OPEN_WAIT_S = 10.0  # a checkpoint waits this long for a free descriptor to sync a segment
 ROUND_BYTES = 4 * 1024 * 1024  # a round this long is synced without waiting for the jobs to end
 ROUND_POSTS = 1024  # nor for more answers than this
@@ -132,6 +137,7 @@ def replay(root: str, files: list[str]) -> dict:
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     most_open = REPLAY_OPEN if soft == resource.RLIM_INFINITY else min(REPLAY_OPEN,
                                                                        max(1, soft // 4))
+    pool = concurrent.futures.ThreadPoolExecutor(REPLAY_SYNCS, "diskqueue:replay-sync")
     try:
         for name in files:
             with open(name, "rb") as f:
@@ -145,24 +151,31 @@ def replay(root: str, files: list[str]) -> dict:
                     continue
                 if segment not in fds:
                     if len(fds) >= most_open:
-                        _sync_and_close(fds)
+                        _sync_and_close(fds, pool)
                     fds[segment] = os.open(segment, os.O_WRONLY)
                 pwrite_all(fds[segment], data, pos)
                 written.add(segment)
                 applied += 1
-        _sync_and_close(fds)
+        _sync_and_close(fds, pool)
     finally:
+        pool.shutdown()
         for fd in fds.values():
             os.close(fd)
     return {"applied": applied, "skipped": skipped, "segments": len(written)}
 
 
-def _sync_and_close(fds: dict[str, int]) -> None:
-    """Sync every segment replay wrote into, then close them (`fds` emptied)."""
-    for fd in fds.values():
-        os.fdatasync(fd)
-    while fds:
-        os.close(fds.popitem()[1])
+def _sync_and_close(fds: dict[str, int], pool: concurrent.futures.Executor) -> None:
+    """Sync every segment replay wrote into, on `pool`'s threads (REPLAY_SYNCS at a time),
+    then close them (`fds` emptied). Raises the first failed sync's error once every sync
+    has ended."""
+    syncs = [pool.submit(os.fdatasync, fd) for fd in fds.values()]
+    try:
+        for sync in syncs:
+            sync.result()
+    finally:
+        concurrent.futures.wait(syncs)
+        while fds:
+            os.close(fds.popitem()[1])
 
 
 def _sync_file(path: str) -> None:

@@ -22,7 +22,7 @@ import bisect
 import errno
 import os
 
-from commitlog.log import fsync_dir
+from commitlog.log import fsync_dir, list_folder
 
 from .atomic import read_json, write_json_atomic
 from .errors import _Unrecoverable
@@ -69,8 +69,7 @@ class Segments:
 
         Raises MissingSegmentError if a non-last segment does not reach the next one.
         """
-        os.makedirs(self.path, exist_ok=True)
-        names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
+        names = sorted(n for n in list_folder(self.path) if n.endswith(SUFFIX))
         self.bases = [int(n[:-len(SUFFIX)]) for n in names]
         newest = read_json(os.path.join(self.path, NEWEST_FILE), {}).get("base")
         # With no file at all, `newest` at or past the start means that segment was lost

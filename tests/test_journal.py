@@ -365,6 +365,30 @@ async def test_replay_holds_a_bounded_number_of_segments_open(tmp_path, monkeypa
     await replayed(str(tmp_path), 5, 3)
 
 
+async def test_replay_syncs_its_segments_together_and_keeps_the_journal_if_one_fails(
+        tmp_path, monkeypatch):
+    """Replay syncs the segments it wrote into at once, on REPLAY_SYNCS threads (10,000
+    segments after a kill -9: 0.97-1.29 s against 1.6-2.1 s one by one); a sync that fails
+    fails the replay once the others have ended, and the journal stays for the next start."""
+    await written_then_lost(str(tmp_path), 5, 3)
+    segments = fdhooks.under(*(tmp_path / f"p{i}" / "data" for i in range(5)))
+    together = threading.Barrier(5, timeout=10)  # broken unless all five sync at once
+    sick = fdhooks.under(tmp_path / "p2" / "data")
+
+    def sync(fd):
+        together.wait()
+        if sick(fdhooks.fd_path(fd)):
+            raise OSError(errno.EIO, "injected: the disk failed")
+
+    with monkeypatch.context() as m:
+        fdhooks.hook(m, "fdatasync", segments, sync)
+        with pytest.raises(OSError, match="injected"):
+            Journal.open(str(tmp_path))
+    assert not together.broken
+    assert [n for n in os.listdir(tmp_path / "journal") if n.endswith(journal_mod.SUFFIX)]
+    await replayed(str(tmp_path), 5, 3)
+
+
 async def test_a_log_cut_back_is_never_replayed_over(tmp_path):
     """A replica cuts its log back and writes less at the same place: the journal's older
     record of the longer batch must not come back at replay (the journal id changes). Its
