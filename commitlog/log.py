@@ -46,8 +46,8 @@ def _segment_name(base: int) -> str:
 
 def list_folder(path: str) -> list[str]:
     """The names in folder `path`; a missing folder is made (not synced) and lists none.
-    (One system call for a folder that exists: an open of every partition at a node's
-    start lists two.)"""
+    One system call for a folder that exists (a log's open lists two: its segments' and
+    its commitlog's)."""
     try:
         return os.listdir(path)
     except FileNotFoundError:
